@@ -1,0 +1,43 @@
+// Native reader of HF tokenizer.json. Supported models: BPE (with byte
+// fallback and the SentencePiece "▁" normalizer/pre-tokenizer, as Gemma uses),
+// byte-level BPE (GPT-2 / Qwen2 / Llama-3 pre-tokenizer regexes), and Unigram.
+// Added/special tokens are matched before the model runs. Parity with the
+// `tokenizers` package is tested in tests/test_tokenizer.cpp.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kakeya {
+
+class Tokenizer {
+ public:
+  // Parses `path` (a tokenizer.json). Throws kakeya::Error naming the file and
+  // the JSON field on anything unsupported or malformed.
+  static Tokenizer from_file(const std::string& path);
+  static Tokenizer from_json_string(const std::string& json, const std::string& origin);
+
+  // add_special: apply the post-processor's template (e.g. prepend BOS), as
+  // `tokenizers`' encode(text, add_special_tokens=True) does.
+  std::vector<int32_t> encode(const std::string& text, bool add_special = true) const;
+  // skip_special: drop special added tokens, as decode(ids, skip_special_tokens=True).
+  std::string decode(const std::vector<int32_t>& ids, bool skip_special = false) const;
+  // Text of one token for streaming: decode of the prefix difference.
+  int64_t vocab_size() const;
+  int32_t token_id(const std::string& token) const;  // -1 if absent
+  const std::string& token(int32_t id) const;
+  int32_t bos_id() const;  // -1 if none
+  int32_t eos_id() const;  // -1 if none
+
+  Tokenizer(Tokenizer&&) noexcept;
+  Tokenizer& operator=(Tokenizer&&) noexcept;
+  ~Tokenizer();
+
+ private:
+  struct Impl;
+  explicit Tokenizer(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace kakeya
