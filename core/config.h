@@ -1,0 +1,78 @@
+// Model configuration: one struct for every supported decoder family, filled by
+// a validating from_json per family (HF config.json layout of transformers 5.x,
+// legacy 4.x rope fields accepted too). Per-layer vectors carry what differs by
+// layer (attention type, head dim), so the forward loop never branches on family.
+#pragma once
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace kakeya {
+
+enum class Family { Gemma3, Gemma4, Qwen3, Llama };
+enum class LayerType { Sliding, Full };
+enum class Activation { GeluTanh, Silu };
+
+const char* family_name(Family f);
+const char* layer_type_name(LayerType t);  // "sliding_attention" / "full_attention"
+
+// RoPE of one layer type. Types: default, linear, llama3, proportional (Gemma 4
+// full layers: rotate only partial_rotary_factor of head_dim, frequencies from
+// the whole head_dim).
+struct RopeParams {
+  std::string type = "default";
+  double theta = 10000.0;
+  double factor = 1.0;                 // linear, llama3
+  double low_freq_factor = 1.0;        // llama3
+  double high_freq_factor = 4.0;       // llama3
+  int64_t original_max_position = 8192;  // llama3
+  double partial_rotary_factor = 1.0;  // proportional
+};
+
+struct ModelConfig {
+  Family family = Family::Llama;
+  std::string model_type;              // as in config.json
+  int64_t vocab_size = 0;
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_layers = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;
+  int64_t head_dim = 0;                // default head dim (sliding layers)
+  double rms_norm_eps = 1e-6;
+  int64_t max_position_embeddings = 0;
+  int64_t sliding_window = 0;          // 0: no sliding layers
+  std::vector<LayerType> layer_types;  // [num_layers]
+  std::vector<int64_t> layer_head_dim; // [num_layers]
+  RopeParams rope_full, rope_sliding;
+  double attn_scale = 0.0;             // softmax scale (Gemma: query_pre_attn_scalar^-0.5)
+  std::optional<double> attn_logit_softcap;
+  std::optional<double> final_logit_softcap;
+  Activation act = Activation::Silu;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;
+  bool mlp_bias = false;
+  // Family traits (set by from_json, not read from the file):
+  bool norm_unit_offset = false;       // Gemma RMSNorm: x̂·(1+w), computed in f32 before the cast
+  bool sandwich_norm = false;          // Gemma: post-attention and pre/post-FFN norms
+  bool qk_norm = false;                // per-head RMSNorm on q and k before RoPE
+  bool v_norm = false;                 // Gemma 4: RMSNorm without weight on v
+  bool embed_scale_sqrt_hidden = false;  // Gemma: embeddings × sqrt(hidden) rounded to the weight dtype
+  int64_t bos_token_id = -1;
+  std::vector<int64_t> eos_token_ids;
+
+  static ModelConfig from_json(const nlohmann::json& j, const std::string& origin);
+  static ModelConfig from_file(const std::string& path);  // config.json
+  // Dictionary with the same fields, for manifests and --json reports.
+  nlohmann::json summary() const;
+
+  bool is_sliding(int64_t layer) const { return layer_types[layer] == LayerType::Sliding; }
+  const RopeParams& rope(int64_t layer) const { return is_sliding(layer) ? rope_sliding : rope_full; }
+  int64_t q_dim(int64_t layer) const { return num_heads * layer_head_dim[layer]; }
+  int64_t kv_dim(int64_t layer) const { return num_kv_heads * layer_head_dim[layer]; }
+};
+
+}  // namespace kakeya

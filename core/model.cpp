@@ -1,0 +1,257 @@
+#include "core/model.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace kakeya {
+
+const char* tap_name(Tap t) {
+  switch (t) {
+    case Tap::QProj: return "q_proj";
+    case Tap::QNorm: return "q_norm";
+    case Tap::KProj: return "k_proj";
+    case Tap::KNorm: return "k_norm";
+    case Tap::VProj: return "v_proj";
+    case Tap::VNorm: return "v_norm";
+    case Tap::AttnOut: return "attn_out";
+    case Tap::LayerOut: return "layer_out";
+  }
+  return "?";
+}
+
+namespace {
+
+// HF checkpoints name the decoder "model.*" (CausalLM) or "model.language_model.*" (multimodal Gemma).
+std::string find_prefix(const TensorStore& st, const std::string& origin) {
+  for (const char* p : {"model.", "model.language_model.", "language_model.model.", ""})
+    if (st.has(std::string(p) + "embed_tokens.weight")) return p;
+  KAKEYA_FAIL(origin << ": no embedding tensor found (expected 'model.embed_tokens.weight')");
+}
+
+// Attention mask [T, S] bool: slot s is visible to query t if it holds a
+// position <= the query's and, on sliding layers, within the window.
+at::Tensor visible(const at::Tensor& slot_pos, const at::Tensor& q_pos, int64_t window) {
+  auto sp = slot_pos.unsqueeze(0);  // [1, S]
+  auto qp = q_pos.unsqueeze(1);     // [T, 1]
+  auto m = sp.ge(0).logical_and(sp.le(qp));
+  if (window > 0) m = m.logical_and((qp - sp).lt(window));
+  return m;
+}
+
+}  // namespace
+
+Model Model::load(const std::string& dir, const ModelOptions& opt) {
+  auto cfg = ModelConfig::from_file(dir + "/config.json");
+  auto store = TensorStore::open_dir(dir);
+  return from_weights(cfg, store, dir, opt);
+}
+
+Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const std::string& origin,
+                          const ModelOptions& opt) {
+  KAKEYA_CHECK(opt.dtype == at::kFloat || opt.dtype == at::kBFloat16 || opt.dtype == at::kHalf,
+               origin << ": dtype " << opt.dtype << " not supported (f32, bf16, f16)");
+  Model m;
+  m.cfg_ = cfg;
+  m.opt_ = opt;
+  const std::string pre = find_prefix(st, origin);
+  auto dev = [&](const at::Tensor& t) { return t.to(opt.device, opt.dtype); };
+  auto get = [&](const std::string& name, std::vector<int64_t> shape) { return st.get(pre + name, shape); };
+  // Gemma stores norm weights as w with output x̂·(1+w) in f32; fold the 1 in once.
+  auto norm_w = [&](const std::string& name, int64_t dim) {
+    auto w = get(name, {dim});
+    return cfg.norm_unit_offset ? (w.to(at::kFloat) + 1.0).to(opt.device) : dev(w);
+  };
+  const int64_t H = cfg.hidden_size, I = cfg.intermediate_size;
+
+  m.embed_ = dev(get("embed_tokens.weight", {cfg.vocab_size, H}));
+  m.norm_ = norm_w("norm.weight", H);
+  if (cfg.tie_word_embeddings) {
+    m.lm_head_ = m.embed_;
+  } else {
+    std::string name = st.has("lm_head.weight") ? "lm_head.weight" : pre + "lm_head.weight";
+    m.lm_head_ = dev(st.get(name, {cfg.vocab_size, H}));
+  }
+  m.embed_scale_ = at::scalar_tensor(cfg.embed_scale_sqrt_hidden ? std::sqrt((double)H) : 1.0, at::kFloat)
+                       .to(opt.device, opt.dtype);
+
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    const int64_t D = cfg.layer_head_dim[l], qd = cfg.q_dim(l), kvd = cfg.kv_dim(l);
+    LayerWeights w;
+    w.qkv = dev(at::cat({get(p + "self_attn.q_proj.weight", {qd, H}), get(p + "self_attn.k_proj.weight", {kvd, H}),
+                         get(p + "self_attn.v_proj.weight", {kvd, H})}));
+    if (cfg.attention_bias) {
+      w.qkv_bias = dev(at::cat({get(p + "self_attn.q_proj.bias", {qd}), get(p + "self_attn.k_proj.bias", {kvd}),
+                                get(p + "self_attn.v_proj.bias", {kvd})}));
+      w.o_bias = dev(get(p + "self_attn.o_proj.bias", {H}));
+    }
+    w.o = dev(get(p + "self_attn.o_proj.weight", {H, qd}));
+    if (cfg.qk_norm) {
+      w.q_norm = norm_w(p + "self_attn.q_norm.weight", D);
+      w.k_norm = norm_w(p + "self_attn.k_norm.weight", D);
+    }
+    w.attn_norm = norm_w(p + "input_layernorm.weight", H);
+    if (cfg.sandwich_norm) {
+      w.post_attn_norm = norm_w(p + "post_attention_layernorm.weight", H);
+      w.ffn_norm = norm_w(p + "pre_feedforward_layernorm.weight", H);
+      w.post_ffn_norm = norm_w(p + "post_feedforward_layernorm.weight", H);
+    } else {
+      // Llama/Qwen call their pre-FFN norm "post_attention_layernorm".
+      w.ffn_norm = norm_w(p + "post_attention_layernorm.weight", H);
+    }
+    w.gate_up = dev(at::cat({get(p + "mlp.gate_proj.weight", {I, H}), get(p + "mlp.up_proj.weight", {I, H})}));
+    w.down = dev(get(p + "mlp.down_proj.weight", {H, I}));
+    if (cfg.mlp_bias) {
+      w.gate_up_bias = dev(at::cat({get(p + "mlp.gate_proj.bias", {I}), get(p + "mlp.up_proj.bias", {I})}));
+      w.down_bias = dev(get(p + "mlp.down_proj.bias", {H}));
+    }
+    m.layers_.push_back(std::move(w));
+  }
+  int64_t d_full = cfg.head_dim, d_sliding = cfg.head_dim;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) (cfg.is_sliding(l) ? d_sliding : d_full) = cfg.layer_head_dim[l];
+  m.rope_full_ = RopeTable(cfg.rope_full, d_full, opt.max_positions, opt.dtype, opt.device);
+  m.rope_sliding_ = RopeTable(cfg.rope_sliding, d_sliding, opt.max_positions, opt.dtype, opt.device);
+  return m;
+}
+
+int64_t Model::weight_bytes() const {
+  int64_t b = embed_.numel() * embed_.element_size() + norm_.numel() * norm_.element_size();
+  if (!lm_head_.is_same(embed_)) b += lm_head_.numel() * lm_head_.element_size();
+  for (const auto& w : layers_)
+    for (const at::Tensor* t : {&w.qkv, &w.qkv_bias, &w.o, &w.o_bias, &w.q_norm, &w.k_norm, &w.attn_norm,
+                                &w.post_attn_norm, &w.ffn_norm, &w.post_ffn_norm, &w.gate_up, &w.down,
+                                &w.gate_up_bias, &w.down_bias})
+      if (t->defined()) b += t->numel() * t->element_size();
+  return b;
+}
+
+at::Tensor Model::rms_norm(const at::Tensor& x, const at::Tensor& w) const {
+  auto xf = x.to(at::kFloat);
+  auto normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + cfg_.rms_norm_eps);
+  // Gemma: (x̂·(1+w)) in f32, then cast; Llama/Qwen: cast x̂, then ·w in the model dtype.
+  if (cfg_.norm_unit_offset) return (normed * w).to(x.scalar_type());
+  return w * normed.to(x.scalar_type());
+}
+
+at::Tensor Model::embed(const at::Tensor& ids) const { return at::embedding(embed_, ids) * embed_scale_; }
+
+at::Tensor Model::final_norm(const at::Tensor& h) const { return rms_norm(h, norm_); }
+
+at::Tensor Model::logits(const at::Tensor& hidden) const {
+  auto lg = at::linear(hidden, lm_head_);
+  if (cfg_.final_logit_softcap) {
+    double c = *cfg_.final_logit_softcap;
+    lg = at::tanh(lg / c) * c;
+  }
+  return lg.to(at::kFloat);
+}
+
+std::pair<at::Tensor, at::Tensor> Model::finish_kv(int64_t layer, const at::Tensor& k_raw, const at::Tensor& v_raw,
+                                                   const at::Tensor& positions) const {
+  const auto& w = layers_[layer];
+  auto k = cfg_.qk_norm ? rms_norm(k_raw, w.k_norm) : k_raw;
+  k = rope(layer).apply(k, positions);
+  return {k.transpose(1, 2), v_raw.transpose(1, 2)};
+}
+
+at::Tensor Model::attention(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& mask) const {
+  // q: [B, T, H_q, D]; k, v: [B, H_kv, S, D]; mask: [T, S] bool.
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), G = Hq / Hkv;
+  // Fold each GQA group into the query axis (q head h reads kv head h / G, as
+  // HF's repeat_kv): [B, H_kv, G·T, D] attends to K/V without copying them.
+  auto qg = q.permute({0, 2, 1, 3}).reshape({B, Hkv, G * T, D});
+  auto m = G == 1 ? mask : mask.repeat({G, 1});
+  at::Tensor out;
+  if (cfg_.attn_logit_softcap) {
+    double c = *cfg_.attn_logit_softcap;
+    auto s = at::matmul(qg, k.transpose(-1, -2)) * cfg_.attn_scale;
+    s = at::tanh(s / c) * c;
+    s = s.masked_fill(m.logical_not(), -INFINITY);
+    out = at::matmul(at::softmax(s, -1, at::kFloat).to(q.scalar_type()), v);
+  } else {
+    out = at::scaled_dot_product_attention(qg, k, v, m, 0.0, false, cfg_.attn_scale);
+  }
+  return out.reshape({B, Hq, T, D}).permute({0, 2, 1, 3}).reshape({B, T, Hq * D});
+}
+
+at::Tensor Model::forward(const at::Tensor& ids, KVCache& cache, const ForwardOptions& fo) const {
+  auto pos = at::arange(cache.length(), cache.length() + ids.size(1), at::TensorOptions().dtype(at::kLong).device(opt_.device));
+  return forward(ids, pos, cache, fo);
+}
+
+at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KVCache& cache,
+                          const ForwardOptions& fo) const {
+  const int64_t B = ids.size(0), T = ids.size(1), Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
+  KAKEYA_CHECK(positions.size(0) == T, "forward: positions has " << positions.size(0) << " entries for " << T << " tokens");
+
+  // Masks are shared by all layers of a type. A sliding chunk too long to write
+  // first attends over [ring as it was ++ chunk], so keep the ring's positions.
+  int64_t first_sliding = -1, first_full = -1;
+  for (int64_t l = cfg_.num_layers - 1; l >= 0; --l) (cfg_.is_sliding(l) ? first_sliding : first_full) = l;
+  const bool sliding_concat = first_sliding >= 0 && !cache.write_first(first_sliding, T);
+  at::Tensor old_sliding_pos = sliding_concat ? cache.slot_positions(first_sliding).clone() : at::Tensor();
+  cache.mark(positions);
+  at::Tensor mask_full, mask_sliding;
+  if (first_full >= 0) mask_full = visible(cache.slot_positions(first_full), positions, 0);
+  if (first_sliding >= 0)
+    mask_sliding = sliding_concat ? visible(at::cat({old_sliding_pos, positions}), positions, cfg_.sliding_window)
+                                  : visible(cache.slot_positions(first_sliding), positions, cfg_.sliding_window);
+
+  const Taps* taps = fo.taps && !fo.taps->empty() ? fo.taps : nullptr;
+  at::Tensor h = embed(ids);  // [B, T, hidden]
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    const auto& w = layers_[l];
+    const int64_t D = cfg_.layer_head_dim[l], qd = cfg_.q_dim(l), kvd = cfg_.kv_dim(l);
+    TapContext ctx{l, cfg_.layer_types[l], positions};
+    auto tap = [&](Tap t, at::Tensor& x) { if (taps) taps->cb(t, ctx, x); };
+
+    at::Tensor residual = h;
+    at::Tensor x = rms_norm(h, w.attn_norm);
+    at::Tensor qkv = at::linear(x, w.qkv, w.qkv_bias);  // [B, T, qd + 2·kvd]
+    at::Tensor q = qkv.slice(-1, 0, qd).view({B, T, Hq, D});
+    at::Tensor k = qkv.slice(-1, qd, qd + kvd).view({B, T, Hkv, D});
+    at::Tensor v = qkv.slice(-1, qd + kvd).view({B, T, Hkv, D});
+    tap(Tap::QProj, q);
+    tap(Tap::KProj, k);
+    tap(Tap::VProj, v);
+    if (cfg_.qk_norm) q = rms_norm(q, w.q_norm);
+    tap(Tap::QNorm, q);
+    q = rope(l).apply(q, positions);
+    at::Tensor kn = cfg_.qk_norm ? rms_norm(k, w.k_norm) : k;
+    tap(Tap::KNorm, kn);
+    tap(Tap::VNorm, v);
+    at::Tensor kc = rope(l).apply(kn, positions).transpose(1, 2);  // [B, H_kv, T, D]
+    at::Tensor vc = v.transpose(1, 2);
+
+    at::Tensor attn;
+    const bool sliding = cfg_.is_sliding(l);
+    if (!sliding || !sliding_concat) {
+      cache.write(l, kc, vc, positions);
+      attn = attention(l, q, cache.keys(l), cache.values(l), sliding ? mask_sliding : mask_full);
+    } else {
+      attn = attention(l, q, at::cat({cache.keys(l), kc}, 2), at::cat({cache.values(l), vc}, 2), mask_sliding);
+      cache.write(l, kc, vc, positions);
+    }
+    at::Tensor a = at::linear(attn, w.o, w.o_bias);  // [B, T, hidden]
+    tap(Tap::AttnOut, a);
+    if (cfg_.sandwich_norm) a = rms_norm(a, w.post_attn_norm);
+    h = residual + a;
+
+    residual = h;
+    x = rms_norm(h, w.ffn_norm);
+    auto gu = at::linear(x, w.gate_up, w.gate_up_bias).chunk(2, -1);
+    at::Tensor g = cfg_.act == Activation::GeluTanh ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
+    at::Tensor f = at::linear(g * gu[1], w.down, w.down_bias);
+    if (cfg_.sandwich_norm) f = rms_norm(f, w.post_ffn_norm);
+    h = residual + f;
+    tap(Tap::LayerOut, h);
+  }
+  cache.advance(T);
+  if (fo.skip_logits) return at::Tensor();
+  if (fo.last_logits_only) h = h.slice(1, T - 1);
+  return logits(final_norm(h));
+}
+
+}  // namespace kakeya

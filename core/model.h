@@ -1,0 +1,94 @@
+// The decoder stack for every supported family (Gemma 3, Gemma 4 dense,
+// Qwen 3, Llama): one flat forward loop, family differences carried by
+// ModelConfig flags and per-layer vectors. Matches HF transformers op for op
+// (tests/test_model_parity.cpp), so f32 logits agree to ~1e-5.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "core/config.h"
+#include "core/kv_cache.h"
+#include "core/rope.h"
+#include "core/safetensors.h"
+#include "core/taps.h"
+
+namespace kakeya {
+
+struct ModelOptions {
+  at::Device device = at::kCPU;
+  at::ScalarType dtype = at::kFloat;  // f32 or bf16 (CUDA: bf16)
+  int64_t max_positions = 8192;       // RoPE table length; sessions need capacity <= this
+};
+
+struct ForwardOptions {
+  bool last_logits_only = false;  // logits of the last position only: [B, 1, V]
+  bool skip_logits = false;       // no lm_head (prefill whose logits nobody reads)
+  const Taps* taps = nullptr;
+};
+
+struct LayerWeights {
+  at::Tensor qkv;        // [q_dim + 2·kv_dim, hidden] fused q/k/v projections (k/v rows omitted for K=V layers)
+  at::Tensor qkv_bias;   // [q_dim + 2·kv_dim] or undefined
+  at::Tensor o;          // [hidden, q_dim]
+  at::Tensor o_bias;     // [hidden] or undefined
+  at::Tensor q_norm, k_norm;  // [D] (norm weights pre-folded: Gemma's 1+w, f32)
+  at::Tensor attn_norm;       // [hidden] input_layernorm
+  at::Tensor post_attn_norm;  // [hidden] Gemma sandwich only
+  at::Tensor ffn_norm;        // [hidden] pre-FFN norm
+  at::Tensor post_ffn_norm;   // [hidden] Gemma sandwich only
+  at::Tensor gate_up;         // [2·intermediate, hidden] fused gate/up
+  at::Tensor down;            // [hidden, intermediate]
+  at::Tensor gate_up_bias, down_bias;
+};
+
+class Model {
+ public:
+  // Loads config.json + safetensors from an HF model directory. Every missing or
+  // mis-shaped tensor is an error naming the file and tensor.
+  static Model load(const std::string& dir, const ModelOptions& opt = {});
+  static Model from_weights(const ModelConfig& cfg, const TensorStore& store, const std::string& origin,
+                            const ModelOptions& opt);
+
+  const ModelConfig& config() const { return cfg_; }
+  const ModelOptions& options() const { return opt_; }
+  at::Device device() const { return opt_.device; }
+  at::ScalarType dtype() const { return opt_.dtype; }
+  int64_t weight_bytes() const;
+
+  // ids: [B, T] int64; positions: [T] int64 (absolute, on the model device),
+  // consecutive from cache.length(). Writes K/V into `cache` and advances it.
+  // Returns logits [B, T, V] f32 (or [B, 1, V] / undefined per options).
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, KVCache& cache,
+                     const ForwardOptions& fo = {}) const;
+  // Same with positions = cache.length() .. + T.
+  at::Tensor forward(const at::Tensor& ids, KVCache& cache, const ForwardOptions& fo = {}) const;
+
+  // Pieces of the layer that restoration and training reuse, so nothing forks the forward:
+  // k, v raw [B, T, H_kv, D] -> post-norm k (RoPE'd) and v as the cache stores them, [B, H_kv, T, D].
+  std::pair<at::Tensor, at::Tensor> finish_kv(int64_t layer, const at::Tensor& k_raw, const at::Tensor& v_raw,
+                                              const at::Tensor& positions) const;
+  at::Tensor embed(const at::Tensor& ids) const;        // [B, T] -> [B, T, hidden]
+  at::Tensor logits(const at::Tensor& hidden) const;    // [B, T, hidden] final-normed -> [B, T, V] f32
+  at::Tensor final_norm(const at::Tensor& h) const;     // [B, T, hidden]
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) const;  // HF's per-family op order
+  const LayerWeights& layer(int64_t l) const { return layers_[l]; }
+  const at::Tensor& embedding() const { return embed_; }  // [V, hidden]
+  const RopeTable& rope(int64_t layer) const { return cfg_.is_sliding(layer) ? rope_sliding_ : rope_full_; }
+
+ private:
+  at::Tensor attention(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& mask) const;
+
+  ModelConfig cfg_;
+  ModelOptions opt_;
+  at::Tensor embed_;     // [V, hidden]
+  at::Tensor lm_head_;   // [V, hidden] (= embed_ when tied)
+  at::Tensor norm_;      // [hidden]
+  at::Tensor embed_scale_;  // scalar in dtype
+  std::vector<LayerWeights> layers_;
+  RopeTable rope_full_, rope_sliding_;
+};
+
+}  // namespace kakeya

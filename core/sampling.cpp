@@ -1,0 +1,36 @@
+#include "core/sampling.h"
+
+#include <ATen/CPUGeneratorImpl.h>
+#ifdef KAKEYA_WITH_CUDA
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#endif
+
+#include "core/error.h"
+
+namespace kakeya {
+
+Sampler::Sampler(const SamplingOptions& opt, at::Device device) : opt_(opt) {
+  KAKEYA_CHECK(opt.temperature >= 0.0, "sampling: --temperature expected >= 0, got " << opt.temperature);
+  KAKEYA_CHECK(opt.top_p > 0.0 && opt.top_p <= 1.0, "sampling: --top-p expected in (0, 1], got " << opt.top_p);
+#ifdef KAKEYA_WITH_CUDA
+  if (device.is_cuda()) gen_ = at::cuda::detail::createCUDAGenerator(device.index() < 0 ? 0 : device.index());
+#endif
+  if (!gen_.defined()) gen_ = at::detail::createCPUGenerator(opt.seed);
+  gen_.set_current_seed(opt.seed);
+}
+
+at::Tensor Sampler::sample(const at::Tensor& logits) {
+  if (greedy()) return logits.argmax(-1);
+  auto probs = at::softmax(logits / opt_.temperature, -1);
+  if (opt_.top_p < 1.0) {
+    // Keep the smallest prefix of the sorted distribution whose mass reaches top_p.
+    auto [sorted, idx] = probs.sort(-1, /*descending=*/true);
+    auto before = sorted.cumsum(-1) - sorted;  // mass strictly before each token
+    sorted = sorted.masked_fill(before.ge(opt_.top_p), 0.0);
+    probs = at::zeros_like(probs).scatter_(-1, idx, sorted);
+  }
+  auto p = probs.device() == gen_.device() ? probs : probs.to(gen_.device());
+  return at::multinomial(p, 1, false, gen_).squeeze(-1).to(logits.device());
+}
+
+}  // namespace kakeya

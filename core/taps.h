@@ -1,0 +1,50 @@
+// Named taps in the forward pass (llama.cpp's cb(cur, "name", il)). Capture,
+// restoration and calibration subscribe here instead of forking the forward.
+// A subscriber may read the tensor or replace it (assign a tensor of the same
+// shape); the forward continues with whatever the tensor holds afterwards.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <vector>
+
+#include "core/config.h"
+
+namespace kakeya {
+
+enum class Tap {
+  QProj,     // q after q_proj                    [B, T, H_q, D]
+  QNorm,     // q after q_norm, before RoPE       [B, T, H_q, D]   (= QProj without qk-norm)
+  KProj,     // k after k_proj (raw)              [B, T, H_kv, D]
+  KNorm,     // k after k_norm, before RoPE       [B, T, H_kv, D]
+  VProj,     // v after v_proj (raw)              [B, T, H_kv, D]
+  VNorm,     // v after v_norm                    [B, T, H_kv, D]  (= VProj without v-norm)
+  AttnOut,   // attention output after o_proj     [B, T, hidden]
+  LayerOut,  // decoder layer output hidden state [B, T, hidden]
+};
+const char* tap_name(Tap t);  // "q_proj", "q_norm", "k_proj", "k_norm", "v_proj", "v_norm", "attn_out", "layer_out"
+
+struct TapContext {
+  int64_t layer;
+  LayerType layer_type;
+  const at::Tensor& positions;  // [T] int64 absolute positions of the chunk
+};
+
+class TapSubscriber {
+ public:
+  virtual ~TapSubscriber() = default;
+  virtual void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) = 0;
+};
+
+class Taps {
+ public:
+  void subscribe(TapSubscriber* s) { subs_.push_back(s); }
+  bool empty() const { return subs_.empty(); }
+  void cb(Tap tap, const TapContext& ctx, at::Tensor& x) const {
+    for (TapSubscriber* s : subs_) s->on_tap(tap, ctx, x);
+  }
+
+ private:
+  std::vector<TapSubscriber*> subs_;
+};
+
+}  // namespace kakeya
