@@ -4,6 +4,8 @@
 //  "__metadata__": {str: str}}, then the byte buffer. Offsets are relative to
 // the buffer start, must be in-bounds, non-overlapping and cover the buffer.
 #pragma once
+#include "core/safetensors_header.h"
+
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -14,26 +16,17 @@
 
 namespace kakeya {
 
-// Framework-free view of one header entry (fuzzed by tools/fuzz_safetensors.cpp).
-struct TensorInfo {
-  std::string dtype;              // "F32", "F16", "BF16", "I64", "I32", "U8", ...
-  std::vector<int64_t> shape;
-  uint64_t begin = 0, end = 0;    // byte offsets into the data buffer
-};
-
-struct SafetensorsHeader {
-  std::map<std::string, TensorInfo> tensors;
-  std::map<std::string, std::string> metadata;
-  uint64_t data_start = 0;        // absolute file offset of the data buffer
-};
-
-// Parses and validates the header of a file of `file_size` bytes whose first
-// bytes are `data` (at least min(file_size, 8 + header length)). `path` is only
-// used in error messages. Throws kakeya::Error on any inconsistency.
-SafetensorsHeader parse_safetensors_header(const uint8_t* data, uint64_t file_size, const std::string& path);
-
-// An mmapped safetensors file. Tensors returned by get() alias the mapping
-// (zero copy, read-only) and keep it alive.
+// An mmapped safetensors file; the header is validated on open.
+//
+// Tensors returned by get() alias the mapping (zero copy) and keep it alive
+// after the SafetensorsFile is gone. The mapping is PROT_READ: writing into
+// such a tensor (in-place ops, copy_ into it) faults with SIGSEGV, so clone()
+// before modifying. The file must not be truncated or rewritten in place while
+// mapped (save_safetensors replaces files by rename, which is safe).
+//
+// Safetensors does not align tensors within the buffer. A tensor whose data
+// is not aligned to its element size is returned as an owned copy instead of
+// an alias, because ATen kernels assume aligned elements.
 class SafetensorsFile {
  public:
   explicit SafetensorsFile(const std::string& path);
@@ -41,7 +34,8 @@ class SafetensorsFile {
   const SafetensorsHeader& header() const { return header_; }
   bool has(const std::string& name) const { return header_.tensors.count(name) != 0; }
   std::vector<std::string> names() const;
-  // CPU tensor aliasing the file. Throws naming file and tensor if absent.
+  // CPU tensor aliasing the file (see above). Throws naming file and tensor
+  // if absent, and for BOOL tensors holding bytes other than 0 and 1.
   at::Tensor get(const std::string& name) const;
 
  private:
@@ -52,7 +46,11 @@ class SafetensorsFile {
 };
 
 // All tensors of a model directory: model.safetensors, or the shards listed in
-// model.safetensors.index.json ("weight_map": {tensor: shard file}).
+// model.safetensors.index.json ("weight_map": {tensor: shard file}). The index
+// wins if both exist (as in HF). Opening validates every shard header, that
+// every shard exists and that every listed tensor is in its shard; only the
+// tensors named in weight_map are exposed. Errors for a missing tensor name
+// the directory and the nearest existing names.
 class TensorStore {
  public:
   static TensorStore open_dir(const std::string& dir);
@@ -63,15 +61,23 @@ class TensorStore {
   // get() + shape check: error names file, tensor, expected and found shape.
   at::Tensor get(const std::string& name, at::IntArrayRef expected_shape) const;
   std::string file_of(const std::string& name) const;
-  std::map<std::string, std::string> metadata() const;  // merged __metadata__
+  // Merged __metadata__ of all files; the first file (in shard order) wins
+  // when shards disagree on a key.
+  std::map<std::string, std::string> metadata() const;
 
  private:
+  std::string source_;            // directory or file, for error messages
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> where_;
 };
 
 // Writes tensors (any device; copied to CPU contiguous) atomically: a temp file
-// in the same directory, fsync, rename. Supported dtypes: f32, f16, bf16, i64, i32, u8, bool.
+// in the same directory, fsync, rename, so readers see the old file or the
+// complete new one. Layout as HF writes it: header padded with spaces to a
+// multiple of 8 bytes, tensors in sorted name order, __metadata__ only if
+// non-empty. Supported dtypes: every one safetensors_dtype_size() knows
+// (f64, f32, f16, bf16, float8_e4m3fn, float8_e5m2, i64, i32, i16, i8,
+// u64, u32, u16, u8, bool).
 void save_safetensors(const std::string& path, const std::map<std::string, at::Tensor>& tensors,
                       const std::map<std::string, std::string>& metadata = {});
 

@@ -1,9 +1,6 @@
 #include "core/sampling.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-#ifdef KAKEYA_WITH_CUDA
-#include <ATen/cuda/CUDAGeneratorImpl.h>
-#endif
+#include <ATen/Context.h>
 
 #include "core/error.h"
 
@@ -12,10 +9,8 @@ namespace kakeya {
 Sampler::Sampler(const SamplingOptions& opt, at::Device device) : opt_(opt) {
   KAKEYA_CHECK(opt.temperature >= 0.0, "sampling: --temperature expected >= 0, got " << opt.temperature);
   KAKEYA_CHECK(opt.top_p > 0.0 && opt.top_p <= 1.0, "sampling: --top-p expected in (0, 1], got " << opt.top_p);
-#ifdef KAKEYA_WITH_CUDA
-  if (device.is_cuda()) gen_ = at::cuda::detail::createCUDAGenerator(device.index() < 0 ? 0 : device.index());
-#endif
-  if (!gen_.defined()) gen_ = at::detail::createCPUGenerator(opt.seed);
+  // A private generator per sampler (a clone of the device default), so runs are reproducible per seed.
+  gen_ = at::globalContext().defaultGenerator(device).clone();
   gen_.set_current_seed(opt.seed);
 }
 
