@@ -248,7 +248,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     h = residual + f;
     tap(Tap::LayerOut, h);
   }
-  cache.advance(T);
+  if (fo.advance_cache) cache.advance(T);
   if (fo.skip_logits) return at::Tensor();
   if (fo.last_logits_only) h = h.slice(1, T - 1);
   return logits(final_norm(h));

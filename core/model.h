@@ -26,6 +26,7 @@ struct ForwardOptions {
   bool last_logits_only = false;  // logits of the last position only: [B, 1, V]
   bool skip_logits = false;       // no lm_head (prefill whose logits nobody reads)
   const Taps* taps = nullptr;
+  bool advance_cache = true;      // false: caller commits (CUDA-graph capture runs the host code once)
 };
 
 struct LayerWeights {

@@ -1,0 +1,132 @@
+#include "infer/generate.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include "core/error.h"
+
+#ifdef KAKEYA_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace kakeya {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0, const at::Device& dev) {
+#ifdef KAKEYA_CUDA
+  if (dev.is_cuda()) c10::cuda::getCurrentCUDAStream().synchronize();  // SYNC: timing boundary
+#endif
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+bool is_stop(int64_t tok, const std::vector<int64_t>& stop) {
+  return std::find(stop.begin(), stop.end(), tok) != stop.end();
+}
+
+// One decode step with static buffers: reads token `cur` at position `pos`,
+// writes the next token into `out[step]` and back into `cur`, advances pos and step.
+struct DecodeStep {
+  const Model& model;
+  KVCache& cache;
+  Sampler& sampler;
+  at::Tensor cur;    // [1, 1] int64
+  at::Tensor pos;    // [1] int64
+  at::Tensor step;   // [1] int64
+  at::Tensor out;    // [max_new] int64
+
+  void run() {
+    ForwardOptions fo;
+    fo.last_logits_only = true;
+    fo.advance_cache = false;
+    auto logits = model.forward(cur, pos, cache, fo);   // [1, 1, V]
+    auto next = sampler.sample(logits.select(1, 0));  // [1]
+    out.index_copy_(0, step, next);
+    cur.copy_(next.view({1, 1}));
+    pos.add_(1);
+    step.add_(1);
+  }
+};
+
+}  // namespace
+
+GenerateResult generate(const Model& model, const std::vector<int64_t>& prompt, const GenerateOptions& opt) {
+  KAKEYA_CHECK(!prompt.empty(), "generate: empty prompt (the tokenizer produced no tokens)");
+  KAKEYA_CHECK(opt.max_new_tokens > 0, "generate: --max-new-tokens expected > 0, got " << opt.max_new_tokens);
+  const at::Device dev = model.device();
+  const int64_t n_prompt = prompt.size();
+  KVCacheOptions co;
+  co.capacity = n_prompt + opt.max_new_tokens;
+  co.dtype = model.dtype();
+  co.device = dev;
+  co.rollback = 0;
+  KAKEYA_CHECK(co.capacity <= model.options().max_positions,
+               "generate: prompt (" << n_prompt << ") + new tokens (" << opt.max_new_tokens
+                                    << ") exceed the model's position table (" << model.options().max_positions << ")");
+  KVCache cache(model.config(), co);
+  Sampler sampler(opt.sampling, dev);
+  GenerateResult res;
+
+  auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
+  auto t0 = Clock::now();
+  auto ids = at::tensor(prompt, at::kLong).view({1, n_prompt}).to(dev);
+  ForwardOptions fo;
+  fo.last_logits_only = true;
+  auto logits = model.forward(ids, cache, fo);
+  DecodeStep st{model, cache, sampler, at::empty({1, 1}, iopt), at::full({1}, n_prompt, iopt), at::zeros({1}, iopt),
+                at::zeros({opt.max_new_tokens}, iopt)};
+  auto first = sampler.sample(logits.select(1, 0));
+  st.out.index_copy_(0, st.step, first);
+  st.cur.copy_(first.view({1, 1}));
+  st.step.add_(1);
+  res.prefill_seconds = seconds_since(t0, dev);
+
+  // SYNC: the first token is read to stream it and check for a stop.
+  int64_t tok = first.item<int64_t>();
+  res.tokens.push_back(tok);
+  if (opt.on_token) opt.on_token(tok);
+  auto t1 = Clock::now();
+  bool stopped = is_stop(tok, opt.stop_ids);
+
+#ifdef KAKEYA_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  if (dev.is_cuda() && opt.cuda_graph && opt.max_new_tokens > 2 && !stopped) {
+    // Capture on a side stream (required by CUDA graphs). Capture records the
+    // kernels without running them, so the cache is left untouched.
+    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+    graph = std::make_unique<at::cuda::CUDAGraph>();
+    graph->capture_begin();
+    st.run();
+    graph->capture_end();
+  }
+#endif
+  int64_t pending = 0;  // steps run but not yet read back (non-streaming mode)
+  while (!stopped && (int64_t)res.tokens.size() + pending < opt.max_new_tokens) {
+#ifdef KAKEYA_CUDA
+    if (graph) graph->replay();
+    else
+#endif
+      st.run();
+    cache.advance(1);
+    if (opt.stream || !opt.stop_ids.empty()) {
+      tok = st.cur.item<int64_t>();  // SYNC: stream the token / check for a stop
+      res.tokens.push_back(tok);
+      if (opt.on_token) opt.on_token(tok);
+      stopped = is_stop(tok, opt.stop_ids);
+    } else {
+      ++pending;
+    }
+  }
+  if (pending > 0) {
+    auto all = st.out.slice(0, 0, res.tokens.size() + pending).cpu();  // SYNC: read the whole run once
+    res.tokens.assign(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
+  }
+  res.decode_seconds = seconds_since(t1, dev);
+  res.cache_bytes = cache.bytes();
+  return res;
+}
+
+}  // namespace kakeya

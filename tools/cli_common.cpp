@@ -1,0 +1,96 @@
+#include "tools/cli_common.h"
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "core/error.h"
+
+namespace kakeya::cli {
+
+void DeviceFlags::add(CLI::App* app) {
+  app->add_option("--device", device, "cpu | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
+  app->add_option("--dtype", dtype, "f32 | bf16 (default: f32 on cpu, bf16 on cuda)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+}
+
+at::Device DeviceFlags::torch_device() const {
+  if (device == "cuda") {
+    KAKEYA_CHECK(at::hasCUDA(), "--device cuda: no CUDA device is available to this build (built with KAKEYA_CUDA=ON?)");
+    return at::Device(at::kCUDA, 0);
+  }
+  return at::kCPU;
+}
+
+at::ScalarType DeviceFlags::torch_dtype() const {
+  std::string d = dtype.empty() ? (device == "cuda" ? "bf16" : "f32") : dtype;
+  return d == "bf16" ? at::kBFloat16 : at::kFloat;
+}
+
+static void check_model_dir(const std::string& dir) {
+  KAKEYA_CHECK(std::filesystem::is_directory(dir),
+               dir << ": model directory not found (run `make model` for the default model)");
+}
+
+Tokenizer load_tokenizer(const std::string& dir) {
+  check_model_dir(dir);
+  return Tokenizer::from_file(dir + "/tokenizer.json");
+}
+
+Model load_model(const std::string& dir, const DeviceFlags& df, int64_t max_positions) {
+  check_model_dir(dir);
+  ModelOptions mo;
+  mo.device = df.torch_device();
+  mo.dtype = df.torch_dtype();
+  mo.max_positions = max_positions;
+  return Model::load(dir, mo);
+}
+
+std::vector<int64_t> encode(const Tokenizer& tok, const std::string& text, bool add_special) {
+  auto ids = tok.encode(text, add_special);
+  return std::vector<int64_t>(ids.begin(), ids.end());
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  KAKEYA_CHECK(f.good(), path << ": cannot open file");
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+void write_json(const std::string& path, const nlohmann::json& j) {
+  namespace fs = std::filesystem;
+  fs::path p(path);
+  if (p.has_parent_path()) fs::create_directories(p.parent_path());
+  std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp);
+    KAKEYA_CHECK(f.good(), tmp << ": cannot write");
+    f << j.dump(2) << "\n";
+    KAKEYA_CHECK(f.good(), tmp << ": write failed (disk full?)");
+  }
+  fs::rename(tmp, path);
+}
+
+std::string device_description(const at::Device& dev) { return dev.is_cuda() ? "cuda" : "cpu"; }
+
+Progress::Progress(std::string label, int64_t total, std::string unit)
+    : label_(std::move(label)), unit_(std::move(unit)), total_(total), t0_(std::chrono::steady_clock::now()), last_(t0_) {}
+
+void Progress::update(int64_t done) {
+  auto now = std::chrono::steady_clock::now();
+  if (done < total_ && std::chrono::duration<double>(now - last_).count() < 0.5) return;
+  last_ = now;
+  double el = std::chrono::duration<double>(now - t0_).count();
+  double rate = el > 0 ? done / el : 0;
+  double eta = rate > 0 ? (total_ - done) / rate : 0;
+  std::fprintf(stderr, "\r%s %lld/%lld (%.1f%%) %.1f %s/s ETA %.0fs   ", label_.c_str(), (long long)done,
+               (long long)total_, total_ ? 100.0 * done / total_ : 100.0, rate, unit_.c_str(), eta);
+}
+
+void Progress::finish() { std::fprintf(stderr, "\n"); }
+
+}  // namespace kakeya::cli

@@ -1,0 +1,51 @@
+// Shared pieces of the kakeya subcommands: device/dtype flags, model +
+// tokenizer loading, progress lines and JSON output.
+#pragma once
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <string>
+
+#include "core/model.h"
+#include "core/tokenizer.h"
+
+namespace kakeya::cli {
+
+struct DeviceFlags {
+  std::string device = "cpu";  // cpu | cuda
+  std::string dtype = "";      // f32 | bf16 (default: f32 on CPU, bf16 on CUDA)
+  void add(CLI::App* app);
+  at::Device torch_device() const;
+  at::ScalarType torch_dtype() const;
+};
+
+Tokenizer load_tokenizer(const std::string& model_dir);
+// max_positions: RoPE table length = the longest sequence this run will see.
+Model load_model(const std::string& dir, const DeviceFlags& df, int64_t max_positions);
+
+std::vector<int64_t> encode(const Tokenizer& tok, const std::string& text, bool add_special = true);
+std::string read_file(const std::string& path);
+// Writes JSON atomically (temp file + rename), so a crash never leaves half a report.
+void write_json(const std::string& path, const nlohmann::json& j);
+std::string device_description(const at::Device& dev);
+
+// "label  12/100  (12.0%)  34.5 tok/s  ETA 3s" on stderr, at most a few times per second.
+class Progress {
+ public:
+  Progress(std::string label, int64_t total, std::string unit = "tok");
+  void update(int64_t done);
+  void finish();
+
+ private:
+  std::string label_, unit_;
+  int64_t total_;
+  std::chrono::steady_clock::time_point t0_, last_;
+};
+
+// Subcommand registration (one file each under tools/).
+void register_generate(CLI::App& app);
+void register_score(CLI::App& app);
+void register_bench(CLI::App& app);
+
+}  // namespace kakeya::cli

@@ -1,0 +1,146 @@
+// kakeya bench decode: our AR decode tok/s next to HF transformers' generate
+// (default dynamic cache and static cache), same prompt ids, same run.
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+
+#include "core/error.h"
+#include "infer/generate.h"
+#include "tools/cli_common.h"
+
+namespace kakeya::cli {
+namespace {
+
+std::string run_capture(const std::string& cmd) {
+  std::array<char, 4096> buf{};
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  KAKEYA_CHECK(p, "cannot run: " << cmd);
+  while (fgets(buf.data(), buf.size(), p)) out += buf.data();
+  int rc = pclose(p);
+  KAKEYA_CHECK(rc == 0, "command failed (exit " << rc << "): " << cmd << "\n" << out);
+  return out;
+}
+
+std::string git_commit() {
+  try {
+    auto s = run_capture("git rev-parse --short HEAD 2>/dev/null");
+    while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+    return s;
+  } catch (const Error&) {
+    return "unknown";
+  }
+}
+
+// A deterministic prompt of exactly n tokens: prose repeated, BOS first.
+std::vector<int64_t> bench_prompt(const Tokenizer& tok, int64_t n) {
+  const std::string para =
+      "The history of the lighthouse keeper's island is told in the logbooks that line the tower's "
+      "lower room. Each entry notes the weather, the ships that passed, the oil burned and the repairs "
+      "made to the lamp. Over a century the handwriting changes many times, but the order of the entries "
+      "never does. ";
+  std::string text;
+  std::vector<int64_t> ids;
+  while ((int64_t)ids.size() < n) {
+    text += para;
+    ids = encode(tok, text);
+  }
+  ids.resize(n);
+  return ids;
+}
+
+}  // namespace
+
+void register_bench(CLI::App& app) {
+  auto* bench = app.add_subcommand("bench", "Benchmarks: print a table, write JSON");
+  bench->require_subcommand(1);
+  struct Opts {
+    std::string model = "checkpoints/models/gemma3-270m";
+    std::string json, python = "python3", peer = "tools/hf_bench.py";
+    int64_t prompt_len = 512, new_tokens = 256, repeats = 3;
+    bool no_peer = false;
+    DeviceFlags df;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = bench->add_subcommand("decode", "AR decode tok/s: ours vs HF transformers generate (batch 1)");
+  c->add_option("--model", o->model, "HF model directory")->capture_default_str();
+  c->add_option("--json", o->json, "write the results here");
+  c->add_option("--prompt-len", o->prompt_len, "prompt tokens")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--new-tokens", o->new_tokens, "generated tokens")->capture_default_str()->check(CLI::Range(2, 1 << 20));
+  c->add_option("--repeats", o->repeats, "timed runs per engine (median reported)")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--python", o->python, "python with transformers for the peer")->capture_default_str();
+  c->add_option("--peer", o->peer, "HF peer script")->capture_default_str();
+  c->add_flag("--no-peer", o->no_peer, "skip the HF transformers peer");
+  o->df.add(c);
+  c->callback([o] {
+    auto tok = load_tokenizer(o->model);
+    auto prompt = bench_prompt(tok, o->prompt_len);
+    auto model = load_model(o->model, o->df, o->prompt_len + o->new_tokens);
+    GenerateOptions g;
+    g.max_new_tokens = o->new_tokens;
+    g.stream = false;  // no stop tokens either: every run generates exactly new_tokens
+    std::vector<double> decode_tps, e2e_tps;
+    generate(model, prompt, g);  // warm-up: allocator, cuBLAS handles, graph capture path
+    for (int64_t r = 0; r < o->repeats; ++r) {
+      auto res = generate(model, prompt, g);
+      KAKEYA_CHECK((int64_t)res.tokens.size() == o->new_tokens, "bench: generated " << res.tokens.size() << " tokens");
+      decode_tps.push_back(res.decode_tokens_per_second());
+      e2e_tps.push_back(o->new_tokens / (res.prefill_seconds + res.decode_seconds));
+    }
+    auto median = [](std::vector<double> v) {
+      std::sort(v.begin(), v.end());
+      return v[v.size() / 2];
+    };
+    const double ours_decode = median(decode_tps), ours_e2e = median(e2e_tps);
+    const double weight_bytes = (double)model.weight_bytes();
+    const double bound = 3.0e12 / weight_bytes;  // H100 SXM measured ~3.0 TB/s (README: bench notes)
+
+    nlohmann::json peer = nlohmann::json::object();
+    if (!o->no_peer) {
+      std::string ids_path = (std::filesystem::temp_directory_path() / "kakeya_bench_prompt.json").string();
+      write_json(ids_path, prompt);
+      std::string cmd = o->python + " " + o->peer + " --model " + o->model + " --ids " + ids_path +
+                        " --new-tokens " + std::to_string(o->new_tokens) + " --device " + o->df.device +
+                        " --dtype " + (model.dtype() == at::kBFloat16 ? "bf16" : "f32") +
+                        " --repeats " + std::to_string(o->repeats);
+      std::fprintf(stderr, "[bench] peer: %s\n", cmd.c_str());
+      auto out = run_capture(cmd);
+      auto pos = out.rfind("{");
+      KAKEYA_CHECK(pos != std::string::npos, "peer printed no JSON:\n" << out);
+      peer = nlohmann::json::parse(out.substr(pos));
+    }
+
+    std::printf("\n%-34s %12s %12s %10s\n", "engine (batch 1, bf16)", "e2e tok/s", "decode tok/s", "vs HF static");
+    double hf_static = peer.value("static_e2e_tps", 0.0);
+    auto row = [&](const char* name, double e2e, double dec) {
+      std::printf("%-34s %12.1f %12.1f %10s\n", name, e2e, dec,
+                  hf_static > 0 ? (std::to_string(e2e / hf_static).substr(0, 5) + "x").c_str() : "-");
+    };
+    if (peer.contains("default_e2e_tps")) row("HF generate (dynamic cache)", peer["default_e2e_tps"], peer["default_decode_tps"]);
+    if (peer.contains("static_e2e_tps")) row("HF generate (static cache)", peer["static_e2e_tps"], peer["static_decode_tps"]);
+    row("kakeya ar", ours_e2e, ours_decode);
+    std::printf("weights %.0f MB/token; bandwidth bound at 3.0 TB/s: %.0f tok/s; kakeya decode = %.1f%% of it\n",
+                weight_bytes / 1e6, bound, 100.0 * ours_decode / bound);
+    nlohmann::json j = {{"bench", "decode"},
+                        {"commit", git_commit()},
+                        {"device", o->df.device},
+                        {"dtype", c10::toString(model.dtype())},
+                        {"model", o->model},
+                        {"prompt_len", o->prompt_len},
+                        {"new_tokens", o->new_tokens},
+                        {"repeats", o->repeats},
+                        {"kakeya_e2e_tps", ours_e2e},
+                        {"kakeya_decode_tps", ours_decode},
+                        {"kakeya_decode_runs", decode_tps},
+                        {"weight_bytes", weight_bytes},
+                        {"bandwidth_bound_tps_at_3TBps", bound},
+                        {"fraction_of_bound", ours_decode / bound},
+                        {"hf", peer}};
+    if (hf_static > 0) j["speedup_vs_hf_static_e2e"] = ours_e2e / hf_static;
+    if (!o->json.empty()) write_json(o->json, j);
+  });
+}
+
+}  // namespace kakeya::cli

@@ -1,0 +1,31 @@
+// kakeya: one binary, a subcommand per job. Library code throws kakeya::Error
+// with context; this is the one place that catches and reports it.
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+
+#include "core/error.h"
+#include "tools/cli_common.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"Kakeya: memory-bounded LLM inference (capture, train, calibrate, decode)"};
+  app.require_subcommand(1);
+  kakeya::cli::register_generate(app);
+  kakeya::cli::register_score(app);
+  kakeya::cli::register_bench(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const kakeya::Error& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  } catch (const c10::Error& e) {
+    std::cerr << "error (torch): " << e.what_without_backtrace() << "\n";
+    return 1;
+  } catch (const std::exception& e) {
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}
