@@ -1,0 +1,26 @@
+// Helpers shared by the GoogleTest suites: where the reference fixtures and the
+// real model live (set by CTest, see tests/CMakeLists.txt).
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+
+namespace kakeya::test {
+
+inline std::string env_or_fail(const char* name) {
+  const char* v = std::getenv(name);
+  if (!v) ADD_FAILURE() << "environment variable " << name << " is not set (run the tests through ctest)";
+  return v ? v : "";
+}
+inline std::string fixtures_dir(const std::string& name) { return env_or_fail("KAKEYA_FIXTURES") + "/" + name; }
+// The real model; CI fetches it before the tests (`make model`), so its absence is a failure, not a skip.
+inline std::string real_model_dir() {
+  std::string d = env_or_fail("KAKEYA_MODEL_DIR");
+  if (!std::filesystem::exists(d + "/model.safetensors"))
+    ADD_FAILURE() << d << " has no model.safetensors: run `make model` first";
+  return d;
+}
+
+}  // namespace kakeya::test
