@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -29,7 +28,18 @@ namespace kakeya {
 
 namespace {
 
-namespace fs = std::filesystem;
+// POSIX calls instead of std::filesystem: the PyPI libtorch.so exports its
+// own std::filesystem functions, built against a newer libstdc++, and they
+// interpose on the system ones (remove_all jumps to a null symbol on GCC 12).
+
+bool is_regular_file(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
+}
+
+std::string join(const std::string& dir, const std::string& name) {
+  return dir.empty() || dir.back() == '/' ? dir + name : dir + "/" + name;
+}
 
 const std::vector<std::pair<std::string, at::ScalarType>>& dtype_table() {
   static const std::vector<std::pair<std::string, at::ScalarType>> table = {
@@ -184,18 +194,16 @@ TensorStore TensorStore::open_file(const std::string& path) {
 }
 
 TensorStore TensorStore::open_dir(const std::string& dir) {
-  const fs::path index_path = fs::path(dir) / "model.safetensors.index.json";
-  const fs::path single_path = fs::path(dir) / "model.safetensors";
-  std::error_code ec;
-  if (!fs::exists(index_path, ec)) {
-    KAKEYA_CHECK(fs::exists(single_path, ec),
+  const std::string index = join(dir, "model.safetensors.index.json");
+  if (!is_regular_file(index)) {
+    const std::string single = join(dir, "model.safetensors");
+    KAKEYA_CHECK(is_regular_file(single),
                  dir << ": neither model.safetensors nor model.safetensors.index.json exists");
-    TensorStore store = open_file(single_path.string());
+    TensorStore store = open_file(single);
     store.source_ = dir;
     return store;
   }
 
-  const std::string index = index_path.string();
   std::ifstream in(index, std::ios::binary);
   KAKEYA_CHECK(in, index << ": cannot open: " << errno_str());
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -222,13 +230,23 @@ TensorStore TensorStore::open_dir(const std::string& dir) {
   }
   TensorStore store;
   store.source_ = dir;
+  // huggingface_hub stores user metadata only here, not in the shards;
+  // total_size is a number and not metadata in the __metadata__ sense.
+  if (root.contains("metadata")) {
+    const nlohmann::json& meta = root["metadata"];
+    KAKEYA_CHECK(meta.is_object(), index << ": field 'metadata' is a JSON " << meta.type_name()
+                                         << ", expected an object");
+    for (const auto& kv : meta.items()) {
+      if (kv.value().is_string()) store.index_metadata_[kv.key()] = kv.value().get<std::string>();
+    }
+  }
   std::map<std::string, size_t> shard_slot;
   for (const auto& [shard, user] : shard_user) {
-    const fs::path p = fs::path(dir) / shard;
-    KAKEYA_CHECK(fs::is_regular_file(p, ec), index << ": weight_map tensor '" << user << "' maps to shard '" << shard
-                                                   << "', which does not exist in " << dir);
+    const std::string p = join(dir, shard);
+    KAKEYA_CHECK(is_regular_file(p), index << ": weight_map tensor '" << user << "' maps to shard '" << shard
+                                           << "', which does not exist in " << dir);
     shard_slot[shard] = store.files_.size();
-    store.files_.push_back(std::make_shared<SafetensorsFile>(p.string()));
+    store.files_.push_back(std::make_shared<SafetensorsFile>(p));
   }
   for (const auto& kv : weight_map.items()) {
     const std::string shard = kv.value().get<std::string>();
@@ -267,7 +285,7 @@ std::string TensorStore::file_of(const std::string& name) const {
 }
 
 std::map<std::string, std::string> TensorStore::metadata() const {
-  std::map<std::string, std::string> out;
+  std::map<std::string, std::string> out = index_metadata_;
   for (const auto& f : files_) out.insert(f->header().metadata.begin(), f->header().metadata.end());
   return out;
 }
@@ -302,11 +320,11 @@ void save_safetensors(const std::string& path, const std::map<std::string, at::T
   // HF pads the header with spaces so the data buffer starts 8-byte aligned.
   text.append((8 - text.size() % 8) % 8, ' ');
 
-  const fs::path target(path);
-  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
-  std::string tmp = (dir / ("." + target.filename().string() + ".tmp.XXXXXX")).string();
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  std::string tmp = join(dir, "." + path.substr(slash + 1) + ".tmp.XXXXXX");  // npos + 1 == 0
   Fd f{::mkstemp(tmp.data())};
-  KAKEYA_CHECK(f.fd >= 0, path << ": cannot create a temporary file in " << dir.string() << ": " << errno_str());
+  KAKEYA_CHECK(f.fd >= 0, path << ": cannot create a temporary file in " << dir << ": " << errno_str());
   // Removes the temp file unless the rename below succeeded.
   struct Unlink {
     const std::string& p;

@@ -61,14 +61,16 @@ class TensorStore {
   // get() + shape check: error names file, tensor, expected and found shape.
   at::Tensor get(const std::string& name, at::IntArrayRef expected_shape) const;
   std::string file_of(const std::string& name) const;
-  // Merged __metadata__ of all files; the first file (in shard order) wins
-  // when shards disagree on a key.
+  // Merged metadata: the string entries of the index's "metadata" (where
+  // huggingface_hub puts user metadata), then each file's __metadata__; the
+  // first source (index, then shards in name order) wins on conflicts.
   std::map<std::string, std::string> metadata() const;
 
  private:
   std::string source_;            // directory or file, for error messages
   std::vector<std::shared_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> where_;
+  std::map<std::string, std::string> index_metadata_;
 };
 
 // Writes tensors (any device; copied to CPU contiguous) atomically: a temp file
