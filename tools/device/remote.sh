@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Run on the GPU machine, from the repo root, through the device tool. Steps:
+#   recv             copy the carried .carry/parts/gguf.partNN into /tmp/models (one chunk per call)
+#   build            configure + build with CUDA into build-cuda/ (in the background; log /tmp/kbuild.log)
+#   model            reassemble the GGUF, check its sha256, convert to /tmp/models/gemma3-270m
+#   wait             wait for the background build
+# A warm machine keeps /tmp/models and build-cuda/ between calls.
+set -euo pipefail
+M=/tmp/models
+mkdir -p $M
+for step in "$@"; do
+  case $step in
+    recv)
+      cp .carry/parts/gguf.part* .carry/parts/SHA256 $M/
+      ls -la $M ;;
+    build)
+      TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+      setsid nohup bash -c "cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON \
+          -DKAKEYA_TESTS=\${KAKEYA_TESTS:-ON} -DCMAKE_PREFIX_PATH=$TORCH_CMAKE && cmake --build build-cuda -j 16; echo BUILD_EXIT=\$?" \
+          > /tmp/kbuild.log 2>&1 < /dev/null &
+      echo "build started" ;;
+    wait)
+      while ! grep -q BUILD_EXIT /tmp/kbuild.log 2>/dev/null; do sleep 2; done
+      tail -20 /tmp/kbuild.log
+      grep -q BUILD_EXIT=0 /tmp/kbuild.log ;;
+    model)
+      if [ ! -f $M/gemma3-270m/kakeya_model.json ]; then
+        cat $M/gguf.part* > $M/gemma-3-270m-q4_k_m.gguf
+        echo "$(cat $M/SHA256)  $M/gemma-3-270m-q4_k_m.gguf" | sha256sum -c -
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site .carry/whl/*.whl
+        PYTHONPATH=/tmp/site python3 tools/fetch_model.py --gguf $M/gemma-3-270m-q4_k_m.gguf --out $M/gemma3-270m
+      fi
+      ls -la $M/gemma3-270m ;;
+    *) echo "unknown step $step"; exit 2 ;;
+  esac
+done
