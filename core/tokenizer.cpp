@@ -10,6 +10,12 @@
 // run here by a small backtracking matcher supporting the subset that
 // tokenizer files use (classes with \p{..}, \s, \d, \w, quantifiers,
 // (?i:..), (?:..), lookahead). Anything else is rejected when loading.
+//
+// Supported: models BPE, Unigram; normalizers Sequence, Replace, Prepend,
+// Strip, ByteLevel, NFC, NFD; pre-tokenizers Sequence, Split, ByteLevel,
+// Metaspace, Digits, WhitespaceSplit; post-processors TemplateProcessing,
+// BertProcessing, RobertaProcessing, ByteLevel, Sequence; decoders Sequence,
+// Replace, ByteFallback, Fuse, Strip, Metaspace, ByteLevel, BPEDecoder.
 #include "core/tokenizer.h"
 
 #include <algorithm>
@@ -196,6 +202,93 @@ bool is_rust_word(char32_t c) {
   if (in_cats(c, kCatL | kCatM | cat_bit(uc::Nd) | cat_bit(uc::Pc) | cat_bit(uc::Nl))) return true;
   return c == 0x200C || c == 0x200D || (c >= 0x24B6 && c <= 0x24E9) || (c >= 0x1F130 && c <= 0x1F149) ||
          (c >= 0x1F150 && c <= 0x1F169) || (c >= 0x1F170 && c <= 0x1F189);
+}
+
+// ---------------------------------------------------------------------------
+// Canonical normalization (NFC, NFD): the standard algorithm, as the
+// unicode-normalization crate behind `tokenizers` runs it.
+
+uint8_t combining_class(char32_t cp) {
+  if (cp < 0x300) return 0;
+  const uint32_t key = (static_cast<uint32_t>(cp) << 8) | 0xFFu;
+  const auto* it = std::upper_bound(std::begin(uc::kCombiningClassRuns), std::end(uc::kCombiningClassRuns), key);
+  return static_cast<uint8_t>(*(it - 1) & 0xFFu);
+}
+
+// Hangul syllables decompose and compose arithmetically.
+constexpr char32_t kSBase = 0xAC00, kLBase = 0x1100, kVBase = 0x1161, kTBase = 0x11A7;
+constexpr char32_t kLCount = 19, kVCount = 21, kTCount = 28, kNCount = kVCount * kTCount, kSCount = kLCount * kNCount;
+
+void decompose(char32_t c, std::u32string& out) {
+  if (c >= kSBase && c < kSBase + kSCount) {
+    const char32_t s = c - kSBase;
+    out += kLBase + s / kNCount;
+    out += kVBase + (s % kNCount) / kTCount;
+    if (s % kTCount) out += kTBase + s % kTCount;
+    return;
+  }
+  const auto* end = std::end(uc::kDecompositions);
+  const auto* it = std::lower_bound(std::begin(uc::kDecompositions), end, c,
+                                    [](const uc::Decomposition& d, char32_t v) { return d.cp < v; });
+  if (it == end || it->cp != c) {
+    out += c;
+    return;
+  }
+  decompose(it->first, out);
+  if (it->second) decompose(it->second, out);
+}
+
+char32_t compose_pair(char32_t a, char32_t b) {
+  if (a >= kLBase && a < kLBase + kLCount && b >= kVBase && b < kVBase + kVCount)
+    return kSBase + ((a - kLBase) * kVCount + (b - kVBase)) * kTCount;
+  if (a >= kSBase && a < kSBase + kSCount && (a - kSBase) % kTCount == 0 && b > kTBase && b < kTBase + kTCount)
+    return a + (b - kTBase);
+  const auto* end = std::end(uc::kCompositions);
+  const auto* it = std::lower_bound(std::begin(uc::kCompositions), end, std::make_pair(a, b),
+                                    [](const uc::Composition& c, const std::pair<char32_t, char32_t>& v) {
+                                      return std::make_pair(c.first, c.second) < v;
+                                    });
+  return it != end && it->first == a && it->second == b ? it->composite : 0;
+}
+
+// NFD, then (compose) the canonical composition of UAX #15.
+std::string unicode_normalize(const std::string& s, bool compose) {
+  std::u32string d;
+  size_t len;
+  for (size_t i = 0; i < s.size(); i += len) decompose(decode_at(s, i, &len), d);
+  // Canonical ordering: each run of non-starters sorted stably by class.
+  for (size_t i = 0; i < d.size();) {
+    if (combining_class(d[i]) == 0) {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < d.size() && combining_class(d[j]) != 0) ++j;
+    std::stable_sort(d.begin() + i, d.begin() + j,
+                     [](char32_t a, char32_t b) { return combining_class(a) < combining_class(b); });
+    i = j;
+  }
+  if (compose && !d.empty()) {
+    size_t starter = 0, out = 1;
+    // A leading non-starter has no starter to compose with.
+    int last_class = combining_class(d[0]) ? 256 : 0;
+    for (size_t i = 1; i < d.size(); ++i) {
+      const int cls = combining_class(d[i]);
+      const char32_t composite = compose_pair(d[starter], d[i]);
+      if (composite && (last_class < cls || last_class == 0)) {
+        d[starter] = composite;
+        continue;
+      }
+      if (cls == 0) starter = out;
+      last_class = cls;
+      d[out++] = d[i];
+    }
+    d.resize(out);
+  }
+  std::string r;
+  r.reserve(s.size());
+  for (char32_t c : d) append_utf8(r, c);
+  return r;
 }
 
 // ---------------------------------------------------------------------------
@@ -1029,6 +1122,18 @@ struct StripNormalizer : Normalizer {
         b = p;
       }
     s = s.substr(a, b - a);
+  }
+};
+
+struct UnicodeNormalizer : Normalizer {  // NFC, NFD
+  bool compose = true;
+  void apply(std::string& s) const override {
+    // Below U+0300 NFC changes nothing, and below U+00C0 NFD neither: most
+    // text skips the work.
+    const unsigned char first_affected = compose ? 0xCC : 0xC3;
+    if (std::none_of(s.begin(), s.end(), [&](char c) { return static_cast<unsigned char>(c) >= first_affected; }))
+      return;
+    s = unicode_normalize(s, compose);
   }
 };
 
@@ -2283,8 +2388,13 @@ class Loader {
       return n;
     }
     if (type == "ByteLevel") return std::make_unique<ByteLevelNormalizer>();
+    if (type == "NFC" || type == "NFD") {
+      auto n = std::make_unique<UnicodeNormalizer>();
+      n->compose = type == "NFC";
+      return n;
+    }
     fail(path + ".type", "'" + type +
-                             "' is not supported (expected Sequence, Replace, Prepend, Strip or ByteLevel)");
+                             "' is not supported (expected Sequence, Replace, Prepend, Strip, ByteLevel, NFC or NFD)");
   }
 
   SplitBehavior behavior(const json& j, const std::string& path) const {

@@ -120,7 +120,7 @@ TEST_P(TokenizerParity, MatchesTokenizersPackage) {
 INSTANTIATE_TEST_SUITE_P(Fixtures, TokenizerParity,
                          ::testing::Values("qwen2_bpe", "llama3_bpe", "llama3_bpe_string_merges", "gpt2_bpe",
                                            "o200k_bpe", "spm_bpe", "spm_bpe_unk", "spm_metaspace", "bpe_affixes",
-                                           "unigram", "unigram_bytes"),
+                                           "unigram", "unigram_nfd", "unigram_bytes"),
                          [](const auto& info) { return std::string(info.param); });
 
 // The embedded default model's tokenizer. CI fetches the model first, so a
