@@ -47,6 +47,9 @@ class KVCache {
 
   const at::Tensor& keys(int64_t layer) const { return k_[layer]; }     // [B, H_kv, S_l, D_l]
   const at::Tensor& values(int64_t layer) const { return v_[layer]; }   // [B, H_kv, S_l, D_l]
+  // Writable buffers for kernels that store K/V themselves (slot = position mod S_l).
+  at::Tensor& k_mut(int64_t layer) { return k_[layer]; }
+  at::Tensor& v_mut(int64_t layer) { return v_[layer]; }
   // Absolute position held by each slot of this layer's buffers, -1 if empty: [S_l] int64.
   const at::Tensor& slot_positions(int64_t layer) const;
   // True when T new tokens can be written before attending (no ring slot that a

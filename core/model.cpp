@@ -57,10 +57,13 @@ Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const s
   const std::string pre = find_prefix(st, origin);
   auto dev = [&](const at::Tensor& t) { return t.to(opt.device, opt.dtype); };
   auto get = [&](const std::string& name, std::vector<int64_t> shape) { return st.get(pre + name, shape); };
-  // Gemma stores norm weights as w with output x̂·(1+w) in f32; fold the 1 in once.
+  m.norm_spec_ = {cfg.rms_norm_eps, cfg.norm_unit_offset};
+  // Norm weights in f32 (ops.h): Gemma's output is x̂·(1+w) in f32, so fold the 1 in
+  // once; Llama/Qwen multiply in the model dtype, so round w to it first.
   auto norm_w = [&](const std::string& name, int64_t dim) {
     auto w = get(name, {dim});
-    return cfg.norm_unit_offset ? (w.to(at::kFloat) + 1.0).to(opt.device) : dev(w);
+    auto wf = cfg.norm_unit_offset ? w.to(at::kFloat) + 1.0 : w.to(opt.dtype).to(at::kFloat);
+    return wf.to(opt.device);
   };
   const int64_t H = cfg.hidden_size, I = cfg.intermediate_size;
 
@@ -124,14 +127,6 @@ int64_t Model::weight_bytes() const {
                                 &w.gate_up_bias, &w.down_bias})
       if (t->defined()) b += t->numel() * t->element_size();
   return b;
-}
-
-at::Tensor Model::rms_norm(const at::Tensor& x, const at::Tensor& w) const {
-  auto xf = x.to(at::kFloat);
-  auto normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + cfg_.rms_norm_eps);
-  // Gemma: (x̂·(1+w)) in f32, then cast; Llama/Qwen: cast x̂, then ·w in the model dtype.
-  if (cfg_.norm_unit_offset) return (normed * w).to(x.scalar_type());
-  return w * normed.to(x.scalar_type());
 }
 
 at::Tensor Model::embed(const at::Tensor& ids) const { return at::embedding(embed_, ids) * embed_scale_; }
@@ -200,58 +195,71 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
                                   : visible(cache.slot_positions(first_sliding), positions, cfg_.sliding_window);
 
   const Taps* taps = fo.taps && !fo.taps->empty() ? fo.taps : nullptr;
-  at::Tensor h = embed(ids);  // [B, T, hidden]
+  // Fused CUDA kernels where nothing needs the intermediate tensors: q/k norm +
+  // RoPE + cache store in one kernel (no subscriber taps q/k/v), and the
+  // one-query attention kernel for decode steps.
+  const bool cuda_fused = ids.is_cuda() && ops::cuda_kernels_available();
+  at::Tensor h = embed(ids);                         // [B, T, hidden]
+  at::Tensor x = rms_norm(h, layers_[0].attn_norm);  // later layers get theirs from the fused residual step
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const auto& w = layers_[l];
     const int64_t D = cfg_.layer_head_dim[l], qd = cfg_.q_dim(l), kvd = cfg_.kv_dim(l);
+    const bool sliding = cfg_.is_sliding(l);
     TapContext ctx{l, cfg_.layer_types[l], positions};
     auto tap = [&](Tap t, at::Tensor& x) { if (taps) taps->cb(t, ctx, x); };
 
-    at::Tensor residual = h;
-    at::Tensor x = rms_norm(h, w.attn_norm);
     at::Tensor qkv = at::linear(x, w.qkv, w.qkv_bias);  // [B, T, qd + 2·kvd]
-    at::Tensor q = qkv.slice(-1, 0, qd).view({B, T, Hq, D});
-    at::Tensor k = qkv.slice(-1, qd, qd + kvd).view({B, T, Hkv, D});
-    at::Tensor v = qkv.slice(-1, qd + kvd).view({B, T, Hkv, D});
-    tap(Tap::QProj, q);
-    tap(Tap::KProj, k);
-    tap(Tap::VProj, v);
-    if (cfg_.qk_norm) q = rms_norm(q, w.q_norm);
-    tap(Tap::QNorm, q);
-    q = rope(l).apply(q, positions);
-    at::Tensor kn = cfg_.qk_norm ? rms_norm(k, w.k_norm) : k;
-    tap(Tap::KNorm, kn);
-    tap(Tap::VNorm, v);
-    at::Tensor kc = rope(l).apply(kn, positions).transpose(1, 2);  // [B, H_kv, T, D]
-    at::Tensor vc = v.transpose(1, 2);
-
-    at::Tensor attn;
-    const bool sliding = cfg_.is_sliding(l);
-    if (!sliding || !sliding_concat) {
-      cache.write(l, kc, vc, positions);
-      attn = attention(l, q, cache.keys(l), cache.values(l), sliding ? mask_sliding : mask_full);
+    at::Tensor q, kc, vc;  // q: [B, T, Hq, D] after RoPE; kc, vc: [B, H_kv, T, D] when not stored yet
+    const bool write_first = !sliding || !sliding_concat;
+    if (cuda_fused && !taps && write_first) {
+      ops::QKRopeArgs ra{Hq, Hkv, D, norm_spec_, w.q_norm, w.k_norm, rope(l).cos(), rope(l).sin()};
+      q = ops::qk_norm_rope_store(qkv, positions, ra, cache.k_mut(l), cache.v_mut(l));
     } else {
+      q = qkv.slice(-1, 0, qd).view({B, T, Hq, D});
+      at::Tensor k = qkv.slice(-1, qd, qd + kvd).view({B, T, Hkv, D});
+      at::Tensor v = qkv.slice(-1, qd + kvd).view({B, T, Hkv, D});
+      tap(Tap::QProj, q);
+      tap(Tap::KProj, k);
+      tap(Tap::VProj, v);
+      if (cfg_.qk_norm) q = rms_norm(q, w.q_norm);
+      tap(Tap::QNorm, q);
+      q = rope(l).apply(q, positions);
+      at::Tensor kn = cfg_.qk_norm ? rms_norm(k, w.k_norm) : k;
+      tap(Tap::KNorm, kn);
+      tap(Tap::VNorm, v);
+      kc = rope(l).apply(kn, positions).transpose(1, 2);
+      vc = v.transpose(1, 2);
+      if (write_first) cache.write(l, kc, vc, positions);
+    }
+
+    at::Tensor attn;  // [B, T, Hq·D]
+    if (!write_first) {
       attn = attention(l, q, at::cat({cache.keys(l), kc}, 2), at::cat({cache.values(l), vc}, 2), mask_sliding);
       cache.write(l, kc, vc, positions);
+    } else if (cuda_fused && T == 1) {
+      attn = ops::decode_attention(q, cache.keys(l), cache.values(l), cache.slot_positions(l), positions,
+                                   sliding ? cfg_.sliding_window : 0, cfg_.attn_scale,
+                                   cfg_.attn_logit_softcap.value_or(0.0));
+    } else {
+      attn = attention(l, q, cache.keys(l), cache.values(l), sliding ? mask_sliding : mask_full);
     }
     at::Tensor a = at::linear(attn, w.o, w.o_bias);  // [B, T, hidden]
     tap(Tap::AttnOut, a);
-    if (cfg_.sandwich_norm) a = rms_norm(a, w.post_attn_norm);
-    h = residual + a;
+    std::tie(h, x) = ops::add_rms_norm(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_);
 
-    residual = h;
-    x = rms_norm(h, w.ffn_norm);
-    auto gu = at::linear(x, w.gate_up, w.gate_up_bias).chunk(2, -1);
-    at::Tensor g = cfg_.act == Activation::GeluTanh ? at::gelu(gu[0], "tanh") : at::silu(gu[0]);
-    at::Tensor f = at::linear(g * gu[1], w.down, w.down_bias);
-    if (cfg_.sandwich_norm) f = rms_norm(f, w.post_ffn_norm);
-    h = residual + f;
-    tap(Tap::LayerOut, h);
+    at::Tensor f = at::linear(ops::act_mul(at::linear(x, w.gate_up, w.gate_up_bias), cfg_.act == Activation::GeluTanh),
+                              w.down, w.down_bias);
+    const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
+    std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_);
+    if (taps) {
+      tap(Tap::LayerOut, h);
+      x = rms_norm(h, next_norm);  // a subscriber may have replaced h
+    }
   }
   if (fo.advance_cache) cache.advance(T);
   if (fo.skip_logits) return at::Tensor();
-  if (fo.last_logits_only) h = h.slice(1, T - 1);
-  return logits(final_norm(h));
+  if (fo.last_logits_only) x = x.slice(1, T - 1);
+  return logits(x);  // x = final_norm(h) from the last residual step
 }
 
 }  // namespace kakeya

@@ -10,6 +10,7 @@
 
 #include "core/config.h"
 #include "core/kv_cache.h"
+#include "core/ops.h"
 #include "core/rope.h"
 #include "core/safetensors.h"
 #include "core/taps.h"
@@ -34,7 +35,8 @@ struct LayerWeights {
   at::Tensor qkv_bias;   // [q_dim + 2·kv_dim] or undefined
   at::Tensor o;          // [hidden, q_dim]
   at::Tensor o_bias;     // [hidden] or undefined
-  at::Tensor q_norm, k_norm;  // [D] (norm weights pre-folded: Gemma's 1+w, f32)
+  // Norm weights are f32 (ops.h): Gemma's 1+w folded in, or Llama/Qwen's w rounded to the model dtype.
+  at::Tensor q_norm, k_norm;  // [D]
   at::Tensor attn_norm;       // [hidden] input_layernorm
   at::Tensor post_attn_norm;  // [hidden] Gemma sandwich only
   at::Tensor ffn_norm;        // [hidden] pre-FFN norm
@@ -73,9 +75,10 @@ class Model {
   at::Tensor embed(const at::Tensor& ids) const;        // [B, T] -> [B, T, hidden]
   at::Tensor logits(const at::Tensor& hidden) const;    // [B, T, hidden] final-normed -> [B, T, V] f32
   at::Tensor final_norm(const at::Tensor& h) const;     // [B, T, hidden]
-  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) const;  // HF's per-family op order
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) const { return ops::rms_norm(x, w, norm_spec_); }
   const LayerWeights& layer(int64_t l) const { return layers_[l]; }
   const at::Tensor& embedding() const { return embed_; }  // [V, hidden]
+  const at::Tensor& lm_head() const { return lm_head_; }  // [V, hidden] raw output head (no softcap; = embedding() when tied)
   const RopeTable& rope(int64_t layer) const { return cfg_.is_sliding(layer) ? rope_sliding_ : rope_full_; }
 
  private:
@@ -84,6 +87,7 @@ class Model {
 
   ModelConfig cfg_;
   ModelOptions opt_;
+  ops::NormSpec norm_spec_;
   at::Tensor embed_;     // [V, hidden]
   at::Tensor lm_head_;   // [V, hidden] (= embed_ when tied)
   at::Tensor norm_;      // [hidden]

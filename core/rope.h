@@ -20,6 +20,8 @@ class RopeTable {
   // so bf16 rounding matches transformers. Dimensions past the rotary part pass through.
   at::Tensor apply(const at::Tensor& x, const at::Tensor& positions) const;
   int64_t max_positions() const { return cos_.defined() ? cos_.size(0) : 0; }
+  const at::Tensor& cos() const { return cos_; }  // [max_positions, rotary_dim]
+  const at::Tensor& sin() const { return sin_; }  // [max_positions, rotary_dim]
 
  private:
   at::Tensor cos_, sin_;  // [max_positions, rotary_dim]

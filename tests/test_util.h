@@ -3,8 +3,9 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include "core/fs.h"
+
 #include <cstdlib>
-#include <filesystem>
 #include <string>
 
 namespace kakeya::test {
@@ -18,7 +19,7 @@ inline std::string fixtures_dir(const std::string& name) { return env_or_fail("K
 // The real model; CI fetches it before the tests (`make model`), so its absence is a failure, not a skip.
 inline std::string real_model_dir() {
   std::string d = env_or_fail("KAKEYA_MODEL_DIR");
-  if (!std::filesystem::exists(d + "/model.safetensors"))
+  if (!fs::exists(d + "/model.safetensors"))
     ADD_FAILURE() << d << " has no model.safetensors: run `make model` first";
   return d;
 }

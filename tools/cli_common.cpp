@@ -1,12 +1,12 @@
 #include "tools/cli_common.h"
 
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 
 #include "core/error.h"
+#include "core/fs.h"
 
 namespace kakeya::cli {
 
@@ -30,7 +30,7 @@ at::ScalarType DeviceFlags::torch_dtype() const {
 }
 
 static void check_model_dir(const std::string& dir) {
-  KAKEYA_CHECK(std::filesystem::is_directory(dir),
+  KAKEYA_CHECK(fs::is_directory(dir),
                dir << ": model directory not found (run `make model` for the default model)");
 }
 
@@ -61,19 +61,7 @@ std::string read_file(const std::string& path) {
   return ss.str();
 }
 
-void write_json(const std::string& path, const nlohmann::json& j) {
-  namespace fs = std::filesystem;
-  fs::path p(path);
-  if (p.has_parent_path()) fs::create_directories(p.parent_path());
-  std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp);
-    KAKEYA_CHECK(f.good(), tmp << ": cannot write");
-    f << j.dump(2) << "\n";
-    KAKEYA_CHECK(f.good(), tmp << ": write failed (disk full?)");
-  }
-  fs::rename(tmp, path);
-}
+void write_json(const std::string& path, const nlohmann::json& j) { fs::write_atomic(path, j.dump(2) + "\n"); }
 
 std::string device_description(const at::Device& dev) { return dev.is_cuda() ? "cuda" : "cpu"; }
 

@@ -3,10 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
-#include <filesystem>
 #include <iostream>
 
 #include "core/error.h"
+#include "core/fs.h"
 #include "infer/generate.h"
 #include "tools/cli_common.h"
 
@@ -99,7 +99,7 @@ void register_bench(CLI::App& app) {
 
     nlohmann::json peer = nlohmann::json::object();
     if (!o->no_peer) {
-      std::string ids_path = (std::filesystem::temp_directory_path() / "kakeya_bench_prompt.json").string();
+      std::string ids_path = fs::temp_dir() + "/kakeya_bench_prompt.json";
       write_json(ids_path, prompt);
       std::string cmd = o->python + " " + o->peer + " --model " + o->model + " --ids " + ids_path +
                         " --new-tokens " + std::to_string(o->new_tokens) + " --device " + o->df.device +

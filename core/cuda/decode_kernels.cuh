@@ -1,0 +1,323 @@
+// Framework-free CUDA kernels for the decoder's hot path (FlashInfer layering:
+// this file knows raw pointers and streams only; core/cuda/decode_ops.cu wraps
+// it for at::Tensor; core/ops.h is the one declaration the model calls).
+//
+// Rounding follows HF transformers' op order in the activation dtype T, so a
+// fused kernel returns what the unfused LibTorch ops return: every place where
+// PyTorch would materialise a T tensor, we round to T (to_t(from_t(...))).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace kakeya::kernels {
+
+template <typename T> __device__ __forceinline__ float from_t(T x);
+template <> __device__ __forceinline__ float from_t<float>(float x) { return x; }
+template <> __device__ __forceinline__ float from_t<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T to_t(float x);
+template <> __device__ __forceinline__ float to_t<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 to_t<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+// Round through T (what storing an intermediate tensor of dtype T does).
+template <typename T> __device__ __forceinline__ float rnd(float x) { return from_t<T>(to_t<T>(x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Sum over the block; every thread gets the result. `red` holds >= 32 floats.
+__device__ __forceinline__ float block_sum(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_sum(v);
+  __syncthreads();  // red may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? red[lane] : 0.f;
+  return warp_sum(v);
+}
+
+// RMSNorm of one value given the row's inverse RMS. Gemma (unit_offset): the
+// weight is 1+w folded in f32 and the product is rounded once; Llama/Qwen round
+// x̂ to T before multiplying by w.
+template <typename T>
+__device__ __forceinline__ float norm_value(float x, float inv_rms, float w, bool unit_offset) {
+  return unit_offset ? x * inv_rms * w : w * rnd<T>(x * inv_rms);
+}
+
+// ---------------------------------------------------------------------------
+// out[r, :] = rms_norm(x[r, :]) · w            x, out: [rows, H]; w: [H] f32
+template <typename T>
+__global__ void rms_norm_kernel(const T* __restrict__ x, const float* __restrict__ w, T* __restrict__ out, int H,
+                                float eps, bool unit_offset) {
+  __shared__ float red[32];
+  const T* xr = x + (int64_t)blockIdx.x * H;
+  T* orow = out + (int64_t)blockIdx.x * H;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    float v = from_t<T>(xr[i]);
+    ss += v * v;
+  }
+  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x) orow[i] = to_t<T>(norm_value<T>(from_t<T>(xr[i]), inv, w[i], unit_offset));
+}
+
+template <typename T>
+void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float eps, bool unit_offset, cudaStream_t s) {
+  rms_norm_kernel<T><<<rows, 256, 0, s>>>(x, w, out, H, eps, unit_offset);
+}
+
+// ---------------------------------------------------------------------------
+// The residual step of a decoder layer, fused:
+//   a = w_post ? rms_norm(x)·w_post : x        (Gemma's post-attention / post-FFN norm)
+//   h = h + a                                  (in place: h is the residual stream)
+//   y = rms_norm(h)·w_next                     (the next pre-norm)
+// h, x, y: [rows, H]; w_post (nullable), w_next: [H] f32. Dynamic smem: H floats.
+template <typename T>
+__global__ void add_rms_norm_kernel(T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
+                                    const float* __restrict__ w_next, T* __restrict__ y, int H, float eps,
+                                    bool unit_offset) {
+  extern __shared__ float hs[];  // [H] the new residual, as rounded to T
+  __shared__ float red[32];
+  const int64_t base = (int64_t)blockIdx.x * H;
+  float inv_x = 1.f;
+  if (w_post) {
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+      float v = from_t<T>(x[base + i]);
+      ss += v * v;
+    }
+    inv_x = rsqrtf(block_sum(ss, red) / H + eps);
+  }
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    float a = from_t<T>(x[base + i]);
+    if (w_post) a = rnd<T>(norm_value<T>(a, inv_x, w_post[i], unit_offset));
+    float v = rnd<T>(from_t<T>(h[base + i]) + a);
+    hs[i] = v;
+    h[base + i] = to_t<T>(v);
+    ss += v * v;
+  }
+  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x) y[base + i] = to_t<T>(norm_value<T>(hs[i], inv, w_next[i], unit_offset));
+}
+
+template <typename T>
+void launch_add_rms_norm(T* h, const T* x, const float* w_post, const float* w_next, T* y, int rows, int H, float eps,
+                         bool unit_offset, cudaStream_t s) {
+  add_rms_norm_kernel<T><<<rows, 256, H * sizeof(float), s>>>(h, x, w_post, w_next, y, H, eps, unit_offset);
+}
+
+// ---------------------------------------------------------------------------
+// q/k head norm + RoPE + K/V cache store, one block per (token, head).
+//   qkv:  [B·T, Hq·D + 2·Hkv·D]  (the fused projection output, row-major)
+//   heads 0..Hq-1 are q heads -> q_out [B·T, Hq, D];
+//   heads Hq..Hq+Hkv-1 are k heads -> k_cache[b, h, slot, :], with v copied to v_cache.
+//   cos, sin: [P, rot] in T (HF casts its tables to the activation dtype).
+//   positions: [T] int64; slot = position mod S (a ring for sliding layers).
+//   q_w/k_w: [D] f32 norm weights, nullptr when the family has no q/k norm.
+// Threads: one per rotary pair (rot/2), plus pass-through dims past rot.
+template <typename T>
+__global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float* __restrict__ q_w,
+                                          const float* __restrict__ k_w, const T* __restrict__ cos_t,
+                                          const T* __restrict__ sin_t, const int64_t* __restrict__ positions,
+                                          T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
+                                          int T_len, int Hq, int Hkv, int D, int rot, int S, float eps,
+                                          bool unit_offset) {
+  __shared__ float red[32];
+  extern __shared__ float xs[];  // [D] the normed head, rounded to T
+  const int n = blockIdx.x;      // token row: b·T + t
+  const int head = blockIdx.y;
+  const int t = n % T_len, b = n / T_len;
+  const bool is_q = head < Hq;
+  const int row_w = (Hq + 2 * Hkv) * D;
+  const T* src = qkv + (int64_t)n * row_w + (int64_t)head * D;
+  const float* w = is_q ? q_w : k_w;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float v = from_t<T>(src[i]);
+    ss += v * v;
+  }
+  float inv = 1.f;
+  if (w) inv = rsqrtf(block_sum(ss, red) / D + eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float v = from_t<T>(src[i]);
+    xs[i] = w ? rnd<T>(norm_value<T>(v, inv, w[i], unit_offset)) : v;
+  }
+  __syncthreads();
+  const int64_t pos = positions[t];
+  const T* c = cos_t + pos * rot;
+  const T* s = sin_t + pos * rot;
+  T* dst;
+  if (is_q) {
+    dst = q_out + ((int64_t)n * Hq + head) * D;
+  } else {
+    const int hk = head - Hq;
+    const int64_t slot = pos % S;
+    const int64_t off = (((int64_t)b * Hkv + hk) * S + slot) * D;
+    dst = k_cache + off;
+    const T* vsrc = qkv + (int64_t)n * row_w + (int64_t)(Hq + Hkv + hk) * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) v_cache[off + i] = vsrc[i];
+  }
+  const int half = rot / 2;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    // HF: x·cos + rotate_half(x)·sin, rotate_half(x) = [-x2, x1]; each product rounded to T.
+    float x1 = xs[i], x2 = xs[i + half];
+    dst[i] = to_t<T>(rnd<T>(x1 * from_t<T>(c[i])) + rnd<T>(-x2 * from_t<T>(s[i])));
+    dst[i + half] = to_t<T>(rnd<T>(x2 * from_t<T>(c[i + half])) + rnd<T>(x1 * from_t<T>(s[i + half])));
+  }
+  for (int i = rot + threadIdx.x; i < D; i += blockDim.x) dst[i] = to_t<T>(xs[i]);
+}
+
+template <typename T>
+void launch_qk_norm_rope_store(const T* qkv, const float* q_w, const float* k_w, const T* cos_t, const T* sin_t,
+                               const int64_t* positions, T* q_out, T* k_cache, T* v_cache, int B, int T_len, int Hq,
+                               int Hkv, int D, int rot, int S, float eps, bool unit_offset, cudaStream_t s) {
+  dim3 grid(B * T_len, Hq + Hkv);
+  int threads = D >= 256 ? 128 : (D >= 128 ? 64 : 32);
+  qk_norm_rope_store_kernel<T><<<grid, threads, D * sizeof(float), s>>>(qkv, q_w, k_w, cos_t, sin_t, positions, q_out,
+                                                                       k_cache, v_cache, T_len, Hq, Hkv, D, rot, S, eps,
+                                                                       unit_offset);
+}
+
+// ---------------------------------------------------------------------------
+// Decode attention (one query per sequence) over a cache whose slots carry
+// absolute positions (-1 = empty), split over the key axis (flash-decoding).
+//   q: [B, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [S]; q_pos: [1] (device)
+//   partial: [B·Hq, chunks, D + 2] f32 (acc, max, sum); out: [B, Hq, D]
+// Visibility: 0 <= p <= q_pos and (window == 0 or q_pos - p < window).
+constexpr int kAttnWarps = 4;
+constexpr int kAttnChunk = 128;  // keys per block
+
+template <typename T, int VPL>  // VPL: values per lane = D / 32
+__global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                           const int64_t* __restrict__ slot_pos, const int64_t* __restrict__ q_pos,
+                                           float* __restrict__ partial, int Hq, int Hkv, int S, int window, float scale,
+                                           float softcap) {
+  constexpr int D = VPL * 32;
+  const int chunk = blockIdx.x, bh = blockIdx.y, nchunks = gridDim.x;
+  const int b = bh / Hq, hq = bh % Hq, hk = hq / (Hq / Hkv);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t qp = *q_pos;
+  float qv[VPL], acc[VPL];
+  for (int i = 0; i < VPL; ++i) {
+    qv[i] = from_t<T>(q[(int64_t)bh * D + lane * VPL + i]) * scale;
+    acc[i] = 0.f;
+  }
+  float m = -INFINITY, l = 0.f;
+  const T* kb = k + ((int64_t)b * Hkv + hk) * S * D;
+  const T* vb = v + ((int64_t)b * Hkv + hk) * S * D;
+  const int start = chunk * kAttnChunk, end = min(S, start + kAttnChunk);
+  for (int j = start + warp; j < end; j += kAttnWarps) {
+    const int64_t p = slot_pos[j];
+    if (p < 0 || p > qp || (window > 0 && qp - p >= window)) continue;  // warp-uniform
+    float sdot = 0.f;
+    const T* kr = kb + (int64_t)j * D + lane * VPL;
+    for (int i = 0; i < VPL; ++i) sdot += qv[i] * from_t<T>(kr[i]);
+    sdot = warp_sum(sdot);
+    if (softcap > 0.f) sdot = tanhf(sdot / softcap) * softcap;
+    const float m_new = fmaxf(m, sdot);
+    const float corr = __expf(m - m_new), pj = __expf(sdot - m_new);
+    l = l * corr + pj;
+    const T* vr = vb + (int64_t)j * D + lane * VPL;
+    for (int i = 0; i < VPL; ++i) acc[i] = acc[i] * corr + pj * from_t<T>(vr[i]);
+    m = m_new;
+  }
+  // Merge the warps of this block.
+  __shared__ float sm[kAttnWarps], sl[kAttnWarps];
+  __shared__ float sacc[kAttnWarps][D];
+  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+  for (int i = 0; i < VPL; ++i) sacc[warp][lane * VPL + i] = acc[i];
+  __syncthreads();
+  float M = -INFINITY;
+  for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm[w]);
+  float* out = partial + ((int64_t)bh * nchunks + chunk) * (D + 2);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.f;
+    for (int w = 0; w < kAttnWarps; ++w) a += sm[w] == -INFINITY ? 0.f : sacc[w][d] * __expf(sm[w] - M);
+    out[d] = a;
+  }
+  if (threadIdx.x == 0) {
+    float L = 0.f;
+    for (int w = 0; w < kAttnWarps; ++w) L += sm[w] == -INFINITY ? 0.f : sl[w] * __expf(sm[w] - M);
+    out[D] = M;
+    out[D + 1] = L;
+  }
+}
+
+template <typename T>
+__global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T* __restrict__ out, int D, int nchunks) {
+  const int bh = blockIdx.x;
+  const float* p = partial + (int64_t)bh * nchunks * (D + 2);
+  float M = -INFINITY;
+  for (int c = 0; c < nchunks; ++c) M = fmaxf(M, p[c * (D + 2) + D]);
+  float L = 0.f;
+  for (int c = 0; c < nchunks; ++c) {
+    float mc = p[c * (D + 2) + D];
+    if (mc != -INFINITY) L += p[c * (D + 2) + D + 1] * __expf(mc - M);
+  }
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.f;
+    for (int c = 0; c < nchunks; ++c) {
+      float mc = p[c * (D + 2) + D];
+      if (mc != -INFINITY) a += p[c * (D + 2) + d] * __expf(mc - M);
+    }
+    out[(int64_t)bh * D + d] = to_t<T>(L > 0.f ? a / L : 0.f);
+  }
+}
+
+inline int decode_attn_chunks(int S) { return (S + kAttnChunk - 1) / kAttnChunk; }
+
+// Returns false if D is not one of the supported head dims (64, 128, 256, 512).
+template <typename T>
+bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, const int64_t* q_pos,
+                             float* partial, T* out, int B, int Hq, int Hkv, int S, int D, int window, float scale,
+                             float softcap, cudaStream_t s) {
+  const int nchunks = decode_attn_chunks(S);
+  dim3 grid(nchunks, B * Hq);
+  const int threads = kAttnWarps * 32;
+  switch (D) {
+    case 64: decode_attn_partial_kernel<T, 2><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, partial, Hq, Hkv, S, window, scale, softcap); break;
+    case 128: decode_attn_partial_kernel<T, 4><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, partial, Hq, Hkv, S, window, scale, softcap); break;
+    case 256: decode_attn_partial_kernel<T, 8><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, partial, Hq, Hkv, S, window, scale, softcap); break;
+    case 512: decode_attn_partial_kernel<T, 16><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, partial, Hq, Hkv, S, window, scale, softcap); break;
+    default: return false;
+  }
+  decode_attn_combine_kernel<T><<<B * Hq, D < 256 ? D : 256, 0, s>>>(partial, out, D, nchunks);
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// Gated MLP activation: out = act(gate) · up, gu = [gate | up]: [rows, 2I] -> out [rows, I].
+// act(gate) is rounded to T before the product, as PyTorch materialises it.
+template <typename T>
+__global__ void act_mul_kernel(const T* __restrict__ gu, T* __restrict__ out, int64_t rows, int I, bool gelu_tanh) {
+  const int64_t n = rows * I;
+  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = idx / I, i = idx % I;
+    const float g = from_t<T>(gu[r * 2 * I + i]), u = from_t<T>(gu[r * 2 * I + I + i]);
+    float a;
+    if (gelu_tanh) {
+      const float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2/pi), as PyTorch's tanh GELU
+      a = 0.5f * g * (1.f + tanhf(kBeta * (g + kKappa * g * g * g)));
+    } else {
+      a = g / (1.f + __expf(-g));
+    }
+    out[idx] = to_t<T>(rnd<T>(a) * u);
+  }
+}
+
+template <typename T>
+void launch_act_mul(const T* gu, T* out, int64_t rows, int I, bool gelu_tanh, cudaStream_t s) {
+  const int64_t n = rows * I;
+  const int threads = 256;
+  const int blocks = (int)std::min<int64_t>((n + threads - 1) / threads, 4096);
+  act_mul_kernel<T><<<blocks, threads, 0, s>>>(gu, out, rows, I, gelu_tanh);
+}
+
+}  // namespace kakeya::kernels

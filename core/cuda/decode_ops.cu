@@ -1,0 +1,158 @@
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/cuda/decode_kernels.cuh"
+#include "core/cuda/decode_ops.h"
+
+namespace kakeya::ops::cuda {
+namespace k = kakeya::kernels;
+
+namespace {
+
+void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, ": expected a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+void check_act(const at::Tensor& t, const char* name) {
+  check_cuda(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, name,
+              ": expected bf16 or f32, got ", t.scalar_type());
+}
+void check_w(const at::Tensor& w, int64_t n, const char* name) {
+  check_cuda(w, name);
+  TORCH_CHECK(w.scalar_type() == at::kFloat, name, ": norm weights must be f32, got ", w.scalar_type());
+  TORCH_CHECK(w.numel() == n, name, ": expected ", n, " values, got ", w.numel());
+}
+
+// Calls f with a typed null pointer selecting float or __nv_bfloat16.
+template <typename F>
+void dispatch(at::ScalarType st, F&& f) {
+  if (st == at::kFloat) f((float*)nullptr);
+  else f((__nv_bfloat16*)nullptr);
+}
+template <typename T> T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, bool unit_offset) {
+  auto x = x_in.contiguous();
+  check_act(x, "rms_norm x");
+  const int64_t H = x.size(-1);
+  check_w(w, H, "rms_norm w");
+  c10::cuda::CUDAGuard g(x.device());
+  auto out = at::empty_like(x);
+  dispatch(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    k::launch_rms_norm<T>(ptr<T>(x), w.data_ptr<float>(), ptr<T>(out), x.numel() / H, H, eps, unit_offset,
+                          at::cuda::getCurrentCUDAStream());
+  });
+  return out;
+}
+
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in, const at::Tensor& x_in, const at::Tensor& w_post,
+                                               const at::Tensor& w_next, double eps, bool unit_offset) {
+  auto h = h_in.contiguous(), x = x_in.contiguous();
+  check_act(h, "add_rms_norm h");
+  check_act(x, "add_rms_norm x");
+  TORCH_CHECK(h.sizes() == x.sizes() && h.scalar_type() == x.scalar_type(), "add_rms_norm: h ", h.sizes(), " vs x ",
+              x.sizes());
+  const int64_t H = h.size(-1);
+  if (w_post.defined()) check_w(w_post, H, "add_rms_norm w_post");
+  check_w(w_next, H, "add_rms_norm w_next");
+  TORCH_CHECK(H * 4 <= 48 * 1024, "add_rms_norm: hidden size ", H, " exceeds the kernel's shared memory");
+  c10::cuda::CUDAGuard g(h.device());
+  auto h2 = h.clone();  // out of place: tap subscribers may hold the previous residual
+  auto y = at::empty_like(h);
+  dispatch(h.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    k::launch_add_rms_norm<T>(ptr<T>(h2), ptr<T>(x), w_post.defined() ? w_post.data_ptr<float>() : nullptr,
+                              w_next.data_ptr<float>(), ptr<T>(y), h.numel() / H, H, eps, unit_offset,
+                              at::cuda::getCurrentCUDAStream());
+  });
+  return {h2, y};
+}
+
+at::Tensor act_mul(const at::Tensor& gu_in, bool gelu_tanh) {
+  auto gu = gu_in.contiguous();
+  check_act(gu, "act_mul gu");
+  TORCH_CHECK(gu.size(-1) % 2 == 0, "act_mul: last dim ", gu.size(-1), " must be even ([gate | up])");
+  const int64_t I = gu.size(-1) / 2;
+  c10::cuda::CUDAGuard g(gu.device());
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, gu.options());
+  dispatch(gu.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    k::launch_act_mul<T>(ptr<T>(gu), ptr<T>(out), gu.numel() / (2 * I), I, gelu_tanh, at::cuda::getCurrentCUDAStream());
+  });
+  return out;
+}
+
+at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positions, const QKRopeArgs& a,
+                              at::Tensor& k_cache, at::Tensor& v_cache) {
+  auto qkv = qkv_in.contiguous();
+  check_act(qkv, "qk_norm_rope_store qkv");
+  check_cuda(positions, "qk_norm_rope_store positions");
+  check_cuda(k_cache, "k_cache");
+  check_cuda(v_cache, "v_cache");
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
+  const int64_t B = qkv.size(0), T = qkv.size(1), Hq = a.num_heads, Hkv = a.num_kv_heads, D = a.head_dim;
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) == (Hq + 2 * Hkv) * D, "qkv: expected [B, T, ", (Hq + 2 * Hkv) * D,
+              "], got ", qkv.sizes());
+  TORCH_CHECK(positions.numel() == T, "positions: expected ", T, " entries, got ", positions.numel());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D &&
+                  v_cache.sizes() == k_cache.sizes(),
+              "k/v cache: expected [", B, ", ", Hkv, ", S, ", D, "], got ", k_cache.sizes(), " / ", v_cache.sizes());
+  TORCH_CHECK(T < k_cache.size(2), "qk_norm_rope_store: chunk of ", T, " tokens does not fit a ring of ", k_cache.size(2));
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && a.cos.scalar_type() == qkv.scalar_type(),
+              "qk_norm_rope_store: cache / RoPE table dtype must match qkv");
+  if (a.q_norm.defined()) check_w(a.q_norm, D, "q_norm");
+  if (a.k_norm.defined()) check_w(a.k_norm, D, "k_norm");
+  check_cuda(a.cos, "rope cos");
+  check_cuda(a.sin, "rope sin");
+  const int64_t rot = a.cos.size(1);
+  TORCH_CHECK(rot <= D && rot % 2 == 0, "rope: rotary dim ", rot, " vs head dim ", D);
+  c10::cuda::CUDAGuard g(qkv.device());
+  auto q = at::empty({B, T, Hq, D}, qkv.options());
+  dispatch(qkv.scalar_type(), [&](auto* tag) {
+    using Ty = std::remove_pointer_t<decltype(tag)>;
+    k::launch_qk_norm_rope_store<Ty>(ptr<Ty>(qkv), a.q_norm.defined() ? a.q_norm.data_ptr<float>() : nullptr,
+                                     a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr, ptr<Ty>(a.cos),
+                                     ptr<Ty>(a.sin), positions.data_ptr<int64_t>(), ptr<Ty>(q), ptr<Ty>(k_cache),
+                                     ptr<Ty>(v_cache), B, T, Hq, Hkv, D, rot, k_cache.size(2), a.norm.eps,
+                                     a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
+  });
+  return q;
+}
+
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
+                            const at::Tensor& q_pos, int64_t window, double scale, double softcap) {
+  auto q = q_in.contiguous();
+  check_act(q, "decode_attention q");
+  check_cuda(k, "decode_attention k");
+  check_cuda(v, "decode_attention v");
+  check_cuda(slot_pos, "decode_attention slot_pos");
+  check_cuda(q_pos, "decode_attention q_pos");
+  TORCH_CHECK(q.dim() == 4 && q.size(1) == 1, "decode_attention q: expected [B, 1, Hq, D], got ", q.sizes());
+  const int64_t B = q.size(0), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D, "decode_attention k/v: ", k.sizes(), " vs q ",
+              q.sizes());
+  TORCH_CHECK(Hq % Hkv == 0, "decode_attention: ", Hq, " q heads vs ", Hkv, " kv heads");
+  TORCH_CHECK(slot_pos.numel() == S && slot_pos.scalar_type() == at::kLong, "slot_pos: expected [", S, "] int64");
+  TORCH_CHECK(q_pos.numel() == 1 && q_pos.scalar_type() == at::kLong, "q_pos: expected [1] int64");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "decode_attention: cache dtype must match q");
+  c10::cuda::CUDAGuard g(q.device());
+  auto partial = at::empty({B * Hq, k::decode_attn_chunks(S), D + 2}, q.options().dtype(at::kFloat));
+  auto out = at::empty({B, 1, Hq * D}, q.options());
+  bool ok = false;
+  dispatch(q.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    ok = k::launch_decode_attention<T>(ptr<T>(q), ptr<T>(k), ptr<T>(v), slot_pos.data_ptr<int64_t>(),
+                                       q_pos.data_ptr<int64_t>(), partial.data_ptr<float>(), ptr<T>(out), B, Hq, Hkv, S,
+                                       D, window, scale, softcap, at::cuda::getCurrentCUDAStream());
+  });
+  TORCH_CHECK(ok, "decode_attention: head dim ", D, " not supported (64, 128, 256, 512)");
+  return out;
+}
+
+}  // namespace kakeya::ops::cuda

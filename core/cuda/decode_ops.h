@@ -1,0 +1,21 @@
+// at::Tensor wrappers of core/cuda/decode_kernels.cuh (CUDA builds only); the
+// model calls them through core/ops.h.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <utility>
+
+#include "core/ops.h"
+
+namespace kakeya::ops::cuda {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset);
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
+                                               const at::Tensor& w_next, double eps, bool unit_offset);
+at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
+at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
+                              at::Tensor& k_cache, at::Tensor& v_cache);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
+                            const at::Tensor& q_pos, int64_t window, double scale, double softcap);
+
+}  // namespace kakeya::ops::cuda

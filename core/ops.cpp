@@ -1,0 +1,65 @@
+#include "core/ops.h"
+
+#include "core/error.h"
+
+#ifdef KAKEYA_CUDA
+#include "core/cuda/decode_ops.h"
+#endif
+
+namespace kakeya::ops {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns) {
+#ifdef KAKEYA_CUDA
+  if (x.is_cuda()) return cuda::rms_norm(x, w, ns.eps, ns.unit_offset);
+#endif
+  auto xf = x.to(at::kFloat);
+  auto normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + ns.eps);
+  // Gemma: (x̂·(1+w)) in f32, then cast; Llama/Qwen: cast x̂, then ·w in the model dtype.
+  if (ns.unit_offset) return (normed * w).to(x.scalar_type());
+  return w.to(x.scalar_type()) * normed.to(x.scalar_type());
+}
+
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
+                                               const at::Tensor& w_next, const NormSpec& ns) {
+#ifdef KAKEYA_CUDA
+  if (h.is_cuda()) return cuda::add_rms_norm(h, x, w_post, w_next, ns.eps, ns.unit_offset);
+#endif
+  at::Tensor h2 = h + (w_post.defined() ? rms_norm(x, w_post, ns) : x);
+  return {h2, rms_norm(h2, w_next, ns)};
+}
+
+at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh) {
+#ifdef KAKEYA_CUDA
+  if (gu.is_cuda()) return cuda::act_mul(gu, gelu_tanh);
+#endif
+  auto parts = gu.chunk(2, -1);
+  return (gelu_tanh ? at::gelu(parts[0], "tanh") : at::silu(parts[0])) * parts[1];
+}
+
+bool cuda_kernels_available() {
+#ifdef KAKEYA_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
+                              at::Tensor& k_cache, at::Tensor& v_cache) {
+#ifdef KAKEYA_CUDA
+  return cuda::qk_norm_rope_store(qkv, positions, a, k_cache, v_cache);
+#else
+  KAKEYA_FAIL("qk_norm_rope_store: built without CUDA kernels (KAKEYA_CUDA=OFF)");
+#endif
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
+                            const at::Tensor& q_pos, int64_t window, double scale, double softcap) {
+#ifdef KAKEYA_CUDA
+  return cuda::decode_attention(q, k, v, slot_pos, q_pos, window, scale, softcap);
+#else
+  KAKEYA_FAIL("decode_attention: built without CUDA kernels (KAKEYA_CUDA=OFF)");
+#endif
+}
+
+}  // namespace kakeya::ops

@@ -1,0 +1,53 @@
+// The decoder's elementwise/normalisation ops, one declaration each. On CUDA
+// tensors (KAKEYA_CUDA builds) they run the fused kernels of
+// core/cuda/decode_kernels.cuh; otherwise the LibTorch reference below, which
+// follows HF transformers' op order (tests/test_cuda_ops.cpp checks the kernels
+// against it over odd sizes). Norm weights are f32: Gemma's 1+w folded, or
+// Llama/Qwen's w (already rounded to the model dtype).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <utility>
+
+namespace kakeya::ops {
+
+struct NormSpec {
+  double eps = 1e-6;
+  bool unit_offset = false;  // Gemma: x̂·(1+w) in f32, one rounding
+};
+
+// x: [..., H]; w: [H] f32 -> [..., H] in x's dtype.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns);
+
+// The residual step: a = w_post defined ? rms_norm(x, w_post) : x; h' = h + a; y = rms_norm(h', w_next).
+// h, x: [..., H]; w_post: [H] f32 or undefined; w_next: [H] f32. Returns {h', y}.
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
+                                               const at::Tensor& w_next, const NormSpec& ns);
+
+// gu: [..., 2I] = [gate | up] -> act(gate)·up: [..., I]. gelu_tanh or silu.
+at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
+
+// True when this build has the CUDA kernels (the two ops below have no CPU version:
+// their reference is the unfused path of Model::forward).
+bool cuda_kernels_available();
+
+struct QKRopeArgs {
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  NormSpec norm;
+  at::Tensor q_norm, k_norm;  // [D] f32, or undefined (no q/k norm)
+  at::Tensor cos, sin;        // [P, rot] in the activation dtype
+};
+// qkv: [B, T, (Hq + 2·Hkv)·D] contiguous; positions: [T] int64.
+// Writes normed+RoPE'd k and raw v into k_cache/v_cache [B, H_kv, S, D] at slot
+// = position mod S (T must be < S); returns normed+RoPE'd q: [B, T, Hq, D].
+at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
+                              at::Tensor& k_cache, at::Tensor& v_cache);
+
+// One query per sequence. q: [B, 1, Hq, D]; k, v: [B, H_kv, S, D]; slot_pos: [S] int64
+// (-1 empty); q_pos: [1] int64 on the device. window 0 = full attention; softcap 0 = none.
+// Returns [B, 1, Hq·D].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
+                            const at::Tensor& q_pos, int64_t window, double scale, double softcap);
+
+}  // namespace kakeya::ops

@@ -1,0 +1,144 @@
+// The fused CUDA kernels (core/cuda/decode_kernels.cuh) against the plain
+// LibTorch reference over odd sizes, f32 and bf16 (label gpu: runs on the GPU
+// machine only; CI builds without CUDA).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include "core/ops.h"
+#include "core/rope.h"
+
+using namespace kakeya;
+
+namespace {
+
+const at::Device kCuda(at::kCUDA, 0);
+
+// f32: 1e-5 relative to the tensor's scale. bf16: one rounding step of the
+// larger value (2^-7 relative) — the kernel and PyTorch may round a float
+// that sits on a bf16 tie differently after a different summation order.
+void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+  auto g = got.to(at::kCPU, at::kFloat), w = want.to(at::kFloat);
+  ASSERT_EQ(g.sizes(), w.sizes()) << what;
+  auto err = (g - w).abs();
+  if (want.scalar_type() == at::kBFloat16) {
+    auto tol = at::maximum(g.abs(), w.abs()) * (1.0 / 128) + 1e-6;
+    EXPECT_TRUE(err.le(tol).all().item<bool>()) << what << ": max err " << err.max().item<double>();
+    // And nearly all elements identical: a systematic error would show here.
+    EXPECT_GE(err.eq(0).to(at::kFloat).mean().item<double>(), 0.97) << what;
+  } else {
+    double scale = w.abs().max().item<double>() + 1e-6;
+    EXPECT_LE(err.max().item<double>(), 1e-5 * scale) << what;
+  }
+}
+
+class CudaOps : public ::testing::TestWithParam<at::ScalarType> {
+ protected:
+  void SetUp() override {
+    if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
+    at::manual_seed(1234);
+  }
+  at::ScalarType dt() const { return GetParam(); }
+};
+
+TEST_P(CudaOps, RmsNorm) {
+  for (int64_t H : {7, 640, 1000})
+    for (bool unit : {true, false}) {
+      auto x = at::randn({3, 2, H}).to(dt());
+      auto w = at::randn({H}) * 0.3;
+      if (!unit) w = w.to(dt()).to(at::kFloat);
+      ops::NormSpec ns{1e-6, unit};
+      expect_close(ops::rms_norm(x.to(kCuda), w.to(kCuda), ns), ops::rms_norm(x, w, ns),
+                   "rms_norm H=" + std::to_string(H));
+    }
+}
+
+TEST_P(CudaOps, AddRmsNorm) {
+  for (int64_t H : {5, 640, 1111})
+    for (bool post : {true, false}) {
+      auto h = at::randn({2, 3, H}).to(dt()), x = at::randn({2, 3, H}).to(dt());
+      auto wp = post ? at::randn({H}) * 0.2 + 1 : at::Tensor(), wn = at::randn({H}) * 0.2 + 1;
+      ops::NormSpec ns{1e-6, true};
+      auto [h_ref, y_ref] = ops::add_rms_norm(h, x, wp, wn, ns);
+      auto [h_got, y_got] = ops::add_rms_norm(h.to(kCuda), x.to(kCuda), post ? wp.to(kCuda) : wp, wn.to(kCuda), ns);
+      expect_close(h_got, h_ref, "add_rms_norm h H=" + std::to_string(H));
+      expect_close(y_got, y_ref, "add_rms_norm y H=" + std::to_string(H));
+    }
+}
+
+TEST_P(CudaOps, ActMul) {
+  for (int64_t I : {3, 2048, 1001})
+    for (bool gelu : {true, false}) {
+      auto gu = (at::randn({2, 5, 2 * I}) * 3).to(dt());
+      expect_close(ops::act_mul(gu.to(kCuda), gelu), ops::act_mul(gu, gelu), "act_mul I=" + std::to_string(I));
+    }
+}
+
+// Reference: split, per-head RMSNorm, RoPE, store at position mod S (the unfused path of Model::forward).
+TEST_P(CudaOps, QkNormRopeStore) {
+  struct Case { int64_t Hq, Hkv, D, S, T; double partial; bool norm; };
+  for (auto c : {Case{4, 1, 256, 70, 1, 1.0, true}, Case{6, 2, 64, 37, 5, 1.0, false}, Case{4, 2, 128, 33, 3, 0.25, true}}) {
+    RopeParams rp;
+    rp.type = c.partial < 1 ? "proportional" : "default";
+    rp.partial_rotary_factor = c.partial;
+    rp.theta = 10000;
+    const int64_t B = 2, P = 100;
+    RopeTable rope(rp, c.D, P, dt(), at::kCPU);
+    RopeTable rope_gpu(rp, c.D, P, dt(), kCuda);
+    auto qkv = at::randn({B, c.T, (c.Hq + 2 * c.Hkv) * c.D}).to(dt());
+    auto positions = at::arange(40, 40 + c.T, at::kLong);
+    auto qw = at::randn({c.D}) * 0.2 + 1, kw = at::randn({c.D}) * 0.2 + 1;
+    ops::NormSpec ns{1e-6, true};
+    // Reference.
+    const int64_t qd = c.Hq * c.D, kvd = c.Hkv * c.D;
+    auto q = qkv.slice(-1, 0, qd).view({B, c.T, c.Hq, c.D});
+    auto k = qkv.slice(-1, qd, qd + kvd).view({B, c.T, c.Hkv, c.D});
+    auto v = qkv.slice(-1, qd + kvd).view({B, c.T, c.Hkv, c.D});
+    if (c.norm) { q = ops::rms_norm(q, qw, ns); k = ops::rms_norm(k, kw, ns); }
+    auto q_ref = rope.apply(q, positions);
+    auto k_ref = rope.apply(k, positions).transpose(1, 2);
+    auto kc_ref = at::zeros({B, c.Hkv, c.S, c.D}, dt()), vc_ref = at::zeros({B, c.Hkv, c.S, c.D}, dt());
+    kc_ref.index_copy_(2, positions.remainder(c.S), k_ref);
+    vc_ref.index_copy_(2, positions.remainder(c.S), v.transpose(1, 2));
+    // Kernel.
+    ops::QKRopeArgs a{c.Hq, c.Hkv, c.D, ns, c.norm ? qw.to(kCuda) : at::Tensor(), c.norm ? kw.to(kCuda) : at::Tensor(),
+                      rope_gpu.cos(), rope_gpu.sin()};
+    auto kc = at::zeros({B, c.Hkv, c.S, c.D}, at::TensorOptions().dtype(dt()).device(kCuda)), vc = at::zeros_like(kc);
+    auto q_got = ops::qk_norm_rope_store(qkv.to(kCuda), positions.to(kCuda), a, kc, vc);
+    std::string tag = "D=" + std::to_string(c.D) + " T=" + std::to_string(c.T);
+    expect_close(q_got, q_ref, "q " + tag);
+    expect_close(kc, kc_ref, "k cache " + tag);
+    expect_close(vc, vc_ref, "v cache " + tag);
+  }
+}
+
+// Reference: SDPA over the whole cache with the visibility mask.
+TEST_P(CudaOps, DecodeAttention) {
+  struct Case { int64_t Hq, Hkv, D, S, window; double softcap; };
+  for (auto c : {Case{4, 1, 256, 300, 0, 0.0}, Case{6, 2, 64, 37, 16, 0.0}, Case{8, 8, 128, 129, 0, 30.0},
+                 Case{4, 2, 512, 700, 100, 0.0}}) {
+    const int64_t B = 2;
+    auto q = at::randn({B, 1, c.Hq, c.D}).to(dt());
+    auto k = at::randn({B, c.Hkv, c.S, c.D}).to(dt()), v = at::randn({B, c.Hkv, c.S, c.D}).to(dt());
+    // Slots hold a shuffled ring of positions with a few empty ones.
+    auto slot_pos = at::randperm(c.S, at::kLong) + 5;
+    slot_pos.index_put_({at::arange(0, c.S, 7)}, -1);
+    auto q_pos = at::full({1}, c.S - 3, at::kLong);
+    const double scale = 1.0 / std::sqrt((double)c.D);
+    auto sp = slot_pos.unsqueeze(0), qp = q_pos.unsqueeze(1);
+    auto mask = sp.ge(0).logical_and(sp.le(qp));
+    if (c.window) mask = mask.logical_and((qp - sp).lt(c.window));
+    const int64_t G = c.Hq / c.Hkv;
+    auto qf = q.to(at::kFloat).permute({0, 2, 1, 3}).reshape({B, c.Hkv, G, c.D});
+    auto s = at::matmul(qf, k.to(at::kFloat).transpose(-1, -2)) * scale;  // [B, Hkv, G, S]
+    if (c.softcap > 0) s = at::tanh(s / c.softcap) * c.softcap;
+    s = s.masked_fill(mask.logical_not(), -INFINITY);
+    auto ref = at::matmul(at::softmax(s, -1), v.to(at::kFloat)).reshape({B, 1, c.Hq * c.D}).to(dt());
+    auto got = ops::decode_attention(q.to(kCuda), k.to(kCuda), v.to(kCuda), slot_pos.to(kCuda), q_pos.to(kCuda),
+                                     c.window, scale, c.softcap);
+    expect_close(got, ref, "decode_attention D=" + std::to_string(c.D) + " S=" + std::to_string(c.S));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOps, ::testing::Values(at::kFloat, at::kBFloat16));
+
+}  // namespace
