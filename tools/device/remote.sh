@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on the GPU machine, from the repo root, through the device tool. Steps:
 #   recv             copy the carried .carry/parts/gguf.partNN into /tmp/models (one chunk per call)
-#   build            configure + build with CUDA into build-cuda/ (in the background; log /tmp/kbuild.log)
+#   build            configure + build with CUDA into build-cuda/ (in the background; log /tmp/kbuild.log;
+#                    $KAKEYA_TARGETS limits the targets, $KAKEYA_TESTS=OFF skips the test suite)
 #   model            reassemble the GGUF, check its sha256, convert to /tmp/models/gemma3-270m
 #   wait             wait for the background build
 # A warm machine keeps /tmp/models and build-cuda/ between calls.
@@ -16,7 +17,7 @@ for step in "$@"; do
     build)
       TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
       setsid nohup bash -c "cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON \
-          -DKAKEYA_TESTS=\${KAKEYA_TESTS:-ON} -DCMAKE_PREFIX_PATH=$TORCH_CMAKE && cmake --build build-cuda -j 16; echo BUILD_EXIT=\$?" \
+          -DKAKEYA_TESTS=\${KAKEYA_TESTS:-ON} -DCMAKE_PREFIX_PATH=$TORCH_CMAKE && cmake --build build-cuda -j 16 \${KAKEYA_TARGETS:+--target \$KAKEYA_TARGETS}; echo BUILD_EXIT=\$?" \
           > /tmp/kbuild.log 2>&1 < /dev/null &
       echo "build started" ;;
     wait)
