@@ -592,7 +592,9 @@ at::Tensor Drafter::attention(const at::Tensor& q, const at::Tensor& k, const at
     if (mask.dim() == 2) m = G == 1 ? mask : mask.repeat({G, 1});  // [G·T, S]
     else m = (G == 1 ? mask : mask.repeat({1, G, 1})).unsqueeze(1);  // [B, 1, G·T, S]
   }
-  auto out = at::scaled_dot_product_attention(qg, k, v, m, 0.0, false, 1.0 / std::sqrt((double)D));
+  std::optional<at::Tensor> om;
+  if (m.defined()) om = m;
+  auto out = at::scaled_dot_product_attention(qg, k, v, om, 0.0, false, 1.0 / std::sqrt((double)D));
   return out.reshape({B, Hq, T, D}).permute({0, 2, 1, 3}).reshape({B, T, Hq * D});
 }
 
