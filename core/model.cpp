@@ -134,7 +134,7 @@ at::Tensor Model::embed(const at::Tensor& ids) const { return at::embedding(embe
 at::Tensor Model::final_norm(const at::Tensor& h) const { return rms_norm(h, norm_); }
 
 at::Tensor Model::logits(const at::Tensor& hidden) const {
-  auto lg = at::linear(hidden, lm_head_);
+  auto lg = ops::linear(hidden, lm_head_);
   if (cfg_.final_logit_softcap) {
     double c = *cfg_.final_logit_softcap;
     lg = at::tanh(lg / c) * c;
@@ -188,17 +188,19 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   const bool sliding_concat = first_sliding >= 0 && !cache.write_first(first_sliding, T);
   at::Tensor old_sliding_pos = sliding_concat ? cache.slot_positions(first_sliding).clone() : at::Tensor();
   cache.mark(positions);
-  at::Tensor mask_full, mask_sliding;
-  if (first_full >= 0) mask_full = visible(cache.slot_positions(first_full), positions, 0);
-  if (first_sliding >= 0)
-    mask_sliding = sliding_concat ? visible(at::cat({old_sliding_pos, positions}), positions, cfg_.sliding_window)
-                                  : visible(cache.slot_positions(first_sliding), positions, cfg_.sliding_window);
-
   const Taps* taps = fo.taps && !fo.taps->empty() ? fo.taps : nullptr;
   // Fused CUDA kernels where nothing needs the intermediate tensors: q/k norm +
   // RoPE + cache store in one kernel (no subscriber taps q/k/v), and the
-  // one-query attention kernel for decode steps.
+  // one-query attention kernel for decode steps, which reads visibility from
+  // the slot positions itself (no mask tensors).
   const bool cuda_fused = ids.is_cuda() && ops::cuda_kernels_available();
+  const bool decode_kernel = cuda_fused && T == 1;
+  at::Tensor mask_full, mask_sliding;  // [T, S] bool
+  if (first_full >= 0 && !decode_kernel) mask_full = visible(cache.slot_positions(first_full), positions, 0);
+  if (first_sliding >= 0 && (sliding_concat || !decode_kernel))
+    mask_sliding = sliding_concat ? visible(at::cat({old_sliding_pos, positions}), positions, cfg_.sliding_window)
+                                  : visible(cache.slot_positions(first_sliding), positions, cfg_.sliding_window);
+
   at::Tensor h = embed(ids);                         // [B, T, hidden]
   at::Tensor x = rms_norm(h, layers_[0].attn_norm);  // later layers get theirs from the fused residual step
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
@@ -208,7 +210,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     TapContext ctx{l, cfg_.layer_types[l], positions};
     auto tap = [&](Tap t, at::Tensor& x) { if (taps) taps->cb(t, ctx, x); };
 
-    at::Tensor qkv = at::linear(x, w.qkv, w.qkv_bias);  // [B, T, qd + 2·kvd]
+    at::Tensor qkv = ops::linear(x, w.qkv, w.qkv_bias);  // [B, T, qd + 2·kvd]
     at::Tensor q, kc, vc;  // q: [B, T, Hq, D] after RoPE; kc, vc: [B, H_kv, T, D] when not stored yet
     const bool write_first = !sliding || !sliding_concat;
     if (cuda_fused && !taps && write_first) {
@@ -236,18 +238,18 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     if (!write_first) {
       attn = attention(l, q, at::cat({cache.keys(l), kc}, 2), at::cat({cache.values(l), vc}, 2), mask_sliding);
       cache.write(l, kc, vc, positions);
-    } else if (cuda_fused && T == 1) {
+    } else if (decode_kernel) {
       attn = ops::decode_attention(q, cache.keys(l), cache.values(l), cache.slot_positions(l), positions,
                                    sliding ? cfg_.sliding_window : 0, cfg_.attn_scale,
                                    cfg_.attn_logit_softcap.value_or(0.0));
     } else {
       attn = attention(l, q, cache.keys(l), cache.values(l), sliding ? mask_sliding : mask_full);
     }
-    at::Tensor a = at::linear(attn, w.o, w.o_bias);  // [B, T, hidden]
+    at::Tensor a = ops::linear(attn, w.o, w.o_bias);  // [B, T, hidden]
     tap(Tap::AttnOut, a);
     std::tie(h, x) = ops::add_rms_norm(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_);
 
-    at::Tensor f = at::linear(ops::act_mul(at::linear(x, w.gate_up, w.gate_up_bias), cfg_.act == Activation::GeluTanh),
+    at::Tensor f = ops::linear(ops::act_mul(ops::linear(x, w.gate_up, w.gate_up_bias), cfg_.act == Activation::GeluTanh),
                               w.down, w.down_bias);
     const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
     std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_);

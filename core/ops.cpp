@@ -28,6 +28,13 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Te
   return {h2, rms_norm(h2, w_next, ns)};
 }
 
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+#ifdef KAKEYA_CUDA
+  if (x.is_cuda()) return cuda::linear(x, w, bias);
+#endif
+  return at::linear(x, w, bias);
+}
+
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh) {
 #ifdef KAKEYA_CUDA
   if (gu.is_cuda()) return cuda::act_mul(gu, gelu_tanh);

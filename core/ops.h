@@ -25,6 +25,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
                                                const at::Tensor& w_next, const NormSpec& ns);
 
+// x: [..., K]; w: [N, K]; bias: [N] or undefined -> [..., N]. On CUDA with at most
+// 8 rows (decode, small verify blocks) a bandwidth-bound GEMV kernel, else at::linear.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = {});
+
 // gu: [..., 2I] = [gate | up] -> act(gate)·up: [..., I]. gelu_tanh or silu.
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
 

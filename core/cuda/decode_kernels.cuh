@@ -75,13 +75,14 @@ void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float 
 // ---------------------------------------------------------------------------
 // The residual step of a decoder layer, fused:
 //   a = w_post ? rms_norm(x)·w_post : x        (Gemma's post-attention / post-FFN norm)
-//   h = h + a                                  (in place: h is the residual stream)
-//   y = rms_norm(h)·w_next                     (the next pre-norm)
-// h, x, y: [rows, H]; w_post (nullable), w_next: [H] f32. Dynamic smem: H floats.
+//   h_out = h + a                              (the residual stream; out of place, since
+//                                              tap subscribers may keep the previous h)
+//   y = rms_norm(h_out)·w_next                 (the next pre-norm)
+// h, x, h_out, y: [rows, H]; w_post (nullable), w_next: [H] f32. Dynamic smem: H floats.
 template <typename T>
-__global__ void add_rms_norm_kernel(T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
-                                    const float* __restrict__ w_next, T* __restrict__ y, int H, float eps,
-                                    bool unit_offset) {
+__global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
+                                    const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ y, int H,
+                                    float eps, bool unit_offset) {
   extern __shared__ float hs[];  // [H] the new residual, as rounded to T
   __shared__ float red[32];
   const int64_t base = (int64_t)blockIdx.x * H;
@@ -100,7 +101,7 @@ __global__ void add_rms_norm_kernel(T* __restrict__ h, const T* __restrict__ x, 
     if (w_post) a = rnd<T>(norm_value<T>(a, inv_x, w_post[i], unit_offset));
     float v = rnd<T>(from_t<T>(h[base + i]) + a);
     hs[i] = v;
-    h[base + i] = to_t<T>(v);
+    h_out[base + i] = to_t<T>(v);
     ss += v * v;
   }
   const float inv = rsqrtf(block_sum(ss, red) / H + eps);
@@ -108,9 +109,9 @@ __global__ void add_rms_norm_kernel(T* __restrict__ h, const T* __restrict__ x, 
 }
 
 template <typename T>
-void launch_add_rms_norm(T* h, const T* x, const float* w_post, const float* w_next, T* y, int rows, int H, float eps,
-                         bool unit_offset, cudaStream_t s) {
-  add_rms_norm_kernel<T><<<rows, 256, H * sizeof(float), s>>>(h, x, w_post, w_next, y, H, eps, unit_offset);
+void launch_add_rms_norm(const T* h, const T* x, const float* w_post, const float* w_next, T* h_out, T* y, int rows,
+                         int H, float eps, bool unit_offset, cudaStream_t s) {
+  add_rms_norm_kernel<T><<<rows, 256, H * sizeof(float), s>>>(h, x, w_post, w_next, h_out, y, H, eps, unit_offset);
 }
 
 // ---------------------------------------------------------------------------
@@ -318,6 +319,76 @@ void launch_act_mul(const T* gu, T* out, int64_t rows, int I, bool gelu_tanh, cu
   const int threads = 256;
   const int blocks = (int)std::min<int64_t>((n + threads - 1) / threads, 4096);
   act_mul_kernel<T><<<blocks, threads, 0, s>>>(gu, out, rows, I, gelu_tanh);
+}
+
+// ---------------------------------------------------------------------------
+// Skinny matmul for decode: y[m, n] = Σ_k x[m, k]·W[n, k] (+ bias[n]), M <= kGemvMaxRows.
+// Batch-1 decode reads every weight once per token, so this is a bandwidth
+// kernel: one warp per output row, 16-byte vector loads of W, x staged in
+// shared memory as f32, f32 accumulation, one rounding to T (as cuBLAS).
+//   x: [M, K]; W: [N, K] row-major; bias: [N] or nullptr; y: [M, N]. K % (16 / sizeof(T)) == 0.
+constexpr int kGemvMaxRows = 8;
+constexpr int kGemvWarps = 8;
+
+template <typename T> struct Vec16;
+template <> struct Vec16<float> { static constexpr int n = 4; };
+template <> struct Vec16<__nv_bfloat16> { static constexpr int n = 8; };
+
+template <typename T>
+__device__ __forceinline__ void load_vec16(const T* p, float* out) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < Vec16<T>::n; ++i) out[i] = from_t<T>(e[i]);
+}
+
+template <typename T, int M>
+__global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias,
+                            T* __restrict__ y, int N, int K) {
+  extern __shared__ float xs[];  // [M, K]
+  for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = from_t<T>(x[i]);
+  __syncthreads();
+  constexpr int V = Vec16<T>::n;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = blockIdx.x * kGemvWarps + warp;
+  if (n >= N) return;
+  const T* wr = W + (int64_t)n * K;
+  float acc[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[m] = 0.f;
+  for (int k = lane * V; k < K; k += 32 * V) {
+    float w[V];
+    load_vec16<T>(wr + k, w);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float* xm = xs + m * K + k;
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[m] += w[i] * xm[i];
+    }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float v = warp_sum(acc[m]);
+    if (lane == 0) y[(int64_t)m * N + n] = to_t<T>(bias ? v + from_t<T>(bias[n]) : v);
+  }
+}
+
+// Returns false when the shape is not for this kernel (caller falls back to cuBLAS).
+template <typename T>
+bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int K, cudaStream_t s) {
+  if (M < 1 || M > kGemvMaxRows || K % Vec16<T>::n != 0 || (size_t)M * K * sizeof(float) > 48 * 1024) return false;
+  if (reinterpret_cast<uintptr_t>(W) % 16 != 0) return false;
+  const dim3 grid((N + kGemvWarps - 1) / kGemvWarps);
+  const int threads = kGemvWarps * 32;
+  const size_t smem = (size_t)M * K * sizeof(float);
+  switch (M) {
+#define KAKEYA_GEMV_CASE(R) \
+  case R: gemv_kernel<T, R><<<grid, threads, smem, s>>>(x, W, bias, y, N, K); break;
+    KAKEYA_GEMV_CASE(1) KAKEYA_GEMV_CASE(2) KAKEYA_GEMV_CASE(3) KAKEYA_GEMV_CASE(4)
+    KAKEYA_GEMV_CASE(5) KAKEYA_GEMV_CASE(6) KAKEYA_GEMV_CASE(7) KAKEYA_GEMV_CASE(8)
+#undef KAKEYA_GEMV_CASE
+  }
+  return true;
 }
 
 }  // namespace kakeya::kernels

@@ -61,12 +61,12 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in, const at:
   check_w(w_next, H, "add_rms_norm w_next");
   TORCH_CHECK(H * 4 <= 48 * 1024, "add_rms_norm: hidden size ", H, " exceeds the kernel's shared memory");
   c10::cuda::CUDAGuard g(h.device());
-  auto h2 = h.clone();  // out of place: tap subscribers may hold the previous residual
+  auto h2 = at::empty_like(h);  // out of place: tap subscribers may hold the previous residual
   auto y = at::empty_like(h);
   dispatch(h.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    k::launch_add_rms_norm<T>(ptr<T>(h2), ptr<T>(x), w_post.defined() ? w_post.data_ptr<float>() : nullptr,
-                              w_next.data_ptr<float>(), ptr<T>(y), h.numel() / H, H, eps, unit_offset,
+    k::launch_add_rms_norm<T>(ptr<T>(h), ptr<T>(x), w_post.defined() ? w_post.data_ptr<float>() : nullptr,
+                              w_next.data_ptr<float>(), ptr<T>(h2), ptr<T>(y), h.numel() / H, H, eps, unit_offset,
                               at::cuda::getCurrentCUDAStream());
   });
   return {h2, y};
@@ -153,6 +153,28 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   });
   TORCH_CHECK(ok, "decode_attention: head dim ", D, " not supported (64, 128, 256, 512)");
   return out;
+}
+
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& bias) {
+  auto x = x_in.contiguous();
+  const int64_t K = x.size(-1), N = w.size(0), M = x.numel() / K;
+  const bool ok_types = (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                        w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.size(1) == K &&
+                        (!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.is_contiguous()));
+  if (ok_types && M <= k::kGemvMaxRows) {
+    c10::cuda::CUDAGuard g(x.device());
+    auto sizes = x.sizes().vec();
+    sizes.back() = N;
+    auto y = at::empty(sizes, x.options());
+    bool launched = false;
+    dispatch(x.scalar_type(), [&](auto* tag) {
+      using T = std::remove_pointer_t<decltype(tag)>;
+      launched = k::launch_gemv<T>(ptr<T>(x), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, ptr<T>(y), M, N, K,
+                                   at::cuda::getCurrentCUDAStream());
+    });
+    if (launched) return y;
+  }
+  return at::linear(x_in, w, bias);
 }
 
 }  // namespace kakeya::ops::cuda
