@@ -249,8 +249,8 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     tap(Tap::AttnOut, a);
     std::tie(h, x) = ops::add_rms_norm(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_);
 
-    at::Tensor f = ops::linear(ops::act_mul(ops::linear(x, w.gate_up, w.gate_up_bias), cfg_.act == Activation::GeluTanh),
-                              w.down, w.down_bias);
+    at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, cfg_.act == Activation::GeluTanh),
+                               w.down, w.down_bias);
     const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
     std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_);
     if (taps) {

@@ -35,6 +35,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bi
   return at::linear(x, w, bias);
 }
 
+at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh) {
+#ifdef KAKEYA_CUDA
+  if (x.is_cuda()) return cuda::linear_act_mul(x, w, bias, gelu_tanh);
+#endif
+  return act_mul(at::linear(x, w, bias), gelu_tanh);
+}
+
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh) {
 #ifdef KAKEYA_CUDA
   if (gu.is_cuda()) return cuda::act_mul(gu, gelu_tanh);

@@ -29,6 +29,10 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Te
 // 8 rows (decode, small verify blocks) a bandwidth-bound GEMV kernel, else at::linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = {});
 
+// The gated MLP's first half: act_mul(linear(x, w, bias)) with w = [gate; up]: [2I, K] -> [..., I].
+// One fused GEMV kernel on CUDA for decode-sized inputs.
+at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);
+
 // gu: [..., 2I] = [gate | up] -> act(gate)·up: [..., I]. gelu_tanh or silu.
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
 

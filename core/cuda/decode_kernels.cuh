@@ -50,6 +50,16 @@ __device__ __forceinline__ float norm_value(float x, float inv_rms, float w, boo
   return unit_offset ? x * inv_rms * w : w * rnd<T>(x * inv_rms);
 }
 
+// Gated-MLP activations, with PyTorch's formulas (tanh GELU, SiLU).
+enum class Act { None, GeluTanh, Silu };
+__device__ __forceinline__ float apply_act(float g, Act act) {
+  if (act == Act::GeluTanh) {
+    const float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2/pi)
+    return 0.5f * g * (1.f + tanhf(kBeta * (g + kKappa * g * g * g)));
+  }
+  return g / (1.f + __expf(-g));
+}
+
 // ---------------------------------------------------------------------------
 // out[r, :] = rms_norm(x[r, :]) · w            x, out: [rows, H]; w: [H] f32
 template <typename T>
@@ -78,28 +88,29 @@ void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float 
 //   h_out = h + a                              (the residual stream; out of place, since
 //                                              tap subscribers may keep the previous h)
 //   y = rms_norm(h_out)·w_next                 (the next pre-norm)
-// h, x, h_out, y: [rows, H]; w_post (nullable), w_next: [H] f32. Dynamic smem: H floats.
+// h, x, h_out, y: [rows, H]; w_post (nullable), w_next: [H] f32. Dynamic smem: 2H floats.
 template <typename T>
 __global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
                                     const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ y, int H,
                                     float eps, bool unit_offset) {
-  extern __shared__ float hs[];  // [H] the new residual, as rounded to T
+  extern __shared__ float smem[];  // [2H]: x, then the new residual
+  float* xs = smem;
+  float* hs = smem + H;
   __shared__ float red[32];
   const int64_t base = (int64_t)blockIdx.x * H;
-  float inv_x = 1.f;
-  if (w_post) {
-    float ss = 0.f;
-    for (int i = threadIdx.x; i < H; i += blockDim.x) {
-      float v = from_t<T>(x[base + i]);
-      ss += v * v;
-    }
-    inv_x = rsqrtf(block_sum(ss, red) / H + eps);
-  }
+  // Both rows are read up front so their memory latencies overlap.
   float ss = 0.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    float a = from_t<T>(x[base + i]);
-    if (w_post) a = rnd<T>(norm_value<T>(a, inv_x, w_post[i], unit_offset));
-    float v = rnd<T>(from_t<T>(h[base + i]) + a);
+    const float v = from_t<T>(x[base + i]);
+    xs[i] = v;
+    hs[i] = from_t<T>(h[base + i]);
+    ss += v * v;
+  }
+  const float inv_x = w_post ? rsqrtf(block_sum(ss, red) / H + eps) : 1.f;
+  ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float a = w_post ? rnd<T>(norm_value<T>(xs[i], inv_x, w_post[i], unit_offset)) : xs[i];
+    const float v = rnd<T>(hs[i] + a);
     hs[i] = v;
     h_out[base + i] = to_t<T>(v);
     ss += v * v;
@@ -111,7 +122,7 @@ __global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict
 template <typename T>
 void launch_add_rms_norm(const T* h, const T* x, const float* w_post, const float* w_next, T* h_out, T* y, int rows,
                          int H, float eps, bool unit_offset, cudaStream_t s) {
-  add_rms_norm_kernel<T><<<rows, 256, H * sizeof(float), s>>>(h, x, w_post, w_next, h_out, y, H, eps, unit_offset);
+  add_rms_norm_kernel<T><<<rows, 256, 2 * H * sizeof(float), s>>>(h, x, w_post, w_next, h_out, y, H, eps, unit_offset);
 }
 
 // ---------------------------------------------------------------------------
@@ -192,8 +203,8 @@ void launch_qk_norm_rope_store(const T* qkv, const float* q_w, const float* k_w,
 //   q: [B, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [S]; q_pos: [1] (device)
 //   partial: [B·Hq, chunks, D + 2] f32 (acc, max, sum); out: [B, Hq, D]
 // Visibility: 0 <= p <= q_pos and (window == 0 or q_pos - p < window).
-constexpr int kAttnWarps = 4;
-constexpr int kAttnChunk = 128;  // keys per block
+constexpr int kAttnWarps = 8;
+constexpr int kAttnChunk = 64;  // keys per block: 8 per warp keeps each warp's serial chain short
 
 template <typename T, int VPL>  // VPL: values per lane = D / 32
 __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -297,93 +308,147 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
 // Gated MLP activation: out = act(gate) · up, gu = [gate | up]: [rows, 2I] -> out [rows, I].
 // act(gate) is rounded to T before the product, as PyTorch materialises it.
 template <typename T>
-__global__ void act_mul_kernel(const T* __restrict__ gu, T* __restrict__ out, int64_t rows, int I, bool gelu_tanh) {
+__global__ void act_mul_kernel(const T* __restrict__ gu, T* __restrict__ out, int64_t rows, int I, Act act) {
   const int64_t n = rows * I;
   for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = idx / I, i = idx % I;
     const float g = from_t<T>(gu[r * 2 * I + i]), u = from_t<T>(gu[r * 2 * I + I + i]);
-    float a;
-    if (gelu_tanh) {
-      const float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2/pi), as PyTorch's tanh GELU
-      a = 0.5f * g * (1.f + tanhf(kBeta * (g + kKappa * g * g * g)));
-    } else {
-      a = g / (1.f + __expf(-g));
-    }
-    out[idx] = to_t<T>(rnd<T>(a) * u);
+    out[idx] = to_t<T>(rnd<T>(apply_act(g, act)) * u);
   }
 }
 
 template <typename T>
-void launch_act_mul(const T* gu, T* out, int64_t rows, int I, bool gelu_tanh, cudaStream_t s) {
+void launch_act_mul(const T* gu, T* out, int64_t rows, int I, Act act, cudaStream_t s) {
   const int64_t n = rows * I;
   const int threads = 256;
   const int blocks = (int)std::min<int64_t>((n + threads - 1) / threads, 4096);
-  act_mul_kernel<T><<<blocks, threads, 0, s>>>(gu, out, rows, I, gelu_tanh);
+  act_mul_kernel<T><<<blocks, threads, 0, s>>>(gu, out, rows, I, act);
 }
 
 // ---------------------------------------------------------------------------
 // Skinny matmul for decode: y[m, n] = Σ_k x[m, k]·W[n, k] (+ bias[n]), M <= kGemvMaxRows.
 // Batch-1 decode reads every weight once per token, so this is a bandwidth
-// kernel: one warp per output row, 16-byte vector loads of W, x staged in
+// kernel: 16-byte vector loads of W, four in flight per lane, x staged in
 // shared memory as f32, f32 accumulation, one rounding to T (as cuBLAS).
-//   x: [M, K]; W: [N, K] row-major; bias: [N] or nullptr; y: [M, N]. K % (16 / sizeof(T)) == 0.
+// `wpr` warps share one output row (split K) so small N still fills the GPU.
+// Gated mode (the MLP's gate/up pair): W holds [gate; up] ([2N, K]) and the
+// warp group computes both rows, writing act(gate)·up rounded as PyTorch does.
+//   x: [M, K]; W: [N or 2N, K] row-major; bias: [N or 2N] or nullptr; y: [M, N]. K % (16 / sizeof(T)) == 0.
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvWarps = 8;
+constexpr int kGemvUnroll = 4;
 
 template <typename T> struct Vec16;
 template <> struct Vec16<float> { static constexpr int n = 4; };
 template <> struct Vec16<__nv_bfloat16> { static constexpr int n = 8; };
 
-template <typename T>
-__device__ __forceinline__ void load_vec16(const T* p, float* out) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(p);
-  const T* e = reinterpret_cast<const T*>(&raw);
+template <typename T, int M>
+__device__ __forceinline__ void dot_rows(const T* __restrict__ wr, const float* __restrict__ xs, int K, int k0, int k1,
+                                         int lane, float* acc) {
+  constexpr int V = Vec16<T>::n;
+  constexpr int STEP = 32 * V;
+  int k = k0 + lane * V;
+  for (; k + (kGemvUnroll - 1) * STEP < k1; k += kGemvUnroll * STEP) {
+    uint4 raw[kGemvUnroll];
 #pragma unroll
-  for (int i = 0; i < Vec16<T>::n; ++i) out[i] = from_t<T>(e[i]);
+    for (int u = 0; u < kGemvUnroll; ++u) raw[u] = *reinterpret_cast<const uint4*>(wr + k + u * STEP);
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      const T* e = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float* xm = xs + m * K + k + u * STEP;
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[m] += from_t<T>(e[i]) * xm[i];
+      }
+    }
+  }
+  for (; k < k1; k += STEP) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(wr + k);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[m] += from_t<T>(e[i]) * xs[m * K + k + i];
+    }
+  }
 }
 
 template <typename T, int M>
 __global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias,
-                            T* __restrict__ y, int N, int K) {
-  extern __shared__ float xs[];  // [M, K]
+                            T* __restrict__ y, int N, int K, int wpr, Act act) {
+  extern __shared__ float xs[];  // [M, K], then [kGemvWarps, 2, M] partial sums
+  float* part = xs + M * K;
   for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = from_t<T>(x[i]);
   __syncthreads();
   constexpr int V = Vec16<T>::n;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = blockIdx.x * kGemvWarps + warp;
-  if (n >= N) return;
-  const T* wr = W + (int64_t)n * K;
-  float acc[M];
+  const int rows_per_block = kGemvWarps / wpr;
+  const int n = blockIdx.x * rows_per_block + warp / wpr;
+  const int part_idx = warp % wpr;
+  // This warp's K range, a multiple of the vector width.
+  const int kv = K / V, per = (kv + wpr - 1) / wpr;
+  const int k0 = min(kv, part_idx * per) * V, k1 = min(kv, (part_idx + 1) * per) * V;
+  const bool gated = act != Act::None;
+  float acc[2][M];
 #pragma unroll
-  for (int m = 0; m < M; ++m) acc[m] = 0.f;
-  for (int k = lane * V; k < K; k += 32 * V) {
-    float w[V];
-    load_vec16<T>(wr + k, w);
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float* xm = xs + m * K + k;
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc[m] += w[i] * xm[i];
-    }
+  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.f;
+  if (n < N) {
+    dot_rows<T, M>(W + (int64_t)n * K, xs, K, k0, k1, lane, acc[0]);
+    if (gated) dot_rows<T, M>(W + (int64_t)(n + N) * K, xs, K, k0, k1, lane, acc[1]);
   }
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    const float v = warp_sum(acc[m]);
-    if (lane == 0) y[(int64_t)m * N + n] = to_t<T>(bias ? v + from_t<T>(bias[n]) : v);
+    acc[0][m] = warp_sum(acc[0][m]);
+    if (gated) acc[1][m] = warp_sum(acc[1][m]);
+  }
+  if (wpr > 1) {
+    if (lane == 0)
+      for (int m = 0; m < M; ++m) {
+        part[(warp * 2 + 0) * M + m] = acc[0][m];
+        part[(warp * 2 + 1) * M + m] = acc[1][m];
+      }
+    __syncthreads();
+    if (part_idx != 0) return;
+    for (int m = 0; m < M; ++m) {
+      float a0 = 0.f, a1 = 0.f;
+      for (int p = 0; p < wpr; ++p) {
+        a0 += part[((warp + p) * 2 + 0) * M + m];
+        a1 += part[((warp + p) * 2 + 1) * M + m];
+      }
+      acc[0][m] = a0;
+      acc[1][m] = a1;
+    }
+  }
+  if (lane != 0 || n >= N) return;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float g = acc[0][m] + (bias ? from_t<T>(bias[n]) : 0.f);
+    if (!gated) {
+      y[(int64_t)m * N + n] = to_t<T>(g);
+    } else {
+      // The unfused path materialises gate and up in T, then act(gate) in T, then the product.
+      const float u = rnd<T>(acc[1][m] + (bias ? from_t<T>(bias[n + N]) : 0.f));
+      y[(int64_t)m * N + n] = to_t<T>(rnd<T>(apply_act(rnd<T>(g), act)) * u);
+    }
   }
 }
 
 // Returns false when the shape is not for this kernel (caller falls back to cuBLAS).
+// N: output columns (for gated mode, W has 2N rows).
 template <typename T>
-bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int K, cudaStream_t s) {
-  if (M < 1 || M > kGemvMaxRows || K % Vec16<T>::n != 0 || (size_t)M * K * sizeof(float) > 48 * 1024) return false;
-  if (reinterpret_cast<uintptr_t>(W) % 16 != 0) return false;
-  const dim3 grid((N + kGemvWarps - 1) / kGemvWarps);
+bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int K, Act act, cudaStream_t s) {
+  if (M < 1 || M > kGemvMaxRows || K % Vec16<T>::n != 0) return false;
+  const size_t smem = (size_t)M * K * sizeof(float) + kGemvWarps * 2 * M * sizeof(float);
+  if (smem > 48 * 1024 || reinterpret_cast<uintptr_t>(W) % 16 != 0) return false;
+  // Enough warps in flight to cover memory latency: split K when rows are few.
+  const int wpr = N >= 4096 ? 1 : (N >= 1024 ? 2 : 4);
+  const int rows_per_block = kGemvWarps / wpr;
+  const dim3 grid((N + rows_per_block - 1) / rows_per_block);
   const int threads = kGemvWarps * 32;
-  const size_t smem = (size_t)M * K * sizeof(float);
   switch (M) {
 #define KAKEYA_GEMV_CASE(R) \
-  case R: gemv_kernel<T, R><<<grid, threads, smem, s>>>(x, W, bias, y, N, K); break;
+  case R: gemv_kernel<T, R><<<grid, threads, smem, s>>>(x, W, bias, y, N, K, wpr, act); break;
     KAKEYA_GEMV_CASE(1) KAKEYA_GEMV_CASE(2) KAKEYA_GEMV_CASE(3) KAKEYA_GEMV_CASE(4)
     KAKEYA_GEMV_CASE(5) KAKEYA_GEMV_CASE(6) KAKEYA_GEMV_CASE(7) KAKEYA_GEMV_CASE(8)
 #undef KAKEYA_GEMV_CASE

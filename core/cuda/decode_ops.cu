@@ -83,7 +83,8 @@ at::Tensor act_mul(const at::Tensor& gu_in, bool gelu_tanh) {
   auto out = at::empty(sizes, gu.options());
   dispatch(gu.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    k::launch_act_mul<T>(ptr<T>(gu), ptr<T>(out), gu.numel() / (2 * I), I, gelu_tanh, at::cuda::getCurrentCUDAStream());
+    k::launch_act_mul<T>(ptr<T>(gu), ptr<T>(out), gu.numel() / (2 * I), I, gelu_tanh ? k::Act::GeluTanh : k::Act::Silu,
+                         at::cuda::getCurrentCUDAStream());
   });
   return out;
 }
@@ -155,26 +156,40 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   return out;
 }
 
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& bias) {
+namespace {
+// The GEMV kernel when the shape suits it, else an undefined tensor. act != None:
+// w is [gate; up] ([2N, K]) and the result act(gate)·up ([..., N]).
+at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& bias, k::Act act) {
   auto x = x_in.contiguous();
-  const int64_t K = x.size(-1), N = w.size(0), M = x.numel() / K;
-  const bool ok_types = (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
-                        w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.size(1) == K &&
-                        (!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.is_contiguous()));
-  if (ok_types && M <= k::kGemvMaxRows) {
-    c10::cuda::CUDAGuard g(x.device());
-    auto sizes = x.sizes().vec();
-    sizes.back() = N;
-    auto y = at::empty(sizes, x.options());
-    bool launched = false;
-    dispatch(x.scalar_type(), [&](auto* tag) {
-      using T = std::remove_pointer_t<decltype(tag)>;
-      launched = k::launch_gemv<T>(ptr<T>(x), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, ptr<T>(y), M, N, K,
-                                   at::cuda::getCurrentCUDAStream());
-    });
-    if (launched) return y;
-  }
-  return at::linear(x_in, w, bias);
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  const int64_t N = act == k::Act::None ? w.size(0) : w.size(0) / 2;
+  const bool ok = x.is_cuda() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.size(1) == K &&
+                  (!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.is_contiguous()));
+  if (!ok || M > k::kGemvMaxRows) return {};
+  c10::cuda::CUDAGuard g(x.device());
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty(sizes, x.options());
+  bool launched = false;
+  dispatch(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launched = k::launch_gemv<T>(ptr<T>(x), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, ptr<T>(y), M, N, K,
+                                 act, at::cuda::getCurrentCUDAStream());
+  });
+  return launched ? y : at::Tensor();
+}
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  auto y = try_gemv(x, w, bias, k::Act::None);
+  return y.defined() ? y : at::linear(x, w, bias);
+}
+
+at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh) {
+  TORCH_CHECK(w.size(0) % 2 == 0, "linear_act_mul: weight rows ", w.size(0), " must be even ([gate; up])");
+  auto y = try_gemv(x, w, bias, gelu_tanh ? k::Act::GeluTanh : k::Act::Silu);
+  return y.defined() ? y : act_mul(at::linear(x, w, bias), gelu_tanh);
 }
 
 }  // namespace kakeya::ops::cuda

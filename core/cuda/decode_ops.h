@@ -14,6 +14,7 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Te
                                                const at::Tensor& w_next, double eps, bool unit_offset);
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
+at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
                               at::Tensor& k_cache, at::Tensor& v_cache);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
