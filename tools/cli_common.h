@@ -47,5 +47,10 @@ class Progress {
 void register_generate(CLI::App& app);
 void register_score(CLI::App& app);
 void register_bench(CLI::App& app);
+void register_calibrate(CLI::App& app);   // cmd_calibrate.cpp
+void register_codec_eval(CLI::App& app);  // cmd_codec_eval.cpp
+// The invocation, recorded in calibration manifests and reports (set by main).
+void set_command_line(int argc, char** argv);
+const std::string& command_line();
 
 }  // namespace kakeya::cli

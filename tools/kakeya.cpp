@@ -13,6 +13,9 @@ int main(int argc, char** argv) {
   kakeya::cli::register_generate(app);
   kakeya::cli::register_score(app);
   kakeya::cli::register_bench(app);
+  kakeya::cli::register_calibrate(app);
+  kakeya::cli::register_codec_eval(app);
+  kakeya::cli::set_command_line(argc, argv);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
