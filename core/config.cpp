@@ -169,7 +169,7 @@ void parse_common(const Reader& r, ModelConfig& c) {
 
 void parse_gemma3(const Reader& r, ModelConfig& c) {
   parse_common(r, c);
-  c.norm_unit_offset = c.sandwich_norm = c.qk_norm = c.embed_scale_sqrt_hidden = true;
+  c.norm_unit_offset = c.norm_f32 = c.sandwich_norm = c.qk_norm = c.embed_scale_sqrt_hidden = true;
   c.tie_word_embeddings = r.boolean_or("tie_word_embeddings", true);
   c.sliding_window = r.positive_or("sliding_window", 4096);
   int64_t pattern = r.positive_or("sliding_window_pattern", r.positive_or("_sliding_window_pattern", 6));
@@ -185,10 +185,134 @@ void parse_gemma3(const Reader& r, ModelConfig& c) {
                r.origin << ": field 'use_bidirectional_attention' is true; only causal decoders are supported");
 }
 
+// Gemma 4 RoPE: one entry per layer type (transformers 5.x has no legacy layout
+// for this family). Absent: transformers' defaults.
+void parse_gemma4_rope(const Reader& r, ModelConfig& c) {
+  c.rope_sliding = RopeParams{};  // default, theta 1e4
+  c.rope_full = RopeParams{};
+  c.rope_full.type = "proportional";
+  c.rope_full.theta = 1e6;
+  c.rope_full.partial_rotary_factor = 0.25;
+  if (!r.has("rope_parameters")) return;
+  const json& p = r.j.at("rope_parameters");
+  KAKEYA_CHECK(p.is_object() && (p.contains("full_attention") || p.contains("sliding_attention")),
+               r.origin << ": field 'rope_parameters' expected an object with 'sliding_attention' and 'full_attention'"
+                        << " entries (Gemma 4 has RoPE per layer type), got " << p.dump());
+  for (LayerType t : {LayerType::Sliding, LayerType::Full}) {
+    const std::string name = layer_type_name(t);
+    bool used = false;
+    for (LayerType u : c.layer_types) used |= u == t;
+    if (!used) continue;
+    KAKEYA_CHECK(p.contains(name) && !p[name].is_null(),
+                 r.origin << ": field 'rope_parameters." << name << "' missing (the config has " << name << " layers)");
+    RopeParams rp = parse_rope(r, p[name], "rope_parameters." + name);
+    KAKEYA_CHECK(rp.type == "default" || rp.type == "proportional",
+                 r.origin << ": field 'rope_parameters." << name << ".rope_type' is '" << rp.type
+                          << "': Gemma 4 RoPE types other than default and proportional are not supported yet");
+    (t == LayerType::Sliding ? c.rope_sliding : c.rope_full) = rp;
+  }
+}
+
+// Gemma 4 per-layer head dim / KV heads. transformers 5.x writes the layers that
+// differ from the globals as "per_layer_config": {"<layer>": {"head_dim": .., "num_key_value_heads": ..}};
+// Google's checkpoints give "global_head_dim" (default 512) and, with
+// attention_k_eq_v, "num_global_key_value_heads" for the full-attention layers.
+void parse_gemma4_layer_dims(const Reader& r, ModelConfig& c) {
+  c.layer_head_dim.assign(c.num_layers, c.head_dim);
+  c.layer_kv_heads.assign(c.num_layers, c.num_kv_heads);
+  // Present (even null: transformers then keeps every layer at the globals) -> global_head_dim is ignored.
+  const bool explicit_layers = r.j.contains("per_layer_config");
+  if (explicit_layers) {
+    const json& plc = r.j.at("per_layer_config").is_null() ? json::object() : r.j.at("per_layer_config");
+    KAKEYA_CHECK(plc.is_object(), r.origin << ": field 'per_layer_config' expected an object {layer: {field: value}}, got "
+                                           << plc.dump());
+    for (const auto& [key, ov] : plc.items()) {
+      const std::string where = "per_layer_config." + key;
+      bool digits = !key.empty() && key.size() < 10 && key.find_first_not_of("0123456789") == std::string::npos;
+      int64_t l = digits ? std::stoll(key) : -1;
+      KAKEYA_CHECK(l >= 0 && l < c.num_layers, r.origin << ": field 'per_layer_config' has key '" << key
+                                                        << "' (expected a layer index in [0, " << c.num_layers << "))");
+      KAKEYA_CHECK(ov.is_object(), r.origin << ": field '" << where << "' expected an object, got " << ov.dump());
+      for (const auto& [attr, v] : ov.items()) {
+        const std::string field = where + "." + attr;
+        KAKEYA_CHECK(attr == "head_dim" || attr == "num_key_value_heads",
+                     r.origin << ": field '" << field << "': per-layer overrides of '" << attr
+                              << "' are not supported yet (supported: head_dim, num_key_value_heads)");
+        KAKEYA_CHECK(v.is_number_integer() && v.get<int64_t>() > 0,
+                     r.origin << ": field '" << field << "' expected an integer > 0, got " << v.dump());
+        (attr == "head_dim" ? c.layer_head_dim : c.layer_kv_heads)[l] = v.get<int64_t>();
+      }
+    }
+  } else {
+    const int64_t global_head_dim = r.positive_or("global_head_dim", 512);
+    const int64_t global_kv = c.attention_k_eq_v ? r.positive_or("num_global_key_value_heads", c.num_kv_heads)
+                                                 : c.num_kv_heads;
+    for (int64_t l = 0; l < c.num_layers; ++l)
+      if (!c.is_sliding(l)) {
+        c.layer_head_dim[l] = global_head_dim;
+        c.layer_kv_heads[l] = global_kv;
+      }
+  }
+  const char* src = explicit_layers ? "per_layer_config" : "num_global_key_value_heads";
+  for (int64_t l = 0; l < c.num_layers; ++l)
+    KAKEYA_CHECK(c.num_heads % c.layer_kv_heads[l] == 0,
+                 r.origin << ": field '" << src << "': layer " << l << " has " << c.layer_kv_heads[l]
+                          << " KV heads, num_attention_heads=" << c.num_heads << " must be a multiple of it");
+  // One head dim / KV head count per layer type (transformers builds one RoPE per type and refuses otherwise).
+  int64_t first[2] = {-1, -1};
+  for (int64_t l = 0; l < c.num_layers; ++l) {
+    int64_t& m = first[c.is_sliding(l) ? 0 : 1];
+    if (m < 0) m = l;
+    KAKEYA_CHECK(c.layer_head_dim[m] == c.layer_head_dim[l] && c.layer_kv_heads[m] == c.layer_kv_heads[l],
+                 r.origin << ": field 'per_layer_config': " << layer_type_name(c.layer_types[l]) << " layers " << m
+                          << " and " << l << " differ (head_dim " << c.layer_head_dim[m] << " vs " << c.layer_head_dim[l]
+                          << ", KV heads " << c.layer_kv_heads[m] << " vs " << c.layer_kv_heads[l]
+                          << "); layers of one type must agree");
+  }
+}
+
+// Gemma 4 dense text decoder (transformers 5.17 Gemma4TextModel): Gemma 3's
+// sandwich norms and q/k norm, plus weightless v_norm, attention scale 1,
+// K=V full layers (attention_k_eq_v), per-layer head dims, proportional partial
+// RoPE on full layers and a per-layer scalar on the residual stream. The
+// variants below are refused until implemented.
 void parse_gemma4(const Reader& r, ModelConfig& c) {
   KAKEYA_CHECK(!r.boolean_or("enable_moe_block", false),
-               r.origin << ": field 'enable_moe_block' is true: Gemma 4 MoE models are not supported yet (dense only)");
-  KAKEYA_FAIL(r.origin << ": model_type 'gemma4_text' is recognised but its decoder is not implemented yet");
+               r.origin << ": field 'enable_moe_block' is true: Gemma 4 MoE (router + experts) is not supported yet; "
+                           "only dense Gemma 4 checkpoints load");
+  // transformers' default is 256 (E2B/E4B): an absent field means per-layer embeddings are on.
+  const int64_t ple = r.has("hidden_size_per_layer_input") ? r.integer("hidden_size_per_layer_input") : 256;
+  KAKEYA_CHECK(ple == 0, r.origin << ": field 'hidden_size_per_layer_input' is " << ple
+                                  << (r.has("hidden_size_per_layer_input") ? "" : " (transformers' default when absent)")
+                                  << ": Gemma 4 per-layer input embeddings are not supported yet (need 0)");
+  const int64_t shared = r.has("num_kv_shared_layers") ? r.integer("num_kv_shared_layers") : 0;
+  KAKEYA_CHECK(shared == 0, r.origin << ": field 'num_kv_shared_layers' is " << shared
+                                     << ": Gemma 4 KV sharing across layers is not supported yet (need 0)");
+  // use_double_wide_mlp only widens KV-shared layers, so with none it changes nothing.
+  r.boolean_or("use_double_wide_mlp", false);
+  const std::string bidir = r.string_or("use_bidirectional_attention", "");
+  KAKEYA_CHECK(bidir.empty() || bidir == "vision",
+               r.origin << ": field 'use_bidirectional_attention' is '" << bidir
+                        << "': only causal decoders are supported (null, or 'vision', which leaves text causal)");
+
+  parse_common(r, c);
+  c.norm_f32 = c.sandwich_norm = c.qk_norm = c.v_norm = c.embed_scale_sqrt_hidden = c.layer_scalar = true;
+  c.tie_word_embeddings = r.boolean_or("tie_word_embeddings", true);
+  if (!r.has("hidden_activation") && !r.has("hidden_act")) c.act = Activation::GeluTanh;
+  c.mlp_bias = false;  // Gemma4TextMLP has no biases whatever the config says
+  c.sliding_window = r.positive_or("sliding_window", 512);
+  std::vector<LayerType> fallback;
+  for (int64_t i = 0; i < c.num_layers; ++i)
+    fallback.push_back((i + 1) % 6 == 0 ? LayerType::Full : LayerType::Sliding);
+  c.layer_types = parse_layer_types(r, c.num_layers, fallback);
+  c.layer_types.back() = LayerType::Full;  // transformers forces the last layer to full attention
+  parse_gemma4_rope(r, c);
+  c.attention_k_eq_v = r.boolean_or("attention_k_eq_v", false);
+  parse_gemma4_layer_dims(r, c);
+  c.attn_scale = 1.0;  // Gemma4TextAttention.scaling: q and k are RMS-normed, no 1/sqrt(d)
+  c.final_logit_softcap = r.optional_number("final_logit_softcapping");
+  KAKEYA_CHECK(!c.final_logit_softcap || *c.final_logit_softcap > 0,
+               r.origin << ": field 'final_logit_softcapping' expected > 0 or null, got " << *c.final_logit_softcap);
 }
 
 void parse_qwen3(const Reader& r, ModelConfig& c) {
@@ -220,8 +344,8 @@ void parse_llama(const Reader& r, ModelConfig& c) {
 ModelConfig ModelConfig::from_json(const json& j, const std::string& origin) {
   KAKEYA_CHECK(j.is_object(), origin << ": expected a JSON object");
   Reader r{j, origin};
-  // A multimodal Gemma 3 config nests the decoder under text_config.
-  if (r.has("text_config") && r.string_or("model_type", "") == "gemma3")
+  // A multimodal Gemma 3 / 4 config nests the decoder under text_config.
+  if (r.has("text_config") && (r.string_or("model_type", "") == "gemma3" || r.string_or("model_type", "") == "gemma4"))
     return from_json(j.at("text_config"), origin + ":text_config");
   std::string mt = r.string_or("model_type", "");
   KAKEYA_CHECK(!mt.empty(), origin << ": missing field 'model_type' (expected gemma3_text, gemma4_text, qwen3 or llama)");
@@ -237,6 +361,7 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& origin) {
     KAKEYA_FAIL(origin << ": malformed field: " << e.what());
   }
   if (c.layer_head_dim.empty()) c.layer_head_dim.assign(c.num_layers, c.head_dim);
+  if (c.layer_kv_heads.empty()) c.layer_kv_heads.assign(c.num_layers, c.num_kv_heads);
   for (LayerType t : c.layer_types)
     if (t == LayerType::Sliding)
       KAKEYA_CHECK(c.sliding_window > 0, origin << ": sliding layers need field 'sliding_window' > 0");
@@ -268,6 +393,8 @@ json ModelConfig::summary() const {
               {"num_kv_heads", num_kv_heads},
               {"head_dim", head_dim},
               {"layer_head_dim", layer_head_dim},
+              {"layer_kv_heads", layer_kv_heads},
+              {"attention_k_eq_v", attention_k_eq_v},
               {"sliding_window", sliding_window},
               {"layer_types", layer_types_json},
               {"rope_full_theta", rope_full.theta},

@@ -20,8 +20,9 @@ const char* family_name(Family f);
 const char* layer_type_name(LayerType t);  // "sliding_attention" / "full_attention"
 
 // RoPE of one layer type. Types: default, linear, llama3, proportional (Gemma 4
-// full layers: rotate only partial_rotary_factor of head_dim, frequencies from
-// the whole head_dim).
+// full layers: the first partial_rotary_factor·head_dim/2 frequencies of the
+// whole head_dim, the rest 0, so rotate_half over the whole head pairs d with
+// d + head_dim/2 and the high half of each pair set passes through unrotated).
 struct RopeParams {
   std::string type = "default";
   double theta = 10000.0;
@@ -40,15 +41,16 @@ struct ModelConfig {
   int64_t intermediate_size = 0;
   int64_t num_layers = 0;
   int64_t num_heads = 0;
-  int64_t num_kv_heads = 0;
+  int64_t num_kv_heads = 0;            // default KV heads (sliding layers)
   int64_t head_dim = 0;                // default head dim (sliding layers)
   double rms_norm_eps = 1e-6;
   int64_t max_position_embeddings = 0;
   int64_t sliding_window = 0;          // 0: no sliding layers
   std::vector<LayerType> layer_types;  // [num_layers]
   std::vector<int64_t> layer_head_dim; // [num_layers]
+  std::vector<int64_t> layer_kv_heads; // [num_layers] (Gemma 4 full layers may have fewer)
   RopeParams rope_full, rope_sliding;
-  double attn_scale = 0.0;             // softmax scale (Gemma: query_pre_attn_scalar^-0.5)
+  double attn_scale = 0.0;             // softmax scale (Gemma 3: query_pre_attn_scalar^-0.5; Gemma 4: 1)
   std::optional<double> attn_logit_softcap;
   std::optional<double> final_logit_softcap;
   Activation act = Activation::Silu;
@@ -56,10 +58,13 @@ struct ModelConfig {
   bool attention_bias = false;
   bool mlp_bias = false;
   // Family traits (set by from_json, not read from the file):
-  bool norm_unit_offset = false;       // Gemma RMSNorm: x̂·(1+w), computed in f32 before the cast
+  bool norm_unit_offset = false;       // Gemma 3 RMSNorm weights are offsets: x̂·(1+w)
+  bool norm_f32 = false;               // Gemma 3/4: x̂·weight computed in f32, one cast (else Llama: cast x̂, ·w in dtype)
   bool sandwich_norm = false;          // Gemma: post-attention and pre/post-FFN norms
   bool qk_norm = false;                // per-head RMSNorm on q and k before RoPE
   bool v_norm = false;                 // Gemma 4: RMSNorm without weight on v
+  bool attention_k_eq_v = false;       // Gemma 4: full layers have no v_proj, V = raw k_proj output (then v_norm)
+  bool layer_scalar = false;           // Gemma 4: per-layer scalar weight multiplies the residual stream after each layer
   bool embed_scale_sqrt_hidden = false;  // Gemma: embeddings × sqrt(hidden) rounded to the weight dtype
   int64_t bos_token_id = -1;
   std::vector<int64_t> eos_token_ids;
@@ -71,8 +76,11 @@ struct ModelConfig {
 
   bool is_sliding(int64_t layer) const { return layer_types[layer] == LayerType::Sliding; }
   const RopeParams& rope(int64_t layer) const { return is_sliding(layer) ? rope_sliding : rope_full; }
+  int64_t kv_heads(int64_t layer) const { return layer_kv_heads[layer]; }
+  // This layer's V is its raw K projection (no v_proj weight, no v rows in the fused qkv).
+  bool k_eq_v(int64_t layer) const { return attention_k_eq_v && !is_sliding(layer); }
   int64_t q_dim(int64_t layer) const { return num_heads * layer_head_dim[layer]; }
-  int64_t kv_dim(int64_t layer) const { return num_kv_heads * layer_head_dim[layer]; }
+  int64_t kv_dim(int64_t layer) const { return layer_kv_heads[layer] * layer_head_dim[layer]; }
 };
 
 }  // namespace kakeya

@@ -14,8 +14,8 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
   int64_t s_sliding = std::min(opt.capacity, cfg.sliding_window + opt.rollback);
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     int64_t s = cfg.is_sliding(l) ? s_sliding : opt.capacity;
-    k_.push_back(at::zeros({opt.batch, cfg.num_kv_heads, s, cfg.layer_head_dim[l]}, fopt));
-    v_.push_back(at::zeros({opt.batch, cfg.num_kv_heads, s, cfg.layer_head_dim[l]}, fopt));
+    k_.push_back(at::zeros({opt.batch, cfg.kv_heads(l), s, cfg.layer_head_dim[l]}, fopt));
+    v_.push_back(at::zeros({opt.batch, cfg.kv_heads(l), s, cfg.layer_head_dim[l]}, fopt));
   }
   auto iopt = at::TensorOptions().dtype(at::kLong).device(opt.device);
   pos_full_ = at::full({opt.capacity}, -1, iopt);
@@ -103,7 +103,7 @@ int64_t KVCache::bytes_per_layer_type(LayerType t) const {
 int64_t KVCache::full_kv_bytes(int64_t n) const {
   int64_t b = 0;
   for (size_t l = 0; l < k_.size(); ++l)
-    b += 2 * opt_.batch * cfg_.num_kv_heads * n * cfg_.layer_head_dim[l] * k_[l].element_size();
+    b += 2 * opt_.batch * cfg_.kv_heads(l) * n * cfg_.layer_head_dim[l] * k_[l].element_size();
   return b;
 }
 

@@ -45,8 +45,8 @@ class KVCache {
   void truncate(int64_t n);
   void clear() { truncate(0); }
 
-  const at::Tensor& keys(int64_t layer) const { return k_[layer]; }     // [B, H_kv, S_l, D_l]
-  const at::Tensor& values(int64_t layer) const { return v_[layer]; }   // [B, H_kv, S_l, D_l]
+  const at::Tensor& keys(int64_t layer) const { return k_[layer]; }     // [B, H_kv_l, S_l, D_l]
+  const at::Tensor& values(int64_t layer) const { return v_[layer]; }   // [B, H_kv_l, S_l, D_l]
   // Writable buffers for kernels that store K/V themselves (slot = position mod S_l).
   at::Tensor& k_mut(int64_t layer) { return k_[layer]; }
   at::Tensor& v_mut(int64_t layer) { return v_[layer]; }
@@ -64,7 +64,7 @@ class KVCache {
  private:
   const ModelConfig& cfg_;
   KVCacheOptions opt_;
-  std::vector<at::Tensor> k_, v_;       // per layer [B, H_kv, S_l, D_l]
+  std::vector<at::Tensor> k_, v_;       // per layer [B, H_kv_l, S_l, D_l]
   at::Tensor pos_full_, pos_sliding_;   // [S_full], [S_sliding] int64
   int64_t length_ = 0;
   int64_t max_evicted_ = -1;            // highest position overwritten in a sliding ring

@@ -57,9 +57,10 @@ Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const s
   const std::string pre = find_prefix(st, origin);
   auto dev = [&](const at::Tensor& t) { return t.to(opt.device, opt.dtype); };
   auto get = [&](const std::string& name, std::vector<int64_t> shape) { return st.get(pre + name, shape); };
-  m.norm_spec_ = {cfg.rms_norm_eps, cfg.norm_unit_offset};
-  // Norm weights in f32 (ops.h): Gemma's output is x̂·(1+w) in f32, so fold the 1 in
-  // once; Llama/Qwen multiply in the model dtype, so round w to it first.
+  m.norm_spec_ = {cfg.rms_norm_eps, cfg.norm_f32};
+  // Norm weights in f32 (ops.h): Gemma 3's output is x̂·(1+w) in f32, so fold the 1 in
+  // once; Gemma 4 (x̂·w in f32) and Llama/Qwen (x̂·w in the model dtype) read the
+  // weight as the model holds it, rounded to its dtype.
   auto norm_w = [&](const std::string& name, int64_t dim) {
     auto w = get(name, {dim});
     auto wf = cfg.norm_unit_offset ? w.to(at::kFloat) + 1.0 : w.to(opt.dtype).to(at::kFloat);
@@ -82,11 +83,14 @@ Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const s
     const std::string p = "layers." + std::to_string(l) + ".";
     const int64_t D = cfg.layer_head_dim[l], qd = cfg.q_dim(l), kvd = cfg.kv_dim(l);
     LayerWeights w;
-    w.qkv = dev(at::cat({get(p + "self_attn.q_proj.weight", {qd, H}), get(p + "self_attn.k_proj.weight", {kvd, H}),
-                         get(p + "self_attn.v_proj.weight", {kvd, H})}));
+    const bool k_eq_v = cfg.k_eq_v(l);  // no v_proj: V is the raw K projection
+    std::vector<at::Tensor> qkv{get(p + "self_attn.q_proj.weight", {qd, H}), get(p + "self_attn.k_proj.weight", {kvd, H})};
+    if (!k_eq_v) qkv.push_back(get(p + "self_attn.v_proj.weight", {kvd, H}));
+    w.qkv = dev(at::cat(qkv));
     if (cfg.attention_bias) {
-      w.qkv_bias = dev(at::cat({get(p + "self_attn.q_proj.bias", {qd}), get(p + "self_attn.k_proj.bias", {kvd}),
-                                get(p + "self_attn.v_proj.bias", {kvd})}));
+      std::vector<at::Tensor> b{get(p + "self_attn.q_proj.bias", {qd}), get(p + "self_attn.k_proj.bias", {kvd})};
+      if (!k_eq_v) b.push_back(get(p + "self_attn.v_proj.bias", {kvd}));
+      w.qkv_bias = dev(at::cat(b));
       w.o_bias = dev(get(p + "self_attn.o_proj.bias", {H}));
     }
     w.o = dev(get(p + "self_attn.o_proj.weight", {H, qd}));
@@ -94,6 +98,7 @@ Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const s
       w.q_norm = norm_w(p + "self_attn.q_norm.weight", D);
       w.k_norm = norm_w(p + "self_attn.k_norm.weight", D);
     }
+    if (cfg.v_norm) w.v_norm = at::ones({D}, at::TensorOptions().dtype(at::kFloat).device(opt.device));
     w.attn_norm = norm_w(p + "input_layernorm.weight", H);
     if (cfg.sandwich_norm) {
       w.post_attn_norm = norm_w(p + "post_attention_layernorm.weight", H);
@@ -108,6 +113,10 @@ Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const s
     if (cfg.mlp_bias) {
       w.gate_up_bias = dev(at::cat({get(p + "mlp.gate_proj.bias", {I}), get(p + "mlp.up_proj.bias", {I})}));
       w.down_bias = dev(get(p + "mlp.down_proj.bias", {H}));
+    }
+    if (cfg.layer_scalar) {
+      auto s = dev(get(p + "layer_scalar", {1}));
+      if (s.item<double>() != 1.0) w.layer_scalar = s;  // ×1 is exact: keep the fused residual step
     }
     m.layers_.push_back(std::move(w));
   }
@@ -124,7 +133,7 @@ int64_t Model::weight_bytes() const {
   for (const auto& w : layers_)
     for (const at::Tensor* t : {&w.qkv, &w.qkv_bias, &w.o, &w.o_bias, &w.q_norm, &w.k_norm, &w.attn_norm,
                                 &w.post_attn_norm, &w.ffn_norm, &w.post_ffn_norm, &w.gate_up, &w.down,
-                                &w.gate_up_bias, &w.down_bias})
+                                &w.gate_up_bias, &w.down_bias, &w.layer_scalar})
       if (t->defined()) b += t->numel() * t->element_size();
   return b;
 }
@@ -147,7 +156,8 @@ std::pair<at::Tensor, at::Tensor> Model::finish_kv(int64_t layer, const at::Tens
   const auto& w = layers_[layer];
   auto k = cfg_.qk_norm ? rms_norm(k_raw, w.k_norm) : k_raw;
   k = rope(layer).apply(k, positions);
-  return {k.transpose(1, 2), v_raw.transpose(1, 2)};
+  auto v = cfg_.v_norm ? rms_norm(v_raw, w.v_norm) : v_raw;
+  return {k.transpose(1, 2), v.transpose(1, 2)};
 }
 
 at::Tensor Model::attention(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -178,7 +188,7 @@ at::Tensor Model::forward(const at::Tensor& ids, KVCache& cache, const ForwardOp
 
 at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KVCache& cache,
                           const ForwardOptions& fo) const {
-  const int64_t B = ids.size(0), T = ids.size(1), Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads;
+  const int64_t B = ids.size(0), T = ids.size(1), Hq = cfg_.num_heads;
   KAKEYA_CHECK(positions.size(0) == T, "forward: positions has " << positions.size(0) << " entries for " << T << " tokens");
 
   // Masks are shared by all layers of a type. A sliding chunk too long to write
@@ -205,21 +215,24 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   at::Tensor x = rms_norm(h, layers_[0].attn_norm);  // later layers get theirs from the fused residual step
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const auto& w = layers_[l];
-    const int64_t D = cfg_.layer_head_dim[l], qd = cfg_.q_dim(l), kvd = cfg_.kv_dim(l);
+    const int64_t D = cfg_.layer_head_dim[l], Hkv = cfg_.kv_heads(l), qd = cfg_.q_dim(l), kvd = cfg_.kv_dim(l);
     const bool sliding = cfg_.is_sliding(l);
     TapContext ctx{l, cfg_.layer_types[l], positions};
     auto tap = [&](Tap t, at::Tensor& x) { if (taps) taps->cb(t, ctx, x); };
 
-    at::Tensor qkv = ops::linear(x, w.qkv, w.qkv_bias);  // [B, T, qd + 2·kvd]
+    at::Tensor qkv = ops::linear(x, w.qkv, w.qkv_bias);  // [B, T, qd + 2·kvd] ([B, T, qd + kvd] on K=V layers)
     at::Tensor q, kc, vc;  // q: [B, T, Hq, D] after RoPE; kc, vc: [B, H_kv, T, D] when not stored yet
     const bool write_first = !sliding || !sliding_concat;
-    if (cuda_fused && !taps && write_first) {
+    // The fused kernel reads raw v from the qkv rows and stores it as is: it knows
+    // nothing of v_norm or K=V layers (no v rows), so Gemma 4 takes the unfused branch.
+    if (cuda_fused && !taps && write_first && !cfg_.v_norm) {
       ops::QKRopeArgs ra{Hq, Hkv, D, norm_spec_, w.q_norm, w.k_norm, rope(l).cos(), rope(l).sin()};
       q = ops::qk_norm_rope_store(qkv, positions, ra, cache.k_mut(l), cache.v_mut(l));
     } else {
       q = qkv.slice(-1, 0, qd).view({B, T, Hq, D});
       at::Tensor k = qkv.slice(-1, qd, qd + kvd).view({B, T, Hkv, D});
-      at::Tensor v = qkv.slice(-1, qd + kvd).view({B, T, Hkv, D});
+      // K=V layers: V is the raw K projection (before k_norm and RoPE), as in HF.
+      at::Tensor v = cfg_.k_eq_v(l) ? k : qkv.slice(-1, qd + kvd).view({B, T, Hkv, D});
       tap(Tap::QProj, q);
       tap(Tap::KProj, k);
       tap(Tap::VProj, v);
@@ -228,9 +241,10 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       q = rope(l).apply(q, positions);
       at::Tensor kn = cfg_.qk_norm ? rms_norm(k, w.k_norm) : k;
       tap(Tap::KNorm, kn);
-      tap(Tap::VNorm, v);
+      at::Tensor vn = cfg_.v_norm ? rms_norm(v, w.v_norm) : v;
+      tap(Tap::VNorm, vn);
       kc = rope(l).apply(kn, positions).transpose(1, 2);
-      vc = v.transpose(1, 2);
+      vc = vn.transpose(1, 2);
       if (write_first) cache.write(l, kc, vc, positions);
     }
 
@@ -252,7 +266,13 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, cfg_.act == Activation::GeluTanh),
                                w.down, w.down_bias);
     const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
-    std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_);
+    if (w.layer_scalar.defined()) {
+      // Gemma 4: the layer's whole output (residual stream included) ×= layer_scalar, in the model dtype.
+      h = (h + (w.post_ffn_norm.defined() ? rms_norm(f, w.post_ffn_norm) : f)) * w.layer_scalar;
+      x = rms_norm(h, next_norm);
+    } else {
+      std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_);
+    }
     if (taps) {
       tap(Tap::LayerOut, h);
       x = rms_norm(h, next_norm);  // a subscriber may have replaced h

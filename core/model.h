@@ -31,12 +31,15 @@ struct ForwardOptions {
 };
 
 struct LayerWeights {
-  at::Tensor qkv;        // [q_dim + 2·kv_dim, hidden] fused q/k/v projections (k/v rows omitted for K=V layers)
-  at::Tensor qkv_bias;   // [q_dim + 2·kv_dim] or undefined
+  // kvd = kv_heads(l)·D. K=V layers (Gemma 4 full layers with attention_k_eq_v) have no v_proj:
+  // their qkv (and bias) holds only the q and k rows, and V is the raw k projection.
+  at::Tensor qkv;        // [q_dim + 2·kvd, hidden] fused q/k/v projections ([q_dim + kvd, hidden] for K=V layers)
+  at::Tensor qkv_bias;   // [q_dim + 2·kvd] ([q_dim + kvd] for K=V) or undefined
   at::Tensor o;          // [hidden, q_dim]
   at::Tensor o_bias;     // [hidden] or undefined
-  // Norm weights are f32 (ops.h): Gemma's 1+w folded in, or Llama/Qwen's w rounded to the model dtype.
+  // Norm weights are f32 (ops.h): Gemma 3's 1+w folded in, or Gemma 4/Llama/Qwen's w rounded to the model dtype.
   at::Tensor q_norm, k_norm;  // [D]
+  at::Tensor v_norm;          // [D] f32 ones (Gemma 4: RMSNorm without weight) or undefined
   at::Tensor attn_norm;       // [hidden] input_layernorm
   at::Tensor post_attn_norm;  // [hidden] Gemma sandwich only
   at::Tensor ffn_norm;        // [hidden] pre-FFN norm
@@ -44,6 +47,7 @@ struct LayerWeights {
   at::Tensor gate_up;         // [2·intermediate, hidden] fused gate/up
   at::Tensor down;            // [hidden, intermediate]
   at::Tensor gate_up_bias, down_bias;
+  at::Tensor layer_scalar;    // [1] model dtype (Gemma 4: residual stream ×= it after the layer), undefined if 1
 };
 
 class Model {
@@ -69,7 +73,8 @@ class Model {
   at::Tensor forward(const at::Tensor& ids, KVCache& cache, const ForwardOptions& fo = {}) const;
 
   // Pieces of the layer that restoration and training reuse, so nothing forks the forward:
-  // k, v raw [B, T, H_kv, D] -> post-norm k (RoPE'd) and v as the cache stores them, [B, H_kv, T, D].
+  // k, v raw [B, T, H_kv, D] -> post-norm k (RoPE'd) and v (v-normed) as the cache stores them,
+  // [B, H_kv, T, D]. On K=V layers pass v_raw = k_raw.
   std::pair<at::Tensor, at::Tensor> finish_kv(int64_t layer, const at::Tensor& k_raw, const at::Tensor& v_raw,
                                               const at::Tensor& positions) const;
   at::Tensor embed(const at::Tensor& ids) const;        // [B, T] -> [B, T, hidden]

@@ -2,8 +2,8 @@
 // tensors (KAKEYA_CUDA builds) they run the fused kernels of
 // core/cuda/decode_kernels.cuh; otherwise the LibTorch reference below, which
 // follows HF transformers' op order (tests/test_cuda_ops.cpp checks the kernels
-// against it over odd sizes). Norm weights are f32: Gemma's 1+w folded, or
-// Llama/Qwen's w (already rounded to the model dtype).
+// against it over odd sizes). Norm weights are f32: Gemma 3's 1+w folded, or
+// Gemma 4/Llama/Qwen's w (already rounded to the model dtype).
 #pragma once
 #include <ATen/ATen.h>
 
@@ -14,7 +14,7 @@ namespace kakeya::ops {
 
 struct NormSpec {
   double eps = 1e-6;
-  bool unit_offset = false;  // Gemma: x̂·(1+w) in f32, one rounding
+  bool unit_offset = false;  // Gemma: x̂·w in f32, one rounding (w = 1+w folded on Gemma 3); else cast x̂, ·w in dtype
 };
 
 // x: [..., H]; w: [H] f32 -> [..., H] in x's dtype.

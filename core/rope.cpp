@@ -7,10 +7,19 @@
 namespace kakeya {
 
 at::Tensor rope_inv_freq(const RopeParams& p, int64_t head_dim) {
-  // Proportional RoPE (Gemma 4 full layers) rotates only a fraction of the head
-  // but keeps the frequency spacing of the whole head dim.
-  int64_t rot = p.type == "proportional" ? (int64_t)(head_dim * p.partial_rotary_factor) / 2 * 2 : head_dim;
-  auto idx = at::arange(0, rot, 2, at::kFloat);
+  if (p.type == "proportional") {
+    // Proportional RoPE (Gemma 4 full layers; transformers' _compute_proportional_rope_parameters):
+    // the first floor(partial_rotary_factor·head_dim/2) frequencies of the whole head dim, then
+    // zeros up to head_dim/2, all divided by factor. The table stays head_dim wide, so
+    // rotate_half pairs d with d + head_dim/2 and the zero-frequency pairs pass through
+    // exactly (cos 0 = 1, sin 0 = 0) — not a rotation of the first rotary_dim channels.
+    const int64_t angles = (int64_t)std::floor(p.partial_rotary_factor * (double)head_dim / 2.0);
+    auto idx = at::arange(0, 2 * angles, 2, at::kLong).to(at::kFloat);
+    at::Tensor rotated = 1.0 / at::pow(at::scalar_tensor(p.theta, at::kFloat), idx / (double)head_dim);
+    at::Tensor inv = at::cat({rotated, at::zeros({head_dim / 2 - angles}, at::kFloat)});
+    return inv / p.factor;
+  }
+  auto idx = at::arange(0, head_dim, 2, at::kFloat);
   at::Tensor inv = 1.0 / at::pow(at::scalar_tensor(p.theta, at::kFloat), idx / (double)head_dim);
   if (p.type == "linear") {
     inv = inv / p.factor;

@@ -88,6 +88,7 @@ TEST_P(Parity, TruncateAndRedo) {
   EXPECT_NO_THROW(cache.truncate(T - co.rollback));
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, Parity, ::testing::Values("gemma3", "gemma3_softcap_attn", "qwen3", "llama"));
+INSTANTIATE_TEST_SUITE_P(Families, Parity,
+                         ::testing::Values("gemma3", "gemma3_softcap_attn", "qwen3", "llama", "gemma4", "gemma4_kv"));
 
 }  // namespace

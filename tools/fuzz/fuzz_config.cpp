@@ -17,10 +17,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (j.is_discarded()) return 0;
   try {
     auto c = kakeya::ModelConfig::from_json(j, "fuzz/config.json");
-    if ((int64_t)c.layer_types.size() != c.num_layers || (int64_t)c.layer_head_dim.size() != c.num_layers) __builtin_trap();
+    if ((int64_t)c.layer_types.size() != c.num_layers || (int64_t)c.layer_head_dim.size() != c.num_layers ||
+        (int64_t)c.layer_kv_heads.size() != c.num_layers)
+      __builtin_trap();
     if (c.hidden_size <= 0 || c.num_heads <= 0 || c.num_kv_heads <= 0 || c.num_heads % c.num_kv_heads != 0) __builtin_trap();
     for (int64_t d : c.layer_head_dim)
       if (d <= 0) __builtin_trap();
+    for (int64_t h : c.layer_kv_heads)
+      if (h <= 0 || c.num_heads % h != 0) __builtin_trap();
     (void)c.summary();
   } catch (const kakeya::Error&) {
   }
