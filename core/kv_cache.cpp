@@ -78,7 +78,8 @@ void KVCache::truncate(int64_t n) {
   KAKEYA_CHECK(n >= 0 && n <= length_, "KV cache: truncate(" << n << ") outside [0, " << length_ << "]");
   if (n == length_) return;
   // Position n-1's query window starts at n - window; everything from there must still be in the ring.
-  KAKEYA_CHECK(n == 0 || cfg_.sliding_window == 0 || max_evicted_ < n - cfg_.sliding_window,
+  // Nothing evicted yet (max_evicted_ = -1) is always fine, also when n < window.
+  KAKEYA_CHECK(n == 0 || cfg_.sliding_window == 0 || max_evicted_ < std::max<int64_t>(0, n - cfg_.sliding_window),
                "KV cache: truncate(" << n << ") rolls back past what the sliding ring still holds (rollback="
                                      << opt_.rollback << ", length=" << length_ << ")");
   pos_full_.masked_fill_(pos_full_.ge(n), -1);
