@@ -52,5 +52,7 @@ void register_codec_eval(CLI::App& app);  // cmd_codec_eval.cpp
 // The invocation, recorded in calibration manifests and reports (set by main).
 void set_command_line(int argc, char** argv);
 const std::string& command_line();
+void register_spec(CLI::App& app);           // cmd_spec.cpp
+void register_train_drafter(CLI::App& app);  // cmd_train_drafter.cpp
 
 }  // namespace kakeya::cli

@@ -16,6 +16,8 @@ int main(int argc, char** argv) {
   kakeya::cli::register_calibrate(app);
   kakeya::cli::register_codec_eval(app);
   kakeya::cli::set_command_line(argc, argv);
+  kakeya::cli::register_spec(app);
+  kakeya::cli::register_train_drafter(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

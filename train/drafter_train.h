@@ -1,0 +1,113 @@
+// DFlash drafter training (the recipe of arXiv 2602.06036, §training):
+//   frozen target; per sequence N random anchors a in the target-generated part;
+//   block [tok[a], MASK × (B-1)] at positions a .. a+B-1 sees the target's context
+//   features of positions < a and the block itself only (DFlash's masks inside);
+//   loss = Σ_k w_k · CE(draft_k, tok[a+k]) / Σ w_k over k = 1 .. B-1, w_k = exp(-(k-1)/γ);
+//   AdamW (decoupled decay on matrices), linear warmup + cosine decay, grad-norm clip.
+// Only the drafter's own weights train; the target's embedding and lm_head stay frozen.
+// The step count can be derived from a time budget (--train-seconds): the first
+// steps are timed, then the schedule is fixed and stored in the checkpoint.
+#pragma once
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/drafter.h"
+#include "core/model.h"
+#include "train/drafter_data.h"
+
+namespace kakeya::train {
+
+struct TrainOptions {
+  int64_t batch = 16;           // sequences per step
+  int64_t anchors = 24;         // blocks per sequence
+  double gamma = 7.0;           // position decay of the loss weights
+  double lr = 1e-3;
+  double min_lr_ratio = 0.05;   // cosine floor, as a fraction of lr
+  int64_t warmup_steps = 200;
+  double weight_decay = 0.01;
+  double beta1 = 0.9, beta2 = 0.95, eps = 1e-8;
+  double grad_clip = 1.0;
+  int64_t steps = 0;            // 0: derive from train_seconds
+  double train_seconds = 480;   // budget for the optimisation steps when steps == 0
+  int64_t calibration_steps = 12;
+  uint64_t seed = 0;
+  double deadline = 0;          // unix seconds: checkpoint and return before this (0: none)
+  double checkpoint_seconds = 60;
+  double log_seconds = 5;
+};
+
+// One logged point of the loss curve.
+struct LogPoint {
+  int64_t step;
+  double loss, acc1, accept_len, lr, grad_norm, elapsed;
+};
+
+struct TrainState {
+  int64_t step = 0;
+  int64_t total_steps = 0;      // fixed after calibration
+  double train_seconds = 0;     // optimisation wall time so far (all sessions)
+  double step_seconds = 0;      // measured during calibration
+  std::vector<LogPoint> log;
+  bool finished() const { return total_steps > 0 && step >= total_steps; }
+};
+
+// Teacher-forced metrics of one batch (no grad): the loss, top-1 accuracy of the
+// first draft position, and the acceptance length a greedy verifier would give
+// (leading correct drafts + 1, averaged over blocks) — on the target's own greedy
+// continuations this is τ up to numerics.
+struct BatchMetrics {
+  double loss = 0, acc1 = 0, accept_len = 0;
+  int64_t blocks = 0;
+};
+
+class DrafterTrainer {
+ public:
+  // `drafter` must hold f32 parameters (it is trained in place). `train` holds the
+  // target-generated sequences; `checkpoint` is the resumable state file.
+  DrafterTrainer(const Model& target, Drafter& drafter, std::vector<Sequences> train, const TrainOptions& opt,
+                 std::string checkpoint);
+  // Resumes from the checkpoint if it exists (same drafter config required).
+  bool resume();
+  // Runs until the schedule ends or the deadline nears; checkpoints on the way and at the end.
+  // Returns true when training is finished.
+  bool run();
+  void save_checkpoint() const;
+  const TrainState& state() const { return st_; }
+  // Metrics over held-out sequences (teacher forcing, same anchors rule), `max_batches` batches.
+  BatchMetrics evaluate(const Sequences& seqs, int64_t max_batches, uint64_t seed) const;
+
+ private:
+  struct Batch {
+    at::Tensor tokens;   // [Bs, S] int64
+    at::Tensor anchors;  // [Bs, N] int64
+    at::Tensor valid;    // [Bs, N, B-1] bool: label exists and anchor is real
+  };
+  Batch sample(const std::vector<const Sequences*>& pool, uint64_t seed) const;
+  // Loss (scalar, with graph when grad is enabled) and detached metrics for one batch.
+  std::pair<at::Tensor, at::Tensor> loss(const Batch& b) const;  // {loss [], metrics [3] = (loss, acc1, accept_len)}
+  double lr_at(int64_t step) const;
+  void step_optimizer(double lr, at::Tensor& grad_norm);
+
+  const Model& target_;
+  Drafter& drafter_;
+  std::vector<Sequences> train_;
+  TrainOptions opt_;
+  std::string ckpt_;
+  std::vector<std::pair<std::string, at::Tensor>> params_;
+  std::vector<at::Tensor> m_, v_;   // AdamW moments, like params_
+  at::Tensor pos_weights_;          // [B-1] f32: exp(-(k-1)/γ)
+  TrainState st_;
+};
+
+// Held-out τ: speculative decoding of each prompt (max_new tokens, greedy),
+// τ per domain, acceptance histogram, tok/s of AR and speculative, and whether
+// the output matched greedy AR token for token.
+nlohmann::json evaluate_tau(const Model& target, const Drafter& drafter, const std::vector<std::vector<int64_t>>& prompts,
+                            int64_t max_new, int64_t block_size, const std::vector<int64_t>& stop_ids,
+                            const std::string& label);
+
+}  // namespace kakeya::train
