@@ -275,7 +275,7 @@ void register_train_drafter(CLI::App& app) {
 
     // ---- 4. eval: τ with the exported (bf16) drafter, as users will load it ----
     if (o->t.deadline > 0 && now_unix() + o->eval_seconds > o->t.deadline) {
-      std::fprintf(stderr, "[train-drafter] evaluation deferred (deadline in %.0fs): rerun with --eval-only\n",
+      std::fprintf(stderr, "[train-drafter] evaluation deferred (deadline in %.0fs): rerun the same command\n",
                    o->t.deadline - now_unix());
       return;
     }

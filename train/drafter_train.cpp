@@ -86,16 +86,12 @@ DrafterTrainer::Batch DrafterTrainer::sample(const std::vector<const Sequences*>
   return {tokens, anchors, valid};
 }
 
-std::pair<at::Tensor, at::Tensor> DrafterTrainer::loss(const Batch& batch) const {
-  const auto& cfg = drafter_.config();
-  const at::Device dev = drafter_.device();
-  const int64_t Bs = batch.tokens.size(0), S = batch.tokens.size(1), N = batch.anchors.size(1);
+at::Tensor block_hidden(const Model& target, const Drafter& drafter, const at::Tensor& tokens, const at::Tensor& A) {
+  const auto& cfg = drafter.config();
+  const at::Device dev = drafter.device();
+  const int64_t Bs = tokens.size(0), S = tokens.size(1), N = A.size(1);
   const int64_t Bk = cfg.block_size, T = N * Bk, H = cfg.hidden_size;
   auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
-  // Host batches go up through pinned memory without blocking, so preparing the
-  // next step never waits for the GPU to drain (a pageable copy would sync).
-  auto up = [&](const at::Tensor& t) { return dev.is_cuda() ? t.pin_memory().to(at::TensorOptions().device(dev), /*non_blocking=*/true) : t.to(dev); };
-  at::Tensor tokens = up(batch.tokens);  // [Bs, S]
 
   // The frozen target's features at every position: one forward, no graph.
   at::Tensor feats;  // [Bs, S, n·H]
@@ -105,30 +101,30 @@ std::pair<at::Tensor, at::Tensor> DrafterTrainer::loss(const Batch& batch) const
     co.batch = Bs;
     co.capacity = S;
     co.rollback = 0;
-    co.dtype = target_.dtype();
+    co.dtype = target.dtype();
     co.device = dev;
-    KVCache cache(target_.config(), co);
-    TargetFeatureCapture cap(target_, cfg.target_layer_ids);
+    KVCache cache(target.config(), co);
+    TargetFeatureCapture cap(target, cfg.target_layer_ids);
     ForwardOptions fo;
     fo.taps = &cap.taps();
     fo.skip_logits = true;
-    target_.forward(tokens, cache, fo);
+    target.forward(tokens, cache, fo);
     feats = cap.take();
   }
-  at::Tensor ctx_pos = at::arange(S, iopt);                        // [S]
-  auto kv = drafter_.context_kv(drafter_.project_context(feats), ctx_pos);
+  // Context K/V of every position once; each block masks what it may see.
+  at::Tensor ctx_pos = at::arange(S, iopt);  // [S]
+  auto kv = drafter.context_kv(drafter.project_context(feats), ctx_pos);
   std::vector<at::Tensor> ks, vs;
   for (auto& [k, v] : kv) {
     ks.push_back(k);  // [Bs, H_kv, S, D]
     vs.push_back(v);
   }
 
-  at::Tensor A = up(batch.anchors);                                            // [Bs, N]
   at::Tensor offs = at::arange(Bk, iopt);                                      // [B]
   at::Tensor q_pos = (A.unsqueeze(-1) + offs).view({Bs, T});                   // [Bs, T]
   at::Tensor ids = at::full({Bs, N, Bk}, cfg.mask_token_id, iopt);             // [Bs, N, B]
   ids.select(2, 0).copy_(tokens.gather(1, A));
-  at::Tensor x = drafter_.embed(ids.view({Bs, T}));                            // [Bs, T, H]
+  at::Tensor x = drafter.embed(ids.view({Bs, T}));                             // [Bs, T, H]
 
   // Block n sees context positions < its anchor and its own block only; DFlash's
   // per-layer rule (causal / window) applies on top, on absolute positions.
@@ -142,10 +138,26 @@ std::pair<at::Tensor, at::Tensor> DrafterTrainer::loss(const Batch& batch) const
   for (int64_t l = 0; l < cfg.num_layers; ++l)
     masks.push_back(!cfg.causal(l) && cfg.window(l) == 0
                         ? structure
-                        : structure.logical_and(drafter_.layer_mask(l, q_pos, k_pos)));
+                        : structure.logical_and(drafter.layer_mask(l, q_pos, k_pos)));
 
-  at::Tensor h = drafter_.forward_block(x, q_pos, ks, vs, masks);              // [Bs, T, H]
-  h = h.view({Bs, N, Bk, H}).slice(2, 1);                                      // [Bs, N, B-1, H]
+  at::Tensor h = drafter.forward_block(x, q_pos, ks, vs, masks);               // [Bs, T, H]
+  return h.view({Bs, N, Bk, H}).slice(2, 1);                                   // [Bs, N, B-1, H]
+}
+
+std::pair<at::Tensor, at::Tensor> DrafterTrainer::loss(const Batch& batch) const {
+  const auto& cfg = drafter_.config();
+  const at::Device dev = drafter_.device();
+  const int64_t Bs = batch.tokens.size(0), S = batch.tokens.size(1), N = batch.anchors.size(1);
+  const int64_t Bk = cfg.block_size, H = cfg.hidden_size;
+  auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
+  // Host batches go up through pinned memory without blocking, so preparing the
+  // next step never waits for the GPU to drain (a pageable copy would sync).
+  auto up = [&](const at::Tensor& t) {
+    return dev.is_cuda() ? t.pin_memory().to(at::TensorOptions().device(dev), /*non_blocking=*/true) : t.to(dev);
+  };
+  at::Tensor tokens = up(batch.tokens);                                        // [Bs, S]
+  at::Tensor A = up(batch.anchors);                                            // [Bs, N]
+  at::Tensor h = block_hidden(target_, drafter_, tokens, A);                   // [Bs, N, B-1, H]
   at::Tensor label_pos = (A.unsqueeze(-1) + at::arange(1, Bk, iopt)).clamp_max(S - 1);   // [Bs, N, B-1]
   at::Tensor labels = tokens.gather(1, label_pos.view({Bs, -1})).view({Bs, N, Bk - 1});  // [Bs, N, B-1]
   at::Tensor valid = up(batch.valid);                                          // [Bs, N, B-1]
@@ -275,6 +287,7 @@ bool DrafterTrainer::run() {
                    (long long)st_.step, (long long)st_.total_steps);
       break;
     }
+    if (opt_.max_steps_this_run > 0 && st_.step - first_step >= opt_.max_steps_this_run) break;
     const double lr = lr_at(st_.step);
     Batch b = sample(pool, opt_.seed * 1000003ull + (uint64_t)st_.step);  // a step's batch depends on (seed, step) only
     auto [loss, metrics] = this->loss(b);

@@ -36,6 +36,7 @@ struct TrainOptions {
   int64_t calibration_steps = 12;
   uint64_t seed = 0;
   double deadline = 0;          // unix seconds: checkpoint and return before this (0: none)
+  int64_t max_steps_this_run = 0;  // return (with a checkpoint) after this many steps (0: no limit)
   double checkpoint_seconds = 60;
   double log_seconds = 5;
 };
@@ -63,6 +64,13 @@ struct BatchMetrics {
   double loss = 0, acc1 = 0, accept_len = 0;
   int64_t blocks = 0;
 };
+
+// The training forward: tokens [Bs, S] int64 and anchors A [Bs, N] int64 (on the
+// drafter's device) -> final-normed drafter hidden of block positions 1..B-1,
+// [Bs, N, B-1, H] (logits via Drafter::logits). Block n = [tok[A_n], MASK × (B-1)]
+// at positions A_n .. A_n+B-1 sees the target's features of positions < A_n and
+// itself only: what Drafter::draft sees after extending its cache to A_n.
+at::Tensor block_hidden(const Model& target, const Drafter& drafter, const at::Tensor& tokens, const at::Tensor& A);
 
 class DrafterTrainer {
  public:
