@@ -70,7 +70,7 @@ SpeculativeResult speculative_generate(const Model& target, const Drafter& draft
     fo.last_logits_only = true;
     auto ids = at::tensor(prompt, at::kLong).view({1, n_prompt}).to(dev);
     auto logits = target.forward(ids, cache, fo);  // [1, 1, V]
-    drafter.extend(dcache, capture.take());        // context = every prompt position
+    drafter.extend(dcache, capture.take(), opt.drafter_taps);  // context = every prompt position
     // SYNC: the first token decides what the first block starts with (and may be a stop).
     res.tokens.push_back(logits.select(1, 0).argmax(-1).item<int64_t>());
     fo.last_logits_only = false;
@@ -122,7 +122,7 @@ SpeculativeResult speculative_generate(const Model& target, const Drafter& draft
     // cache yet: it opens the next block.
     cache.truncate(start + produced);
     at::Tensor feats = capture.take();  // [1, b, n·H] from this same verify forward
-    drafter.extend(dcache, feats.slice(1, 0, produced));
+    drafter.extend(dcache, feats.slice(1, 0, produced), opt.drafter_taps);
   }
   res.decode_seconds = seconds_since(t1, dev);
   res.target_cache_bytes = cache.bytes();

@@ -28,6 +28,9 @@ struct SpeculativeOptions {
   int64_t block_size = 0;              // b: tokens per verify forward; 0 = the drafter's block_size
   std::vector<int64_t> stop_ids;       // generation ends after emitting one of these
   std::function<void(int64_t)> on_token;
+  // Subscribers to the drafter's per-layer K/V (Tap::KProj/KNorm/VProj/VNorm, [1, n, H_kv, D]) at
+  // every committed position as the context is extended (prompt, then each block): f_θ's inputs.
+  const Taps* drafter_taps = nullptr;
   // Diagnostics and tests. on_draft sees each block's draft logits [b-1, V] f32 (start = the
   // block's first position); edit_draft may replace the proposal ids [b-1] int64 before verification.
   std::function<void(int64_t start, const at::Tensor& logits)> on_draft;

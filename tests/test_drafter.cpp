@@ -233,8 +233,22 @@ TEST_P(DrafterParity, SpeculativeEqualsGreedyAR) {
           for (int64_t i = 0; i < drafts.size(0); ++i)
             if (g + i < n_new) drafts[i] = (ar[g + i] + (i == wrong ? 1 : 0)) % V;
         };
+      // The drafter's K/V taps see every committed position exactly once, in order.
+      struct Positions : TapSubscriber {
+        std::vector<int64_t> seen;
+        void on_tap(Tap t, const TapContext& ctx, at::Tensor&) override {
+          if (t == Tap::KProj && ctx.layer == 0) {
+            auto p = ctx.positions.cpu();
+            seen.insert(seen.end(), p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + p.numel());
+          }
+        }
+      } pos;
+      Taps taps;
+      taps.subscribe(&pos);
+      so.drafter_taps = &taps;
       auto r = speculative_generate(*c.target, *c.drafter, prompt, so);
       EXPECT_EQ(r.tokens, ar) << GetParam() << " B=" << B << (oracle ? " oracle" : " drafter");
+      EXPECT_EQ(pos.seen, to_vec(at::arange((int64_t)(prompt.size() + r.committed_tokens()))));
       for (int64_t k : r.committed) EXPECT_TRUE(k >= 1 && k <= B);
       if (oracle && B > 2) EXPECT_GT(r.tau(), 1.5) << "the oracle's proposals should be accepted";
     }
