@@ -37,7 +37,7 @@ for d in /usr/share/common-licenses /usr/share/doc; do [ -d "$d" ] && PROSE+=("$
 
 build-cuda/kakeya train-drafter --device cuda --model "$MODEL" --out "$RUN" \
   --code "$STDLIB" --prose "${PROSE[@]}" \
-  --layers 5 --heads 8 --kv-heads 4 --head-dim 64 --intermediate 1280 --block-size 16 \
+  --layers 5 --heads 8 --kv-heads 1 --head-dim 64 --intermediate 1280 --block-size 16 \
   --prompt-len 64 --gen-len 192 --train-prompts 12000 --eval-prompts 48 --eval-max-new 192 --gen-batch 256 \
   --batch 16 --anchors 24 --gamma 7 --lr 1e-3 --warmup 200 --train-seconds "$TRAIN_SECONDS" --seed 0 \
   --deadline $((T0 + BUDGET)) --commit "$COMMIT"
