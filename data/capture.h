@@ -152,6 +152,7 @@ struct CaptureReport {
 // Captures `prompts` into opt.out_dir (resuming a previous run there). The
 // directories are recorded in the manifest (and hashed); `verifier` and `drafter`
 // must be loaded from them. Throws naming the file on any write failure (disk full).
+// `progress` is called once before any work, then after every sequence.
 CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir, const Drafter& drafter,
                           const std::string& drafter_dir, const std::vector<CapturePrompt>& prompts,
                           const CaptureOptions& opt, const std::function<void(const CaptureProgress&)>& progress = {});

@@ -54,5 +54,6 @@ void set_command_line(int argc, char** argv);
 const std::string& command_line();
 void register_spec(CLI::App& app);           // cmd_spec.cpp
 void register_train_drafter(CLI::App& app);  // cmd_train_drafter.cpp
+void register_capture(CLI::App& app);        // cmd_capture.cpp (built where HDF5 is found)
 
 }  // namespace kakeya::cli
