@@ -88,4 +88,17 @@ TEST(DrafterRealModel, OracleDraftsAreAcceptedAndLossless) {
   EXPECT_GE(r.tau(), 8.0) << "oracle proposals should be accepted";
 }
 
+// The shipped drafter (checkpoints/gemma3-270m/drafter, trained on the H100) loads in f32 on the CPU,
+// stays lossless and is worth running: most of its drafts are accepted on held-in-style code.
+TEST(DrafterRealModel, ShippedDrafterIsLosslessAndAccepted) {
+  auto d = Drafter::load(test::shipped_dir("drafter"), model());
+  EXPECT_EQ(d.config().block_size, 16);
+  SpeculativeOptions so;
+  so.max_new_tokens = 32;
+  so.stop_ids = model().config().eos_token_ids;
+  auto r = speculative_generate(model(), d, prompt(), so);
+  EXPECT_EQ(r.tokens, ar_tokens());
+  EXPECT_GE(r.tau(), 2.5) << "held-out tau was 4.0 on code at training time";
+}
+
 }  // namespace

@@ -24,4 +24,11 @@ inline std::string real_model_dir() {
   return d;
 }
 
+// Trained artifacts shipped in the repo (checkpoints/gemma3-270m/<what>): tracked files, so absence is a failure.
+inline std::string shipped_dir(const std::string& what) {
+  std::string d = env_or_fail("KAKEYA_SOURCE_DIR") + "/checkpoints/gemma3-270m/" + what;
+  if (!fs::exists(d)) ADD_FAILURE() << d << " does not exist (it is tracked in git)";
+  return d;
+}
+
 }  // namespace kakeya::test
