@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "core/error.h"
+#include "infer/loop_util.h"
 
 #ifdef KAKEYA_CUDA
 #include <ATen/cuda/CUDAGraph.h>
@@ -13,19 +14,6 @@
 
 namespace kakeya {
 namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0, const at::Device& dev) {
-#ifdef KAKEYA_CUDA
-  if (dev.is_cuda()) c10::cuda::getCurrentCUDAStream().synchronize();  // SYNC: timing boundary
-#endif
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-bool is_stop(int64_t tok, const std::vector<int64_t>& stop) {
-  return std::find(stop.begin(), stop.end(), tok) != stop.end();
-}
 
 // One decode step with static buffers: reads token `cur` at position `pos`,
 // writes the next token into `out[step]` and back into `cur`, advances pos and step.

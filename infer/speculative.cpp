@@ -1,32 +1,12 @@
 #include "infer/speculative.h"
 
-#include <algorithm>
-#include <chrono>
 #include <numeric>
 
 #include "core/error.h"
+#include "infer/loop_util.h"
 
-#ifdef KAKEYA_CUDA
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 namespace kakeya {
-namespace {
-
-using Clock = std::chrono::steady_clock;
-
-double seconds_since(Clock::time_point t0, const at::Device& dev) {
-#ifdef KAKEYA_CUDA
-  if (dev.is_cuda()) c10::cuda::getCurrentCUDAStream().synchronize();  // SYNC: timing boundary
-#endif
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-bool is_stop(int64_t tok, const std::vector<int64_t>& stop) {
-  return std::find(stop.begin(), stop.end(), tok) != stop.end();
-}
-
-}  // namespace
 
 int64_t SpeculativeResult::committed_tokens() const {
   return std::accumulate(committed.begin(), committed.end(), (int64_t)0);
