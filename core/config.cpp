@@ -1,10 +1,10 @@
 #include "core/config.h"
 
 #include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/fs.h"
 
 namespace kakeya {
 using json = nlohmann::json;
@@ -369,15 +369,7 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& origin) {
 }
 
 ModelConfig ModelConfig::from_file(const std::string& path) {
-  std::ifstream f(path);
-  KAKEYA_CHECK(f.good(), path << ": cannot open model config (expected an HF config.json)");
-  json j;
-  try {
-    j = json::parse(f);
-  } catch (const json::exception& e) {
-    KAKEYA_FAIL(path << ": not valid JSON: " << e.what());
-  }
-  return from_json(j, path);
+  return from_json(fs::read_json(path, "an HF config.json"), path);
 }
 
 json ModelConfig::summary() const {

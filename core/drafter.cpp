@@ -3,7 +3,6 @@
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cmath>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -211,15 +210,7 @@ DrafterConfig DrafterConfig::from_json(const json& j, const std::string& origin)
 }
 
 DrafterConfig DrafterConfig::from_file(const std::string& path) {
-  std::ifstream f(path);
-  KAKEYA_CHECK(f.good(), path << ": cannot open drafter config (expected a DFlash config.json)");
-  json j;
-  try {
-    j = json::parse(f);
-  } catch (const json::exception& e) {
-    KAKEYA_FAIL(path << ": not valid JSON: " << e.what());
-  }
-  return from_json(j, path);
+  return from_json(fs::read_json(path, "a DFlash config.json"), path);
 }
 
 json DrafterConfig::to_json() const {

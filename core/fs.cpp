@@ -8,6 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fstream>
+#include <nlohmann/json.hpp>
+
 #include "core/error.h"
 
 namespace kakeya::fs {
@@ -65,5 +68,17 @@ void write_atomic(const std::string& path, const std::string& content) {
     KAKEYA_FAIL(path << ": cannot replace atomically: " << std::strerror(e));
   }
 }
+
+nlohmann::json read_json(const std::string& path, const std::string& expected) {
+  std::ifstream f(path);
+  KAKEYA_CHECK(f.good(), path << ": cannot open (expected " << expected << ")");
+  try {
+    return nlohmann::json::parse(f);
+  } catch (const nlohmann::json::exception& e) {
+    KAKEYA_FAIL(path << ": not valid JSON (expected " << expected << "): " << e.what());
+  }
+}
+
+void write_json_atomic(const std::string& path, const nlohmann::json& j) { write_atomic(path, j.dump(2) + "\n"); }
 
 }  // namespace kakeya::fs
