@@ -4,7 +4,6 @@
 
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <map>
 #include <set>
 
@@ -151,15 +150,7 @@ FThetaConfig FThetaConfig::from_json(const json& j, const std::string& file) {
 }
 
 FThetaConfig FThetaConfig::from_file(const std::string& path) {
-  std::ifstream f(path);
-  KAKEYA_CHECK(f.good(), path << ": cannot open f_theta config");
-  json j;
-  try {
-    j = json::parse(f);
-  } catch (const json::exception& e) {
-    KAKEYA_FAIL(path << ": invalid JSON: " << e.what());
-  }
-  return from_json(j, path);
+  return from_json(fs::read_json(path, "an f_theta_config.json"), path);
 }
 
 void FThetaConfig::check(const ModelConfig& verifier, const DrafterConfig& drafter, const std::string& file) const {

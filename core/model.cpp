@@ -160,6 +160,15 @@ std::pair<at::Tensor, at::Tensor> Model::finish_kv(int64_t layer, const at::Tens
   return {k.transpose(1, 2), v.transpose(1, 2)};
 }
 
+at::Tensor Model::finish_q(int64_t layer, const at::Tensor& q_raw, const at::Tensor& positions) const {
+  auto q = cfg_.qk_norm ? rms_norm(q_raw, layers_[layer].q_norm) : q_raw;
+  return rope(layer).apply(q, positions);
+}
+
+at::Tensor Model::layer_mask(int64_t layer, const at::Tensor& k_pos, const at::Tensor& q_pos) const {
+  return visible(k_pos, q_pos, cfg_.is_sliding(layer) ? cfg_.sliding_window : 0);
+}
+
 at::Tensor Model::attention(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& mask) const {
   // q: [B, T, H_q, D]; k, v: [B, H_kv, S, D]; mask: [T, S] bool.

@@ -85,11 +85,16 @@ class Model {
   const at::Tensor& embedding() const { return embed_; }  // [V, hidden]
   const at::Tensor& lm_head() const { return lm_head_; }  // [V, hidden] raw output head (no softcap; = embedding() when tied)
   const RopeTable& rope(int64_t layer) const { return cfg_.is_sliding(layer) ? rope_sliding_ : rope_full_; }
-
- private:
+  // q raw [B, T, H_q, D] -> q_norm'd and RoPE'd [B, T, H_q, D], as the forward feeds attention().
+  at::Tensor finish_q(int64_t layer, const at::Tensor& q_raw, const at::Tensor& positions) const;
+  // Causal (+ window on sliding layers) visibility of keys at k_pos [S] to queries at q_pos [T]: [T, S] bool.
+  at::Tensor layer_mask(int64_t layer, const at::Tensor& k_pos, const at::Tensor& q_pos) const;
+  // The layer's attention (GQA, scale, softcap): q [B, T, H_q, D]; k, v [B, H_kv, S, D];
+  // mask [T, S] bool (true = visible) -> [B, T, H_q·D], before o_proj. Differentiable.
   at::Tensor attention(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& mask) const;
 
+ private:
   ModelConfig cfg_;
   ModelOptions opt_;
   ops::NormSpec norm_spec_;

@@ -8,9 +8,21 @@
 
 namespace kakeya::ops {
 
+#ifdef KAKEYA_CUDA
+namespace {
+// The fused kernels have no backward: while autograd records through an input
+// (f_θ training recomputes attention with the model's norms), take the reference path.
+bool fused(const at::Tensor& x, const at::Tensor& w = {}) {
+  if (!x.is_cuda()) return false;
+  if (!at::GradMode::is_enabled()) return true;
+  return !x.requires_grad() && !(w.defined() && w.requires_grad());
+}
+}  // namespace
+#endif
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns) {
 #ifdef KAKEYA_CUDA
-  if (x.is_cuda()) return cuda::rms_norm(x, w, ns.eps, ns.unit_offset);
+  if (fused(x, w)) return cuda::rms_norm(x, w, ns.eps, ns.unit_offset);
 #endif
   auto xf = x.to(at::kFloat);
   auto normed = xf * at::rsqrt(xf.pow(2).mean(-1, true) + ns.eps);
@@ -22,7 +34,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
                                                const at::Tensor& w_next, const NormSpec& ns) {
 #ifdef KAKEYA_CUDA
-  if (h.is_cuda()) return cuda::add_rms_norm(h, x, w_post, w_next, ns.eps, ns.unit_offset);
+  if (fused(h) && fused(x)) return cuda::add_rms_norm(h, x, w_post, w_next, ns.eps, ns.unit_offset);
 #endif
   at::Tensor h2 = h + (w_post.defined() ? rms_norm(x, w_post, ns) : x);
   return {h2, rms_norm(h2, w_next, ns)};
@@ -30,21 +42,21 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Te
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
 #ifdef KAKEYA_CUDA
-  if (x.is_cuda()) return cuda::linear(x, w, bias);
+  if (fused(x, w)) return cuda::linear(x, w, bias);
 #endif
   return at::linear(x, w, bias);
 }
 
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh) {
 #ifdef KAKEYA_CUDA
-  if (x.is_cuda()) return cuda::linear_act_mul(x, w, bias, gelu_tanh);
+  if (fused(x, w)) return cuda::linear_act_mul(x, w, bias, gelu_tanh);
 #endif
   return act_mul(at::linear(x, w, bias), gelu_tanh);
 }
 
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh) {
 #ifdef KAKEYA_CUDA
-  if (gu.is_cuda()) return cuda::act_mul(gu, gelu_tanh);
+  if (fused(gu)) return cuda::act_mul(gu, gelu_tanh);
 #endif
   auto parts = gu.chunk(2, -1);
   return (gelu_tanh ? at::gelu(parts[0], "tanh") : at::silu(parts[0])) * parts[1];
