@@ -6,6 +6,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/lloyd_max.h"
+#include "core/rope.h"
 #include "core/safetensors.h"
 
 namespace kakeya::calib {
@@ -49,7 +50,7 @@ int64_t run_windows(const Model& model, const std::vector<int64_t>& ids, int64_t
 SigmaQAccumulator::SigmaQAccumulator(const ModelConfig& cfg, at::Device device) : cfg_(cfg) {
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     const int64_t D = cfg.layer_head_dim[l];
-    sum_.push_back(at::zeros({cfg.num_kv_heads, D, D}, at::TensorOptions().dtype(at::kDouble).device(device)));
+    sum_.push_back(at::zeros({cfg.kv_heads(l), D, D}, at::TensorOptions().dtype(at::kDouble).device(device)));
     count_.push_back(0);
   }
 }
@@ -57,11 +58,39 @@ SigmaQAccumulator::SigmaQAccumulator(const ModelConfig& cfg, at::Device device) 
 void SigmaQAccumulator::on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) {
   if (tap != Tap::QNorm) return;
   // x: [B, T, H_q, D]. Query head h reads KV head h / G (HF's repeat_kv), so the
-  // G heads of a group are contiguous: [B·T, H_kv, G, D] -> [H_kv, B·T·G, D].
-  const int64_t B = x.size(0), T = x.size(1), Hq = x.size(2), D = x.size(3), Hkv = cfg_.num_kv_heads, G = Hq / Hkv;
+  // G heads of a group are contiguous: [B·T, H_kv, G, D] -> [H_kv, B·T·G, D]. H_kv is per layer
+  // (Gemma 4 full layers have fewer KV heads, so a larger G).
+  const int64_t B = x.size(0), T = x.size(1), Hq = x.size(2), D = x.size(3), Hkv = cfg_.kv_heads(ctx.layer),
+                G = Hq / Hkv;
   auto q = x.to(at::kFloat).reshape({B * T, Hkv, G, D}).permute({1, 0, 2, 3}).reshape({Hkv, B * T * G, D});
   sum_[ctx.layer] += at::bmm(q.transpose(1, 2), q).to(at::kDouble);  // f32 products, f64 running sum
   count_[ctx.layer] += B * T * G;
+}
+
+at::Tensor rope_average(const at::Tensor& sigma, const RopeParams& rope, int64_t offsets) {
+  KAKEYA_CHECK(offsets >= 1, "rope_average: offsets must be >= 1");
+  const int64_t D = sigma.size(-1);
+  auto inv = rope_inv_freq(rope, D).to(at::kDouble);  // [rot/2]
+  const int64_t h = inv.size(0), rot = 2 * h;
+  // Per-dimension frequency: dims a and a + rot/2 rotate together; pass-through dims don't.
+  auto f = at::zeros({D}, at::kDouble);
+  f.slice(0, 0, h).copy_(inv);
+  f.slice(0, h, rot).copy_(inv);
+  auto ang = at::arange(offsets, at::kDouble).unsqueeze(1) * f.unsqueeze(0);  // [M, D]
+  auto C = ang.cos(), S = ang.sin();
+  S.slice(1, rot).zero_();
+  // R x = c∘x + s∘P x with P x = rotate_half(x) = [-x2, x1] on the rotary part.
+  auto P = at::zeros({D, D}, at::kDouble);
+  for (int64_t a = 0; a < h; ++a) {
+    P[a][a + h] = -1.0;
+    P[a + h][a] = 1.0;
+  }
+  const double M = (double)offsets;
+  auto Ecc = at::matmul(C.t(), C) / M, Ecs = at::matmul(C.t(), S) / M, Esc = at::matmul(S.t(), C) / M,
+       Ess = at::matmul(S.t(), S) / M;  // [D, D] moments E[c_a c_b] etc.
+  auto Sg = sigma.to(at::kDouble).cpu();
+  auto SPt = at::matmul(Sg, P.t()), PS = at::matmul(P, Sg), PSPt = at::matmul(PS, P.t());
+  return Ecc * Sg + Ecs * SPt + Esc * PS + Ess * PSPt;
 }
 
 SigmaQResult finish_sigma_q(const SigmaQAccumulator& acc, const ModelConfig& cfg, const SigmaQOptions& opt) {
@@ -70,18 +99,26 @@ SigmaQResult finish_sigma_q(const SigmaQAccumulator& acc, const ModelConfig& cfg
   json layers = json::array();
   std::vector<double> conds;
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
-    const int64_t D = cfg.layer_head_dim[l], H = cfg.num_kv_heads;
+    const int64_t D = cfg.layer_head_dim[l], H = cfg.kv_heads(l);
     KAKEYA_CHECK(acc.count(l) > 0, "sigma-q: no queries were captured for layer " << l);
-    auto S = (acc.sum(l) / (double)acc.count(l)).cpu();  // [H, D, D] f64
-    S = 0.5 * (S + S.transpose(1, 2));                    // exact symmetry for the factorisation
+    auto S_raw = (acc.sum(l) / (double)acc.count(l)).cpu();  // [H, D, D] f64
+    S_raw = 0.5 * (S_raw + S_raw.transpose(1, 2));           // exact symmetry for the factorisation
+    for (int64_t h = 0; h < H; ++h)
+      KAKEYA_CHECK(at::isfinite(S_raw[h]).all().item<bool>(),
+                   "sigma-q: layer " << l << " KV head " << h
+                                     << ": query statistics contain NaN or Inf (non-finite activations in the calibration "
+                                        "forward; try --dtype f32)");
+    at::Tensor S = S_raw;
+    if (opt.rope_offsets > 0) {
+      const int64_t n = cfg.is_sliding(l) && cfg.sliding_window > 0 ? std::min(opt.rope_offsets, cfg.sliding_window)
+                                                                    : opt.rope_offsets;
+      S = rope_average(S_raw, cfg.rope(l), n);
+      S = 0.5 * (S + S.transpose(1, 2));
+    }
     std::vector<at::Tensor> Ls, Li;
     json heads = json::array();
     for (int64_t h = 0; h < H; ++h) {
       auto Sh = S[h];
-      KAKEYA_CHECK(at::isfinite(Sh).all().item<bool>(),
-                   "sigma-q: layer " << l << " KV head " << h
-                                     << ": query statistics contain NaN or Inf (non-finite activations in the calibration "
-                                        "forward; try --dtype f32)");
       auto ev = at::linalg_eigvalsh(Sh);  // ascending [D]
       const double lmax = ev[D - 1].item<double>(), lmin = ev[0].item<double>(), tr = ev.sum().item<double>();
       KAKEYA_CHECK(tr > 0, "sigma-q: layer " << l << " KV head " << h << ": all queries are zero");
@@ -119,13 +156,15 @@ SigmaQResult finish_sigma_q(const SigmaQAccumulator& acc, const ModelConfig& cfg
       heads.push_back(hj);
       conds.push_back(cond_r);
     }
-    r.sigma.push_back(S.to(at::kFloat));
+    r.sigma.push_back(S_raw.to(at::kFloat));
+    if (opt.rope_offsets > 0) r.sigma_eff.push_back(S.to(at::kFloat));
     r.chol.push_back(at::stack(Ls).to(at::kFloat));
     r.inv_chol.push_back(at::stack(Li).to(at::kFloat));
     layers.push_back({{"layer", l}, {"layer_type", layer_type_name(cfg.layer_types[l])}, {"queries", acc.count(l)}, {"heads", heads}});
   }
   std::sort(conds.begin(), conds.end());
   r.diagnostics = {{"ridge", opt.ridge},
+                   {"rope_offsets", opt.rope_offsets},
                    {"ridge_rule", "Σ + ridge · tr(Σ)/D · I"},
                    {"cond_ridged_median", conds[conds.size() / 2]},
                    {"cond_ridged_max", conds.back()},
@@ -141,12 +180,14 @@ void save_sigma_q(const std::string& dir, const ModelConfig& cfg, const SigmaQRe
     t[p + "chol"] = r.chol[l].contiguous();
     t[p + "inv_chol"] = r.inv_chol[l].contiguous();
     t[p + "sigma"] = r.sigma[l].contiguous();
+    if (!r.sigma_eff.empty()) t[p + "sigma_eff"] = r.sigma_eff[l].contiguous();
   }
   save_safetensors(dir + "/q_calib.safetensors", t, {{"format", kCalibFormat}, {"config_hash", config_hash(cfg)}});
   fs::write_atomic(dir + "/q_calib_diagnostics.json", r.diagnostics.dump(2) + "\n");
   entry["file"] = "q_calib.safetensors";
   entry["diagnostics"] = "q_calib_diagnostics.json";
   entry["ridge"] = r.diagnostics["ridge"];
+  entry["rope_offsets"] = r.diagnostics["rope_offsets"];
   entry["cond_ridged_median"] = r.diagnostics["cond_ridged_median"];
   entry["cond_ridged_max"] = r.diagnostics["cond_ridged_max"];
   CalibBundle::update_manifest(dir, cfg, "sigma_q", entry);

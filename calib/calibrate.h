@@ -47,10 +47,22 @@ struct SigmaQOptions {
   // to singular (cond 1e7..1e11 on Gemma 3 270M), so without it L⁻¹ amplifies
   // codec error without bound; 1e-3 caps cond(Σ_r) near D/ridge.
   double ridge = 1e-3;
+  // RoPE-aware metric: a pre-RoPE key error e at position s meets the query of
+  // position t as (R_{t-s} q)ᵀ e, so the metric that weighs it is
+  // E_Δ[R_Δ Σ_q R_Δᵀ], not Σ_q. With rope_offsets = N > 0 the factor is taken
+  // of that average over Δ = 0..N-1 (capped at the sliding window on sliding
+  // layers); 0 whitens with the plain pre-RoPE Σ_q. Saved as layer_{l}_sigma_eff.
+  int64_t rope_offsets = 0;
 };
+
+// E_Δ[R_Δ Σ R_Δᵀ] over Δ = 0..offsets-1 for one layer's RoPE (HF rotate_half
+// layout); sigma: [H, D, D] f64 -> same. Elementwise in O(offsets·D²) via the
+// cos/sin moment matrices, no D×D rotation per offset.
+at::Tensor rope_average(const at::Tensor& sigma, const RopeParams& rope, int64_t offsets);
 
 struct SigmaQResult {
   std::vector<at::Tensor> sigma, chol, inv_chol;  // per layer [H_kv, D, D] f32 (sigma: without ridge)
+  std::vector<at::Tensor> sigma_eff;              // per layer [H_kv, D, D] f32 when rope_offsets > 0: what was factored
   nlohmann::json diagnostics;                     // per layer/head: cond, cond_ridged, anisotropy, eff. rank
 };
 

@@ -13,8 +13,22 @@ namespace kakeya {
 
 using json = nlohmann::json;
 
+// The fields that decide the shape and meaning of every calibrated tensor, in a
+// fixed list (not ModelConfig::summary(), which grows with new families and would
+// orphan every shipped bundle). Adding a field here invalidates existing bundles.
+static json hashed_identity(const ModelConfig& cfg) {
+  json types = json::array();
+  for (LayerType t : cfg.layer_types) types.push_back(layer_type_name(t));
+  return {{"model_type", cfg.model_type},          {"vocab_size", cfg.vocab_size},
+          {"hidden_size", cfg.hidden_size},        {"num_layers", cfg.num_layers},
+          {"num_heads", cfg.num_heads},            {"layer_head_dim", cfg.layer_head_dim},
+          {"layer_kv_heads", cfg.layer_kv_heads},  {"layer_types", types},
+          {"sliding_window", cfg.sliding_window},  {"rope_full_theta", cfg.rope_full.theta},
+          {"rope_sliding_theta", cfg.rope_sliding.theta}};
+}
+
 std::string config_hash(const ModelConfig& cfg) {
-  const std::string s = cfg.summary().dump();
+  const std::string s = hashed_identity(cfg).dump();
   uint64_t h = 0xcbf29ce484222325ull;
   for (unsigned char c : s) {
     h ^= c;
@@ -29,7 +43,7 @@ json model_identity(const ModelConfig& cfg) {
   return {{"config_hash", config_hash(cfg)},
           {"model_type", cfg.model_type},
           {"num_layers", cfg.num_layers},
-          {"num_kv_heads", cfg.num_kv_heads},
+          {"layer_kv_heads", cfg.layer_kv_heads},
           {"num_heads", cfg.num_heads},
           {"layer_head_dim", cfg.layer_head_dim}};
 }
@@ -122,7 +136,7 @@ CalibBundle CalibBundle::load(const std::string& dir, const ModelConfig& cfg) {
   b.dir_ = dir;
   b.manifest_ = check_manifest(dir, cfg);
   const json& ent = b.manifest_.value("entries", json::object());
-  const int64_t L = cfg.num_layers, H = cfg.num_kv_heads;
+  const int64_t L = cfg.num_layers;
   auto finite = [](const at::Tensor& t, const std::string& what) {
     KAKEYA_CHECK(at::isfinite(t).all().item<bool>(), what << ": contains NaN or Inf");
   };
@@ -130,7 +144,7 @@ CalibBundle CalibBundle::load(const std::string& dir, const ModelConfig& cfg) {
     const std::string path = dir + "/" + ent["sigma_q"].value("file", "q_calib.safetensors");
     auto st = TensorStore::open_file(path);
     for (int64_t l = 0; l < L; ++l) {
-      const int64_t D = cfg.layer_head_dim[l];
+      const int64_t D = cfg.layer_head_dim[l], H = cfg.kv_heads(l);
       const std::string p = "layer_" + std::to_string(l) + "_";
       b.chol_.push_back(st.get(p + "chol", {H, D, D}).to(at::kFloat).clone());
       b.inv_chol_.push_back(st.get(p + "inv_chol", {H, D, D}).to(at::kFloat).clone());
@@ -145,7 +159,7 @@ CalibBundle CalibBundle::load(const std::string& dir, const ModelConfig& cfg) {
     for (const std::string kind : {"k", "kw", "v"}) {
       if (!st.has("layer_0_" + kind + "_basis")) continue;
       for (int64_t l = 0; l < L; ++l) {
-        const int64_t D = cfg.layer_head_dim[l];
+        const int64_t D = cfg.layer_head_dim[l], H = cfg.kv_heads(l);
         const std::string p = "layer_" + std::to_string(l) + "_" + kind;
         b.basis_[kind].push_back(st.get(p + "_basis", {H, D, D}).to(at::kFloat).clone());
         b.eig_[kind].push_back(st.get(p + "_eig", {H, D}).to(at::kFloat).clone());

@@ -4,6 +4,9 @@
 //   manifest.json                 format, model identity (config hash), one entry per job
 //                                 (command line, data, files, parameters)
 //   q_calib.safetensors           layer_{l}_chol, layer_{l}_inv_chol, layer_{l}_sigma: [n_kv, D, D] f32
+//                                 (+ layer_{l}_sigma_eff, the RoPE-averaged Σ_q that was factored,
+//                                 when sigma-q ran with --rope-offsets); n_kv and D are the layer's own
+//                                 (ModelConfig::kv_heads(l), layer_head_dim[l]: Gemma 4 full layers differ)
 //   q_calib_diagnostics.json      condition numbers, anisotropy per layer and KV head
 //   pca_basis.safetensors         layer_{l}_{k,kw,v}_basis [n_kv, D, D] f32 (columns: principal
 //                                 directions by descending variance), layer_{l}_{k,kw,v}_eig [n_kv, D]
@@ -28,7 +31,8 @@ namespace kakeya {
 
 constexpr const char* kCalibFormat = "kakeya-calib/1";
 
-// FNV-1a 64 of ModelConfig::summary() (sorted-key JSON): "fnv1a64:<16 hex>".
+// FNV-1a 64 of the model's identity fields (sorted-key JSON; the list is fixed in
+// calib_bundle.cpp so bundles survive new ModelConfig fields): "fnv1a64:<16 hex>".
 std::string config_hash(const ModelConfig& cfg);
 // The "model" object of a manifest: hash plus readable identity fields.
 nlohmann::json model_identity(const ModelConfig& cfg);

@@ -74,8 +74,8 @@ std::string trim(const std::string& s) {
   return a == std::string::npos ? "" : s.substr(a, b - a + 1);
 }
 
-const std::set<std::string> kStreamKeys = {"b",  "deff", "tb",  "g",  "basis", "rsvd",   "os", "pi", "km",
-                                           "kmi", "wht", "t",   "nc", "cal",   "center", "qp", "on"};
+const std::set<std::string> kStreamKeys = {"b",   "deff", "tb", "g",  "alloc", "aq",     "basis", "rsvd", "os", "pi",
+                                           "km",  "kmi",  "wht", "t", "nc",    "cal",    "center", "qp",   "on"};
 const std::set<std::string> kGlobalKeys = {"block", "skip", "sink", "seed", "group", "abits", "label"};
 
 void set_stream_key(const std::string& spec, StreamOptions& so, const std::string& key, const std::string& full,
@@ -101,6 +101,12 @@ void set_stream_key(const std::string& spec, StreamOptions& so, const std::strin
       KAKEYA_CHECK(g.bits >= 0 && g.bits <= 4, "codec '" << spec << "': " << full << " group bits must be in 0..4, got " << g.bits);
       so.groups.push_back(g);
     }
+  } else if (key == "alloc") {
+    so.alloc = parse_double(spec, full, v);
+    KAKEYA_CHECK(so.alloc >= 0 && so.alloc <= 4, "codec '" << spec << "': " << full << " (average bits) must be in 0..4, got " << v);
+  } else if (key == "aq") {
+    so.alloc_quantum = parse_int(spec, full, v);
+    KAKEYA_CHECK(so.alloc_quantum >= 1, "codec '" << spec << "': " << full << " must be >= 1");
   } else if (key == "basis") {
     if (v == "none") so.basis = BasisSource::None;
     else if (v == "block") so.basis = BasisSource::Block;
@@ -196,7 +202,7 @@ CodecOptions CodecOptions::parse(const std::string& spec_in) {
       } else {
         KAKEYA_FAIL("codec '" << spec << "': unknown key '" << key
                               << "' (global: block skip sink seed group abits label; per stream, k/v-prefixed or not: "
-                                 "b deff tb g basis rsvd os pi km kmi wht t nc cal center qp on)");
+                                 "b deff tb g alloc aq basis rsvd os pi km kmi wht t nc cal center qp on)");
       }
     }
   }
@@ -228,7 +234,9 @@ std::string CodecOptions::describe() const {
         }
         os << "," << p << "g=";
         auto g = so.resolved_groups(-1);
-        if (so.groups.empty()) {
+        if (so.alloc > 0) {
+          os << "alloc" << so.alloc << "/q" << so.alloc_quantum;
+        } else if (so.groups.empty()) {
           os << (so.d_eff > 0 ? std::to_string(so.d_eff) : std::string("D")) << ":" << so.bits;
           if (so.d_eff > 0) os << "+rest:" << so.tail_bits;
         } else {
@@ -345,6 +353,46 @@ at::Tensor block_pca(const at::Tensor& y, int64_t r, const StreamOptions& so, ui
   return U;
 }
 
+// Reverse water-filling: integer bits (0..4) per unit of `quantum` consecutive
+// PCA coordinates, greedily giving the next bit where it removes the most
+// expected squared error (unit energy × Gaussian Lloyd-Max MSE step) per bit,
+// until avg_bits · D bits are spent; equal neighbours merge into groups.
+std::vector<BitGroup> waterfill(const at::Tensor& eig, double avg_bits, int64_t quantum) {
+  auto e = eig.to(at::kDouble).cpu().clamp_min(0);
+  const int64_t D = e.numel(), nu = (D + quantum - 1) / quantum;
+  std::vector<double> E(nu);
+  std::vector<int64_t> w(nu);
+  for (int64_t u = 0; u < nu; ++u) {
+    w[u] = std::min(quantum, D - u * quantum);
+    E[u] = e.slice(0, u * quantum, u * quantum + w[u]).sum().item<double>();
+  }
+  double m[6] = {1.0, 0, 0, 0, 0, 0};
+  for (int b = 1; b <= 4; ++b) m[b] = gaussian_mse(gaussian_codebook(b));
+  std::vector<int> bits(nu, 0);
+  int64_t budget = std::llround(avg_bits * D), used = 0;
+  while (true) {
+    int64_t best = -1;
+    double gain = 0;
+    for (int64_t u = 0; u < nu; ++u)
+      if (bits[u] < 4 && used + w[u] <= budget) {
+        double g = E[u] * (m[bits[u]] - m[bits[u] + 1]) / w[u];
+        if (g > gain) {
+          gain = g;
+          best = u;
+        }
+      }
+    if (best < 0) break;
+    ++bits[best];
+    used += w[best];
+  }
+  std::vector<BitGroup> out;
+  for (int64_t u = 0; u < nu; ++u) {
+    if (!out.empty() && out.back().bits == bits[u]) out.back().width += w[u];
+    else out.push_back({w[u], bits[u]});
+  }
+  return out;
+}
+
 int ceil_log2(int64_t k) {
   int b = 0;
   while ((int64_t(1) << b) < k) ++b;
@@ -364,15 +412,32 @@ KVCodec::KVCodec(const CodecOptions& opt, const ModelConfig& cfg, const CalibBun
   if (!lm) return;
   for (Stream s : {Stream::K, Stream::V}) {
     const auto& so = opt.stream(s);
+    groups_[(int)s].resize(L);
+    pieces_[(int)s].resize(L);
     if (!so.coded) continue;
+    const std::string kind = s == Stream::V ? "v" : (so.q_precond ? "kw" : "k");
+    if (so.alloc > 0) {
+      KAKEYA_CHECK(so.basis == BasisSource::Calib, "codec '" << opt.label << "': " << stream_name(s)
+                                                             << "alloc needs " << stream_name(s)
+                                                             << "basis=calib (the allocation reads its eigenvalues)");
+      need_bundle("PCA eigenvalues for the bit allocation (alloc)");
+    }
     for (int64_t l = 0; l < L; ++l) {
       const int64_t D = cfg.layer_head_dim[l];
-      int64_t sum = 0;
-      for (const auto& g : so.resolved_groups(D)) sum += g.width;
-      KAKEYA_CHECK(sum == D, "codec '" << opt.label << "': " << stream_name(s) << " bit groups cover " << sum
-                                       << " coordinates but layer " << l << " has head_dim " << D);
       KAKEYA_CHECK(so.d_eff <= D, "codec '" << opt.label << "': " << stream_name(s) << "deff=" << so.d_eff
                                             << " exceeds layer " << l << "'s head_dim " << D);
+      auto groups = so.alloc > 0 ? waterfill(bundle->basis_eig(l, kind).mean(0), so.alloc, so.alloc_quantum)
+                                 : so.resolved_groups(D);
+      int64_t sum = 0;
+      for (const auto& g : groups) sum += g.width;
+      KAKEYA_CHECK(sum == D, "codec '" << opt.label << "': " << stream_name(s) << " bit groups cover " << sum
+                                       << " coordinates but layer " << l << " has head_dim " << D);
+      int64_t off = 0;
+      for (const auto& g : groups) {
+        if (g.bits > 0) pieces_[(int)s][l].push_back({off, g.width, g.bits});
+        off += g.width;
+      }
+      groups_[(int)s][l] = groups;
     }
   }
   if (opt.k.coded && opt.k.q_precond) {
@@ -396,16 +461,26 @@ KVCodec::KVCodec(const CodecOptions& opt, const ModelConfig& cfg, const CalibBun
       const std::string kind = s == Stream::V ? "v" : (so.q_precond ? "kw" : "k");
       for (int64_t l = 0; l < L; ++l) {
         basis_[(int)s].push_back(bundle->basis(l, kind).to(device));
-        if (!opt.is_boundary(l)) shared_bytes_ += cfg.num_kv_heads * cfg.layer_head_dim[l] * coded_width(s, cfg.layer_head_dim[l]) * 4;
+        if (!opt.is_boundary(l)) shared_bytes_ += cfg.kv_heads(l) * cfg.layer_head_dim[l] * coded_width(l, s) * 4;
       }
     }
     for (int64_t l = 0; l < L; ++l) {
-      const auto ps = pieces(s, cfg.layer_head_dim[l]);
+      const auto& ps = pieces(l, s);
       std::set<int> bits_used;
       for (size_t i = 0; i < ps.size(); ++i) {
         bits_used.insert(ps[i].bits);
         const uint64_t sd = opt.seed ^ (0x100000001b3ull * (uint64_t)(l * 4 + (int)s + 1)) ^ (0x9E3779B1ull * (i + 1));
-        signs_[{l, (int)s, (int64_t)i}] = random_signs(ps[i].width, sd, device);
+        const int64_t w = ps[i].width;
+        if (is_pow2(w)) {
+          rot_[{l, (int)s, (int64_t)i}] = random_signs(w, sd, device);
+        } else {
+          // No WHT of this width: a seeded Haar-random orthogonal matrix (QR of a
+          // Gaussian, signs fixed by diag(R)), regenerated by the decoder from the seed.
+          auto gen = at::detail::createCPUGenerator(sd);
+          auto qr = at::linalg_qr(at::randn({w, w}, gen, at::TensorOptions().dtype(at::kDouble)));
+          auto Q = std::get<0>(qr) * at::sign(at::diagonal(std::get<1>(qr))).unsqueeze(0);
+          rot_[{l, (int)s, (int64_t)i}] = Q.to(at::kFloat).to(device);
+        }
       }
       for (int b : bits_used) {
         const ScalarCodebook* cb;
@@ -422,29 +497,17 @@ KVCodec::KVCodec(const CodecOptions& opt, const ModelConfig& cfg, const CalibBun
   }
 }
 
-std::vector<KVCodec::Piece> KVCodec::pieces(Stream s, int64_t D) const {
-  std::vector<Piece> out;
-  int64_t off = 0;
-  for (const auto& g : opt_.stream(s).resolved_groups(D)) {
-    if (g.bits > 0) {
-      // A group of any width is coded as power-of-two pieces (its binary digits,
-      // largest first), so the WHT never pads, i.e. never codes a zero coordinate.
-      int64_t rem = g.width, o = off;
-      for (int64_t p = int64_t(1) << 30; p >= 1; p >>= 1)
-        if (rem & p) {
-          out.push_back({o, p, g.bits});
-          o += p;
-        }
-    }
-    off += g.width;
-  }
-  return out;
+int64_t KVCodec::coded_width(int64_t layer, Stream s) const {
+  int64_t w = 0;
+  for (const auto& p : pieces(layer, s)) w = std::max(w, p.offset + p.width);
+  return w;
 }
 
-int64_t KVCodec::coded_width(Stream s, int64_t D) const {
-  int64_t w = 0;
-  for (const auto& p : pieces(s, D)) w = std::max(w, p.offset + p.width);
-  return w;
+at::Tensor KVCodec::rotate(int64_t layer, Stream s, int64_t piece, const at::Tensor& x, bool inverse) const {
+  if (!opt_.stream(s).wht) return x;
+  const auto& r = rot_.at({layer, (int)s, piece});
+  if (r.dim() == 1) return inverse ? rht_inverse(x, r) : rht(x, r);
+  return at::matmul(x, inverse ? r.t() : r);
 }
 
 const KVCodec::Table& KVCodec::table(int64_t layer, Stream s, int bits) const {
@@ -453,14 +516,11 @@ const KVCodec::Table& KVCodec::table(int64_t layer, Stream s, int bits) const {
   return it->second;
 }
 
-const at::Tensor& KVCodec::signs(int64_t layer, Stream s, int64_t piece) const {
-  return signs_.at({layer, (int)s, piece});
-}
 
 EncodedLayer KVCodec::encode(int64_t layer, Stream s, const at::Tensor& x_in, const ResidualSink& sink,
                              int64_t pos0) const {
   KAKEYA_CHECK(layer >= 0 && layer < cfg_.num_layers, "codec: layer " << layer << " outside [0, " << cfg_.num_layers << ")");
-  const int64_t H = cfg_.num_kv_heads, D = cfg_.layer_head_dim[layer];
+  const int64_t H = cfg_.kv_heads(layer), D = cfg_.layer_head_dim[layer];
   KAKEYA_CHECK(x_in.dim() == 3 && x_in.size(0) == H && x_in.size(2) == D,
                "codec: layer " << layer << " stream " << stream_name(s) << " expects [H_kv=" << H << ", N, D=" << D
                                << "], got " << x_in.sizes());
@@ -494,6 +554,40 @@ EncodedLayer KVCodec::encode(int64_t layer, Stream s, const at::Tensor& x_in, co
     }
   }
   return e;
+}
+
+namespace {
+// Inverse of RopeTable::apply for x: [H, N, D] at positions pos0 .. pos0 + N - 1, in f32:
+// R⁻¹y = y·cos − rotate_half(y)·sin (cos and sin are equal on the two halves of each pair).
+at::Tensor unrope(const at::Tensor& y, const RopeTable& rope, int64_t pos0) {
+  const int64_t N = y.size(1), rot = rope.cos().size(1), h = rot / 2;
+  KAKEYA_CHECK(pos0 >= 0 && pos0 + N <= rope.max_positions(),
+               "codec: positions [" << pos0 << ", " << pos0 + N << ") exceed the RoPE table (" << rope.max_positions() << ")");
+  auto cos = rope.cos().slice(0, pos0, pos0 + N).to(y.device(), at::kFloat).unsqueeze(0);  // [1, N, rot]
+  auto sin = rope.sin().slice(0, pos0, pos0 + N).to(y.device(), at::kFloat).unsqueeze(0);
+  auto x = y.to(at::kFloat);
+  auto xr = x.slice(-1, 0, rot);
+  auto out = xr * cos - at::cat({-xr.slice(-1, h), xr.slice(-1, 0, h)}, -1) * sin;
+  return rot == x.size(-1) ? out : at::cat({out, x.slice(-1, rot)}, -1);
+}
+}  // namespace
+
+CodedKV KVCodec::encode_kv(int64_t layer, const at::Tensor& k_rope, const at::Tensor& v, int64_t pos0,
+                           const RopeTable& rope) const {
+  KAKEYA_CHECK(k_rope.dim() == 3 && v.sizes() == k_rope.sizes(),
+               "codec: encode_kv expects k and v of one shape [H_kv, N, D], got " << k_rope.sizes() << " and " << v.sizes());
+  CodedKV c;
+  c.pos0 = pos0;
+  c.k = encode(layer, Stream::K, unrope(k_rope.to(device_), rope, pos0), nullptr, pos0);
+  c.v = encode(layer, Stream::V, v, nullptr, pos0);
+  return c;
+}
+
+std::pair<at::Tensor, at::Tensor> KVCodec::decode_kv(const CodedKV& c, const RopeTable& rope, at::ScalarType dtype) const {
+  auto k = decode(c.k).to(dtype).permute({1, 0, 2}).unsqueeze(0);  // [1, N, H, D] as the forward applies RoPE
+  auto pos = at::arange(c.pos0, c.pos0 + c.k.tokens, at::TensorOptions().dtype(at::kLong).device(rope.cos().device()));
+  auto kr = rope.apply(k.to(rope.cos().device()), pos).squeeze(0).permute({1, 0, 2}).to(device_);  // [H, N, D]
+  return {kr, decode(c.v).to(dtype)};
 }
 
 at::Tensor KVCodec::decode(const EncodedLayer& e) const {
@@ -538,7 +632,7 @@ EncodedBlock KVCodec::encode_block(int64_t l, Stream s, int64_t h, const at::Ten
     b.put("mean", mu);
     y = y - mu.to(at::kFloat);
   }
-  const int64_t r = coded_width(s, D);
+  const int64_t r = coded_width(l, s);
   at::Tensor U;  // [D, r]
   if (so.basis == BasisSource::Block) {
     auto u16 = block_pca(y, r, so, opt_.seed + l).to(at::kHalf);
@@ -569,12 +663,12 @@ EncodedBlock KVCodec::encode_block(int64_t l, Stream s, int64_t h, const at::Ten
     b.put("km_scale", sc16);
     c = c - sc16.to(at::kFloat).unsqueeze(1) * Ca;
   }
-  const auto ps = pieces(s, D);
+  const auto& ps = pieces(l, s);
   for (size_t i = 0; i < ps.size(); ++i) {
     const auto& p = ps[i];
     const std::string sfx = "." + std::to_string(i);
     auto seg = c.slice(1, p.offset, p.offset + p.width);
-    auto z = so.wht ? rht(seg, signs(l, s, i)) : seg;                     // [n, w]
+    auto z = rotate(l, s, i, seg, false);                                  // [n, w]
     auto nrm = z.norm(2, 1);                                               // [n]
     auto nscale = nrm.max().clamp_min(1e-30).reshape({1});                 // [1] f32 block scale of the norms
     auto nrel16 = (nrm / nscale).to(at::kHalf);                            // [n] f16 in [0, 1]
@@ -606,9 +700,9 @@ at::Tensor KVCodec::decode_block(int64_t l, Stream s, int64_t D, const EncodedBl
   }
   if (opt_.kind == CodecKind::Fp8) return b.get("codes").to(at::kFloat) * b.get("scale");
   const auto& so = opt_.stream(s);
-  const int64_t r = coded_width(s, D);
+  const int64_t r = coded_width(l, s);
   auto c = at::zeros({n, r}, at::TensorOptions().dtype(at::kFloat).device(device_));
-  const auto ps = pieces(s, D);
+  const auto& ps = pieces(l, s);
   for (size_t i = 0; i < ps.size(); ++i) {
     const auto& p = ps[i];
     const std::string sfx = "." + std::to_string(i);
@@ -624,7 +718,7 @@ at::Tensor KVCodec::decode_block(int64_t l, Stream s, int64_t D, const EncodedBl
     // shrinkage of Lloyd-Max reconstruction, which would scale attention logits).
     auto zh = so.norm_correction ? uh * (nr / uh.norm(2, 1).clamp_min(1e-30)).unsqueeze(1)
                                  : uh * (nr / std::sqrt((double)p.width)).unsqueeze(1);
-    auto seg = so.wht ? rht_inverse(zh, signs(l, s, i)) : zh;
+    auto seg = rotate(l, s, i, zh, true);
     c.slice(1, p.offset, p.offset + p.width).copy_(seg);
   }
   if (so.kmeans > 0) {

@@ -9,17 +9,23 @@
 //        | calibrated (bundle, shared by every block: the "shared basis")
 //   optional spherical k-means on the coefficients (centroids per block, index + scale per token)
 //   bit groups: consecutive PCA coordinates coded at their own bits (e.g. 128 at 4 bits, the
-//        rest at 1 bit or dropped), each split into power-of-two pieces
-//   per piece and token: randomized Walsh–Hadamard rotation, norm (f16 relative to an f32
-//        block scale), Lloyd-Max scalar quantization of the unit-variance coordinates
-//        (Gaussian or calibrated tables), outliers |u| > T kept as (i32 index, f16 value),
-//        norm correction (decoded piece rescaled to the stored norm)
+//        rest at 1 bit or dropped), given explicitly or allocated per layer by reverse
+//        water-filling on the calibrated PCA spectrum (alloc=average bits per coordinate)
+//   per group and token: rotation (randomized Walsh–Hadamard for power-of-two widths, a
+//        seeded random orthogonal matrix otherwise: no padding, so no coded zeros), norm
+//        (f16 relative to an f32 block scale), Lloyd-Max scalar quantization of the
+//        unit-variance coordinates (Gaussian or calibrated tables), outliers |u| > T kept as
+//        (i32 index, f16 value), norm correction (decoded group rescaled to the stored norm)
 //   boundary layers kept exact.
 // Baselines in the same code path: TurboQuant-style (raw K/V, WHT, Gaussian Lloyd-Max,
 // per-token norm with norm correction), int8/int4 per-group affine (group 64, f16 scale +
 // zero), fp8 e4m3 (f32 scale per block and head), exact.
 //
-// Shapes: x [H_kv, N, D] f32 per layer and stream (pre-RoPE K after k_norm, or V).
+// Shapes: x [H_kv, N, D] f32 per layer and stream (pre-RoPE K after k_norm, or V); H_kv and D
+// are the layer's own (ModelConfig::kv_heads(l), layer_head_dim[l]).
+//
+// For a KV cache that stores layers through the codec (the restored decoder's
+// --full-attn codec), use encode_kv / decode_kv: post-RoPE K in, post-RoPE K out.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -33,6 +39,7 @@
 
 #include "core/calib_bundle.h"
 #include "core/config.h"
+#include "core/rope.h"
 
 namespace kakeya {
 
@@ -53,6 +60,9 @@ struct StreamOptions {
   int64_t d_eff = 0;                  // leading group width (PCA rank); 0: all D coordinates
   int tail_bits = 0;                  // bits of coordinates past d_eff (0: dropped), 0..4
   std::vector<BitGroup> groups;       // explicit groups (override bits/d_eff/tail_bits); widths sum to D
+  double alloc = 0;                   // > 0: per-layer groups by water-filling to this many bits per
+                                      // coordinate on average (needs basis=calib: its eigenvalues)
+  int64_t alloc_quantum = 16;         // allocation unit (coordinates); group widths are multiples
   BasisSource basis = BasisSource::None;
   bool rsvd = false;                  // per-block PCA: randomized SVD instead of exact
   int64_t rsvd_oversample = 8;
@@ -115,6 +125,13 @@ struct EncodedLayer {
   std::map<std::string, int64_t> bytes_by_field() const;  // "codes", "norm", "mean", ... (suffixes merged)
 };
 
+// One layer's K and V block as coded by KVCodec::encode_kv (pre-RoPE K inside).
+struct CodedKV {
+  EncodedLayer k, v;
+  int64_t pos0 = 0;  // absolute position of token 0; the block holds pos0 .. pos0 + N - 1
+  int64_t bytes() const { return k.bytes() + v.bytes(); }  // every stored byte, side information included
+};
+
 // Receives the unit-variance coordinates u [N, w] of every piece before quantization
 // (what `calibrate codebook` fits Lloyd-Max tables to).
 using ResidualSink = std::function<void(int64_t layer, Stream s, const at::Tensor& u)>;
@@ -130,7 +147,24 @@ class KVCodec {
   EncodedLayer encode(int64_t layer, Stream s, const at::Tensor& x, const ResidualSink& sink = nullptr,
                       int64_t pos0 = 0) const;
   at::Tensor decode(const EncodedLayer& e) const;  // -> [H_kv, N, D] f32 on the codec device
+
+  // Cache entry point: a block of N consecutive tokens of one layer as a KV cache holds them.
+  // k_rope: [H_kv, N, D] post-RoPE K (KVCache::keys(l)[b] over the block's slots), v: [H_kv, N, D],
+  // any float dtype; rope: that layer's table (Model::rope(l)). K is coded pre-RoPE: RoPE is
+  // undone here (x·cos − rotate_half(x)·sin in f32, exact up to the table's rounding) and
+  // re-applied by decode_kv, because everything the codec learns from calibration (Σ_q,
+  // shared PCA basis, Lloyd-Max tables) describes pre-RoPE K; RoPE turns each position by a
+  // different angle, so post-RoPE K has no fixed low-rank basis. The `sink` option counts
+  // from pos0 (the attention-sink tokens of the sequence stay exact).
+  CodedKV encode_kv(int64_t layer, const at::Tensor& k_rope, const at::Tensor& v, int64_t pos0,
+                    const RopeTable& rope) const;
+  // -> {K̂ post-RoPE [H_kv, N, D], V̂ [H_kv, N, D]} in `dtype` on the codec device; RoPE is applied
+  // in `dtype` exactly as the model's forward does, so K̂ can be written back with KVCache::write.
+  std::pair<at::Tensor, at::Tensor> decode_kv(const CodedKV& c, const RopeTable& rope, at::ScalarType dtype) const;
+
   const CodecOptions& options() const { return opt_; }
+  // The per-layer bit groups actually used (after alloc), for reports.
+  const std::vector<BitGroup>& layer_groups(int64_t layer, Stream s) const { return groups_[(int)s].at(layer); }
   // Bytes of bundle data the codec reads (Σ_q factors, shared bases, calibrated
   // tables), counted once per bundle, not per block.
   int64_t shared_bytes() const { return shared_bytes_; }
@@ -142,14 +176,14 @@ class KVCodec {
     at::Tensor centroids, boundaries;  // [2^bits], [2^bits - 1] f32 on the codec device
   };
   const Table& table(int64_t layer, Stream s, int bits) const;
-  const at::Tensor& signs(int64_t layer, Stream s, int64_t piece) const;  // [width] ±1
-  // Pieces of the resolved groups: (offset, width pow2, bits), bits > 0 only.
+  // Coded groups of a layer (bits > 0): offset, width, bits.
   struct Piece {
     int64_t offset, width;
     int bits;
   };
-  std::vector<Piece> pieces(Stream s, int64_t D) const;
-  int64_t coded_width(Stream s, int64_t D) const;  // coordinates covered by pieces (prefix of the basis)
+  const std::vector<Piece>& pieces(int64_t layer, Stream s) const { return pieces_[(int)s].at(layer); }
+  int64_t coded_width(int64_t layer, Stream s) const;  // coordinates covered by pieces (prefix of the basis)
+  at::Tensor rotate(int64_t layer, Stream s, int64_t piece, const at::Tensor& x, bool inverse) const;
 
   CodecOptions opt_;
   const ModelConfig& cfg_;
@@ -158,7 +192,9 @@ class KVCodec {
   std::vector<at::Tensor> wk_, wk_inv_;      // per layer [H, D, D]: normalised L and L⁻¹ (K precond)
   std::vector<at::Tensor> basis_[2];         // per stream, per layer [H, D, D] calibrated bases
   std::map<std::tuple<int64_t, int, int>, Table> tables_;           // (layer, stream, bits)
-  std::map<std::tuple<int64_t, int, int64_t>, at::Tensor> signs_;   // (layer, stream, piece) -> [width]
+  std::map<std::tuple<int64_t, int, int64_t>, at::Tensor> rot_;     // (layer, stream, piece) -> signs [w] or Q [w, w]
+  std::vector<std::vector<Piece>> pieces_[2];                        // per stream, per layer: coded groups
+  std::vector<std::vector<BitGroup>> groups_[2];                     // per stream, per layer: all groups
   int64_t shared_bytes_ = 0;
 };
 

@@ -192,6 +192,28 @@ TEST(Codec, CholeskyWhiteningRoundTripsAndWeighsLogitError) {
   EXPECT_GT(r.diagnostics["layers"][0]["heads"][0]["anisotropy"].get<double>(), 2.0);
 }
 
+TEST(Codec, RopeAveragedSigmaMatchesExplicitRotations) {
+  // E_Δ[R_Δ Σ R_Δᵀ] against rotation matrices built by the model's own RoPE table.
+  RopeParams rp;
+  rp.theta = 100.0;
+  const int64_t D = 8, M = 5;
+  RopeTable rt(rp, D, 16, at::kDouble, at::kCPU);
+  auto A = at::randn({D, D}, at::kDouble);
+  auto sigma = at::matmul(A, A.t()).unsqueeze(0);  // [1, D, D]
+  auto want = at::zeros({D, D}, at::kDouble);
+  for (int64_t d = 0; d < M; ++d) {
+    // Row i of apply(I) is R e_i, so R = apply(I)ᵀ.
+    auto R = rt.apply(at::eye(D, at::kDouble).view({1, D, 1, D}), at::full({D}, d, at::kLong)).view({D, D}).t();
+    want += at::matmul(at::matmul(R, sigma[0]), R.t()) / (double)M;
+  }
+  // The model's table computes angles in f32 (as HF does), rope_average in f64: agree to f32 rounding.
+  auto got = calib::rope_average(sigma, rp, M)[0];
+  EXPECT_TRUE(at::allclose(got, want, 1e-5, 1e-5)) << (got - want).abs().max().item<double>();
+  EXPECT_GT((got - sigma[0]).abs().max().item<double>(), 0.1);  // the average really differs from Σ
+  // Offsets 0 only: Σ itself.
+  EXPECT_TRUE(at::allclose(calib::rope_average(sigma, rp, 1), sigma, 1e-12, 1e-12));
+}
+
 TEST(Codec, SigmaQRefusesNonFiniteQueries) {
   auto cfg = tiny_config();
   calib::SigmaQAccumulator acc(cfg, at::kCPU);
@@ -263,8 +285,8 @@ TEST(Codec, SideInformationBytesHandComputed) {
   EXPECT_EQ(bytes("kakeya:basis=block,deff=8,b=4,tb=2,block=0"), 2 * 632);
   // Dropping the tail: basis only [16, 8] = 256; codes 32; norms 20; mean 32 -> 340.
   EXPECT_EQ(bytes("kakeya:basis=block,deff=8,b=4,tb=0,block=0"), 2 * 340);
-  // A 12-wide group is coded as 8 + 4 (no padding): codes 8·12·3/8 = 36, norms 2·20, mean 32 -> 108 (+ 4 dropped dims).
-  EXPECT_EQ(bytes("kakeya:deff=12,b=3,block=0"), 2 * 108);
+  // A 12-wide group (random orthogonal rotation, no padding): codes 8·12·3/8 = 36, norm 20, mean 32 -> 88.
+  EXPECT_EQ(bytes("kakeya:deff=12,b=3,block=0"), 2 * 88);
   // Blocks of 3 tokens: 3 + 3 + 2; each block: mean 32 + nscale 4 + norms 2n + codes ceil(n·16·3/8) = 6n.
   EXPECT_EQ(bytes("kakeya:b=3,block=3"), 2 * ((36 + 6 + 18) * 2 + (36 + 4 + 12)));
   // Spherical k-means, 4 clusters: centroids f16 [4, 16] = 128, index 2 bits · 8 = 2 bytes, scales 16 -> +146.
@@ -395,6 +417,23 @@ TEST(CodecEval, EndToEndOnTinyModel) {
   auto b1 = CalibBundle::load(dir, cfg);
   auto spec = CodecOptions::parse("kakeya:kqp=1,kbasis=calib,kdeff=8,kb=4,vbasis=calib,vb=3,block=16");
   KVCodec fit_codec(spec, cfg, &b1, at::kCPU);
+  // Water-filling on the calibrated spectrum: groups cover D, spend at most alloc·D bits,
+  // and bits never increase along the (descending) spectrum.
+  KVCodec wf(CodecOptions::parse("kakeya:vbasis=calib,valloc=2.5,vaq=2"), cfg, &b1, at::kCPU);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    int64_t width = 0, bits = 0, prev = 4;
+    for (const auto& g : wf.layer_groups(l, Stream::V)) {
+      width += g.width;
+      bits += g.width * g.bits;
+      EXPECT_LE(g.bits, prev);
+      prev = g.bits;
+    }
+    EXPECT_EQ(width, 16);
+    EXPECT_LE(bits, 40);
+    EXPECT_GE(bits, 36);
+  }
+  EXPECT_NE(what_of([&] { KVCodec(CodecOptions::parse("kakeya:valloc=2"), cfg, &b1, at::kCPU); }).find("vbasis=calib"),
+            std::string::npos);
   calib::CodebookOptions cbo;
   auto summary = calib::fit_codebooks(dir, cfg, cap, fit_codec, cbo, {});
   EXPECT_GT(summary["streams"]["k"]["b2"]["gain_mean"].get<double>(), 0.9);
@@ -412,7 +451,7 @@ TEST(CodecEval, EndToEndOnTinyModel) {
   ev.n_eval = 12;
   ev.chunk = 5;
   std::vector<CodecOptions> codecs;
-  for (const char* s : {"exact", "kakeya:kqp=1,kbasis=calib,kdeff=8,kb=4,vbasis=calib,vb=3,block=16,cal=1", "turbo:kb=4,vb=4",
+  for (const char* s : {"exact", "kakeya:kqp=1,kbasis=calib,kdeff=8,kb=4,vbasis=calib,valloc=3,block=16,cal=1,sink=1", "turbo:kb=4,vb=4",
                         "turbo:kb=1,vb=1", "int4:group=16", "int8:group=16", "fp8"})
     codecs.push_back(CodecOptions::parse(s));
   auto res = calib::codec_eval(model, passages, codecs, &bundle, ev);
@@ -435,4 +474,84 @@ TEST(CodecEval, EndToEndOnTinyModel) {
   auto rk = calib::codec_eval(model, {passages[0]}, {codecs[2]}, &bundle, ev);
   EXPECT_GT(rk.rows[0].bytes_by_field["v.raw"], 0);
   EXPECT_EQ(rk.rows[0].bytes_by_field.count("k.raw"), 0u);
+}
+
+// ---------------------------------------------------------------- cache entry point
+
+// encode_kv/decode_kv take and return post-RoPE K as a KV cache holds it and code it pre-RoPE.
+TEST(Codec, CacheEntryPointCodesPreRopeK) {
+  auto cfg = tiny_config(16);
+  const int64_t l = 1, pos0 = 5, N = 20;
+  RopeTable rope(cfg.rope(l), 16, 64, at::kFloat, at::kCPU);
+  auto k = kv_like(2, N, 16, 31), v = kv_like(2, N, 16, 32);                                  // [H, N, D] pre-RoPE
+  auto pos = at::arange(pos0, pos0 + N, at::kLong);
+  auto k_rope = rope.apply(k.permute({1, 0, 2}).unsqueeze(0), pos).squeeze(0).permute({1, 0, 2});  // as cached
+  KVCodec exact(CodecOptions::parse("exact"), cfg, nullptr, at::kCPU);
+  auto e = exact.encode_kv(l, k_rope, v, pos0, rope);
+  EXPECT_EQ(e.bytes(), 2 * 2 * N * 16 * 2);  // bf16 accounting
+  auto [k0, v0] = exact.decode_kv(e, rope, at::kFloat);
+  EXPECT_TRUE(at::allclose(k0, k_rope, 1e-5, 1e-5));
+  EXPECT_TRUE(at::equal(v0, v));
+  // A lossy codec sees exactly the pre-RoPE K it would see from the taps (codec-eval's path).
+  KVCodec c(CodecOptions::parse("kakeya:b=3,sink=7"), cfg, nullptr, at::kCPU);
+  auto ce = c.encode_kv(l, k_rope, v, pos0, rope);
+  auto ek = c.encode(l, Stream::K, k, nullptr, pos0), ev = c.encode(l, Stream::V, v, nullptr, pos0);
+  EXPECT_EQ(ce.bytes(), ek.bytes() + ev.bytes());
+  auto [kh, vh] = c.decode_kv(ce, rope, at::kFloat);
+  auto want = rope.apply(c.decode(ek).permute({1, 0, 2}).unsqueeze(0), pos).squeeze(0).permute({1, 0, 2});
+  EXPECT_TRUE(at::allclose(kh, want, 1e-4, 1e-4));
+  EXPECT_TRUE(at::allclose(vh, c.decode(ev), 1e-6, 1e-6));
+  // sink=7 counts from pos0 = 5: the block's first two tokens are exact.
+  EXPECT_TRUE(at::allclose(kh.slice(1, 0, 2), k_rope.slice(1, 0, 2), 1e-5, 1e-5));
+  EXPECT_GT(rel_err(k_rope.slice(1, 2), kh.slice(1, 2)), 1e-4);
+  EXPECT_NE(what_of([&] { c.encode_kv(l, k_rope, v.slice(1, 1), pos0, rope); }).find("one shape"), std::string::npos);
+  EXPECT_NE(what_of([&] { c.encode_kv(l, k_rope, v, 60, rope); }).find("RoPE table"), std::string::npos);
+}
+
+// Gemma 4: full layers have their own KV head count and head dim (tiny fixture: sliding 2 × 16,
+// full 1 × 32). Σ_q, bases, codebooks and Scenario A all follow the layer's shapes.
+TEST(CodecEval, PerLayerKVHeadsGemma4) {
+  std::string mdir = test::fixtures_dir("model_parity") + "/gemma4";
+  ModelOptions mo;
+  mo.max_positions = 64;
+  auto model = Model::load(mdir, mo);
+  const auto& cfg = model.config();
+  ASSERT_NE(cfg.kv_heads(0), cfg.kv_heads(2));
+  ASSERT_NE(cfg.layer_head_dim[0], cfg.layer_head_dim[2]);
+  auto g = at::detail::createCPUGenerator(22);
+  auto rid = at::randint(3, cfg.vocab_size, {300}, g, at::kLong);
+  std::vector<int64_t> ids(rid.data_ptr<int64_t>(), rid.data_ptr<int64_t>() + 300);
+  auto dir = temp_dir("g4");
+  calib::SigmaQAccumulator acc(cfg, at::kCPU);
+  calib::KVCapture cap(cfg);
+  Taps taps;
+  taps.subscribe(&acc);
+  taps.subscribe(&cap);
+  calib::run_windows(model, ids, 32, 200, cfg.bos_token_id, taps);
+  calib::SigmaQOptions so;
+  so.rope_offsets = 16;  // proportional partial RoPE on the full layers
+  calib::save_sigma_q(dir, cfg, calib::finish_sigma_q(acc, cfg, so), {});
+  calib::fit_bases(dir, cfg, cap, CalibBundle::load(dir, cfg), {}, {});
+  auto b1 = CalibBundle::load(dir, cfg);
+  KVCodec fit(CodecOptions::parse("kakeya:kqp=1,kbasis=calib,kalloc=3,vbasis=calib,vb=3"), cfg, &b1, at::kCPU);
+  calib::fit_codebooks(dir, cfg, cap, fit, {}, {});
+  auto bundle = CalibBundle::load(dir, cfg);
+  for (int64_t l : {0, 2}) {
+    const int64_t H = cfg.kv_heads(l), D = cfg.layer_head_dim[l];
+    EXPECT_EQ(bundle.chol(l).sizes(), (std::vector<int64_t>{H, D, D})) << l;
+    EXPECT_EQ(bundle.basis(l, "kw").sizes(), (std::vector<int64_t>{H, D, D})) << l;
+  }
+  std::vector<std::vector<int64_t>> passages{std::vector<int64_t>(ids.begin() + 200, ids.begin() + 240)};
+  passages[0][0] = cfg.bos_token_id;
+  calib::CodecEvalOptions ev;
+  ev.context = 24;
+  ev.n_eval = 12;
+  auto res = calib::codec_eval(model, passages,
+                               {CodecOptions::parse("exact"),
+                                CodecOptions::parse("kakeya:kqp=1,kbasis=calib,kalloc=3,vbasis=calib,vb=3,cal=1")},
+                               &bundle, ev);
+  EXPECT_EQ(res.rows[0].pooled().dppl(), 0.0);
+  EXPECT_GT(res.rows[1].ratio(), 3.0);
+  EXPECT_TRUE(std::isfinite(res.rows[1].pooled().kl));
+  EXPECT_GT(res.rows[1].pooled().kl, 0.0);
 }

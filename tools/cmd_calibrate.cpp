@@ -21,7 +21,7 @@ namespace {
 std::string g_command_line;
 
 // The recipe codec-eval calls "ours" by default; codebooks are fitted to its residuals.
-const char* kDefaultCodec = "kakeya:kqp=1,kbasis=calib,kdeff=128,kb=4,ktb=0,vbasis=calib,vb=3";
+const char* kDefaultCodec = "kakeya:sink=1,kbasis=calib,kalloc=3.3,vbasis=calib,valloc=3";
 
 uint64_t fnv1a(const std::string& s) {
   uint64_t h = 0xcbf29ce484222325ull;
@@ -104,11 +104,15 @@ void register_calibrate(CLI::App& app) {
   {
     struct Opts : Common {
       double ridge = 1e-3;
+      int64_t rope_offsets = 0;
     };
     auto o = std::make_shared<Opts>();
     auto* c = cal->add_subcommand("sigma-q", "Σ_q per layer and KV head from pre-RoPE queries (Tap::QNorm), with ridge");
     o->add(c);
     c->add_option("--ridge", o->ridge, "ridge relative to the mean eigenvalue: Σ + ridge·tr(Σ)/D·I")->capture_default_str();
+    c->add_option("--rope-offsets", o->rope_offsets,
+                  "factor E_Δ[R_Δ Σ_q R_Δᵀ] over query-key offsets Δ < N instead of Σ_q (0: plain pre-RoPE Σ_q)")
+        ->capture_default_str();
     c->callback([o] {
       const double t0 = now_s();
       auto cfg = ModelConfig::from_file(o->model + "/config.json");
@@ -129,6 +133,7 @@ void register_calibrate(CLI::App& app) {
       const double t_fwd = now_s();
       calib::SigmaQOptions so;
       so.ridge = o->ridge;
+      so.rope_offsets = o->rope_offsets;
       auto r = calib::finish_sigma_q(acc, model.config(), so);
       const double t_lin = now_s();
       data["tokens"] = n;

@@ -24,7 +24,7 @@ namespace kakeya::cli {
 namespace {
 const char* kDefaultCodecs =
     "exact;"
-    "ours=kakeya:kqp=1,kbasis=calib,kdeff=128,kb=4,ktb=0,vbasis=calib,vb=3;"
+    "ours=kakeya:sink=1,kbasis=calib,kalloc=3.3,vbasis=calib,valloc=3;"
     "turbo:kb=4,vb=4;turbo:kb=4,vb=3;turbo:kb=3,vb=3;int4;int8;fp8";
 
 std::vector<std::string> split_codecs(const std::string& s) {

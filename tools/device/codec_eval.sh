@@ -47,6 +47,8 @@ CODECS+=";ours_cal=$OURS,cal=1"
 CODECS+=";ours_k35=kakeya:sink=1,kbasis=calib,kalloc=3.5,vbasis=calib,valloc=3"
 CODECS+=";ours_qp=kakeya:sink=1,kqp=1,kbasis=calib,kalloc=3.3,vbasis=calib,valloc=3"
 CODECS+=";ours_k3v27=kakeya:sink=1,kbasis=calib,kalloc=3,vbasis=calib,valloc=2.7"
+CODECS+=";ours_k128x4+2=kakeya:sink=1,kbasis=calib,kg=128:4+128:2,vbasis=calib,vb=3"
+CODECS+=";ours_k160x4+96x2=kakeya:sink=1,kbasis=calib,kg=160:4+96:2,vbasis=calib,vb=3"
 CODECS+=";turbo44=turbo:kb=4,vb=4;turbo43=turbo:kb=4,vb=3;turbo33=turbo:kb=3,vb=3;turbo32=turbo:kb=3,vb=2"
 CODECS+=";turbo43_sink=turbo:kb=4,vb=3,sink=1;int4;int8;fp8"
 EV=(--model "$MODEL" --bundle "$B" --text data/codec/eval.txt --device cuda --codecs "$CODECS")
