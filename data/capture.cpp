@@ -594,7 +594,9 @@ json CaptureReport::to_json() const {
                 {"capture_seconds", bench_capture_seconds},
                 {"plain_forward_seconds", bench_forward_seconds},
                 {"tapped_forward_seconds", bench_tapped_seconds},
-                {"capture_cost_ratio", capture_cost_ratio()}}}};
+                {"write_seconds", bench_write_seconds},
+                {"capture_cost_ratio", capture_cost_ratio()},
+                {"forward_cost_ratio", forward_cost_ratio()}}}};
 }
 
 namespace {
@@ -793,6 +795,7 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
           rep.bench_capture_seconds += (t1 - t0) + (t4 - t3) + (t3 - t2);
           rep.bench_forward_seconds += t_plain;
           rep.bench_tapped_seconds += t3 - t2;
+          rep.bench_write_seconds += t4 - t3;
         }
         lengths.push_back(cs.length());
         shard_tokens += cs.length();

@@ -193,11 +193,12 @@ void register_capture(CLI::App& app) {
     std::fprintf(stderr,
                  "[capture] %lld sequences, %lld tokens, %.1f MB in %s (%lld resumed); this run %.1fs\n"
                  "[capture] cost: capture %.3fs vs verifier alone %.3fs on %lld seq: ratio %.2f "
-                 "(forward: tapped+drafter %.3fs vs plain %.3fs)\n",
+                 "(without generation: tapped+drafter %.3fs + write %.3fs vs plain forward %.3fs: ratio %.2f)\n",
                  (long long)rep.sequences, (long long)rep.tokens, rep.bytes / 1e6, o->out.c_str(),
                  (long long)rep.resumed_sequences, rep.seconds, rep.bench_capture_seconds, rep.bench_verifier_seconds,
                  (long long)std::min<int64_t>(o->bench_seqs, rep.sequences - rep.resumed_sequences),
-                 rep.capture_cost_ratio(), rep.bench_tapped_seconds, rep.bench_forward_seconds);
+                 rep.capture_cost_ratio(), rep.bench_tapped_seconds, rep.bench_write_seconds,
+                 rep.bench_forward_seconds, rep.forward_cost_ratio());
     if (!o->json.empty()) write_json(o->json, rep.to_json());
   });
 }
