@@ -3,6 +3,8 @@
 #include "core/error.h"
 
 #ifdef KAKEYA_CUDA
+#include <ATen/core/grad_mode.h>
+
 #include "core/cuda/decode_ops.h"
 #endif
 
