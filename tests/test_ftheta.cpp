@@ -16,6 +16,7 @@
 #include "core/safetensors.h"
 #include "tests/test_util.h"
 #include "train/ftheta_loss.h"
+#include "train/ftheta_train.h"
 
 using namespace kakeya;
 using namespace kakeya::train;
@@ -244,6 +245,129 @@ TEST(FTheta, MismatchedConfigRefused) {
   bad = j;
   bad["rank"] = -3;
   EXPECT_THROW(FThetaConfig::from_json(bad, "f.json"), Error);
+}
+
+// ---------------------------------------------------------------------------
+// Trainer (tiny random Gemma 3 of the fixture; its two captured sequences)
+
+struct TrainFixture {
+  Model m;
+  std::vector<FThetaSequence> seqs;
+  FThetaConfig fc;
+};
+
+TrainFixture train_fixture() {
+  const std::string dir = test::fixtures_dir("ftheta") + "/gemma3";
+  TrainFixture t{Model::load(dir), {}, {}};
+  TensorStore st = TensorStore::open_file(dir + "/data.safetensors");
+  for (int64_t b = 0; b < 2; ++b) {
+    FThetaSequence s;
+    s.dk = st.get("dk")[b].to(at::kBFloat16);
+    s.dv = st.get("dv")[b].to(at::kBFloat16);
+    for (int64_t l = 0; l < t.m.config().num_layers; ++l) {
+      const std::string n = std::to_string(l);
+      s.q.push_back(st.get("q." + n)[b].to(at::kBFloat16));
+      s.k.push_back(st.get("k." + n)[b].to(at::kBFloat16));
+      s.v.push_back(st.get("v." + n)[b].to(at::kBFloat16));
+      s.o.push_back(st.get("o." + n)[b].to(at::kBFloat16));
+    }
+    t.seqs.push_back(s);
+  }
+  t.fc = FThetaConfig::for_pair(t.m.config(), tiny_drafter(), 6);
+  return t;
+}
+
+FThetaTrainOptions small_options() {
+  FThetaTrainOptions o;
+  o.steps = 8;
+  o.batch = 2;
+  o.max_len = 19;
+  o.lr = 3e-3;
+  o.warmup_steps = 2;
+  o.eval_every = 3;
+  o.loss.layout = {2, 3};
+  o.log_seconds = 0;
+  o.checkpoint_seconds = 1e9;
+  return o;
+}
+
+TEST(FThetaTrain, KilledAndResumedEqualsUninterrupted) {
+  TrainFixture t = train_fixture();
+  const std::string dir = temp_dir("resume");
+  FTheta a = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
+  FThetaTrainer ta(t.m, a, t.seqs, {t.seqs[1]}, small_options(), dir + "/a.safetensors");
+  EXPECT_TRUE(ta.run());
+
+  FThetaTrainOptions o = small_options();
+  o.max_steps_this_run = 5;  // "killed" after step 5 (its checkpoint is the last thing it wrote)
+  {
+    FTheta b = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
+    FThetaTrainer tb(t.m, b, t.seqs, {t.seqs[1]}, o, dir + "/b.safetensors");
+    EXPECT_FALSE(tb.run());
+    EXPECT_EQ(tb.step(), 5);
+  }
+  o.max_steps_this_run = 0;
+  FTheta c = FTheta::random(t.fc, 99, at::kFloat, at::kCPU);  // other init: the checkpoint must overwrite it
+  FThetaTrainer tc(t.m, c, t.seqs, {t.seqs[1]}, o, dir + "/b.safetensors");
+  ASSERT_TRUE(tc.resume());
+  EXPECT_TRUE(tc.run());
+  auto pa = a.named_parameters(), pc = c.named_parameters();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i].second, pc[i].second)) << pa[i].first;
+  EXPECT_EQ(ta.report()["evals"], tc.report()["evals"]);
+  EXPECT_EQ(ta.report()["evals"].size(), 4u);  // start, steps 3, 6, 8
+
+  // A resume with other options or another f_θ config is refused.
+  FThetaTrainOptions o2 = small_options();
+  o2.lr = 1e-2;
+  FTheta d = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
+  FThetaTrainer td(t.m, d, t.seqs, {t.seqs[1]}, o2, dir + "/b.safetensors");
+  EXPECT_THROW(td.resume(), Error);
+  FTheta e = FTheta::random(FThetaConfig::for_pair(t.m.config(), tiny_drafter(), 4), 5, at::kFloat, at::kCPU);
+  FThetaTrainer te(t.m, e, t.seqs, {t.seqs[1]}, small_options(), dir + "/b.safetensors");
+  try {
+    te.resume();
+    FAIL() << "no error";
+  } catch (const Error& err) {
+    EXPECT_NE(std::string(err.what()).find("f_theta config differs"), std::string::npos) << err.what();
+  }
+}
+
+TEST(FThetaTrain, HybridReducesHeldOutLoss) {
+  TrainFixture t = train_fixture();
+  FTheta f = FTheta::random(t.fc, 1, at::kFloat, at::kCPU);
+  FThetaTrainOptions o = small_options();
+  o.steps = 60;
+  o.lr = 2e-2;
+  o.eval_every = 0;
+  o.log_seconds = 1e9;
+  // Held out = trained on here: this checks the optimisation, not generalisation (2 sequences).
+  FThetaTrainer tr(t.m, f, t.seqs, {t.seqs[0]}, o, temp_dir("reduce") + "/ck.safetensors");
+  tr.run();
+  const json r = tr.report();
+  EXPECT_GT(r["reduction_factor"].get<double>(), 2.0) << r["heldout_loss_initial"] << " -> " << r["heldout_loss_final"];
+  EXPECT_TRUE(r["final"]["by_layer_type"].contains("sliding_attention"));
+  EXPECT_TRUE(r["final"]["by_layer_type"].contains("full_attention"));
+}
+
+TEST(FThetaTrain, NonFiniteLossHaltsNamingStepAndLayer) {
+  TrainFixture t = train_fixture();
+  // A NaN in one captured output of layer 3 poisons that layer's attention term only.
+  t.seqs[0].o[3][7][0] = NAN;
+  t.seqs[1].o[3][7][0] = NAN;
+  FTheta f = FTheta::random(t.fc, 1, at::kFloat, at::kCPU);
+  FThetaTrainOptions o = small_options();
+  o.eval_every = 0;
+  FThetaTrainer tr(t.m, f, t.seqs, {t.seqs[0]}, o, temp_dir("nan") + "/ck.safetensors");
+  auto before = f.named_parameters()[0].second.clone();
+  try {
+    tr.run();
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("at step 0"), std::string::npos) << w;
+    EXPECT_NE(w.find("layer(s) 3"), std::string::npos) << w;
+  }
+  EXPECT_TRUE(at::equal(before, f.named_parameters()[0].second));  // no update with NaN
 }
 
 }  // namespace

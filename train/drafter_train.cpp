@@ -13,21 +13,10 @@
 #include "core/safetensors.h"
 #include "infer/generate.h"
 #include "infer/speculative.h"
+#include "train/train_util.h"
 
 namespace kakeya::train {
 using json = nlohmann::json;
-
-namespace {
-
-double now_unix() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-double since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-}  // namespace
 
 DrafterTrainer::DrafterTrainer(const Model& target, Drafter& drafter, std::vector<Sequences> train,
                                const TrainOptions& opt, std::string checkpoint)
@@ -192,34 +181,12 @@ double DrafterTrainer::lr_at(int64_t step) const {
 }
 
 void DrafterTrainer::step_optimizer(double lr, at::Tensor& grad_norm) {
-  at::NoGradGuard no_grad;
-  // Multi-tensor (foreach) ops: a handful of launches for all parameters, not ~8 per tensor.
-  std::vector<at::Tensor> ps, gs, ms, vs, mats;
-  for (size_t i = 0; i < params_.size(); ++i) {
-    at::Tensor& p = params_[i].second;
-    if (!p.grad().defined()) continue;
-    ps.push_back(p);
-    gs.push_back(p.grad());
-    ms.push_back(m_[i]);
-    vs.push_back(v_[i]);
-    if (p.dim() >= 2) mats.push_back(p);  // decoupled decay on matrices only (norm gains keep their scale)
-  }
-  grad_norm = at::stack(at::_foreach_norm(gs, 2)).pow(2).sum().sqrt();  // [] f32, stays on the device
-  // Clip without a host sync: scale = min(1, clip / ‖g‖).
-  at::Tensor scale = (opt_.grad_clip / (grad_norm + 1e-6)).clamp_max(1.0);
-  at::_foreach_mul_(gs, scale);
-  const double t = (double)(st_.step + 1);
-  const double bc1 = 1.0 - std::pow(opt_.beta1, t), bc2 = 1.0 - std::pow(opt_.beta2, t);
-  if (opt_.weight_decay > 0 && !mats.empty()) at::_foreach_mul_(mats, 1.0 - lr * opt_.weight_decay);
-  at::_foreach_mul_(ms, opt_.beta1);
-  at::_foreach_add_(ms, gs, 1.0 - opt_.beta1);
-  at::_foreach_mul_(vs, opt_.beta2);
-  at::_foreach_addcmul_(vs, gs, gs, 1.0 - opt_.beta2);
-  auto denom = at::_foreach_div(vs, bc2);
-  at::_foreach_sqrt_(denom);
-  at::_foreach_add_(denom, opt_.eps);
-  at::_foreach_addcdiv_(ps, ms, denom, -lr / bc1);
-  for (auto& p : ps) p.mutable_grad() = at::Tensor();
+  std::vector<at::Tensor> ps;
+  for (auto& [name, p] : params_) ps.push_back(p);
+  AdamWOptions ao;
+  ao.beta1 = opt_.beta1, ao.beta2 = opt_.beta2, ao.eps = opt_.eps, ao.weight_decay = opt_.weight_decay;
+  ao.grad_clip = opt_.grad_clip;
+  grad_norm = adamw_step(ps, m_, v_, st_.step + 1, lr, ao);
 }
 
 void DrafterTrainer::save_checkpoint() const {
@@ -310,19 +277,19 @@ bool DrafterTrainer::run() {
         st_.total_steps = opt_.steps;
       } else if (done == opt_.calibration_steps) {
         (void)acc.sum().item<float>();  // SYNC: end of the timed steps
-        st_.step_seconds = since(t_calib) / (double)(opt_.calibration_steps - 2);
+        st_.step_seconds = seconds_since(t_calib) / (double)(opt_.calibration_steps - 2);
         st_.total_steps = std::max<int64_t>(st_.step + 1, (int64_t)(opt_.train_seconds / st_.step_seconds));
         std::fprintf(stderr, "[train] %.1f ms/step: %lld steps fit the %.0fs budget\n", 1e3 * st_.step_seconds,
                      (long long)st_.total_steps, opt_.train_seconds);
       }
     }
     const bool last = st_.finished();
-    if (last || since(t_log) >= opt_.log_seconds) {
+    if (last || seconds_since(t_log) >= opt_.log_seconds) {
       t_log = std::chrono::steady_clock::now();
       auto m = (acc / (double)acc_n).cpu();  // SYNC: progress line (every few seconds)
       const double g = gsum.item<float>() / acc_n;
-      st_.train_seconds = trained_before + since(t_session);
-      const double rate = (st_.step - first_step) / std::max(1e-9, since(t_session));
+      st_.train_seconds = trained_before + seconds_since(t_session);
+      const double rate = (st_.step - first_step) / std::max(1e-9, seconds_since(t_session));
       const double eta = st_.total_steps > 0 ? (st_.total_steps - st_.step) / std::max(rate, 1e-9) : 0.0;
       LogPoint p{st_.step, m[0].item<double>(), m[1].item<double>(), m[2].item<double>(), lr, g, st_.train_seconds};
       st_.log.push_back(p);
@@ -332,13 +299,13 @@ bool DrafterTrainer::run() {
       gsum.zero_();
       acc_n = 0;
     }
-    if (since(t_ckpt) >= opt_.checkpoint_seconds) {
-      st_.train_seconds = trained_before + since(t_session);
+    if (seconds_since(t_ckpt) >= opt_.checkpoint_seconds) {
+      st_.train_seconds = trained_before + seconds_since(t_session);
       save_checkpoint();
       t_ckpt = std::chrono::steady_clock::now();
     }
   }
-  st_.train_seconds = trained_before + since(t_session);
+  st_.train_seconds = trained_before + seconds_since(t_session);
   save_checkpoint();
   return st_.finished();
 }

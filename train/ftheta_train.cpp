@@ -1,0 +1,335 @@
+#include "train/ftheta_train.h"
+
+#include <ATen/autocast_mode.h>
+#include <ATen/core/grad_mode.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/safetensors.h"
+
+namespace kakeya::train {
+using json = nlohmann::json;
+
+namespace {
+
+// bf16 autocast for the GEMMs and attention on CUDA while alive; nothing on CPU.
+class AutocastGuard {
+ public:
+  explicit AutocastGuard(bool on) : on_(on) {
+    if (!on_) return;
+    prev_ = at::autocast::is_autocast_enabled(at::kCUDA);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+  }
+  ~AutocastGuard() {
+    if (!on_) return;
+    at::autocast::set_autocast_enabled(at::kCUDA, prev_);
+    at::autocast::clear_cache();
+  }
+
+ private:
+  bool on_, prev_ = false;
+};
+
+json stats_means(const at::Tensor& stats, const std::vector<int64_t>& layers) {
+  // Mean over the trained layers of each statistic (the log's loss components).
+  json j = json::object();
+  at::Tensor s = stats.index_select(0, at::tensor(layers, at::kLong)).mean(0);
+  for (int64_t i = 0; i < kNumStats; ++i) j[ftheta_stat_name(i)] = s[i].item<double>();
+  return j;
+}
+
+std::vector<int64_t> trained_layers(const FThetaLossOptions& o, int64_t L) {
+  if (!o.layers.empty()) return o.layers;
+  std::vector<int64_t> all;
+  for (int64_t l = 0; l < L; ++l) all.push_back(l);
+  return all;
+}
+
+}  // namespace
+
+json FThetaTrainOptions::to_json() const {
+  return {{"loss", ftheta_loss_name(loss.type)},
+          {"sink", loss.layout.sink},
+          {"window", loss.layout.window},
+          {"lambda_k_dir", loss.lambda_k_dir},
+          {"lambda_v_dir", loss.lambda_v_dir},
+          {"lambda_k_mag", loss.lambda_k_mag},
+          {"lambda_v_mag", loss.lambda_v_mag},
+          {"layers", loss.layers},
+          {"steps", steps},
+          {"batch", batch},
+          {"max_len", max_len},
+          {"lr", lr},
+          {"lr_schedule", lr_schedule},
+          {"warmup_steps", warmup_steps},
+          {"beta1", adamw.beta1},
+          {"beta2", adamw.beta2},
+          {"weight_decay", adamw.weight_decay},
+          {"grad_clip", adamw.grad_clip},
+          {"seed", seed},
+          {"eval_every", eval_every}};
+}
+
+FThetaBatch make_ftheta_batch(const std::vector<const FThetaSequence*>& seqs, int64_t T, at::Device device) {
+  KAKEYA_CHECK(!seqs.empty(), "f_theta batch: no sequences");
+  auto stack = [&](auto get) {
+    std::vector<at::Tensor> parts;
+    for (const auto* s : seqs) parts.push_back(get(*s).narrow(0, 0, T));
+    at::Tensor t = at::stack(parts);  // [B, T, ...]
+    return device.is_cuda() ? t.pin_memory().to(device, at::kFloat, /*non_blocking=*/true) : t.to(device, at::kFloat);
+  };
+  FThetaBatch b;
+  b.positions = at::arange(T, at::TensorOptions().dtype(at::kLong).device(device));
+  b.dk = stack([](const FThetaSequence& s) { return s.dk; });
+  b.dv = stack([](const FThetaSequence& s) { return s.dv; });
+  const size_t L = seqs[0]->k.size();
+  for (size_t l = 0; l < L; ++l) {
+    b.k.push_back(stack([l](const FThetaSequence& s) { return s.k[l]; }));
+    b.v.push_back(stack([l](const FThetaSequence& s) { return s.v[l]; }));
+    if (!seqs[0]->q.empty()) b.q.push_back(stack([l](const FThetaSequence& s) { return s.q[l]; }));
+    if (!seqs[0]->o.empty()) b.o.push_back(stack([l](const FThetaSequence& s) { return s.o[l]; }));
+  }
+  return b;
+}
+
+json FThetaEval::to_json(const ModelConfig& verifier) const {
+  json per_layer = json::array();
+  json by_type = json::object();
+  for (LayerType t : {LayerType::Sliding, LayerType::Full}) {
+    std::vector<int64_t> ls;
+    for (int64_t l = 0; l < verifier.num_layers; ++l)
+      if (verifier.layer_types[l] == t) ls.push_back(l);
+    if (!ls.empty()) by_type[layer_type_name(t)] = stats_means(stats, ls);
+  }
+  for (int64_t l = 0; l < verifier.num_layers; ++l) {
+    json e{{"layer", l}, {"type", layer_type_name(verifier.layer_types[l])}};
+    for (int64_t i = 0; i < kNumStats; ++i) e[ftheta_stat_name(i)] = stats[l][i].item<double>();
+    per_layer.push_back(e);
+  }
+  return {{"step", step}, {"loss", loss}, {"by_layer_type", by_type}, {"per_layer", per_layer}};
+}
+
+FThetaTrainer::FThetaTrainer(const Model& verifier, FTheta& f, std::vector<FThetaSequence> train,
+                             std::vector<FThetaSequence> heldout, const FThetaTrainOptions& opt, std::string checkpoint)
+    : verifier_(verifier), f_(f), train_(std::move(train)), heldout_(std::move(heldout)), opt_(opt),
+      ckpt_(std::move(checkpoint)) {
+  KAKEYA_CHECK(f.dtype() == at::kFloat, "train-ftheta: f_theta must hold f32 parameters while training");
+  KAKEYA_CHECK(verifier.dtype() == at::kFloat, "train-ftheta: the verifier must be loaded in f32 (autocast does bf16)");
+  KAKEYA_CHECK(!train_.empty(), "train-ftheta: no training sequences");
+  KAKEYA_CHECK(!heldout_.empty(), "train-ftheta: no held-out sequences");
+  KAKEYA_CHECK(opt.steps > 0 && opt.batch > 0 && opt.max_len > 0 && opt.lr > 0 && opt.warmup_steps >= 0,
+               "train-ftheta: steps, batch, max-len and lr must be positive, warmup >= 0");
+  KAKEYA_CHECK(opt.lr_schedule == "const" || opt.lr_schedule == "cosine",
+               "train-ftheta: --lr-schedule '" << opt.lr_schedule << "' (expected const or cosine)");
+  named_ = f.named_parameters();
+  for (auto& [name, p] : named_) {
+    p.requires_grad_(true);
+    params_.push_back(p);
+    m_.push_back(at::zeros_like(p));
+    v_.push_back(at::zeros_like(p));
+  }
+}
+
+double FThetaTrainer::lr_at(int64_t step) const {
+  if (step < opt_.warmup_steps) return opt_.lr * (double)(step + 1) / (double)opt_.warmup_steps;
+  if (opt_.lr_schedule == "const") return opt_.lr;
+  const double progress =
+      std::min(1.0, (double)(step - opt_.warmup_steps) / (double)std::max<int64_t>(1, opt_.steps - 1 - opt_.warmup_steps));
+  const double lo = opt_.lr / 100;  // the seeds' "cosine decay to peak/100"
+  return lo + (opt_.lr - lo) * 0.5 * (1.0 + std::cos(M_PI * progress));
+}
+
+FThetaBatch FThetaTrainer::sample(int64_t step) const {
+  std::mt19937_64 rng(opt_.seed * 1000003ull + (uint64_t)step);  // a step's batch depends on (seed, step) only
+  std::vector<const FThetaSequence*> pick;
+  int64_t T = opt_.max_len;
+  for (int64_t i = 0; i < opt_.batch; ++i) {
+    const FThetaSequence* s = &train_[rng() % train_.size()];
+    pick.push_back(s);
+    T = std::min(T, s->length());
+  }
+  return make_ftheta_batch(pick, T, f_.device());
+}
+
+FThetaEval FThetaTrainer::evaluate() const {
+  at::NoGradGuard no_grad;
+  AutocastGuard ac(opt_.autocast && f_.device().is_cuda());
+  FThetaEval e;
+  e.step = step_;
+  at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(f_.device()));
+  at::Tensor stats_sum;
+  for (const auto& s : heldout_) {
+    FThetaBatch b = make_ftheta_batch({&s}, std::min(opt_.max_len, s.length()), f_.device());
+    FThetaLossResult r = ftheta_loss(verifier_, f_, b, opt_.loss);
+    loss_sum += r.loss;
+    stats_sum = stats_sum.defined() ? stats_sum + r.stats : r.stats;
+  }
+  e.loss = loss_sum.item<double>() / heldout_.size();  // SYNC: once per evaluation
+  e.stats = (stats_sum / (double)heldout_.size()).cpu();
+  return e;
+}
+
+void FThetaTrainer::save_checkpoint() const {
+  std::map<std::string, at::Tensor> t;
+  for (size_t i = 0; i < named_.size(); ++i) {
+    const std::string& n = named_[i].first;
+    t["param/" + n] = params_[i].detach();
+    t["adam_m/" + n] = m_[i];
+    t["adam_v/" + n] = v_[i];
+  }
+  json s{{"step", step_}, {"train_seconds", train_seconds_}, {"log", log_}, {"evals", evals_}};
+  // One file: parameters, moments and state are replaced together (save_safetensors is atomic).
+  save_safetensors(ckpt_, t,
+                   {{"state", s.dump()},
+                    {"f_theta_config", f_.config().to_json().dump()},
+                    {"options", opt_.to_json().dump()}});
+}
+
+bool FThetaTrainer::resume() {
+  if (!fs::exists(ckpt_)) return false;
+  TensorStore st = TensorStore::open_file(ckpt_);
+  auto md = st.metadata();
+  KAKEYA_CHECK(md.count("state") && md.count("f_theta_config") && md.count("options"),
+               ckpt_ << ": not a train-ftheta checkpoint");
+  // Provenance may differ (it records paths); the structure must not.
+  json mine = f_.config().to_json(), theirs = json::parse(md["f_theta_config"]);
+  mine.erase("provenance");
+  theirs.erase("provenance");
+  KAKEYA_CHECK(mine == theirs, ckpt_ << ": the checkpoint's f_theta config differs from this run's (rank, dimensions "
+                                        "or model fingerprints): delete it or use the same models and --rank");
+  json o = json::parse(md["options"]), want = opt_.to_json();
+  for (auto& [k, v] : want.items())
+    KAKEYA_CHECK(o.contains(k) && o[k] == v, ckpt_ << ": option '" << k << "' was " << (o.contains(k) ? o[k].dump() : "absent")
+                                                   << " in the checkpoint, this run has " << v.dump()
+                                                   << " (a resumed run must use the same options)");
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < named_.size(); ++i) {
+    const std::string& n = named_[i].first;
+    params_[i].copy_(st.get("param/" + n, params_[i].sizes().vec()));
+    m_[i].copy_(st.get("adam_m/" + n, m_[i].sizes().vec()));
+    v_[i].copy_(st.get("adam_v/" + n, v_[i].sizes().vec()));
+  }
+  json s = json::parse(md["state"]);
+  step_ = s["step"];
+  train_seconds_ = s["train_seconds"];
+  log_ = s["log"];
+  evals_ = s["evals"];
+  std::fprintf(stderr, "[train-ftheta] resumed %s at step %lld/%lld\n", ckpt_.c_str(), (long long)step_,
+               (long long)opt_.steps);
+  return true;
+}
+
+bool FThetaTrainer::run() {
+  const ModelConfig& mc = verifier_.config();
+  const std::vector<int64_t> layers = trained_layers(opt_.loss, mc.num_layers);
+  if (evals_.empty()) evals_.push_back(evaluate().to_json(mc));  // the initial held-out loss (reduction factor)
+  auto t_session = std::chrono::steady_clock::now();
+  auto t_ckpt = t_session, t_log = t_session;
+  const double trained_before = train_seconds_;
+  const int64_t first_step = step_;
+  at::Tensor stats_acc, loss_acc, g_acc;
+  int64_t acc_n = 0;
+  double step_seconds = 0;
+  while (step_ < opt_.steps) {
+    if (opt_.deadline > 0 && now_unix() + std::max(20.0, 5 * step_seconds) > opt_.deadline) {
+      std::fprintf(stderr, "\n[train-ftheta] deadline: stopping at step %lld/%lld; rerun with --resume\n",
+                   (long long)step_, (long long)opt_.steps);
+      break;
+    }
+    if (opt_.max_steps_this_run > 0 && step_ - first_step >= opt_.max_steps_this_run) break;
+    const double lr = lr_at(step_);
+    FThetaBatch b = sample(step_);
+    FThetaLossResult r;
+    {
+      AutocastGuard ac(opt_.autocast && f_.device().is_cuda());
+      r = ftheta_loss(verifier_, f_, b, opt_.loss);
+    }
+    r.loss.backward();
+    // Halt on NaN/Inf before the update touches the weights (the last checkpoint stays good).
+    at::Tensor gsq = at::zeros({}, r.loss.options());
+    for (auto& p : params_)
+      if (p.grad().defined()) gsq = gsq + p.grad().pow(2).sum();
+    if (!at::isfinite(r.loss.detach() + gsq).item<bool>()) {  // SYNC: one flag per step
+      std::string where;
+      at::Tensor bad_rows = at::isfinite(r.stats.cpu()).logical_not().any(1);
+      for (int64_t l = 0; l < mc.num_layers; ++l)
+        if (bad_rows[l].item<bool>()) where += (where.empty() ? "" : ", ") + std::to_string(l);
+      std::string params;
+      for (size_t i = 0; i < params_.size(); ++i)
+        if (params_[i].grad().defined() && !at::isfinite(params_[i].grad()).all().item<bool>())
+          params += (params.empty() ? "" : ", ") + named_[i].first;
+      KAKEYA_FAIL("train-ftheta: non-finite " << (at::isfinite(r.loss).item<bool>() ? "gradient" : "loss") << " at step "
+                                              << step_ << (where.empty() ? "" : " in verifier layer(s) " + where)
+                                              << (params.empty() ? "" : "; gradient of " + params)
+                                              << " (weights of the last checkpoint are intact; lower --lr?)");
+    }
+    at::Tensor gnorm = adamw_step(params_, m_, v_, step_ + 1, lr, opt_.adamw);
+    stats_acc = stats_acc.defined() ? stats_acc + r.stats : r.stats.clone();
+    loss_acc = loss_acc.defined() ? loss_acc + r.loss.detach() : r.loss.detach().clone();
+    g_acc = g_acc.defined() ? g_acc + gnorm : gnorm.clone();
+    ++acc_n;
+    ++step_;
+    const bool last = step_ >= opt_.steps;
+    const double el = seconds_since(t_session);
+    step_seconds = el / (double)(step_ - first_step);
+    if (last || seconds_since(t_log) >= opt_.log_seconds) {
+      t_log = std::chrono::steady_clock::now();
+      train_seconds_ = trained_before + el;
+      const double loss = loss_acc.item<double>() / acc_n;  // SYNC: progress line (every few seconds)
+      const double g = g_acc.item<double>() / acc_n;
+      json terms = stats_means((stats_acc / (double)acc_n).cpu(), layers);
+      log_.push_back({{"step", step_}, {"loss", loss}, {"lr", lr}, {"grad_norm", g}, {"seconds", train_seconds_},
+                      {"terms", terms}});
+      const double rate = (step_ - first_step) / std::max(1e-9, el);
+      std::fprintf(stderr,
+                   "[train-ftheta] step %lld/%lld  loss %.4g  attn %.3g  kDir %.3g  vDir %.3g  kMag %.3g  vMag %.3g  "
+                   "lr %.2e  |g| %.3g  %.2f step/s  ETA %.0fs\n",
+                   (long long)step_, (long long)opt_.steps, loss, terms["attn"].get<double>(), terms["k_dir"].get<double>(),
+                   terms["v_dir"].get<double>(), terms["k_mag"].get<double>(), terms["v_mag"].get<double>(), lr, g, rate,
+                   (opt_.steps - step_) / std::max(rate, 1e-9));
+      stats_acc = loss_acc = g_acc = at::Tensor();
+      acc_n = 0;
+    }
+    if (last || (opt_.eval_every > 0 && step_ % opt_.eval_every == 0)) {
+      FThetaEval e = evaluate();
+      std::fprintf(stderr, "[train-ftheta] held-out at step %lld: loss %.4g\n", (long long)step_, e.loss);
+      evals_.push_back(e.to_json(mc));
+    }
+    if (seconds_since(t_ckpt) >= opt_.checkpoint_seconds) {
+      train_seconds_ = trained_before + seconds_since(t_session);
+      save_checkpoint();
+      t_ckpt = std::chrono::steady_clock::now();
+    }
+  }
+  train_seconds_ = trained_before + seconds_since(t_session);
+  save_checkpoint();
+  return step_ >= opt_.steps;
+}
+
+json FThetaTrainer::report() const {
+  json r{{"options", opt_.to_json()},
+         {"f_theta_config", f_.config().to_json()},
+         {"f_theta_parameters", f_.num_parameters()},
+         {"train_sequences", train_.size()},
+         {"heldout_sequences", heldout_.size()},
+         {"steps_done", step_},
+         {"train_seconds", train_seconds_},
+         {"log", log_},
+         {"evals", evals_}};
+  if (evals_.size() >= 2) {
+    const double first = evals_.front()["loss"], final = evals_.back()["loss"];
+    r["heldout_loss_initial"] = first;
+    r["heldout_loss_final"] = final;
+    r["reduction_factor"] = final > 0 ? first / final : 0.0;
+    r["final"] = evals_.back();
+  }
+  return r;
+}
+
+}  // namespace kakeya::train

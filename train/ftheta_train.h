@@ -1,0 +1,104 @@
+// f_θ training (`kakeya train-ftheta`) on captured data (data/capture.h): no
+// verifier or drafter forward at train time, only f_θ + the loss
+// (train/ftheta_loss.h), which recomputes attention with the frozen verifier's
+// norms, RoPE and o_proj (the verifier is loaded f32; bf16 autocast on CUDA).
+//
+// Data: every captured sequence is held in memory (bf16, CPU), split into
+// training and held-out sequences (the last `heldout` of the capture). A step's
+// batch = `batch` training sequences drawn by (seed, step) only, cropped to
+// their common prefix length (at most max_len; prefixes, because a query's
+// attention needs every key from position 0). Held-out evaluation: each
+// held-out sequence alone, cropped to max_len, no grad; before the first step,
+// every eval_every steps and at the end.
+//
+// AdamW (train/train_util.h), lr schedule const | cosine with linear warmup
+// (warmup step s has lr·(s+1)/warmup; cosine decays to lr/100 at the last step),
+// global grad-norm clip. A non-finite loss or gradient halts before the update,
+// naming the step and the verifier layer (or parameter).
+//
+// Checkpoint (one safetensors file, replaced atomically): parameters, AdamW
+// moments, the f_θ config and the state (step, logs, evaluations); a resumed
+// run ends with the same weights as an uninterrupted one.
+#pragma once
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/ftheta.h"
+#include "core/model.h"
+#include "train/ftheta_loss.h"
+#include "train/train_util.h"
+
+namespace kakeya::train {
+
+struct FThetaTrainOptions {
+  FThetaLossOptions loss;
+  int64_t steps = 2000;
+  int64_t batch = 4;               // sequences per step
+  int64_t max_len = 512;           // prefix length cap per sequence
+  double lr = 1e-3;
+  std::string lr_schedule = "cosine";  // const | cosine
+  int64_t warmup_steps = 100;
+  AdamWOptions adamw{0.9, 0.999, 1e-8, 0.01, 1.0};
+  bool autocast = true;            // bf16 autocast when training on CUDA
+  uint64_t seed = 0;
+  int64_t eval_every = 200;        // held-out evaluation period in steps (0: start and end only)
+  double checkpoint_seconds = 60;
+  double log_seconds = 5;
+  double deadline = 0;             // unix seconds: checkpoint and return before this (0: none)
+  int64_t max_steps_this_run = 0;  // return (with a checkpoint) after this many steps (0: no limit)
+  nlohmann::json to_json() const;  // what a resume must agree on
+};
+
+// One training sequence in memory (CPU, bf16 floats).
+struct FThetaSequence {
+  at::Tensor dk, dv;               // [T, L_d, H_d, D_d]
+  std::vector<at::Tensor> q;       // per verifier layer [T, H_q, D]
+  std::vector<at::Tensor> k, v;    // per verifier layer [T, H_kv, D]
+  std::vector<at::Tensor> o;       // per verifier layer [T, hidden]
+  int64_t length() const { return dk.size(0); }
+};
+
+// Stacks sequences (prefixes of length T) into a batch on `device` (floats f32).
+FThetaBatch make_ftheta_batch(const std::vector<const FThetaSequence*>& seqs, int64_t T, at::Device device);
+
+struct FThetaEval {
+  int64_t step = 0;
+  double loss = 0;
+  at::Tensor stats;                // [L, kNumStats] f32 CPU, mean over held-out sequences
+  nlohmann::json to_json(const ModelConfig& verifier) const;  // per layer + per layer type
+};
+
+class FThetaTrainer {
+ public:
+  // `f` must hold f32 parameters (trained in place); `verifier` f32 on the same device.
+  FThetaTrainer(const Model& verifier, FTheta& f, std::vector<FThetaSequence> train, std::vector<FThetaSequence> heldout,
+                const FThetaTrainOptions& opt, std::string checkpoint);
+  bool resume();                   // from the checkpoint if it exists; refuses another f_θ config or options
+  bool run();                      // until `steps` or the deadline; true when finished
+  void save_checkpoint() const;
+  FThetaEval evaluate() const;
+  double lr_at(int64_t step) const;
+  int64_t step() const { return step_; }
+  nlohmann::json report() const;   // options, logs, evaluations, reduction factor
+
+ private:
+  FThetaBatch sample(int64_t step) const;
+
+  const Model& verifier_;
+  FTheta& f_;
+  std::vector<FThetaSequence> train_, heldout_;
+  FThetaTrainOptions opt_;
+  std::string ckpt_;
+  std::vector<std::pair<std::string, at::Tensor>> named_;
+  std::vector<at::Tensor> params_, m_, v_;
+  int64_t step_ = 0;
+  double train_seconds_ = 0;
+  nlohmann::json log_ = nlohmann::json::array();    // {step, loss, lr, grad_norm, seconds, terms{...}}
+  nlohmann::json evals_ = nlohmann::json::array();  // FThetaEval::to_json
+};
+
+}  // namespace kakeya::train
