@@ -104,7 +104,7 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D &&
                   v_cache.sizes() == k_cache.sizes(),
               "k/v cache: expected [", B, ", ", Hkv, ", S, ", D, "], got ", k_cache.sizes(), " / ", v_cache.sizes());
-  TORCH_CHECK(T < k_cache.size(2), "qk_norm_rope_store: chunk of ", T, " tokens does not fit a ring of ", k_cache.size(2));
+  TORCH_CHECK(T <= k_cache.size(2), "qk_norm_rope_store: chunk of ", T, " tokens does not fit a ring of ", k_cache.size(2));
   TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && a.cos.scalar_type() == qkv.scalar_type(),
               "qk_norm_rope_store: cache / RoPE table dtype must match qkv");
   if (a.q_norm.defined()) check_w(a.q_norm, D, "q_norm");
