@@ -555,3 +555,21 @@ TEST(CodecEval, PerLayerKVHeadsGemma4) {
   EXPECT_TRUE(std::isfinite(res.rows[1].pooled().kl));
   EXPECT_GT(res.rows[1].pooled().kl, 0.0);
 }
+
+// The shipped bundle (checkpoints/gemma3-270m/calib, made on the H100) loads for the real model,
+// and the release recipe it names codes that model's K/V shapes at its advertised ratio.
+TEST(CalibBundle, ShippedBundleLoadsAndCodesTheReleaseRecipe) {
+  auto cfg = ModelConfig::from_file(test::real_model_dir() + "/config.json");
+  const std::string dir = test::shipped_dir("calib");
+  auto bundle = CalibBundle::load(dir, cfg);
+  EXPECT_TRUE(bundle.has_basis());
+  const std::string recipe = "kakeya:sink=1,kbasis=calib,kalloc=3.3,vbasis=calib,valloc=3";
+  EXPECT_EQ(bundle.manifest()["entries"]["release"]["recipe"], "ours");
+  KVCodec c(CodecOptions::parse(recipe), cfg, &bundle, at::kCPU);
+  const int64_t l = 3, N = 512, D = cfg.layer_head_dim[l], H = cfg.kv_heads(l);
+  auto v = at::randn({H, N, D}, at::TensorOptions().dtype(at::kFloat).device(at::kCPU));  // [H, N, D]
+  auto e = c.encode(l, Stream::V, v, nullptr, 0);
+  const double ratio = (double)(H * N * D * 2) / (double)e.bytes();  // vs bf16
+  EXPECT_GT(ratio, 4.5) << "release ratio was 4.74x";
+  EXPECT_LT(rel_err(v, c.decode(e)), 0.5);
+}
