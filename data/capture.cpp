@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <future>
 #include <sstream>
 
 #include "core/error.h"
@@ -749,6 +750,11 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
     const int64_t first = s * opt.seqs_per_shard, last = std::min(N, first + opt.seqs_per_shard);
     json lengths = json::array();
     int64_t shard_tokens = 0;
+    std::future<void> writing;  // the previous sequence's write_sequence
+    bool last_benched = false;
+    auto drain = [&] {
+      if (writing.valid()) writing.get();  // rethrows the writer's error here
+    };
     try {
       H5 file(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT), H5Fclose);
       KAKEYA_CHECK(file.ok(), tmp << ": cannot create HDF5 file (directory writable? disk full?)");
@@ -787,8 +793,16 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
         cs.source = p.source;
         cs.prompt_len = (int64_t)p.ids.size();
         const double t3 = now_seconds(dev);
-        write_sequence(file.get(), cs, store, opt.deflate, tmp);
+        // The previous sequence's write (HDF5 compression on the host) ran while this one was
+        // generated and captured on the device; wait for it, then hand this one over. One write
+        // in flight keeps the serial HDF5 library on one thread at a time.
+        drain();
         const double t4 = now_seconds(dev);
+        const int64_t len = cs.length();
+        writing = std::async(std::launch::async, [&file, seq = std::move(cs), store, level = opt.deflate, tmp] {
+          write_sequence(file.get(), seq, store, level, tmp);
+        });
+        last_benched = bench;
         if (bench) {
           ++benched;
           rep.bench_verifier_seconds += (t1 - t0) + t_plain;
@@ -797,13 +811,16 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
           rep.bench_tapped_seconds += t3 - t2;
           rep.bench_write_seconds += t4 - t3;
         }
-        lengths.push_back(cs.length());
-        shard_tokens += cs.length();
+        lengths.push_back(len);
+        shard_tokens += len;
         pr.done_seqs += 1;
-        pr.done_tokens += cs.length();
+        pr.done_tokens += len;
         pr.seconds = now_seconds(dev) - t_start;
         if (progress) progress(pr);
       }
+      const double td = now_seconds(dev);
+      drain();
+      if (last_benched) rep.bench_write_seconds += now_seconds(dev) - td, rep.bench_capture_seconds += now_seconds(dev) - td;
       json shard{{"file", name}, {"first", first}, {"count", last - first}, {"tokens", shard_tokens},
                  {"lengths", lengths}};
       write_string_attr(file.get(), "format", kCaptureFormat, tmp);
@@ -818,6 +835,7 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
       shard["bytes"] = file_bytes(path);
       shards.push_back(shard);
     } catch (...) {
+      if (writing.valid()) writing.wait();  // its error, if any, is superseded by the one in flight
       ::unlink(tmp.c_str());  // a partial shard is never left looking usable (and frees the disk)
       throw;
     }

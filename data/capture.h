@@ -145,7 +145,7 @@ struct CaptureReport {
   // capture = greedy generation + tapped forward + drafter context + copies + HDF5 write.
   double bench_verifier_seconds = 0, bench_capture_seconds = 0;
   double bench_forward_seconds = 0, bench_tapped_seconds = 0;  // the forward parts alone
-  double bench_write_seconds = 0;       // HDF5 write (conversion, compression, I/O)
+  double bench_write_seconds = 0;       // waiting for the HDF5 writer (conversion, compression, I/O run on a writer thread, overlapping the next sequence)
   double capture_cost_ratio() const { return bench_verifier_seconds > 0 ? bench_capture_seconds / bench_verifier_seconds : 0; }
   // Without the generation both sides share: (tapped forward + drafter + write) / plain forward.
   double forward_cost_ratio() const {
