@@ -7,6 +7,17 @@
 // attention masks are derived from it, which makes a ring and a linear buffer
 // the same thing to the forward pass. truncate(n) only invalidates slots, so it
 // is O(1) in host work; a sliding ring can roll back at most `rollback` tokens.
+//
+// Restoration (RestorePolicy, used by infer/restored.h): on the layer types the
+// policy covers, a query at position p reads the exact K/V of the `window`
+// most recent positions p - window < j <= p, and *restored* K/V for the older
+// positions of its span (its sliding window, or everything on full layers),
+// which the caller writes with write_restored() before the forward whose
+// queries first need them. Such a layer's buffer is [exact ring | restored
+// region]: the exact ring holds window + max(chunk - 1, rollback) slots, the
+// restored region (sliding window - window + chunk - 1) slots on sliding layers
+// and `capacity` slots on full-attention layers. A position may sit in both
+// parts at once; the mask shows each query exactly one of the two copies.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -17,12 +28,22 @@
 
 namespace kakeya {
 
+struct RestorePolicy {
+  int64_t window = 0;     // exact recent positions per query (the query included); 0: no restoration
+  bool sliding = true;    // restore on sliding-attention layers
+  bool full = false;      // restore on full-attention layers
+  int64_t max_chunk = 1;  // most tokens one forward writes (prefill chunks, verify blocks)
+  bool linear = false;    // one slot per position in both regions, no rings (reference decoders)
+  bool enabled() const { return window > 0; }
+};
+
 struct KVCacheOptions {
   int64_t batch = 1;
   int64_t capacity = 4096;      // positions a full-attention layer can hold
   int64_t rollback = 64;        // tokens truncate() may remove from sliding rings (speculative blocks)
   at::ScalarType dtype = at::kFloat;
   at::Device device = at::kCPU;
+  RestorePolicy restore;        // default: off (the model's own attention)
 };
 
 class KVCache {
@@ -31,6 +52,7 @@ class KVCache {
 
   int64_t length() const { return length_; }        // positions committed so far
   int64_t capacity() const { return opt_.capacity; }
+  const KVCacheOptions& options() const { return opt_; }
   int64_t num_layers() const { return (int64_t)k_.size(); }
   int64_t slots(int64_t layer) const { return k_[layer].size(2); }
 
@@ -47,7 +69,8 @@ class KVCache {
 
   const at::Tensor& keys(int64_t layer) const { return k_[layer]; }     // [B, H_kv_l, S_l, D_l]
   const at::Tensor& values(int64_t layer) const { return v_[layer]; }   // [B, H_kv_l, S_l, D_l]
-  // Writable buffers for kernels that store K/V themselves (slot = position mod S_l).
+  // Writable buffers for kernels that store K/V themselves (slot = position mod S_l;
+  // only on layers without restoration, see plain()).
   at::Tensor& k_mut(int64_t layer) { return k_[layer]; }
   at::Tensor& v_mut(int64_t layer) { return v_[layer]; }
   // Absolute position held by each slot of this layer's buffers, -1 if empty: [S_l] int64.
@@ -56,18 +79,54 @@ class KVCache {
   // query of the chunk still needs gets overwritten); otherwise attend over
   // [cache ++ new] and write afterwards.
   bool write_first(int64_t layer, int64_t t) const;
+  // Which slots of `layer` each query at q_pos [T] attends to: [T, S_l] bool (the
+  // layer's causal/sliding rule, and the restoration rule where the policy applies).
+  at::Tensor visible(int64_t layer, const at::Tensor& q_pos) const;
+  // For the one-query decode kernel (which applies the causal/sliding rule to slot
+  // positions itself): slot_positions with the slots the restoration rule hides
+  // from the query at q_pos [1] set to -1; slot_positions itself on plain layers.
+  at::Tensor decode_slot_positions(int64_t layer, const at::Tensor& q_pos) const;
+
+  // ---- restoration (layers the policy covers) ----
+  bool restored(int64_t layer) const;            // the policy covers this layer
+  bool plain(int64_t layer) const { return !restored(layer); }  // slot = position mod S_l
+  int64_t exact_slots(int64_t layer) const;      // exact ring (all slots on plain layers)
+  int64_t restored_slots(int64_t layer) const;   // restored region (0 on plain layers)
+  // Restored K/V of positions that left the exact window: k (post-RoPE), v: [B, H_kv, N, D].
+  // Mark once per position set (per layer type) with mark_restored, then write every layer.
+  void mark_restored(LayerType type, const at::Tensor& positions);
+  void write_restored(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
+  // The exact K/V the ring still holds for `positions` (attention sinks keep theirs): {k, v} [B, H_kv, N, D].
+  std::pair<at::Tensor, at::Tensor> exact_kv(int64_t layer, const at::Tensor& positions) const;
 
   int64_t bytes() const;                 // allocated K/V bytes (what the cache costs)
   int64_t bytes_per_layer_type(LayerType t) const;
+  // Allocated bytes of the exact rings / restored regions of one layer type.
+  int64_t exact_bytes(LayerType t) const;
+  int64_t restored_bytes(LayerType t) const;
   int64_t full_kv_bytes(int64_t n) const;  // what an unbounded cache would hold for n positions
+  // What the model's own cache needs for n positions: sliding layers min(n, sliding window), full layers n.
+  int64_t native_kv_bytes(int64_t n) const;
 
  private:
+  struct TypeState {
+    at::Tensor pos;               // [S] slot positions: [ring | restored region]
+    at::Tensor in_restored;       // [S] bool: slot belongs to the restored region (policy only)
+    int64_t ring = 0;             // exact ring slots
+    int64_t rest = 0;             // restored region slots
+    bool policy = false;
+    int64_t window = 0;           // recent window of the exactness rule (policy) / the layer's own window
+    int64_t max_evicted = -1;     // highest position overwritten in the exact ring
+  };
+  TypeState& state(int64_t layer) { return cfg_.is_sliding(layer) ? sliding_ : full_; }
+  const TypeState& state(int64_t layer) const { return cfg_.is_sliding(layer) ? sliding_ : full_; }
+  int64_t layer_bytes(int64_t layer) const;
+
   const ModelConfig& cfg_;
   KVCacheOptions opt_;
   std::vector<at::Tensor> k_, v_;       // per layer [B, H_kv_l, S_l, D_l]
-  at::Tensor pos_full_, pos_sliding_;   // [S_full], [S_sliding] int64
+  TypeState full_, sliding_;
   int64_t length_ = 0;
-  int64_t max_evicted_ = -1;            // highest position overwritten in a sliding ring
 };
 
 }  // namespace kakeya

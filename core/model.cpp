@@ -205,6 +205,10 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   int64_t first_sliding = -1, first_full = -1;
   for (int64_t l = cfg_.num_layers - 1; l >= 0; --l) (cfg_.is_sliding(l) ? first_sliding : first_full) = l;
   const bool sliding_concat = first_sliding >= 0 && !cache.write_first(first_sliding, T);
+  KAKEYA_CHECK(!sliding_concat || cache.plain(first_sliding),
+               "forward: a chunk of " << T << " tokens is too long for the restored cache's exact ring");
+  KAKEYA_CHECK(first_full < 0 || cache.write_first(first_full, T),
+               "forward: a chunk of " << T << " tokens is too long for the restored cache's exact ring");
   at::Tensor old_sliding_pos = sliding_concat ? cache.slot_positions(first_sliding).clone() : at::Tensor();
   cache.mark(positions);
   const Taps* taps = fo.taps && !fo.taps->empty() ? fo.taps : nullptr;
@@ -215,10 +219,17 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   const bool cuda_fused = ids.is_cuda() && ops::cuda_kernels_available();
   const bool decode_kernel = cuda_fused && T == 1;
   at::Tensor mask_full, mask_sliding;  // [T, S] bool
-  if (first_full >= 0 && !decode_kernel) mask_full = visible(cache.slot_positions(first_full), positions, 0);
+  if (first_full >= 0 && !decode_kernel) mask_full = cache.visible(first_full, positions);
   if (first_sliding >= 0 && (sliding_concat || !decode_kernel))
     mask_sliding = sliding_concat ? visible(at::cat({old_sliding_pos, positions}), positions, cfg_.sliding_window)
-                                  : visible(cache.slot_positions(first_sliding), positions, cfg_.sliding_window);
+                                  : cache.visible(first_sliding, positions);
+  // The decode kernel applies the causal/sliding rule to slot positions itself;
+  // restored layers hide the copies a query must not read (KVCache::visible).
+  at::Tensor kpos_full, kpos_sliding;  // [S] int64
+  if (decode_kernel) {
+    if (first_full >= 0) kpos_full = cache.decode_slot_positions(first_full, positions);
+    if (first_sliding >= 0) kpos_sliding = cache.decode_slot_positions(first_sliding, positions);
+  }
 
   at::Tensor h = embed(ids);                         // [B, T, hidden]
   at::Tensor x = rms_norm(h, layers_[0].attn_norm);  // later layers get theirs from the fused residual step
@@ -234,7 +245,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     const bool write_first = !sliding || !sliding_concat;
     // The fused kernel reads raw v from the qkv rows and stores it as is: it knows
     // nothing of v_norm or K=V layers (no v rows), so Gemma 4 takes the unfused branch.
-    if (cuda_fused && !taps && write_first && !cfg_.v_norm) {
+    if (cuda_fused && !taps && write_first && !cfg_.v_norm && cache.plain(l)) {
       ops::QKRopeArgs ra{Hq, Hkv, D, norm_spec_, w.q_norm, w.k_norm, rope(l).cos(), rope(l).sin()};
       q = ops::qk_norm_rope_store(qkv, positions, ra, cache.k_mut(l), cache.v_mut(l));
     } else {
@@ -262,7 +273,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       attn = attention(l, q, at::cat({cache.keys(l), kc}, 2), at::cat({cache.values(l), vc}, 2), mask_sliding);
       cache.write(l, kc, vc, positions);
     } else if (decode_kernel) {
-      attn = ops::decode_attention(q, cache.keys(l), cache.values(l), cache.slot_positions(l), positions,
+      attn = ops::decode_attention(q, cache.keys(l), cache.values(l), sliding ? kpos_sliding : kpos_full, positions,
                                    sliding ? cfg_.sliding_window : 0, cfg_.attn_scale,
                                    cfg_.attn_logit_softcap.value_or(0.0));
     } else {

@@ -26,6 +26,9 @@ struct ScoreResult {
   double top1_rate() const;
 };
 
+// Appends one chunk's scores: logits [len, V] f32 at the positions before targets [len].
+void score_chunk(const at::Tensor& logits, const at::Tensor& targets, ScoreResult& res);
+
 // ids: the token sequence. Windows of `context` tokens (the last may be
 // shorter) are scored independently; the first token of a window is context only.
 ScoreResult score(const Model& model, const std::vector<int64_t>& ids, const ScoreOptions& opt);

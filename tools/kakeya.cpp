@@ -18,6 +18,9 @@ int main(int argc, char** argv) {
   kakeya::cli::set_command_line(argc, argv);
   kakeya::cli::register_spec(app);
   kakeya::cli::register_train_drafter(app);
+  kakeya::cli::register_decode(app);
+  kakeya::cli::register_niah(app);
+  kakeya::cli::register_sweep_alpha(app);
 #ifdef KAKEYA_HAVE_CAPTURE
   kakeya::cli::register_capture(app);
 #endif

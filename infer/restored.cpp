@@ -1,0 +1,742 @@
+#include "infer/restored.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+#include "core/error.h"
+#include "infer/generate.h"
+#include "infer/loop_util.h"
+
+#ifdef KAKEYA_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+
+namespace kakeya {
+namespace {
+
+std::string mib(int64_t b) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.2f MiB", b / 1048576.0);
+  return buf;
+}
+
+int64_t tensor_bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
+
+// K/V bytes of `slots` positions on every layer of one type (or all layers).
+int64_t kv_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type /* -1 all, 0 sliding, 1 full */) {
+  int64_t b = 0;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    if (type >= 0 && cfg.is_sliding(l) != (type == 0)) continue;
+    b += 2 * cfg.kv_heads(l) * cfg.layer_head_dim[l] * slots * elem;
+  }
+  return b;
+}
+
+}  // namespace
+
+const char* decode_mode_name(DecodeMode m) {
+  switch (m) {
+    case DecodeMode::Ar: return "ar";
+    case DecodeMode::RestoredReforward: return "restored-reforward";
+    case DecodeMode::Restored: return "restored";
+  }
+  return "?";
+}
+
+DecodeMode parse_decode_mode(const std::string& s) {
+  if (s == "ar") return DecodeMode::Ar;
+  if (s == "restored-reforward") return DecodeMode::RestoredReforward;
+  if (s == "restored") return DecodeMode::Restored;
+  KAKEYA_FAIL("--mode: expected ar | restored-reforward | restored, got '" << s << "'");
+}
+
+const char* full_attn_name(FullAttn f) {
+  switch (f) {
+    case FullAttn::Exact: return "exact";
+    case FullAttn::Restored: return "restored";
+    case FullAttn::Codec: return "codec";
+  }
+  return "?";
+}
+
+FullAttn parse_full_attn(const std::string& s) {
+  if (s == "exact") return FullAttn::Exact;
+  if (s == "restored") return FullAttn::Restored;
+  if (s == "codec") return FullAttn::Codec;
+  KAKEYA_FAIL("--full-attn: expected exact | restored | codec, got '" << s << "'");
+}
+
+nlohmann::json RestoreOptions::to_json() const {
+  return {{"sink", sink},        {"window", window},          {"full_attn", full_attn_name(full_attn)},
+          {"mix_alpha", mix_alpha}, {"chunk", resolved_chunk()}, {"stats", stats}};
+}
+
+void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& o,
+                      int64_t n_prompt, int64_t max_new, const std::string& ftheta_origin) {
+  const ModelConfig& cfg = verifier.config();
+  const int64_t context = n_prompt + max_new;
+  KAKEYA_CHECK(n_prompt > 0, "decode: empty prompt (the tokenizer produced no tokens)");
+  KAKEYA_CHECK(max_new > 0, "decode: --max-new-tokens expected > 0, got " << max_new);
+  if (cfg.max_position_embeddings > 0)
+    KAKEYA_CHECK(context <= cfg.max_position_embeddings,
+                 "decode: prompt of " << n_prompt << " tokens + " << max_new << " new tokens = " << context
+                                      << " positions exceeds the model's limit of " << cfg.max_position_embeddings
+                                      << " (max_position_embeddings): shorten the prompt or --max-new-tokens");
+  KAKEYA_CHECK(context <= verifier.options().max_positions,
+               "decode: prompt of " << n_prompt << " tokens + " << max_new << " new tokens = " << context
+                                    << " positions exceeds the loaded RoPE table (" << verifier.options().max_positions
+                                    << " positions)");
+  KAKEYA_CHECK(o.sink >= 0, "decode: --sink expected >= 0, got " << o.sink);
+  KAKEYA_CHECK(o.window >= 1, "decode: --window expected >= 1, got " << o.window);
+  KAKEYA_CHECK(o.chunk >= 0 && o.chunk <= o.window,
+               "decode: --chunk expected in [1, window=" << o.window << "] (0: window), got " << o.chunk
+                                                         << " (a longer chunk would need restored K/V of itself)");
+  KAKEYA_CHECK(o.mix_alpha >= 0.0 && o.mix_alpha <= 1.0, "decode: --mix-alpha expected in [0, 1], got " << o.mix_alpha);
+  bool has_sliding = false, has_full = false;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) (cfg.is_sliding(l) ? has_sliding : has_full) = true;
+  if (has_sliding)
+    KAKEYA_CHECK(o.sink + o.window < cfg.sliding_window,
+                 "decode: --sink " << o.sink << " + --window " << o.window << " = " << o.sink + o.window
+                                   << " >= the model's sliding window (" << cfg.sliding_window
+                                   << "): sliding layers would never read a restored position; use a smaller "
+                                      "--window, or --mode ar");
+  KAKEYA_CHECK(has_sliding || o.full_attn == FullAttn::Restored,
+               "decode: the model has no sliding-attention layers and --full-attn is " << full_attn_name(o.full_attn)
+                                                                                        << ": nothing to restore");
+  KAKEYA_CHECK(o.window < context,
+               "decode: --window " << o.window << " is larger than the context (prompt " << n_prompt << " + "
+                                   << max_new << " new tokens = " << context
+                                   << " positions): nothing would ever be restored; use a smaller --window");
+  KAKEYA_CHECK(o.full_attn != FullAttn::Codec || o.codec,
+               "decode: --full-attn codec needs the calibration bundle's codec (--calib DIR)");
+  KAKEYA_CHECK(o.full_attn != FullAttn::Codec, "decode: --full-attn codec is not wired into the decoder yet");
+  if (o.needs_ftheta()) {
+    KAKEYA_CHECK(drafter, "decode: restoration with --mix-alpha < 1 needs a drafter (--drafter DIR)");
+    KAKEYA_CHECK(ftheta, "decode: restoration with --mix-alpha < 1 needs f_θ (--ftheta DIR)");
+  }
+  if (drafter) {
+    KAKEYA_CHECK(&drafter->target() == &verifier, "decode: the drafter is bound to another verifier model");
+    KAKEYA_CHECK(context <= drafter->config().max_position_embeddings || drafter->config().max_position_embeddings <= 0,
+                 "decode: " << context << " positions exceed the drafter's limit of "
+                            << drafter->config().max_position_embeddings);
+  }
+  if (ftheta && drafter) ftheta->config().check(cfg, drafter->config(), ftheta_origin);
+}
+
+// ---------------------------------------------------------------- RestoreStats
+
+double RestoreStats::rel(bool full, bool v, bool cache_space) const {
+  const auto& a = (cache_space ? cache : raw)[full ? 1 : 0][v ? 1 : 0];
+  return a[1] > 0 ? std::sqrt(a[0] / a[1]) : 0.0;
+}
+
+RestoreStats& RestoreStats::operator+=(const RestoreStats& o) {
+  for (int t = 0; t < 2; ++t)
+    for (int st = 0; st < 2; ++st)
+      for (int e = 0; e < 2; ++e) {
+        raw[t][st][e] += o.raw[t][st][e];
+        cache[t][st][e] += o.cache[t][st][e];
+      }
+  positions += o.positions;
+  return *this;
+}
+
+nlohmann::json RestoreStats::to_json() const {
+  nlohmann::json j{{"positions", positions}};
+  for (int t = 0; t < 2; ++t) {
+    const char* type = t ? "full" : "sliding";
+    bool any = raw[t][0][1] > 0;
+    if (!any) continue;
+    j[type] = {{"raw_k", rel(t, false, false)},
+               {"raw_v", rel(t, true, false)},
+               {"cache_k", rel(t, false, true)},
+               {"cache_v", rel(t, true, true)}};
+  }
+  return j;
+}
+
+// ---------------------------------------------------------------- Restorer
+
+Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& opt,
+                   KVCache& cache)
+    : model_(verifier), drafter_(drafter), ftheta_(ftheta), opt_(opt), cache_(cache) {
+  const ModelConfig& cfg = verifier.config();
+  for (int64_t l = 0; l < cfg.num_layers; ++l)
+    if (cache.restored(l)) {
+      layers_.push_back(l);
+      (cfg.is_sliding(l) ? has_sliding_ : has_full_) = true;
+    }
+  KAKEYA_CHECK(!layers_.empty(), "restorer: the KV cache has no restore policy");
+  KAKEYA_CHECK(cache.options().restore.window == opt.window,
+               "restorer: cache window " << cache.options().restore.window << " vs " << opt.window);
+  KAKEYA_CHECK(!opt.needs_ftheta() || (drafter && ftheta), "restorer: --mix-alpha < 1 needs a drafter and f_θ");
+  const at::Device dev = verifier.device();
+  ring_ = opt.window + cache.options().restore.max_chunk + cache.options().rollback;
+  if (drafter) {
+    capture_ = std::make_unique<TargetFeatureCapture>(verifier, drafter->config().target_layer_ids);
+    vtaps_.subscribe(capture_.get());
+  }
+  if (opt.needs_true_raw()) {
+    vtaps_.subscribe(this);
+    tk_.resize(cfg.num_layers);
+    tv_.resize(cfg.num_layers);
+    auto fopt = at::TensorOptions().dtype(verifier.dtype()).device(dev);
+    for (int64_t l : layers_) {
+      tk_[l] = at::zeros({ring_, cfg.kv_heads(l), cfg.layer_head_dim[l]}, fopt);
+      tv_[l] = at::zeros({ring_, cfg.kv_heads(l), cfg.layer_head_dim[l]}, fopt);
+    }
+  }
+  if (opt.needs_ftheta()) {
+    const auto& dc = drafter->config();
+    auto dopt = at::TensorOptions().dtype(drafter->dtype()).device(drafter->device());
+    dk_ = at::zeros({ring_, dc.num_layers, dc.num_kv_heads, dc.head_dim}, dopt);
+    dv_ = at::zeros({ring_, dc.num_layers, dc.num_kv_heads, dc.head_dim}, dopt);
+  }
+  dtap_.self = this;
+  dtaps_.subscribe(&dtap_);
+  if (opt.stats) acc_ = at::zeros({2, 2, 2, 2}, at::TensorOptions().dtype(at::kDouble).device(dev));
+}
+
+void Restorer::on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) {
+  if (tap != Tap::KProj && tap != Tap::VProj) return;
+  auto& ring = tap == Tap::KProj ? tk_ : tv_;
+  if (ctx.layer >= (int64_t)ring.size() || !ring[ctx.layer].defined()) return;
+  // x: [1, T, H_kv, D]. Positions of a rejected tail get overwritten when those positions are committed.
+  ring[ctx.layer].index_copy_(0, ctx.positions.remainder(ring_), x.select(0, 0).to(ring[ctx.layer].scalar_type()));
+}
+
+void Restorer::DrafterTap::on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) {
+  if ((tap != Tap::KProj && tap != Tap::VProj) || !self->dk_.defined()) return;
+  at::Tensor ring = (tap == Tap::KProj ? self->dk_ : self->dv_).select(1, ctx.layer);  // [ring, H_d, D_d]
+  ring.index_copy_(0, ctx.positions.remainder(self->ring_), x.select(0, 0).to(ring.scalar_type()));
+}
+
+void Restorer::prepare(int64_t p0, int64_t t) {
+  KAKEYA_CHECK(t >= 1 && t <= cache_.options().restore.max_chunk,
+               "restorer: a forward of " << t << " tokens exceeds the policy's chunk of "
+                                         << cache_.options().restore.max_chunk);
+  // The forward's queries p0 .. p0+t-1 read restored K/V of every j <= p0 + t - 1 - window.
+  const int64_t last = p0 + t - 1 - opt_.window;
+  if (last <= restored_upto_) return;
+  KAKEYA_CHECK(last < p0, "restorer: chunk of " << t << " tokens at " << p0 << " needs restored K/V of itself");
+  const int64_t first = restored_upto_ + 1;
+  auto js = at::arange(first, last + 1, at::TensorOptions().dtype(at::kLong).device(model_.device()));
+  restore(js, js.ge(opt_.sink));
+  stat_positions_ += std::max<int64_t>(0, last + 1 - std::max(first, opt_.sink));
+  restored_upto_ = last;
+}
+
+void Restorer::prepare_step(const at::Tensor& pos) {
+  auto j = pos - opt_.window;
+  restore(j.clamp_min(0), j.ge(opt_.sink));
+}
+
+void Restorer::note_step(int64_t p) {
+  const int64_t j = p - opt_.window;
+  if (j > restored_upto_) {
+    if (j >= opt_.sink) stat_positions_ += j - std::max(restored_upto_ + 1, opt_.sink) + 1;
+    restored_upto_ = j;
+  }
+}
+
+void Restorer::restore(const at::Tensor& js, const at::Tensor& counted) {
+  const at::Device dev = model_.device();
+  const ModelConfig& cfg = model_.config();
+  const int64_t N = js.size(0);
+  const double a = opt_.mix_alpha;
+  auto slot = js.remainder(ring_);
+  // Attention sinks keep their exact K/V, which the exact ring still holds (they are leaving the window now).
+  at::Tensor is_sink = opt_.sink > 0 ? js.lt(opt_.sink) : at::Tensor();
+  at::Tensor sink_kv = opt_.sink > 0 ? is_sink.view({1, 1, N, 1}) : at::Tensor();
+  at::Tensor weight;  // [N, 1, 1] f64: 1 for positions restored through f_θ for the first time (stats)
+  if (opt_.stats) weight = counted.to(at::kDouble).view({N, 1, 1});
+  std::vector<std::pair<at::Tensor, at::Tensor>> pred;
+  if (opt_.needs_ftheta()) {
+    auto dsl = slot.to(dk_.device());
+    pred = ftheta_->predict(dk_.index_select(0, dsl), dv_.index_select(0, dsl));  // per layer [N, H, D]
+  }
+  for (int64_t l : layers_) {
+    at::Tensor rk, rv, tk, tv;
+    if (opt_.needs_true_raw()) {
+      tk = tk_[l].index_select(0, slot);
+      tv = tv_[l].index_select(0, slot);
+    }
+    if (a >= 1.0) {
+      rk = tk;
+      rv = tv;
+    } else {
+      rk = pred[l].first.to(dev, model_.dtype());
+      rv = pred[l].second.to(dev, model_.dtype());
+      if (a > 0.0) {
+        rk = tk * a + rk * (1.0 - a);
+        rv = tv * a + rv * (1.0 - a);
+      }
+    }
+    auto [k, v] = model_.finish_kv(l, rk.unsqueeze(0), rv.unsqueeze(0), js);  // [1, H, N, D]
+    if (opt_.sink > 0) {
+      auto [ek, ev] = cache_.exact_kv(l, js);
+      k = at::where(sink_kv, ek, k);
+      v = at::where(sink_kv, ev, v);
+    }
+    cache_.write_restored(l, k, v, js);
+    if (opt_.stats) {
+      const int type = cfg.is_sliding(l) ? 0 : 1;
+      auto [ek, ev] = model_.finish_kv(l, tk.unsqueeze(0), tv.unsqueeze(0), js);
+      auto sq = [&](const at::Tensor& x) { return (x.to(at::kDouble).pow(2) * weight).sum(); };
+      auto sqc = [&](const at::Tensor& x) { return (x.squeeze(0).transpose(0, 1).to(at::kDouble).pow(2) * weight).sum(); };
+      acc_[0][type][0][0] += sq(rk - tk);
+      acc_[0][type][0][1] += sq(tk);
+      acc_[0][type][1][0] += sq(rv - tv);
+      acc_[0][type][1][1] += sq(tv);
+      acc_[1][type][0][0] += sqc(k - ek);
+      acc_[1][type][0][1] += sqc(ek);
+      acc_[1][type][1][0] += sqc(v - ev);
+      acc_[1][type][1][1] += sqc(ev);
+    }
+  }
+  if (has_sliding_) cache_.mark_restored(LayerType::Sliding, js);
+  if (has_full_) cache_.mark_restored(LayerType::Full, js);
+}
+
+at::Tensor Restorer::take_features(int64_t n) {
+  if (!capture_) return at::Tensor();
+  at::Tensor feats = capture_->take();  // [1, T, n·H] of the last forward
+  KAKEYA_CHECK(feats.defined() && feats.size(1) >= n,
+               "restorer: commit of " << n << " positions without a forward that captured them");
+  return feats.size(1) == n ? feats : feats.slice(1, 0, n);
+}
+
+void Restorer::commit(int64_t p0, int64_t n, DrafterCache* dcache) {
+  at::Tensor feats = take_features(n);
+  if (dcache) {
+    KAKEYA_CHECK(drafter_ && dcache->length() == p0,
+                 "restorer: drafter cache at " << dcache->length() << ", committing at " << p0);
+    drafter_->extend(*dcache, feats, &dtaps_);
+  } else if (opt_.needs_ftheta()) {
+    auto pos = at::arange(p0, p0 + n, at::TensorOptions().dtype(at::kLong).device(drafter_->device()));
+    drafter_->context_kv(drafter_->project_context(feats), pos, &dtaps_);
+  }
+}
+
+void Restorer::commit_step(const at::Tensor& pos) {
+  at::Tensor feats = take_features(1);
+  if (opt_.needs_ftheta()) drafter_->context_kv(drafter_->project_context(feats), pos.to(drafter_->device()), &dtaps_);
+}
+
+int64_t Restorer::pending_bytes() const { return tensor_bytes(dk_) + tensor_bytes(dv_); }
+
+int64_t Restorer::true_raw_bytes() const {
+  int64_t b = 0;
+  for (const auto& t : tk_) b += tensor_bytes(t);
+  for (const auto& t : tv_) b += tensor_bytes(t);
+  return b;
+}
+
+RestoreStats Restorer::stats() const {
+  RestoreStats s;
+  s.positions = stat_positions_;
+  if (!acc_.defined()) return s;
+  auto a = acc_.cpu();  // SYNC: diagnostics, read once after a run
+  auto p = a.data_ptr<double>();
+  for (int sp = 0; sp < 2; ++sp)
+    for (int t = 0; t < 2; ++t)
+      for (int st = 0; st < 2; ++st)
+        for (int e = 0; e < 2; ++e) (sp ? s.cache : s.raw)[t][st][e] = p[((sp * 2 + t) * 2 + st) * 2 + e];
+  return s;
+}
+
+// ---------------------------------------------------------------- memory
+
+int64_t MemoryReport::kv_bytes() const {
+  int64_t b = 0;
+  for (const auto& l : kv) b += l.bytes;
+  return b;
+}
+
+int64_t MemoryReport::bounded_bytes() const {
+  int64_t b = 0;
+  for (const auto& l : kv)
+    if (!l.grows) b += l.bytes;
+  return b;
+}
+
+nlohmann::json MemoryReport::to_json() const {
+  nlohmann::json j{{"positions", positions},
+                   {"kv_bytes", kv_bytes()},
+                   {"full_kv_bytes", full_kv_bytes},
+                   {"native_kv_bytes", native_kv_bytes},
+                   {"bounded_kv_bytes", bounded_bytes()},
+                   {"ratio_vs_full_kv", full_kv_bytes ? (double)kv_bytes() / full_kv_bytes : 0.0},
+                   {"ratio_vs_native", native_kv_bytes ? (double)kv_bytes() / native_kv_bytes : 0.0}};
+  for (const auto* part : {&kv, &weights}) {
+    auto& arr = j[part == &kv ? "kv" : "weights"] = nlohmann::json::array();
+    for (const auto& l : *part) arr.push_back({{"name", l.name}, {"bytes", l.bytes}, {"note", l.note}, {"grows_with_context", l.grows}});
+  }
+  return j;
+}
+
+std::string MemoryReport::table() const {
+  std::ostringstream os;
+  char buf[512];
+  auto row = [&](const std::string& name, int64_t b, const std::string& note) {
+    std::snprintf(buf, sizeof buf, "  %-46s %12s  %s\n", name.c_str(), mib(b).c_str(), note.c_str());
+    os << buf;
+  };
+  os << "memory at " << positions << " positions (K/V-like state):\n";
+  for (const auto& l : kv) row(l.name, l.bytes, l.note);
+  const int64_t total = kv_bytes();
+  row("total", total, "");
+  auto ratio = [&](int64_t base) {
+    std::snprintf(buf, sizeof buf, "ours = %.3fx of it (%.1fx smaller)", base ? (double)total / base : 0.0,
+                  total ? (double)base / total : 0.0);
+    return std::string(buf);
+  };
+  row("baseline: full KV (every layer, every position)", full_kv_bytes, ratio(full_kv_bytes));
+  row("baseline: native cache (sliding layers: window)", native_kv_bytes, ratio(native_kv_bytes));
+  os << "weights:\n";
+  for (const auto& l : weights) row(l.name, l.bytes, l.note);
+  return os.str();
+}
+
+int64_t drafter_weight_bytes(const Drafter& d) {
+  int64_t b = 0;
+  for (const auto& [name, t] : d.named_parameters()) b += tensor_bytes(t);
+  return b;
+}
+
+int64_t ftheta_weight_bytes(const FTheta& f) {
+  int64_t b = 0;
+  for (const auto& [name, t] : f.named_parameters()) b += tensor_bytes(t);
+  return b;
+}
+
+namespace {
+
+void add_weights(MemoryReport& m, const Model& v, const Drafter* d, const FTheta* f, bool uses_drafter) {
+  m.weights.push_back({"verifier weights", v.weight_bytes(), ""});
+  if (d && uses_drafter)
+    m.weights.push_back({"drafter weights", drafter_weight_bytes(*d), "embedding and lm_head shared with the verifier"});
+  if (f && uses_drafter) m.weights.push_back({"f_θ weights", ftheta_weight_bytes(*f), ""});
+}
+
+void add_baselines(MemoryReport& m, const Model& v, int64_t positions) {
+  const int64_t elem = c10::elementSize(v.dtype());
+  const auto& cfg = v.config();
+  m.positions = positions;
+  m.full_kv_bytes = kv_bytes_for(cfg, elem, positions, -1);
+  m.native_kv_bytes = kv_bytes_for(cfg, elem, positions, 1) +
+                      kv_bytes_for(cfg, elem, cfg.sliding_window > 0 ? std::min(positions, cfg.sliding_window) : positions, 0);
+}
+
+MemoryReport ar_memory(const Model& v, int64_t capacity) {
+  MemoryReport m;
+  const auto& cfg = v.config();
+  const int64_t elem = c10::elementSize(v.dtype());
+  bool has_sliding = false;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) has_sliding |= cfg.is_sliding(l);
+  // generate()'s cache: sliding rings of min(capacity, window) slots (rollback 0), full layers capacity.
+  if (has_sliding)
+    m.kv.push_back({"verifier sliding layers: native ring",
+                    kv_bytes_for(cfg, elem, std::min(capacity, cfg.sliding_window), 0), "exact, sliding window slots"});
+  m.kv.push_back({"verifier full-attention layers: exact", kv_bytes_for(cfg, elem, capacity, 1), "every position", true});
+  add_baselines(m, v, capacity);
+  add_weights(m, v, nullptr, nullptr, false);
+  return m;
+}
+
+MemoryReport restored_memory(const Model& v, const Drafter* d, const FTheta* f, const KVCache& cache,
+                             const Restorer& r, const RestoreOptions& o, int64_t positions) {
+  MemoryReport m;
+  const auto& cfg = v.config();
+  int64_t first_sliding = -1, first_full = -1;
+  for (int64_t l = cfg.num_layers - 1; l >= 0; --l) (cfg.is_sliding(l) ? first_sliding : first_full) = l;
+  auto slots = [](int64_t n) { return std::to_string(n) + " slots"; };
+  if (first_sliding >= 0) {
+    m.kv.push_back({"verifier sliding: exact window ring", cache.exact_bytes(LayerType::Sliding),
+                    slots(cache.exact_slots(first_sliding)) + " (window + chunk - 1); sinks sit in the restored region"});
+    m.kv.push_back({"verifier sliding: restored K/V", cache.restored_bytes(LayerType::Sliding),
+                    slots(cache.restored_slots(first_sliding)) + " (sliding window - window + chunk - 1)"});
+  }
+  if (first_full >= 0) {
+    if (cache.restored(first_full)) {
+      m.kv.push_back({"verifier full-attention: exact window ring", cache.exact_bytes(LayerType::Full),
+                      slots(cache.exact_slots(first_full))});
+      m.kv.push_back({"verifier full-attention: restored K/V", cache.restored_bytes(LayerType::Full),
+                      slots(cache.restored_slots(first_full)) + " (every position: not bounded)", true});
+    } else {
+      m.kv.push_back({"verifier full-attention: exact (S5)", cache.bytes_per_layer_type(LayerType::Full),
+                      slots(cache.slots(first_full)) + " (every position)", true});
+    }
+  }
+  if (r.pending_bytes() > 0)
+    m.kv.push_back({"f_θ inputs: drafter raw K/V not yet restored", r.pending_bytes(),
+                    "ring of window + chunk positions"});
+  if (r.true_raw_bytes() > 0)
+    m.kv.push_back({"true raw K/V kept (research mode)", r.true_raw_bytes(),
+                    o.mix_alpha > 0 ? "--mix-alpha > 0 blends the verifier's own K/V: not a bounded-memory result"
+                                    : "relative-error statistics"});
+  m.kv.push_back({"drafter context cache", 0, "not kept: this mode does not draft"});
+  add_baselines(m, v, positions);
+  add_weights(m, v, d, f, o.needs_ftheta());
+  return m;
+}
+
+// Share of the span of the query at q that each layer type sees through exactly one copy per position.
+double attention_fraction(const KVCache& cache, const ModelConfig& cfg, bool sliding, int64_t q) {
+  int64_t layer = -1;
+  for (int64_t l = 0; l < cfg.num_layers && layer < 0; ++l)
+    if (cfg.is_sliding(l) == sliding) layer = l;
+  if (layer < 0 || q < 0) return -1;
+  auto qp = at::full({1}, q, at::TensorOptions().dtype(at::kLong).device(cache.slot_positions(layer).device()));
+  auto vis = cache.visible(layer, qp).select(0, 0);
+  auto pos = cache.slot_positions(layer).masked_select(vis).cpu();  // SYNC: diagnostics after a run
+  std::vector<int64_t> p(pos.data_ptr<int64_t>(), pos.data_ptr<int64_t>() + pos.numel());
+  std::sort(p.begin(), p.end());
+  const int64_t lo = sliding && cfg.sliding_window > 0 ? std::max<int64_t>(0, q - cfg.sliding_window + 1) : 0;
+  const int64_t span = q - lo + 1;
+  int64_t once = 0;
+  for (size_t i = 0; i < p.size(); ++i) {
+    bool dup = (i > 0 && p[i - 1] == p[i]) || (i + 1 < p.size() && p[i + 1] == p[i]);
+    if (!dup && p[i] >= lo && p[i] <= q) ++once;
+  }
+  return (double)once / span;
+}
+
+KVCacheOptions restored_cache_options(const Model& v, const RestoreOptions& o, int64_t capacity, bool linear) {
+  KVCacheOptions co;
+  co.capacity = capacity;
+  co.rollback = 0;
+  co.dtype = v.dtype();
+  co.device = v.device();
+  co.restore.window = o.window;
+  co.restore.sliding = true;
+  co.restore.full = o.full_attn == FullAttn::Restored;
+  co.restore.max_chunk = o.resolved_chunk();
+  co.restore.linear = linear;
+  return co;
+}
+
+// Runs ids [1, n] at positions [p0, p0+n) through the restored cache in chunks; logits of the last position.
+at::Tensor run_chunks(const Model& v, KVCache& cache, Restorer& r, const at::Tensor& ids, int64_t p0, int64_t chunk,
+                      bool want_logits) {
+  const int64_t n = ids.size(1);
+  auto iopt = at::TensorOptions().dtype(at::kLong).device(v.device());
+  at::Tensor logits;
+  for (int64_t s = 0; s < n; s += chunk) {
+    const int64_t len = std::min(chunk, n - s);
+    const bool last = s + len == n;
+    r.prepare(p0 + s, len);
+    ForwardOptions fo;
+    fo.taps = r.verifier_taps();
+    fo.last_logits_only = true;
+    fo.skip_logits = !(last && want_logits);
+    logits = v.forward(ids.slice(1, s, s + len), at::arange(p0 + s, p0 + s + len, iopt), cache, fo);
+    r.commit(p0 + s, len);
+  }
+  return logits;
+}
+
+DecodeResult decode_ar(const Model& v, const std::vector<int64_t>& prompt, const DecodeOptions& opt) {
+  GenerateOptions g;
+  g.max_new_tokens = opt.max_new_tokens;
+  g.sampling = opt.sampling;
+  g.stop_ids = opt.stop_ids;
+  g.on_token = opt.on_token;
+  g.stream = opt.stream;
+  g.cuda_graph = opt.cuda_graph;
+  auto r = generate(v, prompt, g);
+  DecodeResult d;
+  d.tokens = r.tokens;
+  d.prefill_seconds = r.prefill_seconds;
+  d.decode_seconds = r.decode_seconds;
+  const int64_t capacity = (int64_t)prompt.size() + opt.max_new_tokens;
+  d.memory = ar_memory(v, capacity);
+  return d;
+}
+
+// One restored decode step with static buffers: restores what leaves the window,
+// feeds `cur` at `pos`, commits its drafter features, writes the next token into
+// out[step] and back into `cur`, advances pos and step. No host values: capturable.
+struct RestoredStep {
+  const Model& model;
+  KVCache& cache;
+  Restorer& rest;
+  Sampler& sampler;
+  at::Tensor cur;   // [1, 1] int64
+  at::Tensor pos;   // [1] int64
+  at::Tensor step;  // [1] int64
+  at::Tensor out;   // [max_new] int64
+
+  void run() {
+    ForwardOptions fo;
+    fo.taps = rest.verifier_taps();
+    fo.last_logits_only = true;
+    fo.advance_cache = false;
+    rest.prepare_step(pos);
+    auto logits = model.forward(cur, pos, cache, fo);  // [1, 1, V]
+    rest.commit_step(pos);
+    auto next = sampler.sample(logits.select(1, 0));  // [1]
+    out.index_copy_(0, step, next);
+    cur.copy_(next.view({1, 1}));
+    pos.add_(1);
+    step.add_(1);
+  }
+};
+
+DecodeResult decode_restored(const Model& v, const Drafter* dr, const FTheta* ft, const std::vector<int64_t>& prompt,
+                             const DecodeOptions& opt) {
+  const RestoreOptions& ro = opt.restore;
+  const at::Device dev = v.device();
+  const int64_t n_prompt = prompt.size(), chunk = ro.resolved_chunk();
+  KVCache cache(v.config(), restored_cache_options(v, ro, n_prompt + opt.max_new_tokens, false));
+  Restorer rest(v, dr, ft, ro, cache);
+  Sampler sampler(opt.sampling, dev);
+  auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
+  DecodeResult res;
+
+  auto t0 = Clock::now();
+  auto ids = at::tensor(prompt, at::kLong).view({1, n_prompt}).to(dev);
+  auto logits = run_chunks(v, cache, rest, ids, 0, chunk, true);
+  RestoredStep st{v, cache, rest, sampler, at::empty({1, 1}, iopt), at::full({1}, n_prompt, iopt), at::zeros({1}, iopt),
+                  at::zeros({opt.max_new_tokens}, iopt)};
+  auto first = sampler.sample(logits.select(1, 0));  // [1]
+  st.out.index_copy_(0, st.step, first);
+  st.cur.copy_(first.view({1, 1}));
+  st.step.add_(1);
+  res.prefill_seconds = seconds_since(t0, dev);
+  int64_t tok = first.item<int64_t>();  // SYNC: stream the first token / check for a stop
+  res.tokens.push_back(tok);
+  if (opt.on_token) opt.on_token(tok);
+  bool stopped = is_stop(tok, opt.stop_ids);
+  auto t1 = Clock::now();
+#ifdef KAKEYA_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  if (dev.is_cuda() && opt.cuda_graph && opt.max_new_tokens > 2 && !stopped) {
+    // Capture records the kernels without running them: the caches are left untouched.
+    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+    graph = std::make_unique<at::cuda::CUDAGraph>();
+    graph->capture_begin();
+    st.run();
+    graph->capture_end();
+  }
+#endif
+  int64_t pending = 0;  // steps run but not read back yet (non-streaming)
+  while (!stopped && (int64_t)res.tokens.size() + pending < opt.max_new_tokens) {
+    const int64_t p = n_prompt + (int64_t)res.tokens.size() + pending - 1;  // position fed by this step
+#ifdef KAKEYA_CUDA
+    if (graph) graph->replay();
+    else
+#endif
+      st.run();
+    cache.advance(1);
+    rest.note_step(p);
+    if (opt.stream || !opt.stop_ids.empty()) {
+      tok = st.cur.item<int64_t>();  // SYNC: stream the token / check for a stop
+      res.tokens.push_back(tok);
+      if (opt.on_token) opt.on_token(tok);
+      stopped = is_stop(tok, opt.stop_ids);
+    } else {
+      ++pending;
+    }
+  }
+  if (pending > 0) {
+    auto all = st.out.slice(0, 0, res.tokens.size() + pending).cpu();  // SYNC: read the whole run once
+    res.tokens.assign(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
+  }
+  res.decode_seconds = seconds_since(t1, dev);
+  const int64_t q = cache.length() - 1;
+  res.attention_fraction_sliding = attention_fraction(cache, v.config(), true, q);
+  res.attention_fraction_full = attention_fraction(cache, v.config(), false, q);
+  res.restored_positions = std::max<int64_t>(0, rest.restored_upto() + 1);
+  res.memory = restored_memory(v, dr, ft, cache, rest, ro, n_prompt + opt.max_new_tokens);
+  if (ro.stats) res.stats = rest.stats();
+  return res;
+}
+
+DecodeResult decode_reforward(const Model& v, const Drafter* dr, const FTheta* ft, const std::vector<int64_t>& prompt,
+                              const DecodeOptions& opt) {
+  const RestoreOptions& ro = opt.restore;
+  const at::Device dev = v.device();
+  const int64_t chunk = ro.resolved_chunk();
+  Sampler sampler(opt.sampling, dev);
+  DecodeResult res;
+  std::vector<int64_t> seq = prompt;
+  auto t0 = Clock::now(), t1 = t0;
+  bool stopped = false;
+  while (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) {
+    // The whole prefix again, from an empty cache with one slot per position.
+    const int64_t n = seq.size();
+    KVCache cache(v.config(), restored_cache_options(v, ro, n, true));
+    Restorer rest(v, dr, ft, ro, cache);
+    auto ids = at::tensor(seq, at::kLong).view({1, n}).to(dev);
+    auto logits = run_chunks(v, cache, rest, ids, 0, chunk, true);
+    int64_t tok = sampler.sample(logits.select(1, 0)).item<int64_t>();  // SYNC: the next token extends the prefix
+    if (res.tokens.empty()) {
+      res.prefill_seconds = seconds_since(t0, dev);
+      t1 = Clock::now();
+    }
+    res.tokens.push_back(tok);
+    seq.push_back(tok);
+    if (opt.on_token) opt.on_token(tok);
+    stopped = is_stop(tok, opt.stop_ids);
+    if (stopped || (int64_t)res.tokens.size() == opt.max_new_tokens) {
+      const int64_t q = n - 1;
+      res.attention_fraction_sliding = attention_fraction(cache, v.config(), true, q);
+      res.attention_fraction_full = attention_fraction(cache, v.config(), false, q);
+      res.restored_positions = std::max<int64_t>(0, rest.restored_upto() + 1);
+      res.memory = restored_memory(v, dr, ft, cache, rest, ro, n);
+      if (ro.stats) res.stats = rest.stats();
+    }
+  }
+  res.decode_seconds = seconds_since(t1, dev);
+  return res;
+}
+
+}  // namespace
+
+DecodeResult decode(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
+                    const std::vector<int64_t>& prompt, const DecodeOptions& opt) {
+  if (opt.mode == DecodeMode::Ar) {
+    KAKEYA_CHECK(!prompt.empty(), "decode: empty prompt (the tokenizer produced no tokens)");
+    const int64_t context = (int64_t)prompt.size() + opt.max_new_tokens;
+    const auto& cfg = verifier.config();
+    KAKEYA_CHECK(cfg.max_position_embeddings <= 0 || context <= cfg.max_position_embeddings,
+                 "decode: prompt of " << prompt.size() << " tokens + " << opt.max_new_tokens << " new tokens = "
+                                      << context << " positions exceeds the model's limit of "
+                                      << cfg.max_position_embeddings << " (max_position_embeddings)");
+    return decode_ar(verifier, prompt, opt);
+  }
+  validate_restore(verifier, drafter, ftheta, opt.restore, prompt.size(), opt.max_new_tokens);
+  return opt.mode == DecodeMode::Restored ? decode_restored(verifier, drafter, ftheta, prompt, opt)
+                                          : decode_reforward(verifier, drafter, ftheta, prompt, opt);
+}
+
+ScoreResult score_restored(const Model& v, const Drafter* dr, const FTheta* ft, const std::vector<int64_t>& ids,
+                           const RestoreOptions& ro, RestoreStats* stats) {
+  KAKEYA_CHECK(ids.size() >= 2, "score: need at least 2 tokens, got " << ids.size());
+  validate_restore(v, dr, ft, ro, ids.size(), 1);
+  const int64_t n = ids.size(), chunk = ro.resolved_chunk();
+  KVCache cache(v.config(), restored_cache_options(v, ro, n, false));
+  Restorer rest(v, dr, ft, ro, cache);
+  auto w = at::tensor(ids, at::kLong).view({1, n}).to(v.device());
+  auto iopt = at::TensorOptions().dtype(at::kLong).device(v.device());
+  ScoreResult res;
+  for (int64_t s = 0; s < n - 1; s += chunk) {
+    const int64_t len = std::min(chunk, n - 1 - s);
+    rest.prepare(s, len);
+    ForwardOptions fo;
+    fo.taps = rest.verifier_taps();
+    auto logits = v.forward(w.slice(1, s, s + len), at::arange(s, s + len, iopt), cache, fo);  // [1, len, V]
+    rest.commit(s, len);
+    score_chunk(logits.squeeze(0), w.slice(1, s + 1, s + 1 + len).squeeze(0), res);
+  }
+  if (stats) *stats = rest.stats();
+  return res;
+}
+
+}  // namespace kakeya

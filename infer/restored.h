@@ -1,0 +1,225 @@
+// The restored-verifier decoder (seeds §3: f_θ + S5 restoration, Gap-A).
+//
+// Restoration semantics (the definition every mode below implements). On a
+// layer the policy covers (every sliding-attention layer; full-attention layers
+// too with --full-attn restored), a query at position p attends to the
+// positions j of its span (p - sliding_window < j <= p on sliding layers, j <= p
+// on full ones) through
+//   exact K/V     when p - j < window            (the `window` most recent positions, p included)
+//   restored K/V  otherwise:
+//       j <  sink: the exact K/V of j (attention sinks are never approximated)
+//       j >= sink: finish_kv(a · true_raw(j) + (1 - a) · f_θ(drafter_raw(j)))
+// where drafter_raw(j) = the drafter's raw context K/V at j (Tap::KProj/VProj of
+// Drafter::context_kv on the verifier's hidden states at j, which are themselves
+// computed under these rules), true_raw(j) = the verifier's own raw K/V at j
+// (Tap::KProj/VProj), a = --mix-alpha (0: pure f_θ), and finish_kv = the
+// verifier's own k_norm/v_norm + RoPE (Model::finish_kv). Full-attention layers
+// under --full-attn exact keep every position exact (the seeds' S5).
+//
+// Modes:
+//   ar                  the full-KV oracle (infer/generate.h), nothing restored.
+//   restored-reforward  the slow reference: per generated token, the whole prefix
+//                       again from an empty cache with one slot per position (no
+//                       rings), in chunks of <= window tokens. A chunk never needs
+//                       restored K/V of itself (p - j < window inside it), and j's
+//                       restoration only needs drafter_raw(j), known once j's chunk
+//                       ran, so chunking breaks the circularity. O(T²).
+//   restored            incremental (Gap-A): restored K/V are written ONCE per
+//                       position and layer, just before the first forward whose
+//                       queries need them (when the position leaves the exact window),
+//                       into the KV cache's restored region (core/kv_cache.h
+//                       RestorePolicy); the prompt is prefilled in chunks of <= window
+//                       tokens, then one forward per token. O(1) per token.
+// Both restored modes run the unmodified Model::forward: restoration lives in
+// taps (Restorer subscribes to Tap::LayerOut for the drafter's features and to
+// Tap::KProj/VProj for the true raw K/V) and cache writes.
+#pragma once
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/drafter.h"
+#include "core/ftheta.h"
+#include "core/kv_cache.h"
+#include "core/model.h"
+#include "core/sampling.h"
+#include "core/taps.h"
+#include "infer/score.h"
+
+namespace kakeya {
+
+class KVCodec;
+
+enum class DecodeMode { Ar, RestoredReforward, Restored };
+const char* decode_mode_name(DecodeMode m);               // "ar" | "restored-reforward" | "restored"
+DecodeMode parse_decode_mode(const std::string& name);    // throws on anything else
+
+enum class FullAttn { Exact, Restored, Codec };
+const char* full_attn_name(FullAttn f);                   // "exact" | "restored" | "codec"
+FullAttn parse_full_attn(const std::string& name);
+
+struct RestoreOptions {
+  int64_t sink = 4;          // first positions whose exact K/V are kept wherever they are in span
+  int64_t window = 64;       // exact recent positions per query (the query included)
+  FullAttn full_attn = FullAttn::Exact;
+  double mix_alpha = 0.0;    // restored raw K/V = a·true + (1-a)·f_θ; a > 0 keeps true raw K/V (research mode)
+  int64_t chunk = 0;         // prefill tokens per forward, 1..window; 0: window
+  bool stats = false;        // relative error of restored vs true K/V (keeps true raw K/V too)
+  const KVCodec* codec = nullptr;  // FullAttn::Codec
+  int64_t resolved_chunk() const { return chunk > 0 ? chunk : window; }
+  bool needs_true_raw() const { return mix_alpha > 0.0 || stats; }
+  bool needs_ftheta() const { return mix_alpha < 1.0; }
+  nlohmann::json to_json() const;
+};
+
+// Clear errors for inputs the decoder cannot serve: sink/window/chunk/alpha out of
+// range, sink + window >= the model's sliding window (sliding layers would never
+// restore anything), window >= the context (nothing would be restored), a prompt
+// plus new tokens beyond the model's limit or the loaded RoPE table, missing
+// drafter/f_θ, an f_θ for another verifier/drafter pair.
+void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& opt,
+                      int64_t n_prompt, int64_t max_new_tokens, const std::string& ftheta_origin = "f_theta");
+
+// Relative error of restored vs true K/V, accumulated over every restored
+// (position, layer), split by layer type and stream: sqrt(Σ‖r - t‖² / Σ‖t‖²),
+// in raw space (what f_θ predicts) and in cache space (after k_norm/v_norm + RoPE,
+// what attention reads). Sinks (exact copies) are not counted.
+struct RestoreStats {
+  // [type: 0 sliding, 1 full][stream: 0 K, 1 V][0 err², 1 ref²], raw and cache space.
+  std::array<std::array<std::array<double, 2>, 2>, 2> raw{}, cache{};
+  int64_t positions = 0;     // positions restored through f_θ
+  double rel(bool full, bool v, bool cache_space) const;
+  RestoreStats& operator+=(const RestoreStats& o);
+  nlohmann::json to_json() const;
+};
+
+// Keeps the cache's restored region up to date around every forward on it.
+//   restorer.prepare(p0, t);                       // before a forward of t tokens at p0
+//   model.forward(ids, pos, cache, {.taps = restorer.verifier_taps()});
+//   restorer.commit(p0, n);                         // its first n positions are committed
+// commit() runs the drafter's context projection on the committed positions
+// (or extends `dcache` with them, for a caller that drafts) and keeps their raw
+// K/V (Tap::KProj/VProj) until the positions leave the window; prepare() restores
+// every position the forward's queries see as "old" and that is not restored yet.
+class Restorer : public TapSubscriber {
+ public:
+  // drafter/ftheta may be null when a = 1 (exact restoration needs neither).
+  Restorer(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& opt,
+           KVCache& cache);
+  Restorer(const Restorer&) = delete;
+  Restorer& operator=(const Restorer&) = delete;
+
+  const Taps* verifier_taps() const { return &vtaps_; }  // every forward on the cache
+  const Taps* drafter_taps() const { return &dtaps_; }   // Drafter::extend / context_kv on committed positions
+  void prepare(int64_t p0, int64_t t);
+  void commit(int64_t p0, int64_t n, DrafterCache* dcache = nullptr);
+  // One-token steps with the position only on the device (pos: [1] int64), so a
+  // CUDA graph can capture prepare_step + forward + commit_step once and replay them:
+  // prepare_step restores max(pos - window, 0) (re-restoring a position writes the same
+  // K/V, and a restored copy of a position still in the window is hidden by the mask);
+  // after each step the host calls note_step(p) for its bookkeeping.
+  void prepare_step(const at::Tensor& pos);
+  void commit_step(const at::Tensor& pos);
+  void note_step(int64_t p);
+  int64_t restored_upto() const { return restored_upto_; }  // every position <= this is restored
+  int64_t pending_bytes() const;   // drafter raw K/V of positions not restored yet (f_θ inputs)
+  int64_t true_raw_bytes() const;  // true raw K/V kept for --mix-alpha / stats
+  RestoreStats stats() const;      // SYNC: reads the device accumulators
+  void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) override;
+
+ private:
+  struct DrafterTap : TapSubscriber {
+    Restorer* self = nullptr;
+    void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) override;
+  };
+  // Restores positions js [N] (device); sinks get their exact copy. counted [N] bool:
+  // positions that enter the error statistics (restored through f_θ, first time).
+  void restore(const at::Tensor& js, const at::Tensor& counted);
+  at::Tensor take_features(int64_t n);
+
+  const Model& model_;
+  const Drafter* drafter_;
+  const FTheta* ftheta_;
+  RestoreOptions opt_;
+  KVCache& cache_;
+  std::vector<int64_t> layers_;                  // verifier layers the policy covers
+  bool has_sliding_ = false, has_full_ = false;  // layer types among them
+  std::unique_ptr<TargetFeatureCapture> capture_;
+  DrafterTap dtap_;
+  Taps vtaps_, dtaps_;
+  int64_t ring_ = 0;                             // positions the pending rings hold
+  at::Tensor dk_, dv_;                           // [ring, L_d, H_d, D_d] drafter raw K/V
+  std::vector<at::Tensor> tk_, tv_;              // per verifier layer [ring, H_kv, D] true raw K/V (or undefined)
+  at::Tensor acc_;                               // [2 raw|cache, 2 type, 2 stream, 2 err|ref] f64 accumulators
+  int64_t stat_positions_ = 0;
+  int64_t restored_upto_ = -1;
+};
+
+struct MemoryLine {
+  std::string name;
+  int64_t bytes = 0;
+  std::string note;
+  bool grows = false;  // grows with the context (e.g. exact full-attention K/V under S5)
+};
+
+// Every cache the decode holds, next to two honest baselines at the same context:
+// full KV (every layer, every position) and the model's native cache (Gemma 3's
+// sliding layers only ever keep their sliding window).
+struct MemoryReport {
+  int64_t positions = 0;              // context the caches serve (prompt + new tokens)
+  std::vector<MemoryLine> kv;         // K/V-like state (counted in kv_bytes)
+  std::vector<MemoryLine> weights;    // parameters (listed, not counted as KV)
+  int64_t full_kv_bytes = 0, native_kv_bytes = 0;
+  int64_t kv_bytes() const;
+  int64_t bounded_bytes() const;      // the lines that do not grow with the context
+  nlohmann::json to_json() const;
+  std::string table() const;          // aligned text table with ratios
+};
+
+struct DecodeOptions {
+  DecodeMode mode = DecodeMode::Restored;
+  RestoreOptions restore;
+  int64_t max_new_tokens = 64;
+  SamplingOptions sampling;
+  std::vector<int64_t> stop_ids;        // generation ends after emitting one of these
+  std::function<void(int64_t)> on_token;
+  bool stream = true;                   // read each token as it comes (one host sync per token)
+  bool cuda_graph = true;               // restored mode on CUDA: replay the decode step as a graph
+};
+
+struct DecodeResult {
+  std::vector<int64_t> tokens;          // generated ids (prompt excluded)
+  double prefill_seconds = 0;
+  double decode_seconds = 0;            // from the first generated token to the last
+  MemoryReport memory;
+  RestoreStats stats;                   // filled when restore.stats
+  // Share of each layer type's span the last query attends to through exactly one
+  // exact or restored copy per position (1.0 = nothing lost, nothing twice); -1: no such layers.
+  double attention_fraction_sliding = -1, attention_fraction_full = -1;
+  int64_t restored_positions = 0;       // positions that left the exact window
+  double decode_tokens_per_second() const {
+    return tokens.size() > 1 && decode_seconds > 0 ? (tokens.size() - 1) / decode_seconds : 0.0;
+  }
+};
+
+// One decode session. drafter/ftheta: required by the restored modes unless a = 1.
+DecodeResult decode(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
+                    const std::vector<int64_t>& prompt, const DecodeOptions& opt);
+
+// Teacher-forced scoring (infer/score.h logic) through the incremental restored
+// cache: the sequence runs in chunks of <= window tokens, each chunk's logits
+// scored against the next tokens. One window (the whole sequence, <= the model's positions).
+ScoreResult score_restored(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
+                           const std::vector<int64_t>& ids, const RestoreOptions& opt, RestoreStats* stats = nullptr);
+
+// Memory of weights next to the caches (helpers for tools).
+int64_t drafter_weight_bytes(const Drafter& d);
+int64_t ftheta_weight_bytes(const FTheta& f);
+
+}  // namespace kakeya

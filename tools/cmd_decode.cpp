@@ -1,0 +1,182 @@
+// kakeya decode: a decode session on the restored verifier (infer/restored.h).
+// One --prompt: streams the text, then prints tok/s and the memory table.
+// --prompts FILE.jsonl: one session per line ({"prompt": ...} or {"text": ...},
+// optional "id" and "max_new_tokens"), a summary line each.
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+#include "core/error.h"
+#include "infer/restored.h"
+#include "tools/cli_common.h"
+#include "tools/restored_flags.h"
+
+namespace kakeya::cli {
+namespace {
+
+struct PromptItem {
+  std::string id, text;
+  int64_t max_new = 0;  // 0: --max-new-tokens
+};
+
+std::vector<PromptItem> read_prompts(const std::string& path) {
+  std::ifstream f(path);
+  KAKEYA_CHECK(f.good(), path << ": cannot open the prompts file");
+  std::vector<PromptItem> out;
+  std::string line;
+  int64_t n = 0;
+  while (std::getline(f, line)) {
+    ++n;
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      KAKEYA_FAIL(path << ":" << n << ": not valid JSON: " << e.what());
+    }
+    KAKEYA_CHECK(j.is_object(), path << ":" << n << ": expected a JSON object per line");
+    PromptItem p;
+    if (j.contains("prompt") && j["prompt"].is_string()) p.text = j["prompt"];
+    else if (j.contains("text") && j["text"].is_string()) p.text = j["text"];
+    else KAKEYA_FAIL(path << ":" << n << ": expected a string field \"prompt\" (or \"text\")");
+    p.id = j.contains("id") ? (j["id"].is_string() ? j["id"].get<std::string>() : j["id"].dump()) : std::to_string(out.size());
+    if (j.contains("max_new_tokens")) {
+      KAKEYA_CHECK(j["max_new_tokens"].is_number_integer() && j["max_new_tokens"].get<int64_t>() > 0,
+                   path << ":" << n << ": max_new_tokens expected a positive integer");
+      p.max_new = j["max_new_tokens"];
+    }
+    out.push_back(p);
+  }
+  KAKEYA_CHECK(!out.empty(), path << ": no prompts");
+  return out;
+}
+
+}  // namespace
+
+void register_decode(CLI::App& app) {
+  struct Opts {
+    RestoreFlags rf;
+    std::string mode = "restored", prompt, prompts, json;
+    int64_t max_new = 64;
+    double temperature = 0.0, top_p = 1.0;
+    uint64_t seed = 0;
+    bool raw = false, stats = false, compare_ar = false;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("decode", "Decode on the restored verifier (ar | restored-reforward | restored); "
+                                         "tok/s and a memory table against full KV and the native cache");
+  o->rf.add(c);
+  c->add_option("--mode", o->mode, "ar (full-KV oracle) | restored-reforward (slow reference) | restored (incremental)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"ar", "restored-reforward", "restored"}));
+  auto* p = c->add_option("--prompt", o->prompt, "prompt text (streamed)");
+  c->add_option("--prompts", o->prompts, "JSONL file: one {\"prompt\": ...} per line")->excludes(p);
+  c->add_option("--max-new-tokens", o->max_new, "tokens to generate")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str()->check(CLI::NonNegativeNumber);
+  c->add_option("--top-p", o->top_p, "nucleus mass in (0, 1]")->capture_default_str();
+  c->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
+  c->add_flag("--raw", o->raw, "do not add BOS / special tokens to the prompt");
+  c->add_flag("--stats", o->stats, "relative error of restored vs true K/V (keeps the true K/V: diagnostics)");
+  c->add_flag("--compare-ar", o->compare_ar, "also decode with ar and report token agreement and its tok/s");
+  c->add_option("--json", o->json, "write per prompt: ids, text, timings, memory");
+  c->callback([o] {
+    KAKEYA_CHECK(!o->prompt.empty() || !o->prompts.empty(), "decode: give --prompt TEXT or --prompts FILE.jsonl");
+    const DecodeMode mode = parse_decode_mode(o->mode);
+    std::vector<PromptItem> items =
+        o->prompts.empty() ? std::vector<PromptItem>{{"0", o->prompt, 0}} : read_prompts(o->prompts);
+    const bool stream = o->prompts.empty();
+    RestoreOptions ro = o->rf.options();
+    ro.stats = o->stats;
+    const bool need_restore = mode != DecodeMode::Ar && ro.needs_ftheta();
+    // Tokenize first: the RoPE table covers the longest prompt + its new tokens.
+    auto tok = load_tokenizer(o->rf.verifier);
+    std::vector<std::vector<int64_t>> ids;
+    int64_t longest = 1;
+    for (const auto& it : items) {
+      ids.push_back(encode(tok, it.text, !o->raw));
+      longest = std::max<int64_t>(longest, ids.back().size() + (it.max_new ? it.max_new : o->max_new));
+    }
+    auto st = load_decode_stack(o->rf, longest, need_restore);
+    const Model& model = *st.model;
+    if (mode != DecodeMode::Ar) KAKEYA_CHECK(ro.full_attn != FullAttn::Codec || !o->rf.calib.empty(),
+                                             "decode: --full-attn codec needs --calib DIR");
+
+    nlohmann::json report{{"command", command_line()},
+                          {"mode", o->mode},
+                          {"device", device_description(model.device())},
+                          {"dtype", c10::toString(model.dtype())},
+                          {"models", o->rf.to_json()},
+                          {"restore", ro.to_json()},
+                          {"prompts", nlohmann::json::array()}};
+    for (size_t i = 0; i < items.size(); ++i) {
+      DecodeOptions d;
+      d.mode = mode;
+      d.restore = ro;
+      d.max_new_tokens = items[i].max_new ? items[i].max_new : o->max_new;
+      d.sampling = {o->temperature, o->top_p, o->seed};
+      d.stop_ids = model.config().eos_token_ids;
+      std::vector<int32_t> out;
+      std::string shown;
+      if (stream) {
+        d.on_token = [&](int64_t t) {
+          out.push_back((int32_t)t);
+          std::string s = tok.decode(out, true);
+          if (s.size() > shown.size() && s.compare(0, shown.size(), shown) == 0) {
+            std::cout << s.substr(shown.size()) << std::flush;
+            shown = s;
+          }
+        };
+        std::cout << items[i].text << std::flush;
+      }
+      auto r = decode(model, st.d(), st.f(), ids[i], d);
+      if (stream) std::cout << "\n";
+      std::vector<int32_t> gen(r.tokens.begin(), r.tokens.end());
+      const std::string text = tok.decode(gen, true);
+      std::fprintf(stderr,
+                   "[decode %s] prompt %s: %zu tok, generated %zu tok, prefill %.3fs, decode %.2f tok/s; KV %.2f MiB "
+                   "= %.3fx full KV, %.3fx native (%s, %s)\n",
+                   o->mode.c_str(), items[i].id.c_str(), ids[i].size(), r.tokens.size(), r.prefill_seconds,
+                   r.decode_tokens_per_second(), r.memory.kv_bytes() / 1048576.0,
+                   r.memory.full_kv_bytes ? (double)r.memory.kv_bytes() / r.memory.full_kv_bytes : 0.0,
+                   r.memory.native_kv_bytes ? (double)r.memory.kv_bytes() / r.memory.native_kv_bytes : 0.0,
+                   o->rf.df.device.c_str(), c10::toString(model.dtype()));
+      if (i == 0 || i + 1 == items.size()) std::fputs(r.memory.table().c_str(), stderr);
+      nlohmann::json pj{{"id", items[i].id},
+                        {"prompt_ids", ids[i]},
+                        {"generated_ids", r.tokens},
+                        {"text", text},
+                        {"prefill_seconds", r.prefill_seconds},
+                        {"decode_seconds", r.decode_seconds},
+                        {"decode_tokens_per_second", r.decode_tokens_per_second()},
+                        {"memory", r.memory.to_json()}};
+      if (mode != DecodeMode::Ar) {
+        pj["restored_positions"] = r.restored_positions;
+        pj["attention_fraction"] = {{"sliding", r.attention_fraction_sliding}, {"full", r.attention_fraction_full}};
+        if (o->stats) pj["restore_error"] = r.stats.to_json();
+      }
+      if (o->compare_ar && mode != DecodeMode::Ar) {
+        DecodeOptions a = d;
+        a.mode = DecodeMode::Ar;
+        a.on_token = nullptr;
+        auto ar = decode(model, nullptr, nullptr, ids[i], a);
+        size_t same = 0;
+        while (same < ar.tokens.size() && same < r.tokens.size() && ar.tokens[same] == r.tokens[same]) ++same;
+        std::fprintf(stderr, "[decode ar] %.2f tok/s; %s (first %zu of %zu tokens agree); ratio %.2fx\n",
+                     ar.decode_tokens_per_second(), ar.tokens == r.tokens ? "identical" : "differs", same,
+                     ar.tokens.size(),
+                     ar.decode_tokens_per_second() > 0 ? r.decode_tokens_per_second() / ar.decode_tokens_per_second() : 0.0);
+        pj["ar"] = {{"generated_ids", ar.tokens},
+                    {"identical", ar.tokens == r.tokens},
+                    {"agreeing_prefix", same},
+                    {"decode_tokens_per_second", ar.decode_tokens_per_second()}};
+      }
+      report["prompts"].push_back(pj);
+    }
+    if (!o->json.empty()) {
+      write_json(o->json, report);
+      std::fprintf(stderr, "-> %s\n", o->json.c_str());
+    }
+  });
+}
+
+}  // namespace kakeya::cli

@@ -1,0 +1,83 @@
+#include "tools/restored_flags.h"
+
+#include "core/error.h"
+#include "core/fs.h"
+
+namespace kakeya::cli {
+
+void RestoreFlags::add(CLI::App* c, bool with_alpha) {
+  c->add_option("--verifier", verifier, "verifier model directory (HF layout)")->capture_default_str();
+  c->add_option("--drafter", drafter, "DFlash drafter directory, or random[:SEED]")->capture_default_str();
+  c->add_option("--ftheta", ftheta, "f_θ directory (kakeya train-ftheta), or random[:SEED]")->capture_default_str();
+  c->add_option("--calib", calib, "calibration bundle directory (kakeya calibrate; --full-attn codec)");
+  c->add_option("--sink", sink, "attention-sink positions kept exact")->capture_default_str()->check(CLI::NonNegativeNumber);
+  c->add_option("--window", window, "exact recent positions per query on restored layers")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_option("--chunk", chunk, "prefill tokens per forward, 1..window (0: window)")->capture_default_str();
+  c->add_option("--full-attn", full_attn, "full-attention layers: exact | restored | codec")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"exact", "restored", "codec"}));
+  if (with_alpha)
+    c->add_option("--mix-alpha", mix_alpha,
+                  "research mode: restored raw K/V = a·true + (1-a)·f_θ (a > 0 keeps the true K/V)")
+        ->capture_default_str();
+  df.add(c);
+}
+
+RestoreOptions RestoreFlags::options() const {
+  RestoreOptions o;
+  o.sink = sink;
+  o.window = window;
+  o.chunk = chunk;
+  o.full_attn = parse_full_attn(full_attn);
+  o.mix_alpha = mix_alpha;
+  return o;
+}
+
+nlohmann::json RestoreFlags::to_json() const {
+  return {{"verifier", verifier}, {"drafter", drafter}, {"ftheta", ftheta}, {"calib", calib}};
+}
+
+namespace {
+
+bool random_spec(const std::string& s, uint64_t& seed) {
+  if (s.rfind("random", 0) != 0) return false;
+  seed = 0;
+  if (s.size() > 6) {
+    KAKEYA_CHECK(s[6] == ':', "expected random or random:SEED, got '" << s << "'");
+    seed = std::stoull(s.substr(7));
+  }
+  return true;
+}
+
+}  // namespace
+
+DecodeStack load_decode_stack(const RestoreFlags& f, int64_t max_positions, bool need_restore) {
+  DecodeStack s;
+  s.tok = std::make_unique<Tokenizer>(load_tokenizer(f.verifier));
+  s.model = std::make_unique<Model>(load_model(f.verifier, f.df, max_positions));
+  if (!need_restore) return s;
+  uint64_t seed = 0;
+  if (random_spec(f.drafter, seed)) {
+    // A small drafter of the shipped geometry's kind (1 KV head), random weights.
+    auto cfg = DrafterConfig::for_target(s.model->config(), 2, 4, 1, 64, 512, 16, s.tok->token_id("<mask>"));
+    s.drafter = std::make_unique<Drafter>(Drafter::random(cfg, *s.model, seed));
+  } else {
+    s.drafter = std::make_unique<Drafter>(Drafter::load(f.drafter, *s.model));
+  }
+  if (random_spec(f.ftheta, seed)) {
+    auto cfg = FThetaConfig::for_pair(s.model->config(), s.drafter->config(), 64);
+    s.ftheta = std::make_unique<FTheta>(FTheta::random(cfg, seed, s.model->dtype(), s.model->device()));
+    s.ftheta_origin = f.ftheta;
+  } else {
+    KAKEYA_CHECK(fs::exists(f.ftheta + "/f_theta_config.json"),
+                 f.ftheta << ": no f_theta_config.json (train one with kakeya train-ftheta, or pass --ftheta random)");
+    s.ftheta = std::make_unique<FTheta>(FTheta::load(f.ftheta, s.model->dtype(), s.model->device()));
+    s.ftheta_origin = f.ftheta + "/f_theta_config.json";
+  }
+  s.ftheta->config().check(s.model->config(), s.drafter->config(), s.ftheta_origin);
+  return s;
+}
+
+}  // namespace kakeya::cli

@@ -1,0 +1,46 @@
+// Flags and loading shared by the restored-decoder commands (decode, niah,
+// sweep-alpha, bench decode): verifier + drafter + f_θ, sink/window/full-attn.
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include <memory>
+#include <string>
+
+#include "core/drafter.h"
+#include "core/ftheta.h"
+#include "core/model.h"
+#include "core/tokenizer.h"
+#include "infer/restored.h"
+#include "tools/cli_common.h"
+
+namespace kakeya::cli {
+
+struct RestoreFlags {
+  std::string verifier = "checkpoints/models/gemma3-270m";
+  // A directory, or "random[:SEED]" (seeded random weights: plumbing runs and tests before training).
+  std::string drafter = "checkpoints/gemma3-270m/drafter";
+  std::string ftheta = "checkpoints/gemma3-270m/ftheta";
+  std::string calib;
+  int64_t sink = 4, window = 64, chunk = 0;
+  std::string full_attn = "exact";
+  double mix_alpha = 0.0;
+  DeviceFlags df;
+  void add(CLI::App* app, bool with_alpha = true);
+  RestoreOptions options() const;
+  nlohmann::json to_json() const;
+};
+
+// The verifier, and the drafter and f_θ when `need_restore` (restored modes with a < 1).
+// The model lives behind a pointer: the drafter binds to its address.
+struct DecodeStack {
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Drafter> drafter;
+  std::unique_ptr<FTheta> ftheta;
+  std::string ftheta_origin;
+  std::unique_ptr<Tokenizer> tok;
+  const Drafter* d() const { return drafter.get(); }
+  const FTheta* f() const { return ftheta.get(); }
+};
+DecodeStack load_decode_stack(const RestoreFlags& f, int64_t max_positions, bool need_restore);
+
+}  // namespace kakeya::cli
