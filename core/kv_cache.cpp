@@ -5,10 +5,7 @@
 #include "core/error.h"
 
 namespace kakeya {
-namespace {
 
-// Slot s is visible to query t if it holds a position <= the query's and, when
-// window > 0, within the window: [T, S] bool.
 at::Tensor causal_visible(const at::Tensor& slot_pos, const at::Tensor& q_pos, int64_t window) {
   auto sp = slot_pos.unsqueeze(0);  // [1, S]
   auto qp = q_pos.unsqueeze(1);     // [T, 1]
@@ -16,8 +13,6 @@ at::Tensor causal_visible(const at::Tensor& slot_pos, const at::Tensor& q_pos, i
   if (window > 0) m = m.logical_and((qp - sp).lt(window));
   return m;
 }
-
-}  // namespace
 
 KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg), opt_(opt) {
   KAKEYA_CHECK(opt.capacity > 0, "KV cache: capacity expected > 0, got " << opt.capacity);

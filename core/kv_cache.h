@@ -28,6 +28,11 @@
 
 namespace kakeya {
 
+// Attention visibility [T, S] bool: slot s (holding position slot_pos[s], -1 = empty) is visible
+// to the query at q_pos[t] if it holds a position <= the query's and, when window > 0, within
+// the window. slot_pos: [S] int64, q_pos: [T] int64. The one rule the cache and the forward share.
+at::Tensor causal_visible(const at::Tensor& slot_pos, const at::Tensor& q_pos, int64_t window);
+
 struct RestorePolicy {
   int64_t window = 0;     // exact recent positions per query (the query included); 0: no restoration
   bool sliding = true;    // restore on sliding-attention layers

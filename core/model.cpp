@@ -29,16 +29,6 @@ std::string find_prefix(const TensorStore& st, const std::string& origin) {
   KAKEYA_FAIL(origin << ": no embedding tensor found (expected 'model.embed_tokens.weight')");
 }
 
-// Attention mask [T, S] bool: slot s is visible to query t if it holds a
-// position <= the query's and, on sliding layers, within the window.
-at::Tensor visible(const at::Tensor& slot_pos, const at::Tensor& q_pos, int64_t window) {
-  auto sp = slot_pos.unsqueeze(0);  // [1, S]
-  auto qp = q_pos.unsqueeze(1);     // [T, 1]
-  auto m = sp.ge(0).logical_and(sp.le(qp));
-  if (window > 0) m = m.logical_and((qp - sp).lt(window));
-  return m;
-}
-
 }  // namespace
 
 Model Model::load(const std::string& dir, const ModelOptions& opt) {
@@ -166,7 +156,7 @@ at::Tensor Model::finish_q(int64_t layer, const at::Tensor& q_raw, const at::Ten
 }
 
 at::Tensor Model::layer_mask(int64_t layer, const at::Tensor& k_pos, const at::Tensor& q_pos) const {
-  return visible(k_pos, q_pos, cfg_.is_sliding(layer) ? cfg_.sliding_window : 0);
+  return causal_visible(k_pos, q_pos, cfg_.is_sliding(layer) ? cfg_.sliding_window : 0);
 }
 
 at::Tensor Model::attention(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -221,7 +211,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   at::Tensor mask_full, mask_sliding;  // [T, S] bool
   if (first_full >= 0 && !decode_kernel) mask_full = cache.visible(first_full, positions);
   if (first_sliding >= 0 && (sliding_concat || !decode_kernel))
-    mask_sliding = sliding_concat ? visible(at::cat({old_sliding_pos, positions}), positions, cfg_.sliding_window)
+    mask_sliding = sliding_concat ? causal_visible(at::cat({old_sliding_pos, positions}), positions, cfg_.sliding_window)
                                   : cache.visible(first_sliding, positions);
   // The decode kernel applies the causal/sliding rule to slot positions itself;
   // restored layers hide the copies a query must not read (KVCache::visible).
