@@ -2,7 +2,7 @@
 // throw kakeya::Error (not JSON, or not a supported config) or yield a config
 // whose per-layer vectors match num_layers and whose dimensions are positive,
 // since the model loader sizes every tensor from them. Anything else is a bug.
-// FUZZ_SOURCES: core/config.cpp
+// FUZZ_SOURCES: core/config.cpp core/fs.cpp
 #include <nlohmann/json.hpp>
 
 #include <cstddef>
