@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   kakeya::cli::register_sweep_alpha(app);
 #ifdef KAKEYA_HAVE_CAPTURE
   kakeya::cli::register_capture(app);
+  kakeya::cli::register_train_ftheta(app);
 #endif
   try {
     app.parse(argc, argv);

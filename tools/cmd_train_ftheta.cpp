@@ -1,0 +1,182 @@
+// kakeya train-ftheta: train f_θ (drafter raw K/V -> verifier raw K/V) on a
+// capture directory made by `kakeya capture` (train/ftheta_train.h).
+//   SAVE/checkpoint.safetensors   resumable training state (--resume continues it)
+//   SAVE/f_theta_config.json + f_theta.safetensors   the trained f_θ (written when training ends)
+//   SAVE/report.json              options, loss components over time, held-out evaluations
+//                                 (per layer and per layer type), reduction factor
+//   SAVE/loss.png                 curves (tools/plot_ftheta_loss.py, when --plot-python works)
+#include <cstdio>
+#include <cstdlib>
+
+#include "core/drafter.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/ftheta.h"
+#include "data/capture.h"
+#include "tools/cli_common.h"
+#include "train/ftheta_train.h"
+
+namespace kakeya::cli {
+using json = nlohmann::json;
+using namespace kakeya::train;
+
+namespace {
+
+// One captured sequence as training data: bf16 in memory, cropped to max_len
+// (the trainer never reads past it), shapes checked against f_θ's config.
+FThetaSequence to_training(const data::CaptureSequence& c, const FThetaConfig& fc, int64_t max_len,
+                           const std::string& where) {
+  const int64_t T = std::min(max_len, c.length());
+  auto keep = [&](const at::Tensor& t) { return t.narrow(0, 0, T).to(at::kBFloat16).contiguous(); };
+  KAKEYA_CHECK(c.dk.dim() == 4 && c.dk.size(1) == fc.drafter_layers && c.dk.size(2) == fc.drafter_kv_heads &&
+                   c.dk.size(3) == fc.drafter_head_dim,
+               where << ": drafter K has shape " << c.dk.sizes() << ", f_theta expects [T, " << fc.drafter_layers << ", "
+                     << fc.drafter_kv_heads << ", " << fc.drafter_head_dim << "]");
+  KAKEYA_CHECK((int64_t)c.k.size() == fc.num_layers(),
+               where << ": " << c.k.size() << " verifier layers captured, f_theta has " << fc.num_layers());
+  FThetaSequence s;
+  s.dk = keep(c.dk);
+  s.dv = keep(c.dv);
+  for (int64_t l = 0; l < fc.num_layers(); ++l) {
+    KAKEYA_CHECK(c.k[l].dim() == 3 && c.k[l].size(1) == fc.kv_heads[l] && c.k[l].size(2) == fc.head_dim[l],
+                 where << ": layer " << l << " K has shape " << c.k[l].sizes() << ", f_theta expects [T, "
+                       << fc.kv_heads[l] << ", " << fc.head_dim[l] << "]");
+    s.q.push_back(keep(c.q[l]));
+    s.k.push_back(keep(c.k[l]));
+    s.v.push_back(keep(c.v[l]));
+    s.o.push_back(keep(c.o[l]));
+  }
+  return s;
+}
+
+std::vector<int64_t> parse_layers(const std::string& spec, const ModelConfig& mc) {
+  std::vector<int64_t> out;
+  if (spec == "all") return out;  // empty = all
+  KAKEYA_CHECK(spec == "sliding" || spec == "full", "--layers '" << spec << "' (expected all, sliding or full)");
+  for (int64_t l = 0; l < mc.num_layers; ++l)
+    if ((spec == "sliding") == mc.is_sliding(l)) out.push_back(l);
+  KAKEYA_CHECK(!out.empty(), "--layers " << spec << ": the verifier has no such layers");
+  return out;
+}
+
+}  // namespace
+
+void register_train_ftheta(CLI::App& app) {
+  struct Opts {
+    std::string data, verifier = "checkpoints/models/gemma3-270m", drafter, save, init_from, loss = "attn_distill_hybrid";
+    std::string layers = "all", plot_python = "python3";
+    int64_t rank = 256, heldout = 4;
+    bool resume = false;
+    FThetaTrainOptions t;
+    DeviceFlags df;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("train-ftheta",
+                               "Train f_theta (drafter K/V -> verifier K/V) on a `kakeya capture` directory");
+  c->add_option("--data", o->data, "capture directory (capture.json + shards)")->required();
+  c->add_option("--verifier", o->verifier, "verifier HF model directory (the capture's)")->capture_default_str();
+  c->add_option("--drafter", o->drafter, "drafter directory (the capture's)")->required();
+  c->add_option("--save", o->save, "output directory (checkpoint, f_theta, report)")->required();
+  c->add_option("--init-from", o->init_from, "start from this f_theta directory (warm start; same models required)");
+  c->add_flag("--resume", o->resume, "continue SAVE/checkpoint.safetensors (same options required)");
+  c->add_option("--rank", o->rank, "shared encoder width r (ignored with --init-from)")->capture_default_str();
+  c->add_option("--loss", o->loss, "mse | cos_mag | combined | attn_distill | attn_distill_hybrid")->capture_default_str();
+  c->add_option("--lambda-k-dir", o->t.loss.lambda_k_dir, "hybrid: weight of the post-norm K direction term")->capture_default_str();
+  c->add_option("--lambda-v-dir", o->t.loss.lambda_v_dir, "hybrid: weight of the post-norm V direction term")->capture_default_str();
+  c->add_option("--lambda-k-mag", o->t.loss.lambda_k_mag, "hybrid: weight of the pre-norm K magnitude term")->capture_default_str();
+  c->add_option("--lambda-v-mag", o->t.loss.lambda_v_mag, "hybrid: weight of the pre-norm V magnitude term")->capture_default_str();
+  c->add_option("--sink", o->t.loss.layout.sink, "exact sink positions (the decoder's layout)")->capture_default_str();
+  c->add_option("--window", o->t.loss.layout.window, "exact recent positions per query")->capture_default_str();
+  c->add_option("--layers", o->layers, "verifier layers in the loss: all | sliding | full")->capture_default_str();
+  c->add_option("--steps", o->t.steps, "optimisation steps")->capture_default_str();
+  c->add_option("--batch", o->t.batch, "sequences per step")->capture_default_str();
+  c->add_option("--max-len", o->t.max_len, "prefix length cap per sequence")->capture_default_str();
+  c->add_option("--lr", o->t.lr, "peak learning rate")->capture_default_str();
+  c->add_option("--lr-schedule", o->t.lr_schedule, "const | cosine (decays to lr/100)")->capture_default_str();
+  c->add_option("--warmup", o->t.warmup_steps, "linear warmup steps")->capture_default_str();
+  c->add_option("--weight-decay", o->t.adamw.weight_decay, "AdamW decoupled decay (matrices)")->capture_default_str();
+  c->add_option("--grad-clip", o->t.adamw.grad_clip, "global gradient-norm clip")->capture_default_str();
+  c->add_option("--heldout", o->heldout, "held-out sequences (the capture's last ones)")->capture_default_str();
+  c->add_option("--eval-every", o->t.eval_every, "held-out evaluation period in steps (0: start and end)")->capture_default_str();
+  c->add_option("--seed", o->t.seed, "initialisation and batch-order seed")->capture_default_str();
+  c->add_option("--deadline", o->t.deadline, "unix time: checkpoint and stop before it (rerun with --resume)");
+  c->add_option("--max-steps-this-run", o->t.max_steps_this_run, "stop (with a checkpoint) after this many steps");
+  c->add_option("--checkpoint-seconds", o->t.checkpoint_seconds, "checkpoint period")->capture_default_str();
+  c->add_flag("!--no-autocast", o->t.autocast, "CUDA: train in f32 without bf16 autocast");
+  c->add_option("--plot-python", o->plot_python, "python with matplotlib for SAVE/loss.png ('' to skip)")->capture_default_str();
+  o->df.add(c);
+  c->callback([o] {
+    KAKEYA_CHECK(o->df.dtype.empty() || o->df.dtype == "f32",
+                 "train-ftheta: --dtype " << o->df.dtype << ": training runs in f32 (bf16 autocast on CUDA)");
+    DeviceFlags df = o->df;
+    df.dtype = "f32";
+    const at::Device dev = df.torch_device();
+    if (dev.is_cuda()) at::globalContext().setAllowTF32CuBLAS(true);
+    data::CaptureReader reader(o->data);
+    reader.check_models(o->verifier, o->drafter);  // refuses data captured from other models
+    int64_t max_pos = o->t.max_len + 1;
+    Model verifier = load_model(o->verifier, df, max_pos);
+    DrafterConfig dcfg = DrafterConfig::from_file(o->drafter + "/config.json");
+    dcfg.check_target(verifier.config());
+    o->t.loss.type = parse_ftheta_loss(o->loss);
+    o->t.loss.layers = parse_layers(o->layers, verifier.config());
+
+    FTheta f;
+    if (!o->init_from.empty()) {
+      f = FTheta::load(o->init_from, at::kFloat, dev);
+      f.config().check(verifier.config(), dcfg, o->init_from + "/f_theta_config.json");
+    } else {
+      f = FTheta::random(FThetaConfig::for_pair(verifier.config(), dcfg, o->rank), o->t.seed, at::kFloat, dev);
+    }
+    f.mutable_config().provenance = {{"capture", o->data},
+                                     {"capture_models", {{"verifier", reader.manifest().value("verifier", json())},
+                                                         {"drafter", reader.manifest().value("drafter", json())}}},
+                                     {"options", o->t.to_json()},
+                                     {"init_from", o->init_from},
+                                     {"command", command_line()}};
+
+    const int64_t n = reader.size();
+    KAKEYA_CHECK(n > o->heldout && o->heldout > 0,
+                 o->data << ": " << n << " complete sequences; need more than --heldout " << o->heldout << " (>0)");
+    std::vector<FThetaSequence> train, heldout;
+    Progress prog("[train-ftheta] reading capture", n, "seq");
+    for (int64_t i = 0; i < n; ++i) {
+      auto cs = reader.read(i, at::kFloat, at::kCPU);
+      (i < n - o->heldout ? train : heldout)
+          .push_back(to_training(cs, f.config(), o->t.max_len, o->data + " sequence " + std::to_string(i)));
+      prog.update(i + 1);
+    }
+    prog.finish();
+
+    fs::make_dirs(o->save);
+    const std::string ckpt = o->save + "/checkpoint.safetensors";
+    KAKEYA_CHECK(o->resume || !fs::exists(ckpt),
+                 ckpt << " exists: pass --resume to continue it, or choose another --save");
+    FThetaTrainer tr(verifier, f, std::move(train), std::move(heldout), o->t, ckpt);
+    if (o->resume && !tr.resume()) std::fprintf(stderr, "[train-ftheta] --resume: no checkpoint yet, starting fresh\n");
+    std::fprintf(stderr, "[train-ftheta] f_theta rank %lld, %lld parameters, loss %s, %s\n", (long long)f.config().rank,
+                 (long long)f.num_parameters(), o->loss.c_str(), device_description(dev).c_str());
+    const bool done = tr.run();
+    json report = tr.report();
+    report["command"] = command_line();
+    report["device"] = device_description(dev);
+    report["capture"] = o->data;
+    write_json(o->save + "/report.json", report);
+    if (!done) {
+      std::fprintf(stderr, "[train-ftheta] stopped at step %lld; rerun with --resume\n", (long long)tr.step());
+      return;
+    }
+    f.save(o->save);
+    if (report.contains("reduction_factor"))
+      std::fprintf(stderr, "[train-ftheta] held-out loss %.4g -> %.4g (reduction %.2fx); f_theta in %s\n",
+                   report["heldout_loss_initial"].get<double>(), report["heldout_loss_final"].get<double>(),
+                   report["reduction_factor"].get<double>(), o->save.c_str());
+    if (!o->plot_python.empty()) {
+      const std::string cmd = o->plot_python + " tools/plot_ftheta_loss.py '" + o->save + "/report.json' '" + o->save +
+                              "/loss.png'";
+      if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "[train-ftheta] plot failed (%s)\n", cmd.c_str());
+    }
+  });
+}
+
+}  // namespace kakeya::cli
