@@ -384,7 +384,7 @@ std::string MemoryReport::table() const {
   std::ostringstream os;
   char buf[512];
   auto row = [&](const std::string& name, int64_t b, const std::string& note) {
-    std::snprintf(buf, sizeof buf, "  %-46s %12s  %s\n", name.c_str(), mib(b).c_str(), note.c_str());
+    std::snprintf(buf, sizeof buf, "  %-50s %12s  %s\n", name.c_str(), mib(b).c_str(), note.c_str());
     os << buf;
   };
   os << "memory at " << positions << " positions (K/V-like state):\n";
@@ -392,8 +392,9 @@ std::string MemoryReport::table() const {
   const int64_t total = kv_bytes();
   row("total", total, "");
   auto ratio = [&](int64_t base) {
-    std::snprintf(buf, sizeof buf, "ours = %.3fx of it (%.1fx smaller)", base ? (double)total / base : 0.0,
-                  total ? (double)base / total : 0.0);
+    const double r = base ? (double)total / base : 0.0;
+    if (r <= 1.0) std::snprintf(buf, sizeof buf, "ours = %.3fx of it (%.2fx smaller)", r, r > 0 ? 1.0 / r : 0.0);
+    else std::snprintf(buf, sizeof buf, "ours = %.3fx of it (LARGER)", r);
     return std::string(buf);
   };
   row("baseline: full KV (every layer, every position)", full_kv_bytes, ratio(full_kv_bytes));

@@ -131,14 +131,6 @@ TEST(Restored, IncrementalEqualsReforwardMixedAndFullRestored) {
   EXPECT_EQ(inc.tokens, ref.tokens);
 }
 
-TEST(Restored, PrefillChunkingDoesNotChangeTheResult) {
-  auto a = options(DecodeMode::Restored, 0.0, 6);
-  auto b = a;
-  b.restore.chunk = 3;
-  EXPECT_EQ(decode(model(), &drafter(), &ftheta(), prompt(), a).tokens,
-            decode(model(), &drafter(), &ftheta(), prompt(), b).tokens);
-}
-
 TEST(Restored, ScoreThroughRestoredCache) {
   RestoreOptions ro;
   ro.sink = 4;

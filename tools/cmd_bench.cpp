@@ -8,7 +8,9 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "infer/generate.h"
+#include "infer/restored.h"
 #include "tools/cli_common.h"
+#include "tools/restored_flags.h"
 
 namespace kakeya::cli {
 namespace {
@@ -60,7 +62,8 @@ void register_bench(CLI::App& app) {
     std::string model = "checkpoints/models/gemma3-270m";
     std::string json, python = "python3", peer = "tools/hf_bench.py";
     int64_t prompt_len = 512, new_tokens = 256, repeats = 3;
-    bool no_peer = false;
+    bool no_peer = false, restored = false;
+    RestoreFlags rf;  // --restored: drafter, f_θ, sink/window/full-attn
     DeviceFlags df;
   };
   auto o = std::make_shared<Opts>();
@@ -73,6 +76,12 @@ void register_bench(CLI::App& app) {
   c->add_option("--python", o->python, "python with transformers for the peer")->capture_default_str();
   c->add_option("--peer", o->peer, "HF peer script")->capture_default_str();
   c->add_flag("--no-peer", o->no_peer, "skip the HF transformers peer");
+  c->add_flag("--restored", o->restored, "also time the restored decoder (infer/restored.h), ratio vs ar in this run");
+  c->add_option("--drafter", o->rf.drafter, "--restored: DFlash drafter directory, or random[:SEED]")->capture_default_str();
+  c->add_option("--ftheta", o->rf.ftheta, "--restored: f_θ directory, or random[:SEED]")->capture_default_str();
+  c->add_option("--sink", o->rf.sink, "--restored: attention-sink positions")->capture_default_str();
+  c->add_option("--window", o->rf.window, "--restored: exact recent positions")->capture_default_str();
+  c->add_option("--full-attn", o->rf.full_attn, "--restored: exact | restored")->capture_default_str();
   o->df.add(c);
   c->callback([o] {
     auto tok = load_tokenizer(o->model);
@@ -94,6 +103,36 @@ void register_bench(CLI::App& app) {
       return v[v.size() / 2];
     };
     const double ours_decode = median(decode_tps), ours_e2e = median(e2e_tps);
+    // The restored decoder on the same prompt, same model, same run (greedy, no stop, no streaming).
+    nlohmann::json restored = nullptr;
+    double rest_decode = 0, rest_e2e = 0;
+    if (o->restored) {
+      DecodeStack st;
+      load_restoration(o->rf, model, tok, st);
+      DecodeOptions d;
+      d.mode = DecodeMode::Restored;
+      d.restore = o->rf.options();
+      d.max_new_tokens = o->new_tokens;
+      d.stream = false;
+      std::vector<double> rd, re;
+      decode(model, st.d(), st.f(), prompt, d);  // warm-up
+      DecodeResult last;
+      for (int64_t r = 0; r < o->repeats; ++r) {
+        last = decode(model, st.d(), st.f(), prompt, d);
+        rd.push_back(last.decode_tokens_per_second());
+        re.push_back(o->new_tokens / (last.prefill_seconds + last.decode_seconds));
+      }
+      rest_decode = median(rd);
+      rest_e2e = median(re);
+      restored = {{"restore", d.restore.to_json()},
+                  {"drafter", o->rf.drafter},
+                  {"ftheta", o->rf.ftheta},
+                  {"decode_tps", rest_decode},
+                  {"e2e_tps", rest_e2e},
+                  {"decode_runs", rd},
+                  {"decode_ratio_vs_ar", rest_decode / ours_decode},
+                  {"memory", last.memory.to_json()}};
+    }
     const double weight_bytes = (double)model.weight_bytes();
     const double bound = 3.0e12 / weight_bytes;  // H100 SXM measured ~3.0 TB/s (README: bench notes)
 
@@ -121,6 +160,10 @@ void register_bench(CLI::App& app) {
     if (peer.contains("default_e2e_tps")) row("HF generate (dynamic cache)", peer["default_e2e_tps"], peer["default_decode_tps"]);
     if (peer.contains("static_e2e_tps")) row("HF generate (static cache)", peer["static_e2e_tps"], peer["static_decode_tps"]);
     row("kakeya ar", ours_e2e, ours_decode);
+    if (o->restored) {
+      row("kakeya restored", rest_e2e, rest_decode);
+      std::printf("restored / ar decode tok/s = %.3fx (same run)\n", rest_decode / ours_decode);
+    }
     std::printf("weights %.0f MB/token; bandwidth bound at 3.0 TB/s: %.0f tok/s; kakeya decode = %.1f%% of it\n",
                 weight_bytes / 1e6, bound, 100.0 * ours_decode / bound);
     nlohmann::json j = {{"bench", "decode"},
@@ -137,7 +180,8 @@ void register_bench(CLI::App& app) {
                         {"weight_bytes", weight_bytes},
                         {"bandwidth_bound_tps_at_3TBps", bound},
                         {"fraction_of_bound", ours_decode / bound},
-                        {"hf", peer}};
+                        {"hf", peer},
+                        {"restored", restored}};
     if (hf_static > 0) j["speedup_vs_hf_static_e2e"] = ours_e2e / hf_static;
     if (!o->json.empty()) write_json(o->json, j);
   });

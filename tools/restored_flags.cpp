@@ -58,26 +58,30 @@ DecodeStack load_decode_stack(const RestoreFlags& f, int64_t max_positions, bool
   s.tok = std::make_unique<Tokenizer>(load_tokenizer(f.verifier));
   s.model = std::make_unique<Model>(load_model(f.verifier, f.df, max_positions));
   if (!need_restore) return s;
+  load_restoration(f, *s.model, *s.tok, s);
+  return s;
+}
+
+void load_restoration(const RestoreFlags& f, const Model& model, const Tokenizer& tok, DecodeStack& s) {
   uint64_t seed = 0;
   if (random_spec(f.drafter, seed)) {
     // A small drafter of the shipped geometry's kind (1 KV head), random weights.
-    auto cfg = DrafterConfig::for_target(s.model->config(), 2, 4, 1, 64, 512, 16, s.tok->token_id("<mask>"));
-    s.drafter = std::make_unique<Drafter>(Drafter::random(cfg, *s.model, seed));
+    auto cfg = DrafterConfig::for_target(model.config(), 2, 4, 1, 64, 512, 16, tok.token_id("<mask>"));
+    s.drafter = std::make_unique<Drafter>(Drafter::random(cfg, model, seed));
   } else {
-    s.drafter = std::make_unique<Drafter>(Drafter::load(f.drafter, *s.model));
+    s.drafter = std::make_unique<Drafter>(Drafter::load(f.drafter, model));
   }
   if (random_spec(f.ftheta, seed)) {
-    auto cfg = FThetaConfig::for_pair(s.model->config(), s.drafter->config(), 64);
-    s.ftheta = std::make_unique<FTheta>(FTheta::random(cfg, seed, s.model->dtype(), s.model->device()));
+    auto cfg = FThetaConfig::for_pair(model.config(), s.drafter->config(), 64);
+    s.ftheta = std::make_unique<FTheta>(FTheta::random(cfg, seed, model.dtype(), model.device()));
     s.ftheta_origin = f.ftheta;
   } else {
     KAKEYA_CHECK(fs::exists(f.ftheta + "/f_theta_config.json"),
                  f.ftheta << ": no f_theta_config.json (train one with kakeya train-ftheta, or pass --ftheta random)");
-    s.ftheta = std::make_unique<FTheta>(FTheta::load(f.ftheta, s.model->dtype(), s.model->device()));
+    s.ftheta = std::make_unique<FTheta>(FTheta::load(f.ftheta, model.dtype(), model.device()));
     s.ftheta_origin = f.ftheta + "/f_theta_config.json";
   }
-  s.ftheta->config().check(s.model->config(), s.drafter->config(), s.ftheta_origin);
-  return s;
+  s.ftheta->config().check(model.config(), s.drafter->config(), s.ftheta_origin);
 }
 
 }  // namespace kakeya::cli

@@ -42,5 +42,7 @@ struct DecodeStack {
   const FTheta* f() const { return ftheta.get(); }
 };
 DecodeStack load_decode_stack(const RestoreFlags& f, int64_t max_positions, bool need_restore);
+// The drafter (bound to `model`) and f_θ of the flags, checked against each other and the model.
+void load_restoration(const RestoreFlags& f, const Model& model, const Tokenizer& tok, DecodeStack& s);
 
 }  // namespace kakeya::cli
