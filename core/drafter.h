@@ -143,6 +143,7 @@ class TargetFeatureCapture : public TapSubscriber {
   TargetFeatureCapture(const TargetFeatureCapture&) = delete;  // taps_ holds `this`
   TargetFeatureCapture& operator=(const TargetFeatureCapture&) = delete;
   void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) override;
+  bool reads(Tap tap) const override { return tap == Tap::LayerOut; }
   // [B, T, n·H] in the target dtype, ids in config order. HF's hidden_states
   // puts the final-normed output at the last layer; an id naming the last layer
   // gets the same. Clears what was captured.

@@ -207,6 +207,10 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   // one-query attention kernel for decode steps, which reads visibility from
   // the slot positions itself (no mask tensors).
   const bool cuda_fused = ids.is_cuda() && ops::cuda_kernels_available();
+  // The fused q/k-norm + RoPE + store kernel skips the q/k/v taps: only when nobody reads them.
+  bool qkv_tapped = false;
+  for (Tap t : {Tap::QProj, Tap::QNorm, Tap::KProj, Tap::KNorm, Tap::VProj, Tap::VNorm})
+    qkv_tapped = qkv_tapped || (taps && taps->reads(t));
   const bool decode_kernel = cuda_fused && T == 1;
   at::Tensor mask_full, mask_sliding;  // [T, S] bool
   if (first_full >= 0 && !decode_kernel) mask_full = cache.visible(first_full, positions);
@@ -235,8 +239,10 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     const bool write_first = !sliding || !sliding_concat;
     // The fused kernel reads raw v from the qkv rows and stores it as is: it knows
     // nothing of v_norm or K=V layers (no v rows), so Gemma 4 takes the unfused branch.
-    if (cuda_fused && !taps && write_first && !cfg_.v_norm && cache.plain(l)) {
-      ops::QKRopeArgs ra{Hq, Hkv, D, norm_spec_, w.q_norm, w.k_norm, rope(l).cos(), rope(l).sin()};
+    // It stores at position mod the exact ring, as KVCache::write does on plain and restored layers.
+    if (cuda_fused && !qkv_tapped && write_first && !cfg_.v_norm) {
+      ops::QKRopeArgs ra{Hq, Hkv, D, norm_spec_, w.q_norm, w.k_norm, rope(l).cos(), rope(l).sin(),
+                         cache.exact_slots(l)};
       q = ops::qk_norm_rope_store(qkv, positions, ra, cache.k_mut(l), cache.v_mut(l));
     } else {
       q = qkv.slice(-1, 0, qd).view({B, T, Hq, D});

@@ -45,10 +45,11 @@ struct QKRopeArgs {
   NormSpec norm;
   at::Tensor q_norm, k_norm;  // [D] f32, or undefined (no q/k norm)
   at::Tensor cos, sin;        // [P, rot] in the activation dtype
+  int64_t ring = 0;           // slot = position mod ring (0: the whole cache, S); see KVCache::exact_slots
 };
 // qkv: [B, T, (Hq + 2·Hkv)·D] contiguous; positions: [T] int64.
 // Writes normed+RoPE'd k and raw v into k_cache/v_cache [B, H_kv, S, D] at slot
-// = position mod S (T must be < S); returns normed+RoPE'd q: [B, T, Hq, D].
+// = position mod ring (T <= ring <= S); returns normed+RoPE'd q: [B, T, Hq, D].
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
                               at::Tensor& k_cache, at::Tensor& v_cache);
 

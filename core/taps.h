@@ -33,12 +33,21 @@ class TapSubscriber {
  public:
   virtual ~TapSubscriber() = default;
   virtual void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) = 0;
+  // Whether on_tap reads or replaces `tap`. The forward runs its fused CUDA kernels, which never
+  // materialise some tapped tensors (q/k/v before RoPE), only when no subscriber reads those taps;
+  // a subscriber that declares only what it reads keeps the fast path (default: every tap).
+  virtual bool reads(Tap) const { return true; }
 };
 
 class Taps {
  public:
   void subscribe(TapSubscriber* s) { subs_.push_back(s); }
   bool empty() const { return subs_.empty(); }
+  bool reads(Tap tap) const {
+    for (const TapSubscriber* s : subs_)
+      if (s->reads(tap)) return true;
+    return false;
+  }
   void cb(Tap tap, const TapContext& ctx, at::Tensor& x) const {
     for (TapSubscriber* s : subs_) s->on_tap(tap, ctx, x);
   }

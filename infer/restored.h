@@ -132,6 +132,11 @@ class Restorer : public TapSubscriber {
   int64_t true_raw_bytes() const;  // true raw K/V kept for --mix-alpha / stats
   RestoreStats stats() const;      // SYNC: reads the device accumulators
   void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) override;
+  // The verifier's raw K/V only when they are kept (mix-alpha / stats): otherwise the
+  // forward keeps its fused q/k-norm + RoPE + store kernel (core/taps.h).
+  bool reads(Tap tap) const override {
+    return (tap == Tap::KProj || tap == Tap::VProj) && opt_.needs_true_raw();
+  }
 
  private:
   struct DrafterTap : TapSubscriber {

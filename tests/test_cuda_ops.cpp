@@ -74,10 +74,13 @@ TEST_P(CudaOps, ActMul) {
     }
 }
 
-// Reference: split, per-head RMSNorm, RoPE, store at position mod S (the unfused path of Model::forward).
+// Reference: split, per-head RMSNorm, RoPE, store at position mod ring (the unfused path of
+// Model::forward; ring < S: a restored layer's exact ring, whose restored region must stay untouched).
 TEST_P(CudaOps, QkNormRopeStore) {
-  struct Case { int64_t Hq, Hkv, D, S, T; double partial; bool norm; };
-  for (auto c : {Case{4, 1, 256, 70, 1, 1.0, true}, Case{6, 2, 64, 37, 5, 1.0, false}, Case{4, 2, 128, 33, 3, 0.25, true}}) {
+  struct Case { int64_t Hq, Hkv, D, S, T; double partial; bool norm; int64_t ring; };
+  for (auto c : {Case{4, 1, 256, 70, 1, 1.0, true, 0}, Case{6, 2, 64, 37, 5, 1.0, false, 0},
+                 Case{4, 2, 128, 33, 3, 0.25, true, 0}, Case{4, 1, 256, 90, 4, 1.0, true, 13}}) {
+    const int64_t ring = c.ring > 0 ? c.ring : c.S;
     RopeParams rp;
     rp.type = c.partial < 1 ? "proportional" : "default";
     rp.partial_rotary_factor = c.partial;
@@ -98,14 +101,14 @@ TEST_P(CudaOps, QkNormRopeStore) {
     auto q_ref = rope.apply(q, positions);
     auto k_ref = rope.apply(k, positions).transpose(1, 2);
     auto kc_ref = at::zeros({B, c.Hkv, c.S, c.D}, dt()), vc_ref = at::zeros({B, c.Hkv, c.S, c.D}, dt());
-    kc_ref.index_copy_(2, positions.remainder(c.S), k_ref);
-    vc_ref.index_copy_(2, positions.remainder(c.S), v.transpose(1, 2));
+    kc_ref.index_copy_(2, positions.remainder(ring), k_ref);
+    vc_ref.index_copy_(2, positions.remainder(ring), v.transpose(1, 2));
     // Kernel.
     ops::QKRopeArgs a{c.Hq, c.Hkv, c.D, ns, c.norm ? qw.to(kCuda) : at::Tensor(), c.norm ? kw.to(kCuda) : at::Tensor(),
-                      rope_gpu.cos(), rope_gpu.sin()};
+                      rope_gpu.cos(), rope_gpu.sin(), c.ring};
     auto kc = at::zeros({B, c.Hkv, c.S, c.D}, at::TensorOptions().dtype(dt()).device(kCuda)), vc = at::zeros_like(kc);
     auto q_got = ops::qk_norm_rope_store(qkv.to(kCuda), positions.to(kCuda), a, kc, vc);
-    std::string tag = "D=" + std::to_string(c.D) + " T=" + std::to_string(c.T);
+    std::string tag = "D=" + std::to_string(c.D) + " T=" + std::to_string(c.T) + " ring=" + std::to_string(ring);
     expect_close(q_got, q_ref, "q " + tag);
     expect_close(kc, kc_ref, "k cache " + tag);
     expect_close(vc, vc_ref, "v cache " + tag);

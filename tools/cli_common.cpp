@@ -1,5 +1,6 @@
 #include "tools/cli_common.h"
 
+#include <array>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -64,6 +65,27 @@ std::string read_file(const std::string& path) {
 void write_json(const std::string& path, const nlohmann::json& j) { fs::write_atomic(path, j.dump(2) + "\n"); }
 
 std::string device_description(const at::Device& dev) { return dev.is_cuda() ? "cuda" : "cpu"; }
+
+std::string run_capture(const std::string& cmd) {
+  std::array<char, 4096> buf{};
+  std::string out;
+  FILE* p = popen(cmd.c_str(), "r");
+  KAKEYA_CHECK(p, "cannot run: " << cmd);
+  while (fgets(buf.data(), buf.size(), p)) out += buf.data();
+  int rc = pclose(p);
+  KAKEYA_CHECK(rc == 0, "command failed (exit " << rc << "): " << cmd << "\n" << out);
+  return out;
+}
+
+std::string git_commit() {
+  try {
+    auto s = run_capture("git rev-parse --short HEAD 2>/dev/null");
+    while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+    return s;
+  } catch (const Error&) {
+    return "unknown";
+  }
+}
 
 Progress::Progress(std::string label, int64_t total, std::string unit)
     : label_(std::move(label)), unit_(std::move(unit)), total_(total), t0_(std::chrono::steady_clock::now()), last_(t0_) {}

@@ -29,6 +29,9 @@ std::string read_file(const std::string& path);
 // Writes JSON atomically (temp file + rename), so a crash never leaves half a report.
 void write_json(const std::string& path, const nlohmann::json& j);
 std::string device_description(const at::Device& dev);
+// Runs a shell command and returns its stdout; throws with the output when it fails.
+std::string run_capture(const std::string& cmd);
+std::string git_commit();  // short HEAD hash of the working directory's repo, or "unknown"
 
 // "label  12/100  (12.0%)  34.5 tok/s  ETA 3s" on stderr, at most a few times per second.
 class Progress {
@@ -47,6 +50,7 @@ class Progress {
 void register_generate(CLI::App& app);
 void register_score(CLI::App& app);
 void register_bench(CLI::App& app);
+void register_bench_train_ftheta(CLI::App& bench);  // cmd_bench_train.cpp: `kakeya bench train-ftheta`
 void register_calibrate(CLI::App& app);   // cmd_calibrate.cpp
 void register_codec_eval(CLI::App& app);  // cmd_codec_eval.cpp
 // The invocation, recorded in calibration manifests and reports (set by main).

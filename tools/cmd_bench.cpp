@@ -15,27 +15,6 @@
 namespace kakeya::cli {
 namespace {
 
-std::string run_capture(const std::string& cmd) {
-  std::array<char, 4096> buf{};
-  std::string out;
-  FILE* p = popen(cmd.c_str(), "r");
-  KAKEYA_CHECK(p, "cannot run: " << cmd);
-  while (fgets(buf.data(), buf.size(), p)) out += buf.data();
-  int rc = pclose(p);
-  KAKEYA_CHECK(rc == 0, "command failed (exit " << rc << "): " << cmd << "\n" << out);
-  return out;
-}
-
-std::string git_commit() {
-  try {
-    auto s = run_capture("git rev-parse --short HEAD 2>/dev/null");
-    while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
-    return s;
-  } catch (const Error&) {
-    return "unknown";
-  }
-}
-
 // A deterministic prompt of exactly n tokens: prose repeated, BOS first.
 std::vector<int64_t> bench_prompt(const Tokenizer& tok, int64_t n) {
   const std::string para =
@@ -58,6 +37,7 @@ std::vector<int64_t> bench_prompt(const Tokenizer& tok, int64_t n) {
 void register_bench(CLI::App& app) {
   auto* bench = app.add_subcommand("bench", "Benchmarks: print a table, write JSON");
   bench->require_subcommand(1);
+  register_bench_train_ftheta(*bench);
   struct Opts {
     std::string model = "checkpoints/models/gemma3-270m";
     std::string json, python = "python3", peer = "tools/hf_bench.py";

@@ -50,7 +50,9 @@ FThetaLossResult ftheta_kv_loss(const Model& verifier, const std::vector<std::pa
   // P: positions f_θ ever stands in for. [1, T, 1] f32 weights over [B, T, H] per-vector terms.
   at::Tensor in_p = pos.ge(opt.layout.sink);                          // [T] bool
   at::Tensor wp = in_p.to(at::kFloat).view({1, T, 1});
-  const double n_p = (double)in_p.sum().item<int64_t>();
+  // |P| stays on the device (no host sync: a training step can be graph-captured);
+  // an empty P gives numerators of 0, so every mean over P below is 0 / max(n, 1) = 0.
+  at::Tensor n_p = in_p.sum().to(at::kFloat);                          // [] f32
   // The restored layout: key j is exact for query t when j < sink or t - j < window.
   const bool all_predicted = opt.layout.sink == 0 && opt.layout.window == 0;
   at::Tensor exact = pos.lt(opt.layout.sink).unsqueeze(0).logical_or(
@@ -74,22 +76,18 @@ FThetaLossResult ftheta_kv_loss(const Model& verifier, const std::vector<std::pa
                                         << b.k[l].sizes() << "/" << b.v[l].sizes());
     at::Tensor kt = b.k[l].to(at::kFloat), vt = b.v[l].to(at::kFloat);
     const int64_t B = kp.size(0), H = kp.size(2), D = kp.size(3);
-    const double n_vec = n_p * B * H;  // vectors in P
+    at::Tensor n_vec = at::clamp_min(n_p * (double)(B * H), 1.0);  // [] vectors in P (>= 1, see n_p)
     auto st = stats[l];
-    at::Tensor zero = at::zeros({}, stats.options());
 
     // Raw-space terms.
     auto mse = [&](const at::Tensor& p, const at::Tensor& t) {
-      return n_vec > 0 ? ((p - t).pow(2).sum(-1) * wp).sum() / (n_vec * D) : zero;
+      return ((p - t).pow(2).sum(-1) * wp).sum() / (n_vec * (double)D);
     };
     auto rel_mse = [&](const at::Tensor& p, const at::Tensor& t) {
-      return n_vec > 0 ? ((p - t).pow(2).sum(-1) * wp).sum() / at::clamp_min((t.pow(2).sum(-1) * wp).sum(), 1e-30) : zero;
+      return ((p - t).pow(2).sum(-1) * wp).sum() / at::clamp_min((t.pow(2).sum(-1) * wp).sum(), 1e-30);
     };
-    auto mean_cos = [&](const at::Tensor& p, const at::Tensor& t) {
-      return n_vec > 0 ? (cosine(p, t) * wp).sum() / n_vec : zero;
-    };
+    auto mean_cos = [&](const at::Tensor& p, const at::Tensor& t) { return (cosine(p, t) * wp).sum() / n_vec; };
     auto mag = [&](const at::Tensor& p, const at::Tensor& t) {
-      if (n_vec == 0) return zero;
       at::Tensor np = at::linalg_vector_norm(p, 2, {-1}), nt = at::linalg_vector_norm(t, 2, {-1});
       return ((np - nt).pow(2) * wp).sum() / at::clamp_min((nt.pow(2) * wp).sum(), 1e-30);
     };
@@ -108,12 +106,12 @@ FThetaLossResult ftheta_kv_loss(const Model& verifier, const std::vector<std::pa
     // Post-norm (and post-RoPE, which leaves cosines alone) K/V as the cache holds them: [B, H_kv, T, D].
     auto [kn_p, vn_p] = verifier.finish_kv(l, kp, vp, pos);
     auto [kn_t, vn_t] = verifier.finish_kv(l, kt, vt, pos);
-    at::Tensor k_dir = n_vec > 0 ? ((1 - cosine(kn_p, kn_t)).transpose(1, 2) * wp).sum() / n_vec : zero;
-    at::Tensor v_dir = n_vec > 0 ? ((1 - cosine(vn_p, vn_t)).transpose(1, 2) * wp).sum() / n_vec : zero;
+    at::Tensor k_dir = ((1 - cosine(kn_p, kn_t)).transpose(1, 2) * wp).sum() / n_vec;
+    at::Tensor v_dir = ((1 - cosine(vn_p, vn_t)).transpose(1, 2) * wp).sum() / n_vec;
     st[kStatKDir] = k_dir.detach().to(at::kFloat);
     st[kStatVDir] = v_dir.detach().to(at::kFloat);
 
-    at::Tensor a_l = zero;
+    at::Tensor a_l = at::zeros({}, stats.options());
     if (attn) {
       at::Tensor vis = verifier.layer_mask(l, pos, pos);  // [T, T] causal (+ window)
       at::Tensor k_all, v_all, mask, pred_vis;

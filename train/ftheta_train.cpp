@@ -225,6 +225,37 @@ bool FThetaTrainer::resume() {
   return true;
 }
 
+FThetaStepResult FThetaTrainer::step_on(const FThetaBatch& b, double lr) {
+  const ModelConfig& mc = verifier_.config();
+  FThetaLossResult r;
+  {
+    AutocastGuard ac(opt_.autocast && f_.device().is_cuda());
+    r = ftheta_loss(verifier_, f_, b, opt_.loss);
+  }
+  r.loss.backward();
+  // Halt on NaN/Inf before the update touches the weights (the last checkpoint stays good).
+  at::Tensor gsq = at::zeros({}, r.loss.options());
+  for (auto& p : params_)
+    if (p.grad().defined()) gsq = gsq + p.grad().pow(2).sum();
+  if (!at::isfinite(r.loss.detach() + gsq).item<bool>()) {  // SYNC: one flag per step
+    std::string where;
+    at::Tensor bad_rows = at::isfinite(r.stats.cpu()).logical_not().any(1);
+    for (int64_t l = 0; l < mc.num_layers; ++l)
+      if (bad_rows[l].item<bool>()) where += (where.empty() ? "" : ", ") + std::to_string(l);
+    std::string params;
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (params_[i].grad().defined() && !at::isfinite(params_[i].grad()).all().item<bool>())
+        params += (params.empty() ? "" : ", ") + named_[i].first;
+    KAKEYA_FAIL("train-ftheta: non-finite " << (at::isfinite(r.loss).item<bool>() ? "gradient" : "loss") << " at step "
+                                            << step_ << (where.empty() ? "" : " in verifier layer(s) " + where)
+                                            << (params.empty() ? "" : "; gradient of " + params)
+                                            << " (weights of the last checkpoint are intact; lower --lr?)");
+  }
+  at::Tensor gnorm = adamw_step(params_, m_, v_, step_ + 1, lr, opt_.adamw);
+  ++step_;
+  return {r.loss.detach(), r.stats, gnorm};
+}
+
 bool FThetaTrainer::run() {
   const ModelConfig& mc = verifier_.config();
   const std::vector<int64_t> layers = trained_layers(opt_.loss, mc.num_layers);
@@ -244,37 +275,11 @@ bool FThetaTrainer::run() {
     }
     if (opt_.max_steps_this_run > 0 && step_ - first_step >= opt_.max_steps_this_run) break;
     const double lr = lr_at(step_);
-    FThetaBatch b = sample(step_);
-    FThetaLossResult r;
-    {
-      AutocastGuard ac(opt_.autocast && f_.device().is_cuda());
-      r = ftheta_loss(verifier_, f_, b, opt_.loss);
-    }
-    r.loss.backward();
-    // Halt on NaN/Inf before the update touches the weights (the last checkpoint stays good).
-    at::Tensor gsq = at::zeros({}, r.loss.options());
-    for (auto& p : params_)
-      if (p.grad().defined()) gsq = gsq + p.grad().pow(2).sum();
-    if (!at::isfinite(r.loss.detach() + gsq).item<bool>()) {  // SYNC: one flag per step
-      std::string where;
-      at::Tensor bad_rows = at::isfinite(r.stats.cpu()).logical_not().any(1);
-      for (int64_t l = 0; l < mc.num_layers; ++l)
-        if (bad_rows[l].item<bool>()) where += (where.empty() ? "" : ", ") + std::to_string(l);
-      std::string params;
-      for (size_t i = 0; i < params_.size(); ++i)
-        if (params_[i].grad().defined() && !at::isfinite(params_[i].grad()).all().item<bool>())
-          params += (params.empty() ? "" : ", ") + named_[i].first;
-      KAKEYA_FAIL("train-ftheta: non-finite " << (at::isfinite(r.loss).item<bool>() ? "gradient" : "loss") << " at step "
-                                              << step_ << (where.empty() ? "" : " in verifier layer(s) " + where)
-                                              << (params.empty() ? "" : "; gradient of " + params)
-                                              << " (weights of the last checkpoint are intact; lower --lr?)");
-    }
-    at::Tensor gnorm = adamw_step(params_, m_, v_, step_ + 1, lr, opt_.adamw);
+    FThetaStepResult r = step_on(sample(step_), lr);
     stats_acc = stats_acc.defined() ? stats_acc + r.stats : r.stats.clone();
-    loss_acc = loss_acc.defined() ? loss_acc + r.loss.detach() : r.loss.detach().clone();
-    g_acc = g_acc.defined() ? g_acc + gnorm : gnorm.clone();
+    loss_acc = loss_acc.defined() ? loss_acc + r.loss : r.loss.clone();
+    g_acc = g_acc.defined() ? g_acc + r.grad_norm : r.grad_norm.clone();
     ++acc_n;
-    ++step_;
     const bool last = step_ >= opt_.steps;
     const double el = seconds_since(t_session);
     step_seconds = el / (double)(step_ - first_step);

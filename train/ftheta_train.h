@@ -72,6 +72,13 @@ struct FThetaEval {
   nlohmann::json to_json(const ModelConfig& verifier) const;  // per layer + per layer type
 };
 
+// One optimisation step's outputs, on the device (reading them syncs).
+struct FThetaStepResult {
+  at::Tensor loss;       // [] f32
+  at::Tensor stats;      // [L, kNumStats] f32
+  at::Tensor grad_norm;  // [] f32, before clipping
+};
+
 class FThetaTrainer {
  public:
   // `f` must hold f32 parameters (trained in place); `verifier` f32 on the same device.
@@ -82,6 +89,9 @@ class FThetaTrainer {
   void save_checkpoint() const;
   FThetaEval evaluate() const;
   double lr_at(int64_t step) const;
+  // One step on `b` at learning rate `lr` (loss, backward, NaN/Inf halt, AdamW),
+  // step() += 1. run() calls it on sample(step()); `kakeya bench train-ftheta` times it.
+  FThetaStepResult step_on(const FThetaBatch& b, double lr);
   int64_t step() const { return step_; }
   nlohmann::json report() const;   // options, logs, evaluations, reduction factor
 

@@ -131,7 +131,8 @@ void launch_add_rms_norm(const T* h, const T* x, const float* w_post, const floa
 //   heads 0..Hq-1 are q heads -> q_out [B·T, Hq, D];
 //   heads Hq..Hq+Hkv-1 are k heads -> k_cache[b, h, slot, :], with v copied to v_cache.
 //   cos, sin: [P, rot] in T (HF casts its tables to the activation dtype).
-//   positions: [T] int64; slot = position mod S (a ring for sliding layers).
+//   positions: [T] int64; slot = position mod ring, ring <= S (the cache's exact ring: all S
+//   slots on plain layers, the first `ring` on restored ones, whose restored region follows).
 //   q_w/k_w: [D] f32 norm weights, nullptr when the family has no q/k norm.
 // Threads: one per rotary pair (rot/2), plus pass-through dims past rot.
 template <typename T>
@@ -139,8 +140,8 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
                                           const float* __restrict__ k_w, const T* __restrict__ cos_t,
                                           const T* __restrict__ sin_t, const int64_t* __restrict__ positions,
                                           T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
-                                          int T_len, int Hq, int Hkv, int D, int rot, int S, float eps,
-                                          bool unit_offset) {
+                                          int T_len, int Hq, int Hkv, int D, int rot, int S, int ring,
+                                          float eps, bool unit_offset) {
   __shared__ float red[32];
   extern __shared__ float xs[];  // [D] the normed head, rounded to T
   const int n = blockIdx.x;      // token row: b·T + t
@@ -170,7 +171,7 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
     dst = q_out + ((int64_t)n * Hq + head) * D;
   } else {
     const int hk = head - Hq;
-    const int64_t slot = pos % S;
+    const int64_t slot = pos % ring;
     const int64_t off = (((int64_t)b * Hkv + hk) * S + slot) * D;
     dst = k_cache + off;
     const T* vsrc = qkv + (int64_t)n * row_w + (int64_t)(Hq + Hkv + hk) * D;
@@ -189,12 +190,12 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
 template <typename T>
 void launch_qk_norm_rope_store(const T* qkv, const float* q_w, const float* k_w, const T* cos_t, const T* sin_t,
                                const int64_t* positions, T* q_out, T* k_cache, T* v_cache, int B, int T_len, int Hq,
-                               int Hkv, int D, int rot, int S, float eps, bool unit_offset, cudaStream_t s) {
+                               int Hkv, int D, int rot, int S, int ring, float eps, bool unit_offset, cudaStream_t s) {
   dim3 grid(B * T_len, Hq + Hkv);
   int threads = D >= 256 ? 128 : (D >= 128 ? 64 : 32);
   qk_norm_rope_store_kernel<T><<<grid, threads, D * sizeof(float), s>>>(qkv, q_w, k_w, cos_t, sin_t, positions, q_out,
-                                                                       k_cache, v_cache, T_len, Hq, Hkv, D, rot, S, eps,
-                                                                       unit_offset);
+                                                                       k_cache, v_cache, T_len, Hq, Hkv, D, rot, S, ring,
+                                                                       eps, unit_offset);
 }
 
 // ---------------------------------------------------------------------------

@@ -104,7 +104,9 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D &&
                   v_cache.sizes() == k_cache.sizes(),
               "k/v cache: expected [", B, ", ", Hkv, ", S, ", D, "], got ", k_cache.sizes(), " / ", v_cache.sizes());
-  TORCH_CHECK(T <= k_cache.size(2), "qk_norm_rope_store: chunk of ", T, " tokens does not fit a ring of ", k_cache.size(2));
+  const int64_t ring = a.ring > 0 ? a.ring : k_cache.size(2);
+  TORCH_CHECK(ring <= k_cache.size(2), "qk_norm_rope_store: ring of ", ring, " slots in a cache of ", k_cache.size(2));
+  TORCH_CHECK(T <= ring, "qk_norm_rope_store: chunk of ", T, " tokens does not fit a ring of ", ring);
   TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && a.cos.scalar_type() == qkv.scalar_type(),
               "qk_norm_rope_store: cache / RoPE table dtype must match qkv");
   if (a.q_norm.defined()) check_w(a.q_norm, D, "q_norm");
@@ -120,7 +122,7 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
     k::launch_qk_norm_rope_store<Ty>(ptr<Ty>(qkv), a.q_norm.defined() ? a.q_norm.data_ptr<float>() : nullptr,
                                      a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr, ptr<Ty>(a.cos),
                                      ptr<Ty>(a.sin), positions.data_ptr<int64_t>(), ptr<Ty>(q), ptr<Ty>(k_cache),
-                                     ptr<Ty>(v_cache), B, T, Hq, Hkv, D, rot, k_cache.size(2), a.norm.eps,
+                                     ptr<Ty>(v_cache), B, T, Hq, Hkv, D, rot, k_cache.size(2), ring, a.norm.eps,
                                      a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
   });
   return q;
