@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "infer/fused.h"
 #include "infer/generate.h"
 #include "infer/loop_util.h"
 
@@ -44,6 +45,7 @@ const char* decode_mode_name(DecodeMode m) {
     case DecodeMode::Ar: return "ar";
     case DecodeMode::RestoredReforward: return "restored-reforward";
     case DecodeMode::Restored: return "restored";
+    case DecodeMode::Fused: return "fused";
   }
   return "?";
 }
@@ -52,7 +54,8 @@ DecodeMode parse_decode_mode(const std::string& s) {
   if (s == "ar") return DecodeMode::Ar;
   if (s == "restored-reforward") return DecodeMode::RestoredReforward;
   if (s == "restored") return DecodeMode::Restored;
-  KAKEYA_FAIL("--mode: expected ar | restored-reforward | restored, got '" << s << "'");
+  if (s == "fused") return DecodeMode::Fused;
+  KAKEYA_FAIL("--mode: expected ar | restored-reforward | restored | fused, got '" << s << "'");
 }
 
 const char* full_attn_name(FullAttn f) {
@@ -712,9 +715,21 @@ DecodeResult decode(const Model& verifier, const Drafter* drafter, const FTheta*
                                       << cfg.max_position_embeddings << " (max_position_embeddings)");
     return decode_ar(verifier, prompt, opt);
   }
+  if (opt.mode == DecodeMode::Fused) return decode_fused(verifier, drafter, ftheta, prompt, opt);
   validate_restore(verifier, drafter, ftheta, opt.restore, prompt.size(), opt.max_new_tokens);
   return opt.mode == DecodeMode::Restored ? decode_restored(verifier, drafter, ftheta, prompt, opt)
                                           : decode_reforward(verifier, drafter, ftheta, prompt, opt);
+}
+
+double DecodeResult::tau() const {
+  int64_t n = 0;
+  for (int64_t c : committed) n += c;
+  return committed.empty() ? 0.0 : (double)n / (double)committed.size();
+}
+
+MemoryReport restored_memory_report(const Model& v, const Drafter* d, const FTheta* f, const KVCache& cache,
+                                    const Restorer& r, const RestoreOptions& o, int64_t positions) {
+  return restored_memory(v, d, f, cache, r, o, positions);
 }
 
 ScoreResult score_restored(const Model& v, const Drafter* dr, const FTheta* ft, const std::vector<int64_t>& ids,

@@ -30,6 +30,8 @@
 //                       into the KV cache's restored region (core/kv_cache.h
 //                       RestorePolicy); the prompt is prefilled in chunks of <= window
 //                       tokens, then one forward per token. O(1) per token.
+//   fused               `restored` accelerated by speculative decoding with the drafter
+//                       (infer/fused.h): blocks verified on the restored cache, same tokens.
 // Both restored modes run the unmodified Model::forward: restoration lives in
 // taps (Restorer subscribes to Tap::LayerOut for the drafter's features and to
 // Tap::KProj/VProj for the true raw K/V) and cache writes.
@@ -56,8 +58,8 @@ namespace kakeya {
 
 class KVCodec;
 
-enum class DecodeMode { Ar, RestoredReforward, Restored };
-const char* decode_mode_name(DecodeMode m);               // "ar" | "restored-reforward" | "restored"
+enum class DecodeMode { Ar, RestoredReforward, Restored, Fused };
+const char* decode_mode_name(DecodeMode m);               // "ar" | "restored-reforward" | "restored" | "fused"
 DecodeMode parse_decode_mode(const std::string& name);    // throws on anything else
 
 enum class FullAttn { Exact, Restored, Codec };
@@ -196,6 +198,7 @@ struct DecodeOptions {
   std::function<void(int64_t)> on_token;
   bool stream = true;                   // read each token as it comes (one host sync per token)
   bool cuda_graph = true;               // restored mode on CUDA: replay the decode step as a graph
+  int64_t block_size = 0;               // fused: tokens per verify forward (0: the drafter's block_size)
 };
 
 struct DecodeResult {
@@ -208,6 +211,8 @@ struct DecodeResult {
   // exact or restored copy per position (1.0 = nothing lost, nothing twice); -1: no such layers.
   double attention_fraction_sliding = -1, attention_fraction_full = -1;
   int64_t restored_positions = 0;       // positions that left the exact window
+  std::vector<int64_t> committed;       // fused: tokens committed by each verify forward
+  double tau() const;                   // fused: mean of `committed` (0 if none)
   double decode_tokens_per_second() const {
     return tokens.size() > 1 && decode_seconds > 0 ? (tokens.size() - 1) / decode_seconds : 0.0;
   }
@@ -222,6 +227,11 @@ DecodeResult decode(const Model& verifier, const Drafter* drafter, const FTheta*
 // scored against the next tokens. One window (the whole sequence, <= the model's positions).
 ScoreResult score_restored(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
                            const std::vector<int64_t>& ids, const RestoreOptions& opt, RestoreStats* stats = nullptr);
+
+// The memory report of a restored-cache session (what `restored` mode reports; fused adds its drafter context).
+MemoryReport restored_memory_report(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
+                                    const KVCache& cache, const Restorer& restorer, const RestoreOptions& opt,
+                                    int64_t positions);
 
 // Memory of weights next to the caches (helpers for tools).
 int64_t drafter_weight_bytes(const Drafter& d);

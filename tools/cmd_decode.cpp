@@ -61,14 +61,18 @@ void register_decode(CLI::App& app) {
     double temperature = 0.0, top_p = 1.0;
     uint64_t seed = 0;
     bool raw = false, stats = false, compare_ar = false;
+    int64_t block_size = 0;
   };
   auto o = std::make_shared<Opts>();
-  auto* c = app.add_subcommand("decode", "Decode on the restored verifier (ar | restored-reforward | restored); "
+  auto* c = app.add_subcommand("decode", "Decode on the restored verifier (ar | restored-reforward | restored | fused); "
                                          "tok/s and a memory table against full KV and the native cache");
   o->rf.add(c);
-  c->add_option("--mode", o->mode, "ar (full-KV oracle) | restored-reforward (slow reference) | restored (incremental)")
+  c->add_option("--mode", o->mode, "ar (full-KV oracle) | restored-reforward (slow reference) | restored (incremental) | "
+                                 "fused (restored + speculative blocks with the drafter)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"ar", "restored-reforward", "restored"}));
+      ->check(CLI::IsMember({"ar", "restored-reforward", "restored", "fused"}));
+  c->add_option("--block-size", o->block_size, "fused: tokens per verify forward (0: the drafter's block_size)")
+      ->capture_default_str();
   auto* p = c->add_option("--prompt", o->prompt, "prompt text (streamed)");
   c->add_option("--prompts", o->prompts, "JSONL file: one {\"prompt\": ...} per line")->excludes(p);
   c->add_option("--max-new-tokens", o->max_new, "tokens to generate")->capture_default_str()->check(CLI::PositiveNumber);
@@ -87,7 +91,7 @@ void register_decode(CLI::App& app) {
     const bool stream = o->prompts.empty();
     RestoreOptions ro = o->rf.options();
     ro.stats = o->stats;
-    const bool need_restore = mode != DecodeMode::Ar && ro.needs_ftheta();
+    const bool need_restore = mode != DecodeMode::Ar && (ro.needs_ftheta() || mode == DecodeMode::Fused);
     // Tokenize first: the RoPE table covers the longest prompt + its new tokens.
     auto tok = load_tokenizer(o->rf.verifier);
     std::vector<std::vector<int64_t>> ids;
@@ -96,7 +100,8 @@ void register_decode(CLI::App& app) {
       ids.push_back(encode(tok, it.text, !o->raw));
       longest = std::max<int64_t>(longest, ids.back().size() + (it.max_new ? it.max_new : o->max_new));
     }
-    auto st = load_decode_stack(o->rf, longest, need_restore);
+    // fused: the last verify block reaches up to block_size (<= window) positions past the budget.
+    auto st = load_decode_stack(o->rf, longest + (mode == DecodeMode::Fused ? ro.window : 0), need_restore);
     const Model& model = *st.model;
     if (mode != DecodeMode::Ar) KAKEYA_CHECK(ro.full_attn != FullAttn::Codec || !o->rf.calib.empty(),
                                              "decode: --full-attn codec needs --calib DIR");
@@ -114,6 +119,7 @@ void register_decode(CLI::App& app) {
       d.restore = ro;
       d.max_new_tokens = items[i].max_new ? items[i].max_new : o->max_new;
       d.sampling = {o->temperature, o->top_p, o->seed};
+      d.block_size = o->block_size;
       d.stop_ids = model.config().eos_token_ids;
       std::vector<int32_t> out;
       std::string shown;
@@ -140,6 +146,8 @@ void register_decode(CLI::App& app) {
                    r.memory.full_kv_bytes ? (double)r.memory.kv_bytes() / r.memory.full_kv_bytes : 0.0,
                    r.memory.native_kv_bytes ? (double)r.memory.kv_bytes() / r.memory.native_kv_bytes : 0.0,
                    o->rf.df.device.c_str(), c10::toString(model.dtype()));
+      if (mode == DecodeMode::Fused)
+        std::fprintf(stderr, "[decode fused] %zu verify forwards, tau %.2f\n", r.committed.size(), r.tau());
       if (i == 0 || i + 1 == items.size()) std::fputs(r.memory.table().c_str(), stderr);
       nlohmann::json pj{{"id", items[i].id},
                         {"prompt_ids", ids[i]},
@@ -149,6 +157,7 @@ void register_decode(CLI::App& app) {
                         {"decode_seconds", r.decode_seconds},
                         {"decode_tokens_per_second", r.decode_tokens_per_second()},
                         {"memory", r.memory.to_json()}};
+      if (mode == DecodeMode::Fused) pj["fused"] = {{"tau", r.tau()}, {"committed_per_forward", r.committed}};
       if (mode != DecodeMode::Ar) {
         pj["restored_positions"] = r.restored_positions;
         pj["attention_fraction"] = {{"sliding", r.attention_fraction_sliding}, {"full", r.attention_fraction_full}};

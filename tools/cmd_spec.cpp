@@ -1,13 +1,17 @@
 // kakeya spec: greedy speculative decoding with a DFlash drafter (lossless:
 // the same tokens as `kakeya generate` at temperature 0), with τ and tok/s.
+// --mode plain: the DFlash loop on a full-KV target (infer/speculative.h);
+// --mode fused: on the restored verifier (infer/fused.h; --ftheta, --sink, --window, --mix-alpha).
 #include <cstdio>
 #include <iostream>
 
 #include "core/drafter.h"
 #include "core/error.h"
+#include "infer/fused.h"
 #include "infer/generate.h"
 #include "infer/speculative.h"
 #include "tools/cli_common.h"
+#include "tools/restored_flags.h"
 
 namespace kakeya::cli {
 
@@ -19,6 +23,9 @@ void register_spec(CLI::App& app) {
     int64_t max_new = 64, block_size = 0;
     bool raw = false, check_ar = false;
     DeviceFlags df;
+    std::string mode = "plain", ftheta = "checkpoints/gemma3-270m/ftheta", full_attn = "exact";
+    int64_t sink = 4, window = 64;
+    double mix_alpha = 0.0;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("spec", "Greedy speculative decoding with a DFlash drafter; prints τ and tok/s");
@@ -31,6 +38,15 @@ void register_spec(CLI::App& app) {
       ->check(CLI::Range((int64_t)2, (int64_t)1024));
   c->add_flag("--raw", o->raw, "do not add BOS / special tokens to the prompt");
   c->add_flag("--check-ar", o->check_ar, "also decode with plain greedy AR and require identical tokens");
+  c->add_option("--mode", o->mode, "plain (full-KV target) | fused (restored verifier, infer/fused.h)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"plain", "fused"}));
+  c->add_option("--ftheta", o->ftheta, "fused: f_θ directory, or random[:SEED]")->capture_default_str();
+  c->add_option("--sink", o->sink, "fused: attention-sink positions kept exact")->capture_default_str();
+  c->add_option("--window", o->window, "fused: exact recent positions per query")->capture_default_str();
+  c->add_option("--full-attn", o->full_attn, "fused: exact | restored")->capture_default_str();
+  c->add_option("--mix-alpha", o->mix_alpha, "fused: restored raw K/V = a·true + (1-a)·f_θ (1: exact restoration)")
+      ->capture_default_str();
   c->add_option("--json", o->json, "write ids, text, τ, acceptance lengths and timings here");
   o->df.add(c);
   c->callback([o] {
@@ -41,6 +57,17 @@ void register_spec(CLI::App& app) {
     // Room for the prompt, the new tokens and one block past them (the last verify forward).
     auto model = load_model(o->model, o->df, prompt.size() + o->max_new + 1024);
     auto drafter = Drafter::load(o->drafter, model);
+    const bool fused = o->mode == "fused";
+    RestoreFlags rf;  // fused: f_θ and the restore policy
+    rf.verifier = o->model;
+    rf.drafter = o->drafter;
+    rf.ftheta = o->ftheta;
+    rf.sink = o->sink;
+    rf.window = o->window;
+    rf.full_attn = o->full_attn;
+    rf.mix_alpha = o->mix_alpha;
+    DecodeStack fst;
+    if (fused && rf.options().needs_ftheta()) load_restoration(rf, model, tok, fst);
     SpeculativeOptions so;
     so.max_new_tokens = o->max_new;
     so.block_size = o->block_size;
@@ -56,7 +83,22 @@ void register_spec(CLI::App& app) {
       }
     };
     std::cout << text << std::flush;
-    auto r = speculative_generate(model, drafter, prompt, so);
+    SpeculativeResult r;
+    FusedResult fr;
+    if (fused) {
+      FusedOptions fo;
+      fo.max_new_tokens = so.max_new_tokens;
+      fo.block_size = so.block_size;
+      fo.stop_ids = so.stop_ids;
+      fo.on_token = so.on_token;
+      fr = fused_generate(model, drafter, fst.f(), rf.options(), prompt, fo);
+      r.tokens = fr.decode.tokens;
+      r.committed = fr.decode.committed;
+      r.prefill_seconds = fr.decode.prefill_seconds;
+      r.decode_seconds = fr.decode.decode_seconds;
+    } else {
+      r = speculative_generate(model, drafter, prompt, so);
+    }
     std::cout << "\n";
     std::fprintf(stderr, "[spec] prompt %zu tok, generated %zu tok in %lld verify forwards: tau %.2f, %.2f tok/s (%s, %s, block %lld)\n",
                  prompt.size(), r.tokens.size(), (long long)r.verify_forwards(), r.tau(), r.decode_tokens_per_second(),
@@ -68,7 +110,18 @@ void register_spec(CLI::App& app) {
                      {"tau", r.tau()},
                      {"committed_per_forward", r.committed},
                      {"prefill_seconds", r.prefill_seconds},
-                     {"decode_tokens_per_second", r.decode_tokens_per_second()}};
+                     {"decode_tokens_per_second", r.decode_tokens_per_second()},
+                     {"mode", o->mode}};
+    if (fused) {
+      const auto& sp = fr.split;
+      std::fprintf(stderr, "[spec fused] per block: draft %.2f ms, verify %.2f ms, upkeep %.2f ms (restore %.2f, extend %.2f)%s\n",
+                   sp.blocks ? 1e3 * sp.draft / sp.blocks : 0.0, sp.blocks ? 1e3 * sp.verify / sp.blocks : 0.0,
+                   sp.blocks ? 1e3 * sp.upkeep() / sp.blocks : 0.0, sp.blocks ? 1e3 * sp.restore / sp.blocks : 0.0,
+                   sp.blocks ? 1e3 * sp.extend / sp.blocks : 0.0, fr.cuda_graph ? ", CUDA graphs" : "");
+      j["restore"] = rf.options().to_json();
+      j["split"] = sp.to_json();
+      j["memory"] = fr.decode.memory.to_json();
+    }
     if (o->check_ar) {
       GenerateOptions g;
       g.max_new_tokens = o->max_new;

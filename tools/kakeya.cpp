@@ -7,12 +7,17 @@
 #include "core/error.h"
 #include "tools/cli_common.h"
 
+namespace kakeya::cli {
+void register_bench_spec(CLI::App& bench);  // tools/cmd_bench_spec.cpp: `kakeya bench spec`
+}
+
 int main(int argc, char** argv) {
   CLI::App app{"Kakeya: memory-bounded LLM inference (capture, train, calibrate, decode)"};
   app.require_subcommand(1);
   kakeya::cli::register_generate(app);
   kakeya::cli::register_score(app);
   kakeya::cli::register_bench(app);
+  kakeya::cli::register_bench_spec(*app.get_subcommand("bench"));
   kakeya::cli::register_calibrate(app);
   kakeya::cli::register_codec_eval(app);
   kakeya::cli::set_command_line(argc, argv);

@@ -1,0 +1,99 @@
+// Fused speculative decoding on the restored verifier (`--mode fused`, issue 7).
+//
+// The `restored` decoder (infer/restored.h) accelerated by the DFlash drafter it
+// already runs for restoration. Per block of B tokens, nothing O(context) is
+// recomputed and nothing is run twice:
+//
+//   restore  positions that leave the exact window for this block's queries get
+//            their restored K/V (Restorer::prepare_step over the block's B positions:
+//            a fixed-size set, re-restoring a position writes the same K/V)
+//   draft    [carried, MASK × (B-1)] through the drafter over its context cache
+//            -> B-1 greedy draft tokens
+//   verify   [carried, d_1 .. d_{B-1}] through the verifier on its restored cache:
+//            one forward whose taps also capture the drafter's context features (A);
+//            greedy acceptance on the device (leading run of d_i == argmax_{i-1}, a
+//            cumprod), n = accepted + 1 tokens committed
+//   extend   the drafter's context K/V (and the Restorer's f_θ inputs) at the block's
+//            positions from those features (B); the next block starts at pos + n
+//            with the verifier's own token after the accepted drafts carried as its
+//            position-0 token (no correction forward)
+//
+// Rejected positions are never rolled back explicitly (C): their K/V stay in the
+// verifier's exact ring and the drafter's context, invisible (the drafter masks
+// positions >= the block start) until the next block, which covers every one of them
+// (it starts at pos + n <= pos + B - 1 and spans B positions), overwrites them.
+// Accepted K/V are kept: no token is forwarded twice.
+//
+// All four parts read and write static device buffers only (positions live on the
+// device), so on CUDA each is captured once as a CUDA graph and replayed per block;
+// the host syncs once per block, to read the B verifier tokens and n (stop tokens and
+// the token budget are applied there). No allocation in the steady state.
+//
+// Lossless: every committed token is the verifier's argmax given the committed prefix
+// under the restoration rules of infer/restored.h, so the output equals `restored`
+// token for token (and `ar` when a = 1), up to floating-point ties between a B-token
+// and a 1-token forward. The drafter only changes how many tokens a forward commits.
+#pragma once
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/drafter.h"
+#include "core/ftheta.h"
+#include "core/model.h"
+#include "infer/restored.h"
+
+namespace kakeya {
+
+struct FusedOptions {
+  int64_t max_new_tokens = 64;
+  int64_t block_size = 0;               // B: tokens per verify forward; 0 = the drafter's block_size
+  std::vector<int64_t> stop_ids;        // generation ends after emitting one of these
+  std::function<void(int64_t)> on_token;  // committed tokens, after each block's one sync
+  bool cuda_graph = true;               // CUDA: capture the four parts once, replay per block
+  bool time_split = true;               // per-part times (CUDA events: no extra sync)
+};
+
+// Seconds summed over blocks (the prefill and the first token excluded).
+struct FusedTiming {
+  double draft = 0, verify = 0, restore = 0, extend = 0;
+  int64_t blocks = 0;
+  double upkeep() const { return restore + extend; }  // cache upkeep: restoration + drafter context extension
+  nlohmann::json to_json() const;
+};
+
+struct FusedResult {
+  DecodeResult decode;                  // tokens, timings, memory, committed (τ = decode.tau())
+  FusedTiming split;
+  int64_t block_size = 0;
+  bool cuda_graph = false;              // the blocks after the first replayed CUDA graphs
+  std::vector<std::string> warnings;    // e.g. a block larger than the drafter was trained for
+};
+
+// One fused decode session. drafter: required (it drafts), bound to `verifier`.
+// ftheta: required when ro.mix_alpha < 1. Throws on bad input (see validate_fused).
+FusedResult fused_generate(const Model& verifier, const Drafter& drafter, const FTheta* ftheta,
+                           const RestoreOptions& ro, const std::vector<int64_t>& prompt, const FusedOptions& opt);
+
+// The checks fused_generate runs before anything else: validate_restore's, plus the
+// drafter (present, bound to this verifier), the block size (>= 2, <= window: a block's
+// queries must never need restored K/V of the block itself) and the position tables
+// (the last verify block may reach B - 1 positions past the budget). Returns warnings
+// (block larger than the drafter's trained block_size).
+std::vector<std::string> validate_fused(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
+                                        const RestoreOptions& ro, int64_t n_prompt, int64_t max_new_tokens,
+                                        int64_t block_size);
+
+// DecodeMode::Fused for decode() (infer/restored.h): DecodeOptions -> fused_generate.
+DecodeResult decode_fused(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
+                          const std::vector<int64_t>& prompt, const DecodeOptions& opt);
+
+// Positions a session needs in the verifier's RoPE table beyond prompt + new tokens (the
+// last block's draft positions): tools add it when they size the model's table.
+inline int64_t fused_position_margin(int64_t block_size) { return block_size; }
+
+}  // namespace kakeya

@@ -1,0 +1,265 @@
+// Fused speculative decoding on the restored verifier (infer/fused.h) on the real
+// default model (Gemma 3 270M, CPU f32) with the shipped DFlash drafter, a small
+// exact window (sink 4 + window 16, so blocks cross the window boundary all the time):
+//   - exact restoration (a = 1) is token-identical to plain AR, over prompts (code,
+//     prose, one shorter than sink + window) and block sizes 4, 8, 16;
+//   - with a seeded random f_θ at a = 0 it is token-identical to the `restored`
+//     decoder it accelerates (the lossless claim on the restored verifier);
+//   - a stop token inside a block ends the output there; the token budget is exact;
+//   - bad input: a drafter of another target, a block past the window, a block larger
+//     than the drafter was trained for (a warning, same tokens).
+#include <ATen/ATen.h>
+
+#include <fstream>
+#include <numeric>
+#include <string>
+
+#include "core/drafter.h"
+#include "core/error.h"
+#include "core/fs.h"
+#include "core/ftheta.h"
+#include "core/model.h"
+#include "core/tokenizer.h"
+#include "infer/fused.h"
+#include "infer/generate.h"
+#include "infer/restored.h"
+#include "tests/test_util.h"
+
+using namespace kakeya;
+
+namespace {
+
+const Model& model() {
+  static Model m = [] {
+    ModelOptions mo;
+    mo.max_positions = 160;
+    return Model::load(test::real_model_dir(), mo);
+  }();
+  return m;
+}
+
+const Tokenizer& tokenizer() {
+  static Tokenizer t = Tokenizer::from_file(test::real_model_dir() + "/tokenizer.json");
+  return t;
+}
+
+std::vector<int64_t> encode(const std::string& s) {
+  auto ids = tokenizer().encode(s);
+  return std::vector<int64_t>(ids.begin(), ids.end());
+}
+
+const Drafter& drafter() {
+  static Drafter d = Drafter::load(test::shipped_dir("drafter"), model());
+  return d;
+}
+
+const FTheta& ftheta() {
+  static FTheta f = FTheta::random(FThetaConfig::for_pair(model().config(), drafter().config(), 32), 5, at::kFloat,
+                                   at::kCPU);
+  return f;
+}
+
+// Code (the drafter's strongest domain: long accepted runs), prose, and a prompt
+// shorter than sink + window (restoration starts during generation).
+const std::vector<std::vector<int64_t>>& prompts() {
+  static std::vector<std::vector<int64_t>> p{
+      encode("import os\nimport sys\n\n\ndef list_files(root):\n    \"\"\"Return every file under root.\"\"\"\n"
+             "    out = []\n    for dirpath, dirnames, filenames in os.walk(root):\n"),
+      encode("The lighthouse keeper wrote in his logbook every evening: the weather, the ships, the oil burned "
+             "and the repairs. On the last page he wrote"),
+      encode("def fibonacci(n):\n"),
+  };
+  return p;
+}
+
+constexpr int64_t kNew = 24;
+
+RestoreOptions restore_options(double alpha) {
+  RestoreOptions ro;
+  ro.sink = 4;
+  ro.window = 16;
+  ro.mix_alpha = alpha;
+  return ro;
+}
+
+const std::vector<int64_t>& ar_tokens(size_t i) {
+  static std::vector<std::vector<int64_t>> t = [] {
+    std::vector<std::vector<int64_t>> all;
+    for (const auto& p : prompts()) {
+      GenerateOptions go;
+      go.max_new_tokens = kNew;
+      all.push_back(generate(model(), p, go).tokens);
+    }
+    return all;
+  }();
+  return t[i];
+}
+
+FusedResult fused(size_t prompt, int64_t block, double alpha, int64_t max_new = kNew,
+                  std::vector<int64_t> stop = {}, const RestoreOptions* ro = nullptr) {
+  FusedOptions fo;
+  fo.max_new_tokens = max_new;
+  fo.block_size = block;
+  fo.stop_ids = std::move(stop);
+  return fused_generate(model(), drafter(), alpha < 1.0 ? &ftheta() : nullptr, ro ? *ro : restore_options(alpha),
+                        prompts()[prompt], fo);
+}
+
+int64_t sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), (int64_t)0); }
+
+TEST(Fused, PromptsCrossTheWindow) {
+  EXPECT_GT(prompts()[0].size(), 2u * 20u);
+  EXPECT_GT(prompts()[1].size(), 20u);
+  EXPECT_LT(prompts()[2].size(), 20u);  // shorter than sink + window
+}
+
+TEST(Fused, ExactRestorationEqualsArOverPromptsAndBlocks) {
+  double accepted = 0;
+  int64_t forwards = 0;
+  for (size_t p = 0; p < prompts().size(); ++p)
+    for (int64_t b : {4, 8, 16}) {
+      SCOPED_TRACE("prompt " + std::to_string(p) + ", block " + std::to_string(b));
+      auto r = fused(p, b, 1.0);
+      EXPECT_EQ(r.decode.tokens, ar_tokens(p));
+      EXPECT_EQ(r.block_size, b);
+      EXPECT_TRUE(r.warnings.empty());
+      // Every verify forward commits 1..b tokens; the first token comes from the prefill.
+      EXPECT_EQ(sum(r.decode.committed), (int64_t)r.decode.tokens.size() - 1);
+      for (int64_t c : r.decode.committed) {
+        EXPECT_GE(c, 1);
+        EXPECT_LE(c, b);
+      }
+      EXPECT_EQ(r.split.blocks, (int64_t)r.decode.committed.size());
+      EXPECT_GT(r.decode.restored_positions, 0);
+      accepted += sum(r.decode.committed);
+      forwards += r.decode.committed.size();
+    }
+  // The shipped drafter really drafts: more than one token per verify forward on average.
+  EXPECT_GT(accepted / forwards, 1.5);
+}
+
+TEST(Fused, EqualsRestoredDecoderWithRandomFTheta) {
+  bool acts = false;
+  for (size_t p : {1u, 2u}) {
+    DecodeOptions d;
+    d.mode = DecodeMode::Restored;
+    d.restore = restore_options(0.0);
+    d.max_new_tokens = 16;
+    auto ref = decode(model(), &drafter(), &ftheta(), prompts()[p], d);
+    acts |= ref.tokens != std::vector<int64_t>(ar_tokens(p).begin(), ar_tokens(p).begin() + 16);
+    for (int64_t b : {4, 16}) {
+      SCOPED_TRACE("prompt " + std::to_string(p) + ", block " + std::to_string(b));
+      auto r = fused(p, b, 0.0, 16);
+      EXPECT_EQ(r.decode.tokens, ref.tokens);
+    }
+  }
+  EXPECT_TRUE(acts) << "a random f_θ changed no continuation: restoration does not act";
+}
+
+TEST(Fused, DecodeModeFusedDispatches) {
+  EXPECT_EQ(parse_decode_mode("fused"), DecodeMode::Fused);
+  EXPECT_STREQ(decode_mode_name(DecodeMode::Fused), "fused");
+  DecodeOptions d;
+  d.mode = DecodeMode::Fused;
+  d.restore = restore_options(1.0);
+  d.max_new_tokens = 10;
+  d.block_size = 8;
+  auto r = decode(model(), &drafter(), nullptr, prompts()[0], d);
+  EXPECT_EQ(r.tokens, std::vector<int64_t>(ar_tokens(0).begin(), ar_tokens(0).begin() + 10));
+  EXPECT_GT(r.tau(), 1.0);
+  bool ctx = false;
+  for (const auto& l : r.memory.kv) ctx |= l.name == "drafter context cache" && l.bytes > 0;
+  EXPECT_TRUE(ctx) << r.memory.table();
+}
+
+TEST(Fused, StopTokenInsideABlockAndExactBudget) {
+  // Budget: 11 tokens is no multiple of anything the blocks commit.
+  auto full = fused(0, 8, 1.0);
+  auto cut = fused(0, 8, 1.0, 11);
+  EXPECT_EQ(cut.decode.tokens, std::vector<int64_t>(ar_tokens(0).begin(), ar_tokens(0).begin() + 11));
+  // A stop id whose first occurrence is strictly inside a multi-token block.
+  const auto& t = full.decode.tokens;
+  int64_t k = -1, pos = 1;  // pos: index in t of the block's first token
+  for (int64_t c : full.decode.committed) {
+    for (int64_t i = pos; i < pos + c - 1 && k < 0; ++i)
+      if (std::find(t.begin(), t.begin() + i, t[i]) == t.begin() + i) k = i;
+    if (k >= 0) break;
+    pos += c;
+  }
+  ASSERT_GE(k, 0) << "no multi-token block with a fresh token";
+  auto stopped = fused(0, 8, 1.0, kNew, {t[k]});
+  EXPECT_EQ(stopped.decode.tokens, std::vector<int64_t>(t.begin(), t.begin() + k + 1));
+  // The same through generate(): identical.
+  GenerateOptions go;
+  go.max_new_tokens = kNew;
+  go.stop_ids = {t[k]};
+  EXPECT_EQ(generate(model(), prompts()[0], go).tokens, stopped.decode.tokens);
+  // A stop as the prefill's very first token: no block runs.
+  auto first = fused(0, 8, 1.0, kNew, {t[0]});
+  EXPECT_EQ(first.decode.tokens, std::vector<int64_t>{t[0]});
+  EXPECT_TRUE(first.decode.committed.empty());
+}
+
+TEST(Fused, BlockLargerThanTrainedWarnsAndStaysLossless) {
+  RestoreOptions ro = restore_options(1.0);
+  ro.window = 24;
+  auto r = fused(1, 20, 1.0, 10, {}, &ro);
+  ASSERT_EQ(r.warnings.size(), 1u);
+  EXPECT_NE(r.warnings[0].find("larger than the drafter was trained for"), std::string::npos) << r.warnings[0];
+  EXPECT_EQ(r.decode.tokens, std::vector<int64_t>(ar_tokens(1).begin(), ar_tokens(1).begin() + 10));
+}
+
+void expect_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(Fused, DrafterOfAnotherTargetIsRefused) {
+  // A drafter loaded against another verifier instance: bound to that one.
+  ModelOptions mo;
+  mo.max_positions = 64;
+  Model other = Model::load(test::real_model_dir(), mo);
+  Drafter foreign = Drafter::load(test::shipped_dir("drafter"), other);
+  FusedOptions fo;
+  fo.max_new_tokens = 4;
+  expect_error([&] { fused_generate(model(), foreign, nullptr, restore_options(1.0), prompts()[0], fo); },
+               "bound to another target");
+  // A drafter checkpoint made for another target geometry is refused at load time.
+  const std::string dir = fs::temp_dir() + "/kakeya_test_fused_foreign_drafter";
+  fs::make_dirs(dir);
+  std::ifstream in(test::shipped_dir("drafter") + "/config.json");
+  auto cfg = nlohmann::json::parse(in);
+  cfg["num_target_layers"] = 26;  // e.g. a Gemma 3 1B drafter
+  cfg["dflash_config"]["target_layer_ids"] = {1, 6, 12, 18, 23};
+  fs::write_atomic(dir + "/config.json", cfg.dump());
+  expect_error([&] { Drafter::load(dir, model()); }, "drafter/target mismatch");
+}
+
+TEST(Fused, BadInput) {
+  FusedOptions fo;
+  fo.max_new_tokens = 4;
+  RestoreOptions ro = restore_options(1.0);
+  fo.block_size = 17;  // > window 16
+  expect_error([&] { fused_generate(model(), drafter(), nullptr, ro, prompts()[0], fo); }, "exceeds --window");
+  fo.block_size = 1;
+  expect_error([&] { fused_generate(model(), drafter(), nullptr, ro, prompts()[0], fo); }, ">= 2");
+  fo.block_size = 8;
+  fo.max_new_tokens = 160 - (int64_t)prompts()[0].size();  // fits the table without the last block's margin
+  expect_error([&] { fused_generate(model(), drafter(), nullptr, ro, prompts()[0], fo); }, "RoPE table");
+  fo.max_new_tokens = 4;
+  ro.mix_alpha = 0.0;
+  expect_error([&] { fused_generate(model(), drafter(), nullptr, ro, prompts()[0], fo); }, "needs f_θ");
+  DecodeOptions d;
+  d.mode = DecodeMode::Fused;
+  d.restore = restore_options(1.0);
+  d.max_new_tokens = 4;
+  expect_error([&] { decode(model(), nullptr, nullptr, prompts()[0], d); }, "--drafter");
+  d.sampling.temperature = 0.7;
+  expect_error([&] { decode(model(), &drafter(), nullptr, prompts()[0], d); }, "greedily");
+}
+
+}  // namespace

@@ -1,0 +1,352 @@
+// kakeya bench spec: in one run, decode tok/s of `ar` (the full-KV CUDA-graph AR
+// loop), `restored` (the restored verifier, one token per forward) and `fused`
+// (speculative decoding on the restored verifier, infer/fused.h), τ and the fused
+// per-block time split (draft / verify / cache upkeep = restoration + drafter context),
+// on held-out code and prose prompts (train-drafter's split: files held out by content
+// hash) and on NIAH prompts at given context lengths (with each mode's recall).
+// Prints a table, writes JSON.
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <map>
+#include <sstream>
+
+#include "core/error.h"
+#include "data/niah.h"
+#include "infer/fused.h"
+#include "infer/restored.h"
+#include "tools/cli_common.h"
+#include "tools/restored_flags.h"
+#include "train/drafter_data.h"
+
+namespace kakeya::cli {
+namespace {
+
+struct PromptSet {
+  std::string name;
+  std::vector<std::vector<int64_t>> prompts;
+  std::vector<std::vector<std::string>> answers;  // NIAH: per prompt; empty otherwise
+  int64_t max_new = 0;
+  bool stop = false;  // stop at EOS (NIAH); held-out sets generate exactly max_new tokens
+};
+
+struct ModeStats {
+  int64_t runs = 0, tokens = 0;  // tokens counted as decode_tokens_per_second does: generated - 1 per run
+  double decode_s = 0, prefill_s = 0, recall = 0;
+  int64_t committed = 0, blocks = 0;
+  FusedTiming split;
+  int64_t identical_to_restored = 0, identical_to_ar = 0;
+  nlohmann::json memory;
+  double tps() const { return decode_s > 0 ? tokens / decode_s : 0.0; }
+  double tau() const { return blocks > 0 ? (double)committed / blocks : 0.0; }
+};
+
+std::string head_commit() {
+  std::array<char, 128> buf{};
+  std::string out;
+  if (FILE* p = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
+    while (fgets(buf.data(), buf.size(), p)) out += buf.data();
+    pclose(p);
+  }
+  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
+  return out.empty() ? "unknown" : out;
+}
+
+std::vector<int64_t> parse_ints(const std::string& s, const char* flag) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    try {
+      size_t used = 0;
+      out.push_back(std::stoll(item, &used));
+      KAKEYA_CHECK(used == item.size(), "");
+    } catch (const std::exception&) {
+      KAKEYA_FAIL(flag << ": '" << item << "' is not an integer");
+    }
+  }
+  return out;
+}
+
+std::vector<double> parse_fracs(const std::string& s, const char* flag) {
+  std::vector<double> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    if (item.empty()) continue;
+    double v = -1;
+    try {
+      v = std::stod(item);
+    } catch (const std::exception&) {
+    }
+    KAKEYA_CHECK(v >= 0 && v <= 1, flag << ": '" << item << "' is not a number in [0, 1]");
+    out.push_back(v);
+  }
+  KAKEYA_CHECK(!out.empty(), flag << ": expected a comma-separated list");
+  return out;
+}
+
+}  // namespace
+
+void register_bench_spec(CLI::App& bench) {
+  struct Opts {
+    RestoreFlags rf;
+    int64_t block = 0, new_tokens = 192, prompts = 8, prompt_len = 64, heldout_percent = 10, niah_new = 24;
+    int64_t niah_samples = 1, warmup = 1;
+    uint64_t seed = 1;
+    std::vector<std::string> code{"/usr/lib/python3.12"};
+    std::vector<std::string> prose{"/opt/torch/.venv/lib/python3.12/site-packages", "/usr/share/common-licenses",
+                                   "/usr/share/doc"};
+    std::string niah_contexts = "4096,16384", niah_depths = "0.5", source_dir = "data/codec", json;
+    std::string modes = "ar,restored,fused";
+    bool no_graph = false;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = bench.add_subcommand(
+      "spec", "ar vs restored vs fused decode tok/s in one run: τ, fused per-block split, held-out code/prose + NIAH");
+  o->rf.add(c);
+  c->add_option("--block-size", o->block, "fused: tokens per verify forward (0: the drafter's block_size)")
+      ->capture_default_str();
+  c->add_option("--new-tokens", o->new_tokens, "tokens generated per held-out prompt (no stop)")->capture_default_str();
+  c->add_option("--prompts", o->prompts, "held-out prompts per domain (0: no code/prose sets)")->capture_default_str();
+  c->add_option("--prompt-len", o->prompt_len, "held-out prompt length in tokens (BOS included)")->capture_default_str();
+  c->add_option("--heldout-percent", o->heldout_percent, "train-drafter's split: files held out by content hash")
+      ->capture_default_str();
+  c->add_option("--seed", o->seed, "prompt sampling seed (train-drafter's eval prompts: its --seed + 1)")
+      ->capture_default_str();
+  c->add_option("--code", o->code, "code roots (*.py), as given to train-drafter")->capture_default_str();
+  c->add_option("--prose", o->prose, "prose roots, as given to train-drafter")->capture_default_str();
+  c->add_option("--niah-contexts", o->niah_contexts, "NIAH prompt lengths in tokens ('' for none)")->capture_default_str();
+  c->add_option("--niah-depths", o->niah_depths, "NIAH needle depths, one prompt each")->capture_default_str();
+  c->add_option("--niah-samples", o->niah_samples, "NIAH prompts per depth and context")->capture_default_str();
+  c->add_option("--niah-new", o->niah_new, "tokens generated per NIAH prompt (stops at EOS)")->capture_default_str();
+  c->add_option("--source-dir", o->source_dir, "NIAH haystack files")->capture_default_str();
+  c->add_option("--modes", o->modes, "comma-separated subset of ar,restored,fused")->capture_default_str();
+  c->add_option("--warmup", o->warmup, "untimed runs per mode first (allocator, cuBLAS, graph paths)")
+      ->capture_default_str();
+  c->add_flag("--no-graph", o->no_graph, "no CUDA graphs in any mode (eager launches)");
+  c->add_option("--json", o->json, "write the results here");
+  c->callback([o] {
+    std::vector<std::string> modes;
+    {
+      std::stringstream ss(o->modes);
+      std::string m;
+      while (std::getline(ss, m, ','))
+        if (!m.empty()) {
+          KAKEYA_CHECK(m == "ar" || m == "restored" || m == "fused", "--modes: unknown mode '" << m << "'");
+          modes.push_back(m);
+        }
+    }
+    const bool want_fused = std::find(modes.begin(), modes.end(), "fused") != modes.end();
+    RestoreOptions ro = o->rf.options();
+    auto tok = load_tokenizer(o->rf.verifier);
+
+    // ---- prompt sets ----
+    std::vector<PromptSet> sets;
+    const int64_t bos = tok.bos_id();
+    if (o->prompts > 0) {
+      for (train::Domain d : {train::Domain::Code, train::Domain::Prose}) {
+        const auto& roots = d == train::Domain::Code ? o->code : o->prose;
+        auto files = train::list_corpus(roots, d, (int)o->heldout_percent);
+        std::vector<train::CorpusFile> ho;
+        for (const auto& f : files)
+          if (f.heldout && f.eval_ok) ho.push_back(f);
+        KAKEYA_CHECK(!ho.empty(), "bench spec: no held-out " << train::domain_name(d) << " files under the given roots");
+        train::PromptOptions po;  // train-drafter's held-out prompts
+        po.prompt_len = o->prompt_len;
+        po.max_prompts = o->prompts;
+        po.max_per_file = 1;
+        po.first_at_start = false;
+        po.seed = o->seed;
+        PromptSet s;
+        s.name = train::domain_name(d);
+        s.prompts = train::make_prompts(tok, bos, ho, d, po);
+        s.max_new = o->new_tokens;
+        std::fprintf(stderr, "[bench spec] %s: %zu held-out prompts of %lld tokens from %zu held-out files\n",
+                     s.name.c_str(), s.prompts.size(), (long long)o->prompt_len, ho.size());
+        sets.push_back(std::move(s));
+      }
+    }
+    const auto depths = parse_fracs(o->niah_depths, "--niah-depths");
+    for (int64_t ctx : parse_ints(o->niah_contexts, "--niah-contexts")) {
+      PromptSet s;
+      s.name = "niah-" + std::to_string(ctx);
+      s.max_new = o->niah_new;
+      s.stop = true;
+      data::NiahOptions no;
+      no.split = data::NiahSplit::Eval;
+      no.context_tokens = ctx;
+      no.chat = data::detect_chat_format(tok);
+      no.source_dir = o->source_dir;
+      for (int64_t k = 0; k < o->niah_samples; ++k)
+        for (size_t di = 0; di < depths.size(); ++di) {
+          no.seed = (uint64_t)(k * depths.size() + di);
+          no.depths = {depths[di]};
+          auto sample = data::make_niah(tok, no);
+          s.prompts.push_back(sample.prompt_ids);
+          s.answers.push_back(sample.answers);
+        }
+      sets.push_back(std::move(s));
+    }
+    KAKEYA_CHECK(!sets.empty(), "bench spec: no prompts (--prompts 0 and no --niah-contexts)");
+
+    int64_t longest = 0;
+    for (const auto& s : sets)
+      for (const auto& p : s.prompts) longest = std::max<int64_t>(longest, p.size() + s.max_new);
+    const bool need_drafter = want_fused || ro.needs_ftheta();
+    auto st = load_decode_stack(o->rf, longest + 1024, need_drafter);
+    const Model& model = *st.model;
+    const int64_t B = o->block > 0 ? o->block : (st.drafter ? st.drafter->config().block_size : 0);
+    std::fprintf(stderr, "[bench spec] %s %s, sink %lld window %lld, a=%.2f, block %lld, modes %s\n",
+                 device_description(model.device()).c_str(), c10::toString(model.dtype()), (long long)ro.sink,
+                 (long long)ro.window, ro.mix_alpha, (long long)B, o->modes.c_str());
+
+    auto run = [&](const std::string& mode, const std::vector<int64_t>& prompt, const PromptSet& s, ModeStats* acc,
+                   std::vector<int64_t>* tokens) {
+      DecodeResult r;
+      FusedTiming split;
+      if (mode == "fused") {
+        FusedOptions fo;
+        fo.max_new_tokens = s.max_new;
+        fo.block_size = B;
+        if (s.stop) fo.stop_ids = model.config().eos_token_ids;
+        fo.cuda_graph = !o->no_graph;
+        auto fr = fused_generate(model, *st.drafter, st.f(), ro, prompt, fo);
+        r = std::move(fr.decode);
+        split = fr.split;
+      } else {
+        DecodeOptions d;
+        d.mode = mode == "ar" ? DecodeMode::Ar : DecodeMode::Restored;
+        d.restore = ro;
+        d.max_new_tokens = s.max_new;
+        if (s.stop) d.stop_ids = model.config().eos_token_ids;
+        d.stream = false;
+        d.cuda_graph = !o->no_graph;
+        r = decode(model, st.d(), st.f(), prompt, d);
+      }
+      if (tokens) *tokens = r.tokens;
+      if (!acc) return std::string();
+      acc->runs += 1;
+      acc->tokens += std::max<int64_t>(0, (int64_t)r.tokens.size() - 1);
+      acc->decode_s += r.decode_seconds;
+      acc->prefill_s += r.prefill_seconds;
+      for (int64_t c : r.committed) acc->committed += c;
+      acc->blocks += r.committed.size();
+      acc->split.draft += split.draft;
+      acc->split.verify += split.verify;
+      acc->split.restore += split.restore;
+      acc->split.extend += split.extend;
+      acc->split.blocks += split.blocks;
+      if (acc->memory.is_null()) acc->memory = r.memory.to_json();
+      std::vector<int32_t> g(r.tokens.begin(), r.tokens.end());
+      return tok.decode(g, true);
+    };
+
+    // Warm-up: every mode once on the first prompt (not timed).
+    for (int64_t w = 0; w < o->warmup; ++w)
+      for (const auto& m : modes) run(m, sets[0].prompts[0], sets[0], nullptr, nullptr);
+
+    nlohmann::json jsets = nlohmann::json::array();
+    std::string table;
+    char line[512];
+    std::snprintf(line, sizeof line, "%-12s %4s %9s %9s %9s %7s %7s %5s %8s %8s %8s %6s %6s %s\n", "set", "n",
+                  "ar tok/s", "rest tok/s", "fused", "f/ar", "f/rest", "tau", "draft", "verify", "upkeep", "=rest",
+                  "=ar", "recall ar/rest/fused");
+    table += line;
+    for (const auto& s : sets) {
+      std::map<std::string, ModeStats> ms;
+      nlohmann::json per_prompt = nlohmann::json::array();
+      for (size_t i = 0; i < s.prompts.size(); ++i) {
+        std::map<std::string, std::vector<int64_t>> toks;
+        nlohmann::json pj{{"prompt_tokens", s.prompts[i].size()}};
+        for (const auto& m : modes) {
+          std::string text = run(m, s.prompts[i], s, &ms[m], &toks[m]);
+          if (!s.answers.empty()) {
+            const double rec = data::niah_recall(s.answers[i], text);
+            ms[m].recall += rec;
+            pj[m + "_recall"] = rec;
+          }
+        }
+        if (toks.count("fused")) {
+          if (toks.count("restored") && toks["fused"] == toks["restored"]) ms["fused"].identical_to_restored++;
+          if (toks.count("ar") && toks["fused"] == toks["ar"]) ms["fused"].identical_to_ar++;
+          pj["fused_identical_to_restored"] = toks.count("restored") ? nlohmann::json(toks["fused"] == toks["restored"]) : nullptr;
+          pj["fused_identical_to_ar"] = toks.count("ar") ? nlohmann::json(toks["fused"] == toks["ar"]) : nullptr;
+        }
+        per_prompt.push_back(pj);
+        std::fprintf(stderr, "\r[bench spec] %s: %zu/%zu prompts", s.name.c_str(), i + 1, s.prompts.size());
+      }
+      std::fprintf(stderr, "\n");
+      const int64_t n = s.prompts.size();
+      auto tps = [&](const char* m) { return ms.count(m) ? ms[m].tps() : 0.0; };
+      const double ar = tps("ar"), rest = tps("restored"), fu = tps("fused");
+      const ModeStats& f = ms["fused"];
+      auto per_block = [&](double sec) { return f.split.blocks > 0 ? 1e3 * sec / f.split.blocks : 0.0; };
+      auto rec = [&](const char* m) -> std::string {
+        if (s.answers.empty() || !ms.count(m)) return "-";
+        char b[16];
+        std::snprintf(b, sizeof b, "%.2f", ms[m].recall / n);
+        return b;
+      };
+      std::snprintf(line, sizeof line, "%-12s %4lld %9.1f %9.1f %9.1f %6.2fx %6.2fx %5.2f %6.2fms %6.2fms %6.2fms %3lld/%lld %3lld/%lld %s/%s/%s\n",
+                    s.name.c_str(), (long long)n, ar, rest, fu, ar > 0 ? fu / ar : 0.0, rest > 0 ? fu / rest : 0.0,
+                    f.tau(), per_block(f.split.draft), per_block(f.split.verify), per_block(f.split.upkeep()),
+                    (long long)f.identical_to_restored, (long long)n, (long long)f.identical_to_ar, (long long)n,
+                    rec("ar").c_str(), rec("restored").c_str(), rec("fused").c_str());
+      table += line;
+      nlohmann::json jm;
+      for (auto& [m, v] : ms) {
+        jm[m] = {{"runs", v.runs},
+                 {"decode_tokens", v.tokens},
+                 {"decode_seconds", v.decode_s},
+                 {"prefill_seconds", v.prefill_s},
+                 {"decode_tokens_per_second", v.tps()},
+                 {"memory_first_prompt", v.memory}};
+        if (!s.answers.empty()) jm[m]["recall"] = v.recall / n;
+        if (m == "fused") {
+          const double total = v.split.draft + v.split.verify + v.split.upkeep();
+          jm[m]["tau"] = v.tau();
+          jm[m]["verify_forwards"] = v.blocks;
+          jm[m]["split"] = v.split.to_json();
+          jm[m]["split"]["share_of_decode"] = {
+              {"draft", v.decode_s > 0 ? v.split.draft / v.decode_s : 0.0},
+              {"verify", v.decode_s > 0 ? v.split.verify / v.decode_s : 0.0},
+              {"upkeep", v.decode_s > 0 ? v.split.upkeep() / v.decode_s : 0.0},
+              {"host_and_gaps", v.decode_s > 0 ? 1.0 - total / v.decode_s : 0.0}};
+          jm[m]["identical_to_restored"] = v.identical_to_restored;
+          jm[m]["identical_to_ar"] = v.identical_to_ar;
+        }
+      }
+      nlohmann::json js{{"set", s.name},
+                        {"prompts", n},
+                        {"max_new_tokens", s.max_new},
+                        {"stop_at_eos", s.stop},
+                        {"modes", jm},
+                        {"per_prompt", per_prompt}};
+      if (ar > 0) js["fused_vs_ar"] = fu / ar;
+      if (rest > 0) js["fused_vs_restored"] = fu / rest;
+      jsets.push_back(js);
+    }
+    std::printf("\n%s", table.c_str());
+    std::printf("draft/verify/upkeep: ms per fused block (upkeep = restoration + drafter context extension); "
+                "=rest/=ar: fused outputs token-identical to restored / ar\n");
+    if (!o->json.empty()) {
+      write_json(o->json, {{"bench", "spec"},
+                           {"command", command_line()},
+                           {"commit", head_commit()},
+                           {"device", device_description(model.device())},
+                           {"dtype", c10::toString(model.dtype())},
+                           {"models", o->rf.to_json()},
+                           {"restore", ro.to_json()},
+                           {"block_size", B},
+                           {"cuda_graph", !o->no_graph},
+                           {"heldout", {{"percent", o->heldout_percent}, {"seed", o->seed}, {"prompt_len", o->prompt_len},
+                                        {"code", o->code}, {"prose", o->prose}}},
+                           {"sets", jsets}});
+      std::fprintf(stderr, "-> %s\n", o->json.c_str());
+    }
+  });
+}
+
+}  // namespace kakeya::cli
