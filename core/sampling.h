@@ -20,6 +20,11 @@ class Sampler {
   // logits: [B, V] f32 -> token ids [B] int64 on the logits' device (no host sync).
   at::Tensor sample(const at::Tensor& logits);
   bool greedy() const { return opt_.temperature <= 0.0; }
+  // logits: [B, V] -> the distribution sample() draws from (temperature, then the top-p
+  // prefix), normalised: [B, V] f32. Sampling only (temperature > 0). Speculative rejection
+  // sampling (infer/fused.h) compares the drafter's and the verifier's through it.
+  at::Tensor probs(const at::Tensor& logits) const;
+  at::Generator& generator() { return gen_; }  // seeded: draws through it are reproducible
 
  private:
   SamplingOptions opt_;

@@ -80,8 +80,9 @@ struct TapRelay : TapSubscriber {
 // positions from the device (pos0_, qpos_), so each can be captured as a CUDA graph.
 class Engine {
  public:
-  Engine(const Model& v, const Drafter& d, Restorer& rest, KVCache& cache, int64_t B, int64_t cap)
-      : v_(v), d_(d), rest_(rest), cache_(cache), B_(B), cap_(cap),
+  Engine(const Model& v, const Drafter& d, Restorer& rest, KVCache& cache, int64_t B, int64_t cap,
+         const SamplingOptions& so)
+      : v_(v), d_(d), rest_(rest), cache_(cache), B_(B), cap_(cap), sampler_(so, v.device()),
         capture_(v, d.config().target_layer_ids) {
     const at::Device dev = v.device();
     auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
@@ -132,6 +133,9 @@ class Engine {
   }
 
   // The first block starts at `pos` with `first` ([1] int64, on the device) carried.
+  bool sampling() const { return !sampler_.greedy(); }
+  at::Tensor pick(const at::Tensor& logits) { return sampler_.sample(logits); }  // [1, V] -> [1]: the first token
+
   void start(const at::Tensor& first, int64_t pos) {
     blk_.select(1, 0).copy_(first.view({1}));
     pos0_.fill_(pos);
@@ -161,7 +165,12 @@ class Engine {
     }
     at::Tensor h = d_.forward_block(d_.embed(dblk_), qpos_, ck_, cv_, masks);  // [1, B, H]
     at::Tensor lg = d_.logits(h.narrow(1, 1, B_ - 1));                         // [1, B-1, V]
-    blk_.narrow(1, 1, B_ - 1).copy_(lg.argmax(-1));
+    if (sampling()) {
+      q_ = sampler_.probs(lg.select(0, 0));  // [B-1, V]: the drafter's distributions, kept for acceptance
+      blk_.narrow(1, 1, B_ - 1).copy_(at::multinomial(q_, 1, false, sampler_.generator()).view({1, B_ - 1}));
+    } else {
+      blk_.narrow(1, 1, B_ - 1).copy_(lg.argmax(-1));
+    }
   }
 
   void verify() {
@@ -169,6 +178,11 @@ class Engine {
     fo.taps = &vtaps_;
     fo.advance_cache = false;  // the host advances by the accepted length
     at::Tensor logits = v_.forward(blk_, qpos_, cache_, fo);  // [1, B, V]
+    if (sampling()) {
+      accept_sampled(logits.select(0, 0));
+      feats_.copy_(capture_.take());
+      return;
+    }
     at::Tensor post = logits.select(0, 0).argmax(-1);         // [B]: the verifier's token after each position
     // Greedy acceptance in the graph: the leading run of drafts equal to the verifier's choice.
     at::Tensor match = blk_.select(0, 0).narrow(0, 1, B_ - 1).eq(post.narrow(0, 0, B_ - 1)).to(at::kLong);
@@ -190,6 +204,26 @@ class Engine {
   }
 
  private:
+  // Speculative rejection sampling of the block (see fused.h): writes report_ as greedy does.
+  void accept_sampled(const at::Tensor& logits) {  // [B, V]
+    const int64_t n = B_ - 1;
+    at::Tensor p = sampler_.probs(logits);                          // [B, V]
+    at::Tensor d = blk_.select(0, 0).narrow(0, 1, n);               // [B-1] drafts
+    at::Tensor pd = p.narrow(0, 0, n).gather(1, d.view({n, 1})).squeeze(1);
+    at::Tensor qd = q_.gather(1, d.view({n, 1})).squeeze(1);
+    at::Tensor u = at::rand({n}, sampler_.generator(), p.options());
+    at::Tensor ok = (u * qd).lt(pd).to(at::kLong);                  // u < p(d) / q(d)
+    at::Tensor acc = ok.cumprod(0).sum();                            // accepted drafts
+    // Row i < B-1: the residual max(0, p_i - q_i) (p_i where it vanishes); row B-1: the bonus p_{B-1}.
+    at::Tensor r = (p.narrow(0, 0, n) - q_).clamp_min(0.0);
+    r = at::where(r.sum(-1, true).gt(0), r, p.narrow(0, 0, n));
+    at::Tensor c = at::multinomial(at::cat({r, p.narrow(0, n, 1)}, 0), 1, false, sampler_.generator()).squeeze(1);  // [B]
+    at::Tensor idx = at::arange(B_, c.options());
+    at::Tensor tokens = at::where(idx.lt(acc), at::cat({d, c.narrow(0, n, 1)}), c);  // drafts, then the sample
+    report_.narrow(0, 0, B_).copy_(tokens);
+    report_.narrow(0, B_, 1).copy_(acc.add(1).view({1}));
+  }
+
   void write_context(const at::Tensor& feats, const at::Tensor& pos) {
     auto kv = d_.context_kv(d_.project_context(feats), pos, rest_.drafter_taps());
     for (size_t l = 0; l < kv.size(); ++l) {
@@ -203,6 +237,8 @@ class Engine {
   Restorer& rest_;
   KVCache& cache_;
   const int64_t B_, cap_;
+  Sampler sampler_;      // greedy, or temperature/top-p with its seeded generator
+  at::Tensor q_;         // [B-1, V] the last draft's distributions (sampling only)
   TargetFeatureCapture capture_;
   TapRelay relay_;
   Taps vtaps_;
@@ -246,7 +282,7 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
   KVCache cache(v.config(), fused_cache_options(v, ro, cap, B));
   // The Restorer needs the drafter only for f_θ's inputs (a < 1); our Engine drafts.
   Restorer rest(v, ro.needs_ftheta() ? &d : nullptr, f, ro, cache);
-  Engine eng(v, d, rest, cache, B, cap);
+  Engine eng(v, d, rest, cache, B, cap, opt.sampling);
   DecodeResult& res = out.decode;
   res.tokens.reserve(opt.max_new_tokens + B);
   res.committed.reserve(opt.max_new_tokens);
@@ -259,7 +295,7 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
     const int64_t len = std::min(chunk, n_prompt - s);
     logits = eng.prefill_chunk(ids.narrow(1, s, len), s, s + len == n_prompt);
   }
-  at::Tensor first = logits.select(1, 0).argmax(-1);  // [1]
+  at::Tensor first = eng.pick(logits.select(1, 0));  // [1]
   eng.start(first, n_prompt);
   res.prefill_seconds = seconds_since(t0, dev);
   int64_t tok = first.item<int64_t>();  // SYNC: stream the first token / check for a stop
@@ -289,7 +325,7 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
   while (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) {
     const int64_t g = res.tokens.size(), s = n_prompt + g - 1;  // s: position of the carried token
 #ifdef KAKEYA_CUDA
-    if (cuda && opt.cuda_graph && blocks == 1) {
+    if (cuda && opt.cuda_graph && !eng.sampling() && blocks == 1) {
       // The first block ran eagerly (warming cuBLAS, the allocator and every code path);
       // capture records the parts without running them, then every block replays them.
       c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
@@ -362,14 +398,13 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
 DecodeResult decode_fused(const Model& v, const Drafter* d, const FTheta* f, const std::vector<int64_t>& prompt,
                           const DecodeOptions& opt) {
   KAKEYA_CHECK(d, "fused: --mode fused drafts with the drafter: give --drafter DIR");
-  KAKEYA_CHECK(opt.sampling.temperature <= 0.0,
-               "fused: --mode fused decodes greedily (--temperature 0); sampling is not implemented yet");
   FusedOptions fo;
   fo.max_new_tokens = opt.max_new_tokens;
   fo.block_size = opt.block_size;
   fo.stop_ids = opt.stop_ids;
   fo.on_token = opt.on_token;
   fo.cuda_graph = opt.cuda_graph;
+  fo.sampling = opt.sampling;
   auto r = fused_generate(v, *d, f, opt.restore, prompt, fo);
   return std::move(r.decode);
 }

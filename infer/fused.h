@@ -33,6 +33,14 @@
 // under the restoration rules of infer/restored.h, so the output equals `restored`
 // token for token (and `ar` when a = 1), up to floating-point ties between a B-token
 // and a 1-token forward. The drafter only changes how many tokens a forward commits.
+//
+// Sampling (temperature > 0; top-p as core/sampling.h): speculative rejection sampling.
+// Drafts are sampled from the drafter's distributions q_i; draft i is accepted with
+// probability min(1, p_i(d_i) / q_i(d_i)) (p_i: the verifier's, same temperature and
+// top-p), the first rejected position takes a token from norm(max(0, p_i - q_i)), a
+// fully accepted block a bonus token from p_B. The committed tokens are distributed as
+// the verifier's own sampling; one seeded generator makes a run reproducible. Sampling
+// runs the parts eagerly (no CUDA graphs: the generator is not registered with them).
 #pragma once
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -45,6 +53,7 @@
 #include "core/drafter.h"
 #include "core/ftheta.h"
 #include "core/model.h"
+#include "core/sampling.h"
 #include "infer/restored.h"
 
 namespace kakeya {
@@ -56,6 +65,7 @@ struct FusedOptions {
   std::function<void(int64_t)> on_token;  // committed tokens, after each block's one sync
   bool cuda_graph = true;               // CUDA: capture the four parts once, replay per block
   bool time_split = true;               // per-part times (CUDA events: no extra sync)
+  SamplingOptions sampling;             // temperature 0: greedy (lossless); > 0: rejection sampling
 };
 
 // Seconds summed over blocks (the prefill and the first token excluded).

@@ -7,7 +7,8 @@
 //     decoder it accelerates (the lossless claim on the restored verifier);
 //   - a stop token inside a block ends the output there; the token budget is exact;
 //   - bad input: a drafter of another target, a block past the window, a block larger
-//     than the drafter was trained for (a warning, same tokens).
+//     than the drafter was trained for (a warning, same tokens);
+//   - rejection sampling: reproducible per seed, greedy at a near-zero temperature.
 #include <ATen/ATen.h>
 
 #include <fstream>
@@ -259,7 +260,29 @@ TEST(Fused, BadInput) {
   d.max_new_tokens = 4;
   expect_error([&] { decode(model(), nullptr, nullptr, prompts()[0], d); }, "--drafter");
   d.sampling.temperature = 0.7;
-  expect_error([&] { decode(model(), &drafter(), nullptr, prompts()[0], d); }, "greedily");
+  d.sampling.top_p = 0.0;
+  expect_error([&] { decode(model(), &drafter(), nullptr, prompts()[0], d); }, "--top-p");
+}
+
+TEST(Fused, RejectionSamplingIsSeededAndGreedyAtTinyTemperature) {
+  auto sampled = [](double t, double top_p, uint64_t seed) {
+    FusedOptions fo;
+    fo.max_new_tokens = 12;
+    fo.block_size = 8;
+    fo.sampling = {t, top_p, seed};
+    return fused_generate(model(), drafter(), nullptr, restore_options(1.0), prompts()[0], fo).decode;
+  };
+  // A near-zero temperature makes every distribution one-hot: acceptance, residual and bonus
+  // all reduce to the verifier's argmax, so the output is greedy AR's.
+  auto cold = sampled(1e-4, 1.0, 3);
+  EXPECT_EQ(cold.tokens, std::vector<int64_t>(ar_tokens(0).begin(), ar_tokens(0).begin() + 12));
+  EXPECT_GT(cold.tau(), 1.0);
+  // Same seed, same tokens; the sampled run is a real sample (another seed or greedy differs).
+  auto a = sampled(1.0, 0.9, 7), b = sampled(1.0, 0.9, 7), c = sampled(1.0, 0.9, 8);
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(a.committed, b.committed);
+  EXPECT_EQ(a.tokens.size(), 12u);
+  EXPECT_TRUE(a.tokens != c.tokens || a.tokens != cold.tokens);
 }
 
 }  // namespace

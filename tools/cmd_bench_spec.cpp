@@ -6,7 +6,6 @@
 // hash) and on NIAH prompts at given context lengths (with each mode's recall).
 // Prints a table, writes JSON.
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <map>
 #include <sstream>
@@ -40,17 +39,6 @@ struct ModeStats {
   double tps() const { return decode_s > 0 ? tokens / decode_s : 0.0; }
   double tau() const { return blocks > 0 ? (double)committed / blocks : 0.0; }
 };
-
-std::string head_commit() {
-  std::array<char, 128> buf{};
-  std::string out;
-  if (FILE* p = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
-    while (fgets(buf.data(), buf.size(), p)) out += buf.data();
-    pclose(p);
-  }
-  while (!out.empty() && (out.back() == '\n' || out.back() == ' ')) out.pop_back();
-  return out.empty() ? "unknown" : out;
-}
 
 std::vector<int64_t> parse_ints(const std::string& s, const char* flag) {
   std::vector<int64_t> out;
@@ -334,7 +322,7 @@ void register_bench_spec(CLI::App& bench) {
     if (!o->json.empty()) {
       write_json(o->json, {{"bench", "spec"},
                            {"command", command_line()},
-                           {"commit", head_commit()},
+                           {"commit", git_commit()},
                            {"device", device_description(model.device())},
                            {"dtype", c10::toString(model.dtype())},
                            {"models", o->rf.to_json()},

@@ -7,10 +7,6 @@
 #include "core/error.h"
 #include "tools/cli_common.h"
 
-namespace kakeya::cli {
-void register_bench_spec(CLI::App& bench);  // tools/cmd_bench_spec.cpp: `kakeya bench spec`
-}
-
 int main(int argc, char** argv) {
   CLI::App app{"Kakeya: memory-bounded LLM inference (capture, train, calibrate, decode)"};
   app.require_subcommand(1);
