@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <sstream>
 
@@ -143,7 +144,10 @@ class Engine {
   }
 
   // ---- the four parts ----
-  void restore() { rest_.prepare_step(qpos_); }
+  // Restores the positions leaving the window for the last r queries of the block,
+  // (pos0 + B - r .. pos0 + B - 1) - window: the host picks r >= the positions that are new
+  // since the last block (re-restoring one writes the same K/V), so r = B covers any block.
+  void restore(int64_t r) { rest_.prepare_step(qpos_.narrow(0, B_ - r, r)); }
 
   void draft() {
     dblk_.narrow(1, 0, 1).copy_(blk_.narrow(1, 0, 1));
@@ -307,14 +311,17 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
   const bool cuda = dev.is_cuda();
   at::Tensor host = at::empty({B + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(cuda));
 #ifdef KAKEYA_CUDA
-  std::unique_ptr<at::cuda::CUDAGraph> graphs[4];
+  std::unique_ptr<at::cuda::CUDAGraph> graphs[4];      // [0] unused: restoration has one graph per bucket
+  std::map<int64_t, std::unique_ptr<at::cuda::CUDAGraph>> restore_graphs;  // by restored-position bucket
   std::vector<c10::cuda::CUDAEvent> ev;
   if (cuda && opt.time_split)
     for (int i = 0; i < 5; ++i) ev.emplace_back(cudaEventDefault);
+  bool use_graphs = false;
 #endif
+  int64_t rb = 0;  // this block's restoration bucket (0: nothing leaves the window)
   auto part = [&](int i) {
     switch (i) {
-      case 0: eng.restore(); break;
+      case 0: if (rb > 0) eng.restore(rb); break;
       case 1: eng.draft(); break;
       case 2: eng.verify(); break;
       default: eng.extend(); break;
@@ -324,25 +331,46 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
   int64_t blocks = 0;
   while (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) {
     const int64_t g = res.tokens.size(), s = n_prompt + g - 1;  // s: position of the carried token
+    // Positions that leave the window for this block's queries and are not restored yet: the
+    // previous block's n (B after the prefill), fewer early on. Rounded up to a power of two
+    // so that a handful of fixed-shape restore graphs serve every block.
+    const int64_t need = std::min(B, s + B - 1 - ro.window - rest.restored_upto());
+    rb = 0;
+    if (need > 0)
+      for (rb = 1; rb < need;) rb = std::min(2 * rb, B);
 #ifdef KAKEYA_CUDA
     if (cuda && opt.cuda_graph && !eng.sampling() && blocks == 1) {
       // The first block ran eagerly (warming cuBLAS, the allocator and every code path);
       // capture records the parts without running them, then every block replays them.
       c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 1; i < 4; ++i) {
         graphs[i] = std::make_unique<at::cuda::CUDAGraph>();
         graphs[i]->capture_begin();
         part(i);
         graphs[i]->capture_end();
       }
-      out.cuda_graph = true;
+      use_graphs = out.cuda_graph = true;
+    }
+    if (use_graphs && rb > 0 && !restore_graphs.count(rb)) {
+      // A bucket's first use: capture it (at most log2(B) + 1 of them per session).
+      c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+      auto gr = std::make_unique<at::cuda::CUDAGraph>();
+      gr->capture_begin();
+      eng.restore(rb);
+      gr->capture_end();
+      restore_graphs[rb] = std::move(gr);
     }
     if (cuda) {
       auto stream = c10::cuda::getCurrentCUDAStream();
       for (int i = 0; i < 4; ++i) {
         if (!ev.empty()) ev[i].record(stream);
-        if (graphs[i]) graphs[i]->replay();
-        else part(i);
+        if (i == 0 && use_graphs) {
+          if (rb > 0) restore_graphs[rb]->replay();
+        } else if (graphs[i]) {
+          graphs[i]->replay();
+        } else {
+          part(i);
+        }
       }
       if (!ev.empty()) ev[4].record(stream);
       host.copy_(eng.report(), /*non_blocking=*/true);
