@@ -26,6 +26,7 @@ nlohmann::json FusedTiming::to_json() const {
           {"restore_seconds", restore},
           {"extend_seconds", extend},
           {"upkeep_seconds", upkeep()},
+          {"capture_seconds", capture},
           {"ms_per_block", {{"draft", per(draft)}, {"verify", per(verify)}, {"upkeep", per(upkeep())},
                             {"restore", per(restore)}, {"extend", per(extend)}}}};
 }
@@ -342,6 +343,7 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
     if (cuda && opt.cuda_graph && !eng.sampling() && blocks == 1) {
       // The first block ran eagerly (warming cuBLAS, the allocator and every code path);
       // capture records the parts without running them, then every block replays them.
+      auto tc = Clock::now();
       c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
       for (int i = 1; i < 4; ++i) {
         graphs[i] = std::make_unique<at::cuda::CUDAGraph>();
@@ -350,15 +352,18 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
         graphs[i]->capture_end();
       }
       use_graphs = out.cuda_graph = true;
+      out.split.capture += std::chrono::duration<double>(Clock::now() - tc).count();
     }
     if (use_graphs && rb > 0 && !restore_graphs.count(rb)) {
       // A bucket's first use: capture it (at most log2(B) + 1 of them per session).
+      auto tc = Clock::now();
       c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
       auto gr = std::make_unique<at::cuda::CUDAGraph>();
       gr->capture_begin();
       eng.restore(rb);
       gr->capture_end();
       restore_graphs[rb] = std::move(gr);
+      out.split.capture += std::chrono::duration<double>(Clock::now() - tc).count();
     }
     if (cuda) {
       auto stream = c10::cuda::getCurrentCUDAStream();

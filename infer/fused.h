@@ -72,6 +72,7 @@ struct FusedOptions {
 // Seconds summed over blocks (the prefill and the first token excluded).
 struct FusedTiming {
   double draft = 0, verify = 0, restore = 0, extend = 0;
+  double capture = 0;  // CUDA graph capture (host wall time, inside the decode time; once per session)
   int64_t blocks = 0;
   double upkeep() const { return restore + extend; }  // cache upkeep: restoration + drafter context extension
   nlohmann::json to_json() const;
