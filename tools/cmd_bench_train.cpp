@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 #include <map>
+#include <tuple>
 
 #include "core/drafter.h"
 #include "core/error.h"
@@ -132,17 +133,27 @@ void register_bench_train_ftheta(CLI::App& bench) {
                     {"grad_clip", to.adamw.grad_clip}}}});
     }
 
-    // Ours: the trainer's own step on the fixed batch.
-    FThetaTrainer tr(verifier, f, seqs, {seqs[0]}, to, dir + "/unused-checkpoint.safetensors");
-    std::fprintf(stderr, "[bench] ours: %lld warmup + %lld timed steps, batch %lld x %lld tokens, rank %lld, %s\n",
-                 (long long)o->warmup, (long long)o->steps, (long long)o->batch, (long long)o->len, (long long)o->rank,
-                 device_description(dev).c_str());
-    const double loss0 = tr.step_on(b, to.lr).loss.item<double>();  // SYNC: the first loss, compared with the peer's
-    for (int64_t i = 1; i < o->warmup; ++i) tr.step_on(b, to.lr);
-    seconds_since(Clock::now(), dev);  // drain the queue before the clock starts
-    auto t0 = Clock::now();
-    for (int64_t i = 0; i < o->steps; ++i) tr.step_on(b, to.lr);
-    const double ours_ms = 1e3 * seconds_since(t0, dev) / (double)o->steps;
+    // Ours: the trainer's own step on the fixed batch, eager and (CUDA) replaying a CUDA graph,
+    // each from the same initial weights.
+    auto time_ours = [&](bool graph) {
+      FTheta fi = FTheta::random(f.config(), o->seed, at::kFloat, dev);
+      FThetaTrainOptions t = to;
+      t.cuda_graph = graph;
+      FThetaTrainer tr(verifier, fi, seqs, {seqs[0]}, t, dir + "/unused-checkpoint.safetensors");
+      std::fprintf(stderr, "[bench] ours (%s): %lld warmup + %lld timed steps, batch %lld x %lld tokens, rank %lld, %s\n",
+                   graph ? "CUDA graph" : "eager", (long long)o->warmup, (long long)o->steps, (long long)o->batch,
+                   (long long)o->len, (long long)o->rank, device_description(dev).c_str());
+      const double loss0 = tr.step_on(b, to.lr).loss.item<double>();  // SYNC: the first loss, compared with the peer's
+      for (int64_t i = 1; i < o->warmup; ++i) tr.step_on(b, to.lr);
+      seconds_since(Clock::now(), dev);  // drain the queue before the clock starts
+      auto t0 = Clock::now();
+      for (int64_t i = 0; i < o->steps; ++i) tr.step_on(b, to.lr);
+      return std::make_pair(loss0, 1e3 * seconds_since(t0, dev) / (double)o->steps);
+    };
+    const auto [loss0, eager_ms] = time_ours(false);
+    double graph_ms = 0, graph_loss0 = 0;
+    if (dev.is_cuda()) std::tie(graph_loss0, graph_ms) = time_ours(true);
+    const double ours_ms = graph_ms > 0 ? graph_ms : eager_ms;
 
     json peer;
     if (!o->python.empty()) {
@@ -157,7 +168,8 @@ void register_bench_train_ftheta(CLI::App& bench) {
     std::printf("\nf_theta training step (%s, batch %lld x %lld tokens, rank %lld, %lld timed steps)\n", o->loss.c_str(),
                 (long long)o->batch, (long long)o->len, (long long)o->rank, (long long)o->steps);
     std::printf("%-34s %12s %14s\n", "", "ms/step", "first loss");
-    std::printf("%-34s %12.2f %14.6g\n", "kakeya (C++/LibTorch)", ours_ms, loss0);
+    std::printf("%-34s %12.2f %14.6g\n", "kakeya (C++/LibTorch, eager)", eager_ms, loss0);
+    if (graph_ms > 0) std::printf("%-34s %12.2f %14.6g\n", "kakeya (C++/LibTorch, CUDA graph)", graph_ms, graph_loss0);
     json j = {{"bench", "train-ftheta"},
               {"commit", git_commit()},
               {"command", command_line()},
@@ -170,13 +182,17 @@ void register_bench_train_ftheta(CLI::App& bench) {
               {"steps", o->steps},
               {"warmup", o->warmup},
               {"ours_ms_per_step", ours_ms},
+              {"ours_eager_ms_per_step", eager_ms},
+              {"ours_graph_ms_per_step", graph_ms > 0 ? json(graph_ms) : json()},
               {"ours_first_loss", loss0},
+              {"ours_graph_first_loss", graph_ms > 0 ? json(graph_loss0) : json()},
               {"peer", peer}};
     if (!peer.is_null()) {
       const double peer_ms = peer["step_ms"], peer_loss = peer["loss0"];
       const double rel = std::fabs(loss0 - peer_loss) / std::max(std::fabs(peer_loss), 1e-30);
       std::printf("%-34s %12.2f %14.6g\n", "PyTorch eager (Python, SDPA)", peer_ms, peer_loss);
-      std::printf("speedup ours vs eager: %.2fx; first losses differ by %.2e (relative)\n", peer_ms / ours_ms, rel);
+      std::printf("speedup ours (%s) vs PyTorch eager: %.2fx; first losses differ by %.2e (relative)\n",
+                  graph_ms > 0 ? "CUDA graph" : "eager", peer_ms / ours_ms, rel);
       j["speedup"] = peer_ms / ours_ms;
       j["first_loss_rel_diff"] = rel;
     }

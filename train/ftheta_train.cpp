@@ -2,6 +2,12 @@
 
 #include <ATen/autocast_mode.h>
 #include <ATen/core/grad_mode.h>
+#ifdef KAKEYA_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -154,6 +160,7 @@ FThetaBatch FThetaTrainer::sample(int64_t step) const {
     pick.push_back(s);
     T = std::min(T, s->length());
   }
+  if (graphed() && T >= 128) T -= T % 128;  // a few batch lengths: one captured graph each
   return make_ftheta_batch(pick, T, f_.device());
 }
 
@@ -225,35 +232,116 @@ bool FThetaTrainer::resume() {
   return true;
 }
 
-FThetaStepResult FThetaTrainer::step_on(const FThetaBatch& b, double lr) {
-  const ModelConfig& mc = verifier_.config();
+#ifdef KAKEYA_CUDA
+// One captured loss + backward for batches of one shape: static inputs, outputs and gradients.
+struct FThetaStepGraph {
+  at::cuda::CUDAGraph graph;
+  FThetaBatch in;                 // static inputs (each step's batch is copied in)
+  FThetaStepResult out;           // loss, stats (grad_norm unused)
+  at::Tensor finite;              // [] bool
+  std::vector<at::Tensor> grads;  // per parameter, written by every replay
+};
+#else
+struct FThetaStepGraph {};
+#endif
+
+FThetaTrainer::~FThetaTrainer() = default;
+
+bool FThetaTrainer::graphed() const {
+#ifdef KAKEYA_CUDA
+  return opt_.cuda_graph && f_.device().is_cuda();
+#else
+  return false;
+#endif
+}
+
+FThetaStepResult FThetaTrainer::forward_backward(const FThetaBatch& b, at::Tensor& finite) {
   FThetaLossResult r;
   {
     AutocastGuard ac(opt_.autocast && f_.device().is_cuda());
     r = ftheta_loss(verifier_, f_, b, opt_.loss);
   }
   r.loss.backward();
-  // Halt on NaN/Inf before the update touches the weights (the last checkpoint stays good).
   at::Tensor gsq = at::zeros({}, r.loss.options());
   for (auto& p : params_)
     if (p.grad().defined()) gsq = gsq + p.grad().pow(2).sum();
-  if (!at::isfinite(r.loss.detach() + gsq).item<bool>()) {  // SYNC: one flag per step
-    std::string where;
-    at::Tensor bad_rows = at::isfinite(r.stats.cpu()).logical_not().any(1);
-    for (int64_t l = 0; l < mc.num_layers; ++l)
-      if (bad_rows[l].item<bool>()) where += (where.empty() ? "" : ", ") + std::to_string(l);
-    std::string params;
-    for (size_t i = 0; i < params_.size(); ++i)
-      if (params_[i].grad().defined() && !at::isfinite(params_[i].grad()).all().item<bool>())
-        params += (params.empty() ? "" : ", ") + named_[i].first;
-    KAKEYA_FAIL("train-ftheta: non-finite " << (at::isfinite(r.loss).item<bool>() ? "gradient" : "loss") << " at step "
-                                            << step_ << (where.empty() ? "" : " in verifier layer(s) " + where)
-                                            << (params.empty() ? "" : "; gradient of " + params)
-                                            << " (weights of the last checkpoint are intact; lower --lr?)");
+  finite = at::isfinite(r.loss.detach() + gsq);
+  return {r.loss.detach(), r.stats, at::Tensor()};
+}
+
+void FThetaTrainer::fail_non_finite(const FThetaStepResult& r) const {
+  std::string where;
+  at::Tensor bad_rows = at::isfinite(r.stats.cpu()).logical_not().any(1);
+  for (int64_t l = 0; l < verifier_.config().num_layers; ++l)
+    if (bad_rows[l].item<bool>()) where += (where.empty() ? "" : ", ") + std::to_string(l);
+  std::string params;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].grad().defined() && !at::isfinite(params_[i].grad()).all().item<bool>())
+      params += (params.empty() ? "" : ", ") + named_[i].first;
+  KAKEYA_FAIL("train-ftheta: non-finite " << (at::isfinite(r.loss).item<bool>() ? "gradient" : "loss") << " at step "
+                                          << step_ << (where.empty() ? "" : " in verifier layer(s) " + where)
+                                          << (params.empty() ? "" : "; gradient of " + params)
+                                          << " (weights of the last checkpoint are intact; lower --lr?)");
+}
+
+FThetaStepResult FThetaTrainer::step_on(const FThetaBatch& b, double lr) {
+  FThetaStepResult r;
+  at::Tensor finite;
+#ifdef KAKEYA_CUDA
+  if (graphed()) {
+    const int64_t T = b.positions.size(0);
+    auto it = graphs_.find(T);
+    if (it == graphs_.end()) {
+      // PyTorch's whole-network capture recipe: warm up on a side stream (autograd, cuBLAS and
+      // cuDNN workspaces, allocator), drop the warm-up gradients, capture forward + backward.
+      auto g = std::make_unique<FThetaStepGraph>();
+      auto copy = [](const at::Tensor& t) { return t.defined() ? t.clone() : t; };
+      g->in.positions = copy(b.positions);
+      g->in.dk = copy(b.dk);
+      g->in.dv = copy(b.dv);
+      for (const auto& t : b.q) g->in.q.push_back(copy(t));
+      for (const auto& t : b.k) g->in.k.push_back(copy(t));
+      for (const auto& t : b.v) g->in.v.push_back(copy(t));
+      for (const auto& t : b.o) g->in.o.push_back(copy(t));
+      c10::cuda::device_synchronize();  // SYNC: once per captured shape
+      {
+        c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+        for (int i = 0; i < 2; ++i) {
+          forward_backward(g->in, g->finite);
+          for (auto& p : params_) p.mutable_grad() = at::Tensor();
+        }
+        c10::cuda::device_synchronize();
+        g->graph.capture_begin();
+        g->out = forward_backward(g->in, g->finite);
+        g->graph.capture_end();
+      }
+      c10::cuda::device_synchronize();
+      for (auto& p : params_) g->grads.push_back(p.grad());
+      it = graphs_.emplace(T, std::move(g)).first;
+    }
+    FThetaStepGraph& g = *it->second;
+    g.in.dk.copy_(b.dk);
+    g.in.dv.copy_(b.dv);
+    for (size_t l = 0; l < b.k.size(); ++l) {
+      if (l < b.q.size()) g.in.q[l].copy_(b.q[l]);
+      g.in.k[l].copy_(b.k[l]);
+      g.in.v[l].copy_(b.v[l]);
+      if (l < b.o.size()) g.in.o[l].copy_(b.o[l]);
+    }
+    g.graph.replay();
+    for (size_t i = 0; i < params_.size(); ++i) params_[i].mutable_grad() = g.grads[i];
+    r = {g.out.loss.clone(), g.out.stats.clone(), at::Tensor()};  // the next replay overwrites the static outputs
+    finite = g.finite;
+  } else
+#endif
+  {
+    r = forward_backward(b, finite);
   }
-  at::Tensor gnorm = adamw_step(params_, m_, v_, step_ + 1, lr, opt_.adamw);
+  // Halt on NaN/Inf before the update touches the weights (the last checkpoint stays good).
+  if (!finite.item<bool>()) fail_non_finite(r);  // SYNC: one flag per step
+  r.grad_norm = adamw_step(params_, m_, v_, step_ + 1, lr, opt_.adamw);
   ++step_;
-  return {r.loss.detach(), r.stats, gnorm};
+  return r;
 }
 
 bool FThetaTrainer::run() {

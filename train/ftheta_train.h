@@ -24,6 +24,8 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -44,6 +46,10 @@ struct FThetaTrainOptions {
   int64_t warmup_steps = 100;
   AdamWOptions adamw{0.9, 0.999, 1e-8, 0.01, 1.0};
   bool autocast = true;            // bf16 autocast when training on CUDA
+  // CUDA: each step's loss + backward replays a CUDA graph captured once per batch length (the
+  // step is launch-bound: ~10k small kernels). Batches are then cropped to a multiple of 128
+  // tokens, so a few graphs serve every batch. Not part of to_json: a resumed run may differ.
+  bool cuda_graph = true;
   uint64_t seed = 0;
   int64_t eval_every = 200;        // held-out evaluation period in steps (0: start and end only)
   double checkpoint_seconds = 60;
@@ -79,11 +85,15 @@ struct FThetaStepResult {
   at::Tensor grad_norm;  // [] f32, before clipping
 };
 
+struct FThetaStepGraph;  // ftheta_train.cpp (CUDA builds)
+
 class FThetaTrainer {
  public:
   // `f` must hold f32 parameters (trained in place); `verifier` f32 on the same device.
+  FThetaTrainer(const FThetaTrainer&) = delete;  // graphs_ capture this trainer's tensors
   FThetaTrainer(const Model& verifier, FTheta& f, std::vector<FThetaSequence> train, std::vector<FThetaSequence> heldout,
                 const FThetaTrainOptions& opt, std::string checkpoint);
+  ~FThetaTrainer();
   bool resume();                   // from the checkpoint if it exists; refuses another f_θ config or options
   bool run();                      // until `steps` or the deadline; true when finished
   void save_checkpoint() const;
@@ -97,6 +107,10 @@ class FThetaTrainer {
 
  private:
   FThetaBatch sample(int64_t step) const;
+  bool graphed() const;  // step_on replays CUDA graphs
+  // Loss, backward and the finite flag ([] bool on the device) of one step: the part a graph replays.
+  FThetaStepResult forward_backward(const FThetaBatch& b, at::Tensor& finite);
+  [[noreturn]] void fail_non_finite(const FThetaStepResult& r) const;
 
   const Model& verifier_;
   FTheta& f_;
@@ -109,6 +123,7 @@ class FThetaTrainer {
   double train_seconds_ = 0;
   nlohmann::json log_ = nlohmann::json::array();    // {step, loss, lr, grad_norm, seconds, terms{...}}
   nlohmann::json evals_ = nlohmann::json::array();  // FThetaEval::to_json
+  std::map<int64_t, std::unique_ptr<FThetaStepGraph>> graphs_;  // by batch length T
 };
 
 }  // namespace kakeya::train
