@@ -556,6 +556,40 @@ EncodedLayer KVCodec::encode(int64_t layer, Stream s, const at::Tensor& x_in, co
   return e;
 }
 
+int64_t KVCodec::coded_bytes(int64_t layer, Stream s, int64_t N, int64_t pos0) const {
+  const int64_t H = cfg_.kv_heads(layer), D = cfg_.layer_head_dim[layer];
+  const bool exact = opt_.kind == CodecKind::Exact || !opt_.stream(s).coded || opt_.is_boundary(layer);
+  const int64_t blk = opt_.block > 0 ? opt_.block : std::max<int64_t>(N, 1);
+  const int64_t n_sink = std::clamp<int64_t>(opt_.sink - pos0, 0, N);
+  auto packed = [](int64_t count, int bits) { return (count * bits + 7) / 8; };
+  const auto& so = opt_.stream(s);
+  KAKEYA_CHECK(exact || so.outlier_t <= 0.0,
+               "codec: coded_bytes of stream " << stream_name(s) << " with outliers (t=" << so.outlier_t
+                                               << "): their count depends on the data");
+  int64_t per_head = 0;
+  for (int64_t st = 0; st < N;) {
+    const int64_t n = st < n_sink ? n_sink - st : std::min(blk, N - st);
+    if (exact || st < n_sink) {
+      per_head += n * D * 2;  // "raw", accounted as bf16
+    } else if (opt_.kind == CodecKind::Affine) {
+      per_head += packed(n * D, opt_.affine_bits) + 2 * 2 * n * (D / opt_.affine_group);
+    } else if (opt_.kind == CodecKind::Fp8) {
+      per_head += n * D + 4;
+    } else {
+      const int64_t r = coded_width(layer, s);
+      if (so.center) per_head += 2 * D;
+      if (so.basis == BasisSource::Block) per_head += 2 * D * r;
+      if (so.kmeans > 0) {
+        const int64_t k = std::min<int64_t>(so.kmeans, n);
+        per_head += 2 * k * r + packed(n, ceil_log2(k)) + 2 * n;
+      }
+      for (const auto& p : pieces(layer, s)) per_head += packed(n * p.width, p.bits) + 4 + 2 * n;
+    }
+    st += n;
+  }
+  return H * per_head;
+}
+
 namespace {
 // Inverse of RopeTable::apply for x: [H, N, D] at positions pos0 .. pos0 + N - 1, in f32:
 // R⁻¹y = y·cos − rotate_half(y)·sin (cos and sin are equal on the two halves of each pair).

@@ -162,6 +162,11 @@ class KVCodec {
   // in `dtype` exactly as the model's forward does, so K̂ can be written back with KVCache::write.
   std::pair<at::Tensor, at::Tensor> decode_kv(const CodedKV& c, const RopeTable& rope, at::ScalarType dtype) const;
 
+  // Bytes encode() stores for n tokens of `layer` starting at absolute position pos0, from the
+  // layout alone (every field's size follows from the options and shapes); refused with
+  // outliers on (t > 0), whose count depends on the data. What a coded cache's memory plan uses.
+  int64_t coded_bytes(int64_t layer, Stream s, int64_t n, int64_t pos0) const;
+
   const CodecOptions& options() const { return opt_; }
   // The per-layer bit groups actually used (after alloc), for reports.
   const std::vector<BitGroup>& layer_groups(int64_t layer, Stream s) const { return groups_[(int)s].at(layer); }

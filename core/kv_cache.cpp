@@ -24,11 +24,24 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
     KAKEYA_CHECK(rp.max_chunk <= rp.window,
                  "KV cache: restore chunks of " << rp.max_chunk << " tokens exceed the exact window " << rp.window
                                                 << " (a chunk's queries would need restored K/V of the chunk itself)");
+    KAKEYA_CHECK(rp.full_coded_block >= 0 && !(rp.full && rp.full_coded_block > 0),
+                 "KV cache: full-attention layers are either restored or coded (full_coded_block "
+                     << rp.full_coded_block << ")");
   }
   auto iopt = at::TensorOptions().dtype(at::kLong).device(opt.device);
   auto setup = [&](TypeState& s, bool sliding) {
-    s.policy = rp.enabled() && (sliding ? rp.sliding : rp.full);
-    if (s.policy) {
+    s.coded = rp.enabled() && !sliding && rp.full_coded_block > 0;
+    s.policy = rp.enabled() && (sliding ? rp.sliding : rp.full || s.coded);
+    if (s.coded) {
+      // The ring holds every position from coded_below(first query) to the chunk's last:
+      // at most window + block - 2 + chunk of them.
+      s.window = rp.window;
+      s.block = rp.full_coded_block;
+      s.ring = rp.linear ? opt.capacity
+                         : std::min(opt.capacity, rp.window + rp.full_coded_block - 1 +
+                                                      std::max(rp.max_chunk - 1, opt.rollback));
+      s.rest = opt.capacity;
+    } else if (s.policy) {
       s.window = rp.window;
       s.ring = rp.linear ? opt.capacity : std::min(opt.capacity, rp.window + std::max(rp.max_chunk - 1, opt.rollback));
       s.rest = sliding && !rp.linear
@@ -46,16 +59,42 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
   setup(full_, false);
   setup(sliding_, true);
   auto fopt = at::TensorOptions().dtype(opt.dtype).device(opt.device);
+  dk_.resize(cfg.num_layers);
+  dv_.resize(cfg.num_layers);
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
-    int64_t s = state(l).ring + state(l).rest;
-    k_.push_back(at::zeros({opt.batch, cfg.kv_heads(l), s, cfg.layer_head_dim[l]}, fopt));
-    v_.push_back(at::zeros({opt.batch, cfg.kv_heads(l), s, cfg.layer_head_dim[l]}, fopt));
+    const int64_t H = cfg.kv_heads(l), D = cfg.layer_head_dim[l];
+    const TypeState& st = state(l);
+    if (st.coded) {
+      if (!scratch_k_.defined()) {
+        scratch_k_ = at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt);
+        scratch_v_ = at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt);
+      }
+      KAKEYA_CHECK(scratch_k_.size(1) == H && scratch_k_.size(3) == D,
+                   "KV cache: coded full-attention layers share one scratch, but layer "
+                       << l << " has [H_kv=" << H << ", D=" << D << "] vs [" << scratch_k_.size(1) << ", "
+                       << scratch_k_.size(3) << "]");
+      dk_[l] = at::zeros({opt.batch, H, st.ring, D}, fopt);
+      dv_[l] = at::zeros({opt.batch, H, st.ring, D}, fopt);
+      k_.push_back(scratch_k_);
+      v_.push_back(scratch_v_);
+      continue;
+    }
+    k_.push_back(at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt));
+    v_.push_back(at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt));
   }
 }
 
 const at::Tensor& KVCache::slot_positions(int64_t layer) const { return state(layer).pos; }
 
-bool KVCache::restored(int64_t layer) const { return state(layer).policy; }
+bool KVCache::restored(int64_t layer) const { return state(layer).policy && !state(layer).coded; }
+bool KVCache::coded(int64_t layer) const { return state(layer).coded; }
+bool KVCache::plain(int64_t layer) const { return !state(layer).policy; }
+
+int64_t KVCache::coded_below(int64_t q) const {
+  const TypeState& s = full_;
+  KAKEYA_CHECK(s.coded, "KV cache: coded_below without coded full-attention layers");
+  return std::max<int64_t>(0, q - s.window + 1) / s.block * s.block;
+}
 int64_t KVCache::exact_slots(int64_t layer) const { return state(layer).ring; }
 int64_t KVCache::restored_slots(int64_t layer) const { return state(layer).rest; }
 
@@ -73,8 +112,15 @@ at::Tensor KVCache::visible(int64_t layer, const at::Tensor& q_pos) const {
   const int64_t span = cfg_.is_sliding(layer) ? cfg_.sliding_window : 0;
   auto m = causal_visible(s.pos, q_pos, span);
   if (!s.policy) return m;
-  // Exact copies serve the recent window, restored copies everything older.
-  auto recent = (q_pos.unsqueeze(1) - s.pos.unsqueeze(0)).lt(s.window);  // [T, S]
+  // Exact copies serve the recent window, restored copies everything older; on coded
+  // layers the exact copies serve everything from coded_below(q) on.
+  at::Tensor recent;  // [T, S] bool
+  if (s.coded) {
+    auto below = (q_pos - (s.window - 1)).clamp_min(0).div(s.block, "floor") * s.block;  // [T]
+    recent = s.pos.unsqueeze(0).ge(below.unsqueeze(1));
+  } else {
+    recent = (q_pos.unsqueeze(1) - s.pos.unsqueeze(0)).lt(s.window);
+  }
   return m.logical_and(recent.ne(s.in_restored.unsqueeze(0)));
 }
 
@@ -112,6 +158,21 @@ void KVCache::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, con
   auto& vb = v_[layer];
   const TypeState& st = state(layer);
   int64_t t = k.size(2);
+  if (st.coded) {
+    // This layer attends next: the shared scratch gets its dense ring and its decoded history.
+    scratch_k_.narrow(2, 0, st.ring).copy_(dk_[layer]);
+    scratch_v_.narrow(2, 0, st.ring).copy_(dv_[layer]);
+    if (loader_) {
+      auto rk = scratch_k_.narrow(2, st.ring, st.rest), rv = scratch_v_.narrow(2, st.ring, st.rest);
+      loader_(layer, rk, rv);
+    }
+    auto slot = positions.remainder(st.ring);
+    dk_[layer].index_copy_(2, slot, k);
+    dv_[layer].index_copy_(2, slot, v);
+    kb.index_copy_(2, slot, k);
+    vb.index_copy_(2, slot, v);
+    return;
+  }
   if (st.policy) {
     auto slot = positions.remainder(st.ring);
     kb.index_copy_(2, slot, k);
@@ -140,12 +201,13 @@ void KVCache::mark_restored(LayerType type, const at::Tensor& positions) {
   KAKEYA_CHECK(s.policy, "KV cache: mark_restored on a layer type without restoration");
   KAKEYA_CHECK(positions.size(0) <= s.rest, "KV cache: " << positions.size(0) << " restored positions at once exceed the "
                                                          << s.rest << " restored slots");
+  KAKEYA_CHECK(!s.coded || loader_, "KV cache: coded positions marked without a history loader");
   s.pos.narrow(0, s.ring, s.rest).index_copy_(0, positions.remainder(s.rest), positions);
 }
 
 void KVCache::write_restored(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
   const TypeState& s = state(layer);
-  KAKEYA_CHECK(s.policy, "KV cache: write_restored on layer " << layer << ", which has no restoration");
+  KAKEYA_CHECK(s.policy && !s.coded, "KV cache: write_restored on layer " << layer << ", which has no restoration");
   auto slot = positions.remainder(s.rest) + s.ring;
   k_[layer].index_copy_(2, slot, k);
   v_[layer].index_copy_(2, slot, v);
@@ -154,6 +216,7 @@ void KVCache::write_restored(int64_t layer, const at::Tensor& k, const at::Tenso
 std::pair<at::Tensor, at::Tensor> KVCache::exact_kv(int64_t layer, const at::Tensor& positions) const {
   const TypeState& s = state(layer);
   auto slot = s.policy ? positions.remainder(s.ring) : (cfg_.is_sliding(layer) ? positions.remainder(s.ring) : positions);
+  if (s.coded) return {dk_[layer].index_select(2, slot), dv_[layer].index_select(2, slot)};
   return {k_[layer].index_select(2, slot), v_[layer].index_select(2, slot)};
 }
 
@@ -169,8 +232,10 @@ void KVCache::truncate(int64_t n) {
   if (n == length_) return;
   // Position n-1's query window starts at n - window; everything from there must still be in the ring.
   // Nothing evicted yet (max_evicted = -1) is always fine, also when n < window.
+  // Coded layers read exact K/V from coded_below(n - 1) on.
   for (TypeState* s : {&full_, &sliding_})
-    KAKEYA_CHECK(n == 0 || s->window == 0 || s->max_evicted < std::max<int64_t>(0, n - s->window),
+    KAKEYA_CHECK(n == 0 || s->window == 0 ||
+                     s->max_evicted < (s->coded ? coded_below(n - 1) : std::max<int64_t>(0, n - s->window)),
                  "KV cache: truncate(" << n << ") rolls back past what the " << (s == &full_ ? "full" : "sliding")
                                        << " ring still holds (rollback=" << opt_.rollback << ", length=" << length_
                                        << ")");
@@ -181,10 +246,18 @@ void KVCache::truncate(int64_t n) {
   length_ = n;
 }
 
-int64_t KVCache::layer_bytes(int64_t l) const { return (k_[l].numel() + v_[l].numel()) * k_[l].element_size(); }
+// A coded layer owns its dense ring; the scratch it attends through is shared (scratch_bytes).
+int64_t KVCache::layer_bytes(int64_t l) const {
+  const at::Tensor& k = dk_[l].defined() ? dk_[l] : k_[l];
+  return 2 * k.numel() * k.element_size();
+}
+
+int64_t KVCache::scratch_bytes() const {
+  return scratch_k_.defined() ? 2 * scratch_k_.numel() * scratch_k_.element_size() : 0;
+}
 
 int64_t KVCache::bytes() const {
-  int64_t b = 0;
+  int64_t b = scratch_bytes();
   for (size_t l = 0; l < k_.size(); ++l) b += layer_bytes(l);
   return b;
 }
@@ -199,14 +272,14 @@ int64_t KVCache::bytes_per_layer_type(LayerType t) const {
 int64_t KVCache::exact_bytes(LayerType t) const {
   int64_t b = 0;
   for (size_t l = 0; l < k_.size(); ++l)
-    if (cfg_.layer_types[l] == t) b += layer_bytes(l) / slots(l) * state(l).ring;
+    if (cfg_.layer_types[l] == t) b += layer_bytes(l) / (state(l).coded ? state(l).ring : slots(l)) * state(l).ring;
   return b;
 }
 
 int64_t KVCache::restored_bytes(LayerType t) const {
   int64_t b = 0;
   for (size_t l = 0; l < k_.size(); ++l)
-    if (cfg_.layer_types[l] == t) b += layer_bytes(l) / slots(l) * state(l).rest;
+    if (cfg_.layer_types[l] == t && !state(l).coded) b += layer_bytes(l) / slots(l) * state(l).rest;
   return b;
 }
 

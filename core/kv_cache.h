@@ -18,10 +18,21 @@
 // restored region (sliding window - window + chunk - 1) slots on sliding layers
 // and `capacity` slots on full-attention layers. A position may sit in both
 // parts at once; the mask shows each query exactly one of the two copies.
+//
+// Coded full-attention layers (RestorePolicy::full_coded_block > 0, the restored
+// decoder's --full-attn codec): every position keeps its exact K/V, but stored
+// through a KV codec once it is old. Each such layer owns only a dense exact ring
+// (window + block + max(chunk - 1, rollback) - 1 slots); positions below
+// coded_below(q) (whole codec blocks outside q's window) are read from their
+// coded copy. The coded bytes live with the caller (infer/restored.h
+// CodedHistory); attention reads ONE scratch buffer [ring | capacity] shared by
+// every coded layer, which write() fills for its layer (dense ring copied in,
+// coded history decoded by the HistoryLoader) just before that layer attends.
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "core/config.h"
@@ -39,6 +50,8 @@ struct RestorePolicy {
   bool full = false;      // restore on full-attention layers
   int64_t max_chunk = 1;  // most tokens one forward writes (prefill chunks, verify blocks)
   bool linear = false;    // one slot per position in both regions, no rings (reference decoders)
+  int64_t full_coded_block = 0;  // > 0: full-attention layers stored through a codec in blocks of this
+                                 // many tokens (exclusive with `full`)
   bool enabled() const { return window > 0; }
 };
 
@@ -93,8 +106,9 @@ class KVCache {
   at::Tensor decode_slot_positions(int64_t layer, const at::Tensor& q_pos) const;
 
   // ---- restoration (layers the policy covers) ----
-  bool restored(int64_t layer) const;            // the policy covers this layer
-  bool plain(int64_t layer) const { return !restored(layer); }  // slot = position mod S_l
+  bool restored(int64_t layer) const;            // the policy restores this layer (f_θ / exact copies)
+  bool coded(int64_t layer) const;               // full-attention layer stored through a codec
+  bool plain(int64_t layer) const;               // neither: slot = position mod S_l
   int64_t exact_slots(int64_t layer) const;      // exact ring (all slots on plain layers)
   int64_t restored_slots(int64_t layer) const;   // restored region (0 on plain layers)
   // Restored K/V of positions that left the exact window: k (post-RoPE), v: [B, H_kv, N, D].
@@ -103,6 +117,16 @@ class KVCache {
   void write_restored(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
   // The exact K/V the ring still holds for `positions` (attention sinks keep theirs): {k, v} [B, H_kv, N, D].
   std::pair<at::Tensor, at::Tensor> exact_kv(int64_t layer, const at::Tensor& positions) const;
+
+  // ---- coded full-attention layers ----
+  // Positions < coded_below(q) are read by the query at q from their coded copy (whole
+  // codec blocks that left its exact window): floor(max(q - window + 1, 0) / block) · block.
+  int64_t coded_below(int64_t q) const;
+  // Fills the coded region of the shared scratch for `layer`: k, v [B, H_kv, capacity, D],
+  // slot = position; only positions marked with mark_restored(Full, ...) are read.
+  using HistoryLoader = std::function<void(int64_t layer, at::Tensor& k, at::Tensor& v)>;
+  void set_history_loader(HistoryLoader f) { loader_ = std::move(f); }
+  int64_t scratch_bytes() const;         // the shared scratch (0 without coded layers)
 
   int64_t bytes() const;                 // allocated K/V bytes (what the cache costs)
   int64_t bytes_per_layer_type(LayerType t) const;
@@ -120,6 +144,8 @@ class KVCache {
     int64_t ring = 0;             // exact ring slots
     int64_t rest = 0;             // restored region slots
     bool policy = false;
+    bool coded = false;           // coded full-attention layers (policy is set too: same visibility machinery)
+    int64_t block = 0;            // codec block (coded only)
     int64_t window = 0;           // recent window of the exactness rule (policy) / the layer's own window
     int64_t max_evicted = -1;     // highest position overwritten in the exact ring
   };
@@ -129,7 +155,10 @@ class KVCache {
 
   const ModelConfig& cfg_;
   KVCacheOptions opt_;
-  std::vector<at::Tensor> k_, v_;       // per layer [B, H_kv_l, S_l, D_l]
+  std::vector<at::Tensor> k_, v_;       // per layer [B, H_kv_l, S_l, D_l] (coded layers: the shared scratch)
+  std::vector<at::Tensor> dk_, dv_;     // per coded layer [B, H_kv, ring, D] dense exact ring (else undefined)
+  at::Tensor scratch_k_, scratch_v_;    // [B, H_kv, ring + capacity, D] shared by the coded layers
+  HistoryLoader loader_;
   TypeState full_, sliding_;
   int64_t length_ = 0;
 };

@@ -66,10 +66,17 @@ GenerateResult generate(const Model& model, const std::vector<int64_t>& prompt, 
   auto logits = model.forward(ids, cache, fo);
   DecodeStep st{model, cache, sampler, at::empty({1, 1}, iopt), at::full({1}, n_prompt, iopt), at::zeros({1}, iopt),
                 at::zeros({opt.max_new_tokens}, iopt)};
-  auto first = sampler.sample(logits.select(1, 0));
-  st.out.index_copy_(0, st.step, first);
-  st.cur.copy_(first.view({1, 1}));
-  st.step.add_(1);
+  DecodeLoop loop{[&st] { st.run(); }, nullptr, nullptr, st.cur, st.step, st.out};
+  run_decode_loop(loop, sampler.sample(logits.select(1, 0)), cache, n_prompt, opt, t0, dev, res);
+  res.cache_bytes = cache.bytes();
+  return res;
+}
+
+void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, int64_t n_prompt,
+                     const GenerateOptions& opt, Clock::time_point t0, const at::Device& dev, GenerateResult& res) {
+  loop.out.index_copy_(0, loop.step_idx, first);
+  loop.cur.copy_(first.view({1, 1}));
+  loop.step_idx.add_(1);
   res.prefill_seconds = seconds_since(t0, dev);
 
   // SYNC: the first token is read to stream it and check for a stop.
@@ -81,26 +88,29 @@ GenerateResult generate(const Model& model, const std::vector<int64_t>& prompt, 
 
 #ifdef KAKEYA_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph;
-  if (dev.is_cuda() && opt.cuda_graph && opt.max_new_tokens > 2 && !stopped) {
+  if (dev.is_cuda() && opt.cuda_graph && !loop.before && opt.max_new_tokens > 2 && !stopped) {
     // Capture on a side stream (required by CUDA graphs). Capture records the
     // kernels without running them, so the cache is left untouched.
     c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
     graph = std::make_unique<at::cuda::CUDAGraph>();
     graph->capture_begin();
-    st.run();
+    loop.step();
     graph->capture_end();
   }
 #endif
   int64_t pending = 0;  // steps run but not yet read back (non-streaming mode)
   while (!stopped && (int64_t)res.tokens.size() + pending < opt.max_new_tokens) {
+    const int64_t p = n_prompt + (int64_t)res.tokens.size() + pending - 1;  // position fed by this step
+    if (loop.before) loop.before(p);
 #ifdef KAKEYA_CUDA
     if (graph) graph->replay();
     else
 #endif
-      st.run();
+      loop.step();
     cache.advance(1);
+    if (loop.after) loop.after(p);
     if (opt.stream || !opt.stop_ids.empty()) {
-      tok = st.cur.item<int64_t>();  // SYNC: stream the token / check for a stop
+      tok = loop.cur.item<int64_t>();  // SYNC: stream the token / check for a stop
       res.tokens.push_back(tok);
       if (opt.on_token) opt.on_token(tok);
       stopped = is_stop(tok, opt.stop_ids);
@@ -109,12 +119,10 @@ GenerateResult generate(const Model& model, const std::vector<int64_t>& prompt, 
     }
   }
   if (pending > 0) {
-    auto all = st.out.slice(0, 0, res.tokens.size() + pending).cpu();  // SYNC: read the whole run once
+    auto all = loop.out.slice(0, 0, res.tokens.size() + pending).cpu();  // SYNC: read the whole run once
     res.tokens.assign(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
   }
   res.decode_seconds = seconds_since(t1, dev);
-  res.cache_bytes = cache.bytes();
-  return res;
 }
 
 }  // namespace kakeya

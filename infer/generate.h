@@ -9,6 +9,7 @@
 
 #include "core/model.h"
 #include "core/sampling.h"
+#include "infer/loop_util.h"
 
 namespace kakeya {
 
@@ -32,5 +33,23 @@ struct GenerateResult {
 };
 
 GenerateResult generate(const Model& model, const std::vector<int64_t>& prompt, const GenerateOptions& opt);
+
+// The one-token-per-forward decode loop generate() and the restored decoder share.
+// `step` runs one decode step on the static buffers (feeds `cur` at its device-side
+// position, samples into out[step_idx] and back into `cur`, advances both); on CUDA it
+// is captured once as a graph and replayed, unless `before` is set.
+struct DecodeLoop {
+  std::function<void()> step;
+  std::function<void(int64_t p)> before;  // host work before the step feeding position p (forces eager steps)
+  std::function<void(int64_t p)> after;   // host bookkeeping after that step
+  at::Tensor cur;       // [1, 1] int64: the token the next step feeds
+  at::Tensor step_idx;  // [1] int64: index into out of the next sampled token
+  at::Tensor out;       // [max_new_tokens] int64: every sampled token
+};
+// From the token sampled after the prefill (`first`: [1] int64) to max_new_tokens or a
+// stop: streams tokens (opt.stream) or reads them once at the end, advances `cache` per step.
+// Fills res.tokens, res.prefill_seconds (from t0 to the first token) and res.decode_seconds.
+void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, int64_t n_prompt,
+                     const GenerateOptions& opt, Clock::time_point t0, const at::Device& dev, GenerateResult& res);
 
 }  // namespace kakeya

@@ -10,11 +10,6 @@
 #include "infer/generate.h"
 #include "infer/loop_util.h"
 
-#ifdef KAKEYA_CUDA
-#include <ATen/cuda/CUDAGraph.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
-#endif
 
 
 namespace kakeya {
@@ -75,8 +70,10 @@ FullAttn parse_full_attn(const std::string& s) {
 }
 
 nlohmann::json RestoreOptions::to_json() const {
-  return {{"sink", sink},        {"window", window},          {"full_attn", full_attn_name(full_attn)},
-          {"mix_alpha", mix_alpha}, {"chunk", resolved_chunk()}, {"stats", stats}};
+  nlohmann::json j{{"sink", sink},        {"window", window},          {"full_attn", full_attn_name(full_attn)},
+                   {"mix_alpha", mix_alpha}, {"chunk", resolved_chunk()}, {"stats", stats}};
+  if (full_attn == FullAttn::Codec && codec) j["codec"] = codec->options().describe();
+  return j;
 }
 
 void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& o,
@@ -117,7 +114,12 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
                                    << " positions): nothing would ever be restored; use a smaller --window");
   KAKEYA_CHECK(o.full_attn != FullAttn::Codec || o.codec,
                "decode: --full-attn codec needs the calibration bundle's codec (--calib DIR)");
-  KAKEYA_CHECK(o.full_attn != FullAttn::Codec, "decode: --full-attn codec is not wired into the decoder yet");
+  if (o.full_attn == FullAttn::Codec) {
+    KAKEYA_CHECK(has_full, "decode: --full-attn codec on a model without full-attention layers");
+    KAKEYA_CHECK(o.codec->options().block > 0,
+                 "decode: --full-attn codec needs a codec with a fixed block (block > 0), got '"
+                     << o.codec->options().describe() << "'");
+  }
   if (o.needs_ftheta()) {
     KAKEYA_CHECK(drafter, "decode: restoration with --mix-alpha < 1 needs a drafter (--drafter DIR)");
     KAKEYA_CHECK(ftheta, "decode: restoration with --mix-alpha < 1 needs f_θ (--ftheta DIR)");
@@ -200,6 +202,10 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
     dk_ = at::zeros({ring_, dc.num_layers, dc.num_kv_heads, dc.head_dim}, dopt);
     dv_ = at::zeros({ring_, dc.num_layers, dc.num_kv_heads, dc.head_dim}, dopt);
   }
+  if (opt.full_attn == FullAttn::Codec) {
+    KAKEYA_CHECK(opt.codec, "restorer: --full-attn codec without a codec");
+    coded_ = std::make_unique<CodedHistory>(verifier, *opt.codec, cache);
+  }
   dtap_.self = this;
   dtaps_.subscribe(&dtap_);
   if (opt.stats) acc_ = at::zeros({2, 2, 2, 2}, at::TensorOptions().dtype(at::kDouble).device(dev));
@@ -223,6 +229,7 @@ void Restorer::prepare(int64_t p0, int64_t t) {
   KAKEYA_CHECK(t >= 1 && t <= cache_.options().restore.max_chunk,
                "restorer: a forward of " << t << " tokens exceeds the policy's chunk of "
                                          << cache_.options().restore.max_chunk);
+  if (coded_) coded_->prepare(p0 + t - 1);
   // The forward's queries p0 .. p0+t-1 read restored K/V of every j <= p0 + t - 1 - window.
   const int64_t last = p0 + t - 1 - opt_.window;
   if (last <= restored_upto_) return;
@@ -237,6 +244,10 @@ void Restorer::prepare(int64_t p0, int64_t t) {
 void Restorer::prepare_step(const at::Tensor& pos) {
   auto j = pos - opt_.window;
   restore(j.clamp_min(0), j.ge(opt_.sink));
+}
+
+void Restorer::prepare_coded(int64_t q) {
+  if (coded_) coded_->prepare(q);
 }
 
 void Restorer::note_step(int64_t p) {
@@ -353,6 +364,51 @@ RestoreStats Restorer::stats() const {
   return s;
 }
 
+// ---------------------------------------------------------------- CodedHistory
+
+CodedHistory::CodedHistory(const Model& model, const KVCodec& codec, KVCache& cache)
+    : model_(model), codec_(codec), cache_(cache) {
+  const ModelConfig& cfg = model.config();
+  KAKEYA_CHECK(cache.options().batch == 1, "coded history: batch " << cache.options().batch << ", expected 1");
+  bool any = false;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) any |= cache.coded(l);
+  KAKEYA_CHECK(any, "coded history: the KV cache has no coded full-attention layers");
+  KAKEYA_CHECK(cache.options().restore.full_coded_block == codec.options().block,
+               "coded history: cache block " << cache.options().restore.full_coded_block << " vs codec block "
+                                             << codec.options().block);
+  blocks_.resize(cfg.num_layers);
+  cache.set_history_loader([this](int64_t l, at::Tensor& k, at::Tensor& v) { load(l, k, v); });
+}
+
+void CodedHistory::prepare(int64_t q) {
+  const int64_t upto = cache_.coded_below(q), blk = codec_.options().block;
+  auto iopt = at::TensorOptions().dtype(at::kLong).device(model_.device());
+  for (; coded_upto_ < upto; coded_upto_ += blk) {
+    auto pos = at::arange(coded_upto_, coded_upto_ + blk, iopt);  // [blk]
+    for (int64_t l = 0; l < (int64_t)blocks_.size(); ++l) {
+      if (!cache_.coded(l)) continue;
+      auto [k, v] = cache_.exact_kv(l, pos);  // [1, H_kv, blk, D] from the dense ring
+      blocks_[l].push_back(codec_.encode_kv(l, k.select(0, 0), v.select(0, 0), coded_upto_, model_.rope(l)));
+    }
+    cache_.mark_restored(LayerType::Full, pos);
+  }
+}
+
+void CodedHistory::load(int64_t l, at::Tensor& k, at::Tensor& v) {
+  for (const CodedKV& c : blocks_[l]) {
+    auto [bk, bv] = codec_.decode_kv(c, model_.rope(l), model_.dtype());  // [H_kv, N, D]
+    k.select(0, 0).narrow(1, c.pos0, c.k.tokens).copy_(bk);
+    v.select(0, 0).narrow(1, c.pos0, c.k.tokens).copy_(bv);
+  }
+}
+
+int64_t CodedHistory::bytes() const {
+  int64_t b = 0;
+  for (const auto& layer : blocks_)
+    for (const auto& c : layer) b += c.bytes();
+  return b;
+}
+
 // ---------------------------------------------------------------- memory
 
 int64_t MemoryReport::kv_bytes() const {
@@ -421,16 +477,17 @@ int64_t ftheta_weight_bytes(const FTheta& f) {
 
 namespace {
 
-void add_weights(MemoryReport& m, const Model& v, const Drafter* d, const FTheta* f, bool uses_drafter) {
+void add_weights(MemoryReport& m, const Model& v, const Drafter* d, const FTheta* f, const RestoreOptions* o) {
   m.weights.push_back({"verifier weights", v.weight_bytes(), ""});
+  const bool uses_drafter = o && o->needs_ftheta();
   if (d && uses_drafter)
     m.weights.push_back({"drafter weights", drafter_weight_bytes(*d), "embedding and lm_head shared with the verifier"});
   if (f && uses_drafter) m.weights.push_back({"f_θ weights", ftheta_weight_bytes(*f), ""});
+  if (o && o->full_attn == FullAttn::Codec)
+    m.weights.push_back({"codec bundle data", o->codec->shared_bytes(), "shared bases and tables the codec reads"});
 }
 
-void add_baselines(MemoryReport& m, const Model& v, int64_t positions) {
-  const int64_t elem = c10::elementSize(v.dtype());
-  const auto& cfg = v.config();
+void add_baselines(MemoryReport& m, const ModelConfig& cfg, int64_t elem, int64_t positions) {
   m.positions = positions;
   m.full_kv_bytes = kv_bytes_for(cfg, elem, positions, -1);
   m.native_kv_bytes = kv_bytes_for(cfg, elem, positions, 1) +
@@ -448,45 +505,96 @@ MemoryReport ar_memory(const Model& v, int64_t capacity) {
     m.kv.push_back({"verifier sliding layers: native ring",
                     kv_bytes_for(cfg, elem, std::min(capacity, cfg.sliding_window), 0), "exact, sliding window slots"});
   m.kv.push_back({"verifier full-attention layers: exact", kv_bytes_for(cfg, elem, capacity, 1), "every position", true});
-  add_baselines(m, v, capacity);
-  add_weights(m, v, nullptr, nullptr, false);
+  add_baselines(m, cfg, elem, capacity);
+  add_weights(m, v, nullptr, nullptr, nullptr);
+  return m;
+}
+
+// Every K/V-like part of a restored decode, measured (restored_memory) or planned
+// (restored_memory_plan); memory_lines names them once for both.
+struct KvParts {
+  bool has_sliding = false, has_full = false;
+  int64_t sliding_ring = 0, sliding_ring_slots = 0, sliding_rest = 0, sliding_rest_slots = 0;
+  int64_t full_exact = 0, full_exact_slots = 0;  // every position (exact), or the exact ring (restored, codec)
+  int64_t full_rest = 0, full_rest_slots = 0;    // restored region (restored)
+  int64_t coded = 0, coded_positions = 0;        // codec bytes (codec)
+  int64_t scratch = 0, scratch_slots = 0;        // decode scratch of one layer (codec)
+  int64_t pending = 0, true_raw = 0;
+};
+
+MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem, const RestoreOptions& o,
+                          int64_t positions) {
+  MemoryReport m;
+  auto slots = [](int64_t n) { return std::to_string(n) + " slots"; };
+  if (p.has_sliding) {
+    m.kv.push_back({"verifier sliding: exact window ring", p.sliding_ring,
+                    slots(p.sliding_ring_slots) + " (window + chunk - 1); sinks sit in the restored region"});
+    m.kv.push_back({"verifier sliding: restored K/V", p.sliding_rest,
+                    slots(p.sliding_rest_slots) + " (sliding window - window + chunk - 1)"});
+  }
+  if (p.has_full) {
+    switch (o.full_attn) {
+      case FullAttn::Exact:
+        m.kv.push_back({"verifier full-attention: exact (S5)", p.full_exact, slots(p.full_exact_slots) + " (every position)",
+                        true});
+        break;
+      case FullAttn::Restored:
+        m.kv.push_back({"verifier full-attention: exact window ring", p.full_exact, slots(p.full_exact_slots)});
+        m.kv.push_back({"verifier full-attention: restored K/V", p.full_rest,
+                        slots(p.full_rest_slots) + " (every position: not bounded)", true});
+        break;
+      case FullAttn::Codec:
+        m.kv.push_back({"verifier full-attention: exact window ring", p.full_exact,
+                        slots(p.full_exact_slots) + " (window + codec block + chunk - 2)"});
+        m.kv.push_back({"verifier full-attention: coded K/V", p.coded,
+                        std::to_string(p.coded_positions) + " positions through " + o.codec->options().label, true});
+        m.kv.push_back({"full-attention decode scratch (one layer)", p.scratch,
+                        slots(p.scratch_slots) + " (ring + capacity), shared by every full layer", true});
+        break;
+    }
+  }
+  if (p.pending > 0)
+    m.kv.push_back({"f_θ inputs: drafter raw K/V not yet restored", p.pending, "ring of window + chunk positions"});
+  if (p.true_raw > 0)
+    m.kv.push_back({"true raw K/V kept (research mode)", p.true_raw,
+                    o.mix_alpha > 0 ? "--mix-alpha > 0 blends the verifier's own K/V: not a bounded-memory result"
+                                    : "relative-error statistics"});
+  m.kv.push_back({"drafter context cache", 0, "not kept: this mode does not draft"});
+  add_baselines(m, cfg, elem, positions);
   return m;
 }
 
 MemoryReport restored_memory(const Model& v, const Drafter* d, const FTheta* f, const KVCache& cache,
                              const Restorer& r, const RestoreOptions& o, int64_t positions) {
-  MemoryReport m;
   const auto& cfg = v.config();
   int64_t first_sliding = -1, first_full = -1;
   for (int64_t l = cfg.num_layers - 1; l >= 0; --l) (cfg.is_sliding(l) ? first_sliding : first_full) = l;
-  auto slots = [](int64_t n) { return std::to_string(n) + " slots"; };
-  if (first_sliding >= 0) {
-    m.kv.push_back({"verifier sliding: exact window ring", cache.exact_bytes(LayerType::Sliding),
-                    slots(cache.exact_slots(first_sliding)) + " (window + chunk - 1); sinks sit in the restored region"});
-    m.kv.push_back({"verifier sliding: restored K/V", cache.restored_bytes(LayerType::Sliding),
-                    slots(cache.restored_slots(first_sliding)) + " (sliding window - window + chunk - 1)"});
+  KvParts p;
+  p.has_sliding = first_sliding >= 0;
+  p.has_full = first_full >= 0;
+  if (p.has_sliding) {
+    p.sliding_ring = cache.exact_bytes(LayerType::Sliding);
+    p.sliding_ring_slots = cache.exact_slots(first_sliding);
+    p.sliding_rest = cache.restored_bytes(LayerType::Sliding);
+    p.sliding_rest_slots = cache.restored_slots(first_sliding);
   }
-  if (first_full >= 0) {
-    if (cache.restored(first_full)) {
-      m.kv.push_back({"verifier full-attention: exact window ring", cache.exact_bytes(LayerType::Full),
-                      slots(cache.exact_slots(first_full))});
-      m.kv.push_back({"verifier full-attention: restored K/V", cache.restored_bytes(LayerType::Full),
-                      slots(cache.restored_slots(first_full)) + " (every position: not bounded)", true});
-    } else {
-      m.kv.push_back({"verifier full-attention: exact (S5)", cache.bytes_per_layer_type(LayerType::Full),
-                      slots(cache.slots(first_full)) + " (every position)", true});
-    }
+  if (p.has_full && cache.plain(first_full)) {
+    p.full_exact = cache.bytes_per_layer_type(LayerType::Full);
+    p.full_exact_slots = cache.slots(first_full);
+  } else if (p.has_full) {
+    p.full_exact = cache.exact_bytes(LayerType::Full);
+    p.full_exact_slots = cache.exact_slots(first_full);
+    p.full_rest = cache.restored_bytes(LayerType::Full);
+    p.full_rest_slots = cache.restored(first_full) ? cache.restored_slots(first_full) : 0;
+    p.coded = r.coded_bytes();
+    p.coded_positions = r.coded_positions();
+    p.scratch = cache.scratch_bytes();
+    p.scratch_slots = cache.coded(first_full) ? cache.slots(first_full) : 0;
   }
-  if (r.pending_bytes() > 0)
-    m.kv.push_back({"f_θ inputs: drafter raw K/V not yet restored", r.pending_bytes(),
-                    "ring of window + chunk positions"});
-  if (r.true_raw_bytes() > 0)
-    m.kv.push_back({"true raw K/V kept (research mode)", r.true_raw_bytes(),
-                    o.mix_alpha > 0 ? "--mix-alpha > 0 blends the verifier's own K/V: not a bounded-memory result"
-                                    : "relative-error statistics"});
-  m.kv.push_back({"drafter context cache", 0, "not kept: this mode does not draft"});
-  add_baselines(m, v, positions);
-  add_weights(m, v, d, f, o.needs_ftheta());
+  p.pending = r.pending_bytes();
+  p.true_raw = r.true_raw_bytes();
+  MemoryReport m = memory_lines(p, cfg, c10::elementSize(v.dtype()), o, positions);
+  add_weights(m, v, d, f, &o);
   return m;
 }
 
@@ -520,6 +628,7 @@ KVCacheOptions restored_cache_options(const Model& v, const RestoreOptions& o, i
   co.restore.window = o.window;
   co.restore.sliding = true;
   co.restore.full = o.full_attn == FullAttn::Restored;
+  co.restore.full_coded_block = o.full_attn == FullAttn::Codec ? o.codec->options().block : 0;
   co.restore.max_chunk = o.resolved_chunk();
   co.restore.linear = linear;
   return co;
@@ -545,7 +654,7 @@ at::Tensor run_chunks(const Model& v, KVCache& cache, Restorer& r, const at::Ten
   return logits;
 }
 
-DecodeResult decode_ar(const Model& v, const std::vector<int64_t>& prompt, const DecodeOptions& opt) {
+GenerateOptions generate_options(const DecodeOptions& opt) {
   GenerateOptions g;
   g.max_new_tokens = opt.max_new_tokens;
   g.sampling = opt.sampling;
@@ -553,7 +662,11 @@ DecodeResult decode_ar(const Model& v, const std::vector<int64_t>& prompt, const
   g.on_token = opt.on_token;
   g.stream = opt.stream;
   g.cuda_graph = opt.cuda_graph;
-  auto r = generate(v, prompt, g);
+  return g;
+}
+
+DecodeResult decode_ar(const Model& v, const std::vector<int64_t>& prompt, const DecodeOptions& opt) {
+  auto r = generate(v, prompt, generate_options(opt));
   DecodeResult d;
   d.tokens = r.tokens;
   d.prefill_seconds = r.prefill_seconds;
@@ -601,62 +714,27 @@ DecodeResult decode_restored(const Model& v, const Drafter* dr, const FTheta* ft
   Restorer rest(v, dr, ft, ro, cache);
   Sampler sampler(opt.sampling, dev);
   auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
-  DecodeResult res;
 
   auto t0 = Clock::now();
   auto ids = at::tensor(prompt, at::kLong).view({1, n_prompt}).to(dev);
   auto logits = run_chunks(v, cache, rest, ids, 0, chunk, true);
   RestoredStep st{v, cache, rest, sampler, at::empty({1, 1}, iopt), at::full({1}, n_prompt, iopt), at::zeros({1}, iopt),
                   at::zeros({opt.max_new_tokens}, iopt)};
-  auto first = sampler.sample(logits.select(1, 0));  // [1]
-  st.out.index_copy_(0, st.step, first);
-  st.cur.copy_(first.view({1, 1}));
-  st.step.add_(1);
-  res.prefill_seconds = seconds_since(t0, dev);
-  int64_t tok = first.item<int64_t>();  // SYNC: stream the first token / check for a stop
-  res.tokens.push_back(tok);
-  if (opt.on_token) opt.on_token(tok);
-  bool stopped = is_stop(tok, opt.stop_ids);
-  auto t1 = Clock::now();
-#ifdef KAKEYA_CUDA
-  std::unique_ptr<at::cuda::CUDAGraph> graph;
-  if (dev.is_cuda() && opt.cuda_graph && opt.max_new_tokens > 2 && !stopped) {
-    // Capture records the kernels without running them: the caches are left untouched.
-    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-    graph = std::make_unique<at::cuda::CUDAGraph>();
-    graph->capture_begin();
-    st.run();
-    graph->capture_end();
-  }
-#endif
-  int64_t pending = 0;  // steps run but not read back yet (non-streaming)
-  while (!stopped && (int64_t)res.tokens.size() + pending < opt.max_new_tokens) {
-    const int64_t p = n_prompt + (int64_t)res.tokens.size() + pending - 1;  // position fed by this step
-#ifdef KAKEYA_CUDA
-    if (graph) graph->replay();
-    else
-#endif
-      st.run();
-    cache.advance(1);
-    rest.note_step(p);
-    if (opt.stream || !opt.stop_ids.empty()) {
-      tok = st.cur.item<int64_t>();  // SYNC: stream the token / check for a stop
-      res.tokens.push_back(tok);
-      if (opt.on_token) opt.on_token(tok);
-      stopped = is_stop(tok, opt.stop_ids);
-    } else {
-      ++pending;
-    }
-  }
-  if (pending > 0) {
-    auto all = st.out.slice(0, 0, res.tokens.size() + pending).cpu();  // SYNC: read the whole run once
-    res.tokens.assign(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
-  }
-  res.decode_seconds = seconds_since(t1, dev);
+  DecodeLoop loop{[&st] { st.run(); }, nullptr, [&rest](int64_t p) { rest.note_step(p); }, st.cur, st.step, st.out};
+  // --full-attn codec encodes codec blocks on the host between steps: eager steps (no CUDA graph).
+  if (rest.needs_host_steps()) loop.before = [&rest](int64_t p) { rest.prepare_coded(p); };
+  GenerateResult gr;
+  run_decode_loop(loop, sampler.sample(logits.select(1, 0)), cache, n_prompt, generate_options(opt), t0, dev, gr);
+  DecodeResult res;
+  res.tokens = std::move(gr.tokens);
+  res.prefill_seconds = gr.prefill_seconds;
+  res.decode_seconds = gr.decode_seconds;
   const int64_t q = cache.length() - 1;
   res.attention_fraction_sliding = attention_fraction(cache, v.config(), true, q);
   res.attention_fraction_full = attention_fraction(cache, v.config(), false, q);
   res.restored_positions = std::max<int64_t>(0, rest.restored_upto() + 1);
+  res.coded_positions = rest.coded_positions();
+  res.served_positions = cache.length();
   res.memory = restored_memory(v, dr, ft, cache, rest, ro, n_prompt + opt.max_new_tokens);
   if (ro.stats) res.stats = rest.stats();
   return res;
@@ -693,6 +771,8 @@ DecodeResult decode_reforward(const Model& v, const Drafter* dr, const FTheta* f
       res.attention_fraction_sliding = attention_fraction(cache, v.config(), true, q);
       res.attention_fraction_full = attention_fraction(cache, v.config(), false, q);
       res.restored_positions = std::max<int64_t>(0, rest.restored_upto() + 1);
+      res.coded_positions = rest.coded_positions();
+      res.served_positions = n;
       res.memory = restored_memory(v, dr, ft, cache, rest, ro, n);
       if (ro.stats) res.stats = rest.stats();
     }
@@ -702,6 +782,54 @@ DecodeResult decode_reforward(const Model& v, const Drafter* dr, const FTheta* f
 }
 
 }  // namespace
+
+MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* dc, const RestoreOptions& o,
+                                  at::ScalarType dtype, int64_t n, int64_t served) {
+  const int64_t elem = c10::elementSize(dtype), w = o.window, c = o.resolved_chunk();
+  KvParts p;
+  int64_t first_full = -1;
+  for (int64_t l = cfg.num_layers - 1; l >= 0; --l) {
+    if (cfg.is_sliding(l)) p.has_sliding = true;
+    else first_full = l;
+  }
+  p.has_full = first_full >= 0;
+  // The KVCache layout (core/kv_cache.cpp), rollback 0, written out again on purpose: tests compare the two.
+  if (p.has_sliding) {
+    p.sliding_ring_slots = std::min(n, w + c - 1);
+    p.sliding_rest_slots = std::min(n, std::max<int64_t>(1, cfg.sliding_window - w + c - 1));
+    p.sliding_ring = kv_bytes_for(cfg, elem, p.sliding_ring_slots, 0);
+    p.sliding_rest = kv_bytes_for(cfg, elem, p.sliding_rest_slots, 0);
+  }
+  if (p.has_full) {
+    if (o.full_attn == FullAttn::Exact) {
+      p.full_exact_slots = n;
+    } else if (o.full_attn == FullAttn::Restored) {
+      p.full_exact_slots = std::min(n, w + c - 1);
+      p.full_rest_slots = n;
+      p.full_rest = kv_bytes_for(cfg, elem, n, 1);
+    } else {
+      KAKEYA_CHECK(o.codec, "memory plan: --full-attn codec without a codec");
+      const int64_t B = o.codec->options().block;
+      p.full_exact_slots = std::min(n, w + B - 1 + c - 1);
+      p.scratch_slots = p.full_exact_slots + n;
+      p.scratch = 2 * cfg.kv_heads(first_full) * cfg.layer_head_dim[first_full] * p.scratch_slots * elem;
+      p.coded_positions = std::max<int64_t>(0, served - w) / B * B;  // coded_below(served - 1)
+      for (int64_t l = 0; l < cfg.num_layers; ++l)
+        for (int64_t s = 0; !cfg.is_sliding(l) && s < p.coded_positions; s += B)
+          p.coded += o.codec->coded_bytes(l, Stream::K, B, s) + o.codec->coded_bytes(l, Stream::V, B, s);
+    }
+    p.full_exact = kv_bytes_for(cfg, elem, p.full_exact_slots, 1);
+  }
+  // The Restorer's rings: window + chunk positions (drafter raw K/V in the verifier dtype; true raw K/V).
+  const int64_t ring = w + c;
+  if (o.needs_ftheta()) {
+    KAKEYA_CHECK(dc, "memory plan: --mix-alpha < 1 needs the drafter config");
+    p.pending = 2 * ring * dc->num_layers * dc->num_kv_heads * dc->head_dim * elem;
+  }
+  if (o.needs_true_raw())
+    p.true_raw = kv_bytes_for(cfg, elem, ring, o.full_attn == FullAttn::Restored ? -1 : 0);
+  return memory_lines(p, cfg, elem, o, n);
+}
 
 DecodeResult decode(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
                     const std::vector<int64_t>& prompt, const DecodeOptions& opt) {

@@ -14,7 +14,11 @@
 // computed under these rules), true_raw(j) = the verifier's own raw K/V at j
 // (Tap::KProj/VProj), a = --mix-alpha (0: pure f_θ), and finish_kv = the
 // verifier's own k_norm/v_norm + RoPE (Model::finish_kv). Full-attention layers
-// under --full-attn exact keep every position exact (the seeds' S5).
+// under --full-attn exact keep every position exact (the seeds' S5). Under
+// --full-attn codec they keep every position's exact K/V too, but stored through the
+// calibration bundle's codec: the query at p reads positions j < coded_below(p) (whole
+// codec blocks outside its window, core/kv_cache.h) from their coded copy and newer
+// ones exactly; the codes are decoded into one shared scratch per forward (CodedHistory).
 //
 // Modes:
 //   ar                  the full-KV oracle (infer/generate.h), nothing restored.
@@ -46,6 +50,7 @@
 #include <string>
 #include <vector>
 
+#include "core/codec.h"
 #include "core/drafter.h"
 #include "core/ftheta.h"
 #include "core/kv_cache.h"
@@ -55,8 +60,6 @@
 #include "infer/score.h"
 
 namespace kakeya {
-
-class KVCodec;
 
 enum class DecodeMode { Ar, RestoredReforward, Restored, Fused };
 const char* decode_mode_name(DecodeMode m);               // "ar" | "restored-reforward" | "restored" | "fused"
@@ -73,7 +76,7 @@ struct RestoreOptions {
   double mix_alpha = 0.0;    // restored raw K/V = a·true + (1-a)·f_θ; a > 0 keeps true raw K/V (research mode)
   int64_t chunk = 0;         // prefill tokens per forward, 1..window; 0: window
   bool stats = false;        // relative error of restored vs true K/V (keeps true raw K/V too)
-  const KVCodec* codec = nullptr;  // FullAttn::Codec
+  const KVCodec* codec = nullptr;  // FullAttn::Codec: full-attention history stored through it (blocks of its block size)
   int64_t resolved_chunk() const { return chunk > 0 ? chunk : window; }
   bool needs_true_raw() const { return mix_alpha > 0.0 || stats; }
   bool needs_ftheta() const { return mix_alpha < 1.0; }
@@ -99,6 +102,29 @@ struct RestoreStats {
   double rel(bool full, bool v, bool cache_space) const;
   RestoreStats& operator+=(const RestoreStats& o);
   nlohmann::json to_json() const;
+};
+
+// --full-attn codec: full-attention K/V of positions in whole codec blocks outside the
+// exact window, stored through the calibrated codec and decoded into the cache's shared
+// scratch whenever a full-attention layer attends (KVCache coded layers, set_history_loader).
+class CodedHistory {
+ public:
+  CodedHistory(const Model& model, const KVCodec& codec, KVCache& cache);
+  CodedHistory(const CodedHistory&) = delete;
+  CodedHistory& operator=(const CodedHistory&) = delete;
+  // Encodes every block the query at q reads coded (positions < KVCache::coded_below(q)) from
+  // the dense ring: host work, once per block, before the ring overwrites it.
+  void prepare(int64_t q);
+  int64_t coded_positions() const { return coded_upto_; }
+  int64_t bytes() const;  // every stored byte of every block (codes and side information)
+
+ private:
+  void load(int64_t layer, at::Tensor& k, at::Tensor& v);  // k, v: [1, H_kv, capacity, D], slot = position
+  const Model& model_;
+  const KVCodec& codec_;
+  KVCache& cache_;
+  std::vector<std::vector<CodedKV>> blocks_;  // per layer (coded layers only), per block
+  int64_t coded_upto_ = 0;                    // positions [0, coded_upto_) are coded
 };
 
 // Keeps the cache's restored region up to date around every forward on it.
@@ -129,6 +155,12 @@ class Restorer : public TapSubscriber {
   void prepare_step(const at::Tensor& pos);
   void commit_step(const at::Tensor& pos);
   void note_step(int64_t p);
+  // --full-attn codec: codec blocks are encoded on the host before the step that feeds
+  // position q first reads them coded (prepare() does it for chunks); steps are then eager.
+  bool needs_host_steps() const { return coded_ != nullptr; }
+  void prepare_coded(int64_t q);
+  int64_t coded_bytes() const { return coded_ ? coded_->bytes() : 0; }
+  int64_t coded_positions() const { return coded_ ? coded_->coded_positions() : 0; }
   int64_t restored_upto() const { return restored_upto_; }  // every position <= this is restored
   int64_t pending_bytes() const;   // drafter raw K/V of positions not restored yet (f_θ inputs)
   int64_t true_raw_bytes() const;  // true raw K/V kept for --mix-alpha / stats
@@ -158,6 +190,7 @@ class Restorer : public TapSubscriber {
   std::vector<int64_t> layers_;                  // verifier layers the policy covers
   bool has_sliding_ = false, has_full_ = false;  // layer types among them
   std::unique_ptr<TargetFeatureCapture> capture_;
+  std::unique_ptr<CodedHistory> coded_;          // --full-attn codec
   DrafterTap dtap_;
   Taps vtaps_, dtaps_;
   int64_t ring_ = 0;                             // positions the pending rings hold
@@ -189,6 +222,14 @@ struct MemoryReport {
   std::string table() const;          // aligned text table with ratios
 };
 
+// What restored_memory reports, from the shapes alone (nothing allocated): the K/V lines
+// of a restored decode of `capacity` positions after `served` positions went through the
+// verifier (served decides how many codec blocks exist), in `dtype`. drafter: the config
+// whose raw K/V feed f_θ (null when a = 1). Weights are not listed. Tests check it against
+// the measured report; it answers "what would 8k cost" without an 8k decode.
+MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* drafter, const RestoreOptions& o,
+                                  at::ScalarType dtype, int64_t capacity, int64_t served);
+
 struct DecodeOptions {
   DecodeMode mode = DecodeMode::Restored;
   RestoreOptions restore;
@@ -213,6 +254,8 @@ struct DecodeResult {
   int64_t restored_positions = 0;       // positions that left the exact window
   std::vector<int64_t> committed;       // fused: tokens committed by each verify forward
   double tau() const;                   // fused: mean of `committed` (0 if none)
+  int64_t coded_positions = 0;          // --full-attn codec: positions whose full-attention K/V are coded
+  int64_t served_positions = 0;         // positions that went through the verifier (prompt + fed tokens)
   double decode_tokens_per_second() const {
     return tokens.size() > 1 && decode_seconds > 0 ? (tokens.size() - 1) / decode_seconds : 0.0;
   }

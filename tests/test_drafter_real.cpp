@@ -17,26 +17,17 @@ using namespace kakeya;
 
 namespace {
 
-const Model& model() {
-  static Model m = [] {
-    ModelOptions mo;
-    mo.max_positions = 256;
-    return Model::load(test::real_model_dir(), mo);
-  }();
-  return m;
-}
+const Model& model() { return test::real_model(); }
 
 std::vector<int64_t> prompt() {
-  auto tok = Tokenizer::from_file(test::real_model_dir() + "/tokenizer.json");
-  auto ids = tok.encode("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n");
-  return std::vector<int64_t>(ids.begin(), ids.end());
+  return test::real_prompt("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n");
 }
 
 const Drafter& random_drafter() {
   static Drafter d = [] {
-    auto tok = Tokenizer::from_file(test::real_model_dir() + "/tokenizer.json");
     // Small (2 layers) so the CPU test stays quick; the geometry train-drafter uses is irrelevant here.
-    auto cfg = DrafterConfig::for_target(model().config(), 2, 4, 2, 64, 512, 16, tok.token_id("<mask>"));
+    auto cfg = DrafterConfig::for_target(model().config(), 2, 4, 2, 64, 512, 16,
+                                         test::real_tokenizer().token_id("<mask>"));
     return Drafter::random(cfg, model(), 7);
   }();
   return d;

@@ -7,11 +7,17 @@
 //     token with a seeded random drafter and f_θ (a = 0, a mix, full-attention
 //     layers restored too, other prefill chunkings);
 //   - every query sees each position of its span exactly once;
+//   - --full-attn codec (the shipped bundle's release recipe, small blocks so that
+//     positions get coded): close to --full-attn exact, incremental = reforward, its
+//     measured bytes = restored_memory_plan, and the plan at 8k within 1/5 of full KV;
 //   - bad input fails with a clear error.
 #include <ATen/ATen.h>
 
+#include <cstdio>
 #include <string>
 
+#include "core/calib_bundle.h"
+#include "core/codec.h"
 #include "core/drafter.h"
 #include "core/error.h"
 #include "core/ftheta.h"
@@ -25,28 +31,12 @@ using namespace kakeya;
 
 namespace {
 
-const Model& model() {
-  static Model m = [] {
-    ModelOptions mo;
-    mo.max_positions = 256;
-    return Model::load(test::real_model_dir(), mo);
-  }();
-  return m;
-}
-
-const Tokenizer& tokenizer() {
-  static Tokenizer t = Tokenizer::from_file(test::real_model_dir() + "/tokenizer.json");
-  return t;
-}
-
-std::vector<int64_t> encode(const std::string& s) {
-  auto ids = tokenizer().encode(s);
-  return std::vector<int64_t>(ids.begin(), ids.end());
-}
+const Model& model() { return test::real_model(); }
+const Tokenizer& tokenizer() { return test::real_tokenizer(); }
 
 // ~40 tokens: several times sink + window.
 const std::vector<int64_t>& prompt() {
-  static std::vector<int64_t> p = encode(
+  static std::vector<int64_t> p = test::real_prompt(
       "The lighthouse keeper wrote in his logbook every evening: the weather, the ships, the oil burned "
       "and the repairs. On the last page he wrote");
   return p;
@@ -174,6 +164,122 @@ TEST(Restored, MemoryReportHasBaselines) {
   EXPECT_NE(r.memory.table().find("baseline: full KV"), std::string::npos);
 }
 
+// The shipped bundle and its release recipe (what `--calib checkpoints/gemma3-270m/calib` loads).
+const CalibBundle& bundle() {
+  static CalibBundle b = CalibBundle::load(test::shipped_dir("calib"), model().config());
+  return b;
+}
+const std::string kRelease = "kakeya:sink=1,kbasis=calib,kalloc=3.3,vbasis=calib,valloc=3";
+// Blocks of 16 tokens: the short CPU prompts get several coded blocks (the release uses 512).
+const KVCodec& small_block_codec() {
+  static KVCodec c(CodecOptions::parse(kRelease + ",block=16"), model().config(), &bundle(), at::kCPU);
+  return c;
+}
+
+DecodeOptions codec_options(DecodeMode mode, int64_t max_new, FullAttn fa = FullAttn::Codec) {
+  auto o = options(mode, 1.0, max_new);  // exact restoration on sliding layers: only the codec differs
+  o.restore.full_attn = fa;
+  o.restore.codec = &small_block_codec();
+  return o;
+}
+
+const std::vector<std::vector<int64_t>>& codec_prompts() {
+  static std::vector<std::vector<int64_t>> p{
+      prompt(),
+      test::real_prompt("def merge_sort(xs):\n    \"\"\"Sort a list with merge sort.\"\"\"\n    if len(xs) <= 1:\n"
+                        "        return xs\n    mid = len(xs) // 2\n")};
+  return p;
+}
+
+// Free-running greedy text diverges for good at its first differing token, so the bound is on
+// per-step agreement: the exact-policy continuation teacher-forced through the codec cache, its
+// argmax compared with the exact policy's token at every generated position. The free-running
+// agreement is reported.
+TEST(RestoredCodec, CloseToExactFullAttention) {
+  int64_t same_free = 0, same_forced = 0, total = 0;
+  for (const auto& p : codec_prompts()) {
+    auto exact = decode(model(), nullptr, nullptr, p, codec_options(DecodeMode::Restored, 32, FullAttn::Exact));
+    auto coded = decode(model(), nullptr, nullptr, p, codec_options(DecodeMode::Restored, 32));
+    ASSERT_EQ(exact.tokens.size(), 32u);
+    ASSERT_EQ(coded.tokens.size(), 32u);
+    EXPECT_GE(coded.coded_positions, 32) << "positions really went through the codec";
+    EXPECT_DOUBLE_EQ(coded.attention_fraction_full, 1.0);
+    for (size_t i = 0; i < 32; ++i) same_free += exact.tokens[i] == coded.tokens[i];
+    std::vector<int64_t> seq = p;
+    seq.insert(seq.end(), exact.tokens.begin(), exact.tokens.end());
+    auto forced = score_restored(model(), nullptr, nullptr, seq, codec_options(DecodeMode::Restored, 1).restore);
+    for (size_t i = forced.top1.size() - 32; i < forced.top1.size(); ++i) same_forced += forced.top1[i];
+    total += 32;
+  }
+  std::printf("codec vs exact full attention: %lld of %lld tokens equal free-running, %lld of %lld teacher-forced\n",
+              (long long)same_free, (long long)total, (long long)same_forced, (long long)total);
+  EXPECT_GE(same_forced, total * 9 / 10);
+  EXPECT_GE(same_free, total / 2);
+}
+
+TEST(RestoredCodec, IncrementalEqualsReforward) {
+  auto inc = decode(model(), nullptr, nullptr, prompt(), codec_options(DecodeMode::Restored, 4));
+  auto o = codec_options(DecodeMode::RestoredReforward, 4);
+  o.restore.chunk = 5;
+  auto ref = decode(model(), nullptr, nullptr, prompt(), o);
+  EXPECT_EQ(inc.tokens, ref.tokens);
+}
+
+void expect_same_kv_lines(const MemoryReport& measured, const MemoryReport& plan) {
+  ASSERT_EQ(measured.kv.size(), plan.kv.size()) << measured.table() << plan.table();
+  for (size_t i = 0; i < plan.kv.size(); ++i) {
+    EXPECT_EQ(measured.kv[i].name, plan.kv[i].name);
+    EXPECT_EQ(measured.kv[i].bytes, plan.kv[i].bytes) << plan.kv[i].name;
+  }
+  EXPECT_EQ(measured.full_kv_bytes, plan.full_kv_bytes);
+  EXPECT_EQ(measured.native_kv_bytes, plan.native_kv_bytes);
+}
+
+TEST(RestoredCodec, MeasuredBytesEqualThePlan) {
+  // a = 1 (true raw K/V kept) and a = 0 (drafter raw K/V ring), coded full-attention layers.
+  for (double a : {1.0, 0.0}) {
+    auto o = codec_options(DecodeMode::Restored, 6);
+    o.restore.mix_alpha = a;
+    auto r = decode(model(), &drafter(), &ftheta(), prompt(), o);
+    const int64_t n = prompt().size() + 6;
+    EXPECT_EQ(r.served_positions, n - 1);
+    auto plan = restored_memory_plan(model().config(), &drafter().config(), o.restore, at::kFloat, n, r.served_positions);
+    expect_same_kv_lines(r.memory, plan);
+    int64_t coded = 0;
+    for (const auto& l : r.memory.kv) coded += l.name.find("coded") != std::string::npos ? l.bytes : 0;
+    EXPECT_GT(coded, 0) << r.memory.table();
+  }
+  // The other policies too.
+  for (FullAttn fa : {FullAttn::Exact, FullAttn::Restored}) {
+    auto o = options(DecodeMode::Restored, 0.0, 4);
+    o.restore.full_attn = fa;
+    auto r = decode(model(), &drafter(), &ftheta(), prompt(), o);
+    const int64_t n = prompt().size() + 4;
+    expect_same_kv_lines(r.memory,
+                         restored_memory_plan(model().config(), &drafter().config(), o.restore, at::kFloat, n, n - 1));
+  }
+}
+
+TEST(RestoredCodec, PlanAt8kIsWithinAFifthOfFullKv) {
+  const auto& cfg = model().config();
+  KVCodec release(CodecOptions::parse(kRelease), cfg, &bundle(), at::kCPU);
+  auto dc = DrafterConfig::from_file(test::shipped_dir("drafter") + "/config.json");
+  RestoreOptions o;  // the defaults: sink 4, window 64, chunk 64
+  o.codec = &release;
+  const int64_t n = 8192;
+  for (at::ScalarType dt : {at::kBFloat16, at::kFloat}) {
+    o.full_attn = FullAttn::Codec;
+    auto coded = restored_memory_plan(cfg, &dc, o, dt, n, n);
+    o.full_attn = FullAttn::Exact;
+    auto exact = restored_memory_plan(cfg, &dc, o, dt, n, n);
+    const double rc = (double)coded.kv_bytes() / coded.full_kv_bytes, re = (double)exact.kv_bytes() / exact.full_kv_bytes;
+    std::printf("8k, %s: codec %.4fx of full KV, exact full attention %.4fx\n%s", c10::toString(dt), rc, re,
+                coded.table().c_str());
+    EXPECT_LE(rc, 0.2);
+    EXPECT_GT(re, 0.2);  // the codec is what brings it under a fifth
+  }
+}
+
 void expect_error(const std::function<void()>& f, const std::string& needle) {
   try {
     f();
@@ -200,6 +306,14 @@ TEST(Restored, BadInput) {
   auto other = DrafterConfig::for_target(model().config(), 3, 4, 1, 64, 256, 16, tokenizer().token_id("<mask>"));
   auto wrong = FTheta::random(FThetaConfig::for_pair(model().config(), other, 16), 1, at::kFloat, at::kCPU);
   expect_error([&] { decode(model(), &drafter(), &wrong, prompt(), o); }, "f_theta");
+  // An f_θ made for another verifier.
+  ModelConfig other_verifier = model().config();
+  other_verifier.hidden_size = 1024;
+  auto foreign = FTheta::random(FThetaConfig::for_pair(other_verifier, drafter().config(), 16), 1, at::kFloat, at::kCPU);
+  expect_error([&] { decode(model(), &drafter(), &foreign, prompt(), o); }, "trained for another verifier");
+  o.restore.full_attn = FullAttn::Codec;
+  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--calib DIR");
+  o.restore.full_attn = FullAttn::Exact;
   o.restore.chunk = 9;
   expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--chunk");
   o.restore.chunk = 0;

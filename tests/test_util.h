@@ -4,9 +4,12 @@
 #include <gtest/gtest.h>
 
 #include "core/fs.h"
+#include "core/model.h"
+#include "core/tokenizer.h"
 
 #include <cstdlib>
 #include <string>
+#include <vector>
 
 namespace kakeya::test {
 
@@ -29,6 +32,25 @@ inline std::string shipped_dir(const std::string& what) {
   std::string d = env_or_fail("KAKEYA_SOURCE_DIR") + "/checkpoints/gemma3-270m/" + what;
   if (!fs::exists(d)) ADD_FAILURE() << d << " does not exist (it is tracked in git)";
   return d;
+}
+
+// The real model loaded once per test binary (CPU f32, a RoPE table of 256 positions:
+// real-model tests stay short), its tokenizer, and text encoded without special tokens.
+inline const Model& real_model() {
+  static Model m = [] {
+    ModelOptions mo;
+    mo.max_positions = 256;
+    return Model::load(real_model_dir(), mo);
+  }();
+  return m;
+}
+inline const Tokenizer& real_tokenizer() {
+  static Tokenizer t = Tokenizer::from_file(real_model_dir() + "/tokenizer.json");
+  return t;
+}
+inline std::vector<int64_t> real_prompt(const std::string& text) {
+  auto ids = real_tokenizer().encode(text);
+  return std::vector<int64_t>(ids.begin(), ids.end());
 }
 
 }  // namespace kakeya::test

@@ -61,7 +61,9 @@ void register_bench(CLI::App& app) {
   c->add_option("--ftheta", o->rf.ftheta, "--restored: f_θ directory, or random[:SEED]")->capture_default_str();
   c->add_option("--sink", o->rf.sink, "--restored: attention-sink positions")->capture_default_str();
   c->add_option("--window", o->rf.window, "--restored: exact recent positions")->capture_default_str();
-  c->add_option("--full-attn", o->rf.full_attn, "--restored: exact | restored")->capture_default_str();
+  c->add_option("--full-attn", o->rf.full_attn, "--restored: exact | restored | codec")->capture_default_str();
+  c->add_option("--calib", o->rf.calib, "--restored --full-attn codec: calibration bundle directory");
+  c->add_option("--codec", o->rf.codec, "--restored --full-attn codec: codec spec (default: the bundle's release recipe)");
   o->df.add(c);
   c->callback([o] {
     auto tok = load_tokenizer(o->model);
@@ -91,7 +93,7 @@ void register_bench(CLI::App& app) {
       load_restoration(o->rf, model, tok, st);
       DecodeOptions d;
       d.mode = DecodeMode::Restored;
-      d.restore = o->rf.options();
+      d.restore = o->rf.options(st.c());
       d.max_new_tokens = o->new_tokens;
       d.stream = false;
       std::vector<double> rd, re;

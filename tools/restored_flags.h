@@ -6,6 +6,8 @@
 #include <memory>
 #include <string>
 
+#include "core/calib_bundle.h"
+#include "core/codec.h"
 #include "core/drafter.h"
 #include "core/ftheta.h"
 #include "core/model.h"
@@ -21,12 +23,13 @@ struct RestoreFlags {
   std::string drafter = "checkpoints/gemma3-270m/drafter";
   std::string ftheta = "checkpoints/gemma3-270m/ftheta";
   std::string calib;
+  std::string codec;  // --full-attn codec: codec spec; empty: the bundle's release recipe
   int64_t sink = 4, window = 64, chunk = 0;
   std::string full_attn = "exact";
   double mix_alpha = 0.0;
   DeviceFlags df;
   void add(CLI::App* app, bool with_alpha = true);
-  RestoreOptions options() const;
+  RestoreOptions options(const KVCodec* codec = nullptr) const;
   nlohmann::json to_json() const;
 };
 
@@ -37,12 +40,19 @@ struct DecodeStack {
   std::unique_ptr<Drafter> drafter;
   std::unique_ptr<FTheta> ftheta;
   std::string ftheta_origin;
+  std::unique_ptr<CalibBundle> bundle;  // --full-attn codec
+  std::unique_ptr<KVCodec> codec;
   std::unique_ptr<Tokenizer> tok;
   const Drafter* d() const { return drafter.get(); }
   const FTheta* f() const { return ftheta.get(); }
+  const KVCodec* c() const { return codec.get(); }
 };
 DecodeStack load_decode_stack(const RestoreFlags& f, int64_t max_positions, bool need_restore);
-// The drafter (bound to `model`) and f_θ of the flags, checked against each other and the model.
+// The drafter (bound to `model`) and f_θ of the flags, checked against each other and the
+// model, and the codec when --full-attn codec.
 void load_restoration(const RestoreFlags& f, const Model& model, const Tokenizer& tok, DecodeStack& s);
+// --full-attn codec: the bundle of --calib (checked against the model) and the codec of --codec,
+// or of the bundle's release recipe (manifest.json entries.release); nothing otherwise.
+void load_codec(const RestoreFlags& f, const Model& model, DecodeStack& s);
 
 }  // namespace kakeya::cli
