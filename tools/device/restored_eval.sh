@@ -3,21 +3,24 @@
 # through the device tool, one STEP per call (each < 9 minutes; a warm machine keeps
 # build-cuda/ between calls):
 #   STEP=check  tools/device/restored_eval.sh   # CUDA graph path: a=1 == ar, restored == restored-reforward
-#   STEP=bench  tools/device/restored_eval.sh   # kakeya bench decode --restored at 8k (ratio vs ar, same run)
-#   STEP=niah   tools/device/restored_eval.sh   # NIAH ladder 1k..16k, --full-attn exact (FULL_ATTN to change)
+#   STEP=bench  tools/device/restored_eval.sh   # kakeya bench decode --restored at 8k, --full-attn exact and codec
+#   STEP=niah   tools/device/restored_eval.sh   # NIAH ladder 1k..16k, --full-attn exact and codec
+#               (FULL_ATTNS="codec" runs one policy per call when both do not fit in 9 minutes)
 #   STEP=sweep  tools/device/restored_eval.sh   # sweep-alpha at 1k
 # Env: MODEL (default /tmp/models/gemma3-270m), DRAFTER (default checkpoints/gemma3-270m/drafter),
 #      FTHETA (default checkpoints/gemma3-270m/ftheta if it exists, else random:1 = plumbing only),
-#      WINDOW (64), SINK (4), FULL_ATTN (exact), CONTEXTS (1024,2048,4096,8192,16384), SAMPLES (1),
+#      WINDOW (64), SINK (4), FULL_ATTN (exact: check, sweep), FULL_ATTNS ("exact codec": niah, bench),
+#      CALIB (checkpoints/gemma3-270m/calib: --full-attn codec), CONTEXTS (1024,2048,4096,8192,16384), SAMPLES (1),
 #      DEPTHS (0.1,0.3,0.5,0.7,0.9), OUT (default /tmp/restored-out).
-# Results in $OUT: check.log, bench.json, niah.json + niah.png, sweep.json + sweep.png.
+# Results in $OUT: check.log, bench_{exact,codec}.json, niah_{exact,codec}.json + .png, sweep.json + sweep.png.
 set -euo pipefail
 MODEL=${MODEL:-/tmp/models/gemma3-270m}
 DRAFTER=${DRAFTER:-checkpoints/gemma3-270m/drafter}
 if [ -z "${FTHETA:-}" ]; then
   if [ -f checkpoints/gemma3-270m/ftheta/f_theta_config.json ]; then FTHETA=checkpoints/gemma3-270m/ftheta; else FTHETA=random:1; fi
 fi
-WINDOW=${WINDOW:-64}; SINK=${SINK:-4}; FULL_ATTN=${FULL_ATTN:-exact}
+WINDOW=${WINDOW:-64}; SINK=${SINK:-4}; FULL_ATTN=${FULL_ATTN:-exact}; FULL_ATTNS=${FULL_ATTNS:-exact codec}
+CALIB=${CALIB:-checkpoints/gemma3-270m/calib}
 CONTEXTS=${CONTEXTS:-1024,2048,4096,8192,16384}; SAMPLES=${SAMPLES:-1}; DEPTHS=${DEPTHS:-0.1,0.3,0.5,0.7,0.9}
 OUT=${OUT:-/tmp/restored-out}
 mkdir -p "$OUT"
@@ -28,7 +31,8 @@ if [ ! -f build-cuda/build.ninja ]; then
 fi
 cmake --build build-cuda -j 16 --target kakeya > /tmp/restored-build.log 2>&1 || { tail -50 /tmp/restored-build.log; exit 1; }
 K=build-cuda/kakeya
-COMMON=(--device cuda --verifier "$MODEL" --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" --window "$WINDOW")
+COMMON=(--device cuda --verifier "$MODEL" --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" --window "$WINDOW"
+        --calib "$CALIB")
 echo "[restored] f_theta: $FTHETA"
 
 case ${STEP:-check} in
@@ -54,12 +58,18 @@ print("restored == restored-reforward on CUDA:", inc == ref, inc, ref)
 PY
     ;;
   bench)
-    $K bench decode --device cuda --model "$MODEL" --prompt-len 8192 --new-tokens 256 --repeats 3 --no-peer \
-      --restored --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" --window "$WINDOW" --full-attn "$FULL_ATTN" \
-      --json "$OUT/bench.json" 2>&1 | tail -12 ;;
+    for FA in $FULL_ATTNS; do
+      echo "[restored] bench decode at 8k, --full-attn $FA"
+      $K bench decode --device cuda --model "$MODEL" --prompt-len 8192 --new-tokens 256 --repeats 3 --no-peer \
+        --restored --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" --window "$WINDOW" --full-attn "$FA" \
+        --calib "$CALIB" --json "$OUT/bench_$FA.json" 2>&1 | tail -12
+    done ;;
   niah)
-    $K niah "${COMMON[@]}" --full-attn "$FULL_ATTN" --contexts "$CONTEXTS" --depths "$DEPTHS" --samples "$SAMPLES" \
-      --json "$OUT/niah.json" --plot "$OUT/niah.png" --python python3 2>&1 | tr '\r' '\n' | grep -v "samples$" | tail -16 ;;
+    for FA in $FULL_ATTNS; do
+      echo "[restored] NIAH ladder $CONTEXTS, --full-attn $FA"
+      $K niah "${COMMON[@]}" --full-attn "$FA" --contexts "$CONTEXTS" --depths "$DEPTHS" --samples "$SAMPLES" \
+        --json "$OUT/niah_$FA.json" --plot "$OUT/niah_$FA.png" --python python3 2>&1 | tr '\r' '\n' | grep -v "samples$" | tail -16
+    done ;;
   sweep)
     $K sweep-alpha "${COMMON[@]}" --full-attn "$FULL_ATTN" --contexts 1024 --depths "$DEPTHS" --samples "$SAMPLES" \
       --json "$OUT/sweep.json" --plot "$OUT/sweep.png" --python python3 2>&1 | tr '\r' '\n' | grep -v "samples$" | tail -12 ;;
