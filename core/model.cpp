@@ -239,8 +239,9 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     const bool write_first = !sliding || !sliding_concat;
     // The fused kernel reads raw v from the qkv rows and stores it as is: it knows
     // nothing of v_norm or K=V layers (no v rows), so Gemma 4 takes the unfused branch.
-    // It stores at position mod the exact ring, as KVCache::write does on plain and restored layers.
-    if (cuda_fused && !qkv_tapped && write_first && !cfg_.v_norm) {
+    // It stores at position mod the exact ring, as KVCache::write does on plain and restored
+    // layers (coded layers also keep a dense copy: their write() does more).
+    if (cuda_fused && !qkv_tapped && write_first && !cfg_.v_norm && !cache.coded(l)) {
       ops::QKRopeArgs ra{Hq, Hkv, D, norm_spec_, w.q_norm, w.k_norm, rope(l).cos(), rope(l).sin(),
                          cache.exact_slots(l)};
       q = ops::qk_norm_rope_store(qkv, positions, ra, cache.k_mut(l), cache.v_mut(l));
