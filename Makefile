@@ -18,11 +18,12 @@ $(BUILD)/build.ninja: CMakeLists.txt
 build: bootstrap $(BUILD)/build.ninja
 	cmake --build $(BUILD) -j $(JOBS)
 
-# The main job on the embedded default model (Gemma 3 270M), end to end.
+# The whole product on the embedded default model (Gemma 3 270M): generate + score, the
+# training loop at toy scale (capture -> f_θ -> codec calibration), decode sessions (ar vs
+# restored, memory tables), a short NIAH ladder and an alpha sweep; summary and plots in
+# $(BUILD)/demo/ (tools/demo.sh; < 30 minutes on a 2-core CPU after the downloads).
 demo: model build
-	$(BUILD)/kakeya generate --model $(MODEL_DIR) --prompt "The three most important ideas in computer science are" --max-new-tokens 48
-	@printf 'The lighthouse keeper wrote the weather, the ships and the oil burned into the log every night.\nOver a century the handwriting changed many times, but the order of the entries never did.\n' > $(BUILD)/demo.txt
-	$(BUILD)/kakeya score --model $(MODEL_DIR) --text $(BUILD)/demo.txt --json $(BUILD)/demo-score.json
+	BUILD=$(BUILD) tools/demo.sh
 
 # Every test (GoogleTest via CTest, reference fixtures made by the venv's transformers).
 test: model build
