@@ -64,6 +64,15 @@ std::string read_file(const std::string& path) {
 
 void write_json(const std::string& path, const nlohmann::json& j) { fs::write_atomic(path, j.dump(2) + "\n"); }
 
+DeviceFlags training_device_flags(const DeviceFlags& df, const std::string& command) {
+  KAKEYA_CHECK(df.dtype.empty() || df.dtype == "f32",
+               command << ": --dtype " << df.dtype << ": training runs in f32 (bf16 autocast on CUDA)");
+  DeviceFlags out = df;
+  out.dtype = "f32";
+  if (out.torch_device().is_cuda()) at::globalContext().setAllowTF32CuBLAS(true);
+  return out;
+}
+
 std::string device_description(const at::Device& dev) { return dev.is_cuda() ? "cuda" : "cpu"; }
 
 std::string run_capture(const std::string& cmd) {

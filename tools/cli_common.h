@@ -20,6 +20,10 @@ struct DeviceFlags {
   at::ScalarType torch_dtype() const;
 };
 
+// Training and its benchmarks run in f32 (bf16 autocast on CUDA): refuses another --dtype
+// (naming `command`), allows TF32 GEMMs on CUDA; returns the flags with dtype f32.
+DeviceFlags training_device_flags(const DeviceFlags& df, const std::string& command);
+
 Tokenizer load_tokenizer(const std::string& model_dir);
 // max_positions: RoPE table length = the longest sequence this run will see.
 Model load_model(const std::string& dir, const DeviceFlags& df, int64_t max_positions);

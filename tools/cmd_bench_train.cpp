@@ -79,12 +79,8 @@ void register_bench_train_ftheta(CLI::App& bench) {
   c->add_option("--json", o->json, "write the results here");
   o->df.add(c);
   c->callback([o] {
-    KAKEYA_CHECK(o->df.dtype.empty() || o->df.dtype == "f32",
-                 "bench train-ftheta: --dtype " << o->df.dtype << ": training runs in f32 (bf16 autocast on CUDA)");
-    DeviceFlags df = o->df;
-    df.dtype = "f32";
+    const DeviceFlags df = training_device_flags(o->df, "bench train-ftheta");
     const at::Device dev = df.torch_device();
-    if (dev.is_cuda()) at::globalContext().setAllowTF32CuBLAS(true);
     Model verifier = load_model(o->verifier, df, o->len + 1);
     DrafterConfig dcfg = DrafterConfig::from_file(o->drafter + "/config.json");
     dcfg.check_target(verifier.config());

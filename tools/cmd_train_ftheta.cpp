@@ -106,12 +106,8 @@ void register_train_ftheta(CLI::App& app) {
   c->add_option("--plot-python", o->plot_python, "python with matplotlib for SAVE/loss.png ('' to skip)")->capture_default_str();
   o->df.add(c);
   c->callback([o] {
-    KAKEYA_CHECK(o->df.dtype.empty() || o->df.dtype == "f32",
-                 "train-ftheta: --dtype " << o->df.dtype << ": training runs in f32 (bf16 autocast on CUDA)");
-    DeviceFlags df = o->df;
-    df.dtype = "f32";
+    const DeviceFlags df = training_device_flags(o->df, "train-ftheta");
     const at::Device dev = df.torch_device();
-    if (dev.is_cuda()) at::globalContext().setAllowTF32CuBLAS(true);
     data::CaptureReader reader(o->data);
     reader.check_models(o->verifier, o->drafter);  // refuses data captured from other models
     int64_t max_pos = o->t.max_len + 1;
