@@ -5,7 +5,11 @@
 // mismatched configs refused with errors naming the field.
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <dirent.h>
+#include <sys/resource.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <fstream>
 
@@ -371,3 +375,55 @@ TEST(FThetaTrain, NonFiniteLossHaltsNamingStepAndLayer) {
 }
 
 }  // namespace
+
+// Disk full while checkpointing (simulated with RLIMIT_FSIZE: writes past the limit fail with
+// EFBIG, as they would with ENOSPC): the save fails naming the file, no temp file is left, and the
+// last complete checkpoint is untouched, so --resume continues from it.
+TEST(FThetaTrain, DiskFullKeepsTheLastCheckpoint) {
+  TrainFixture t = train_fixture();
+  const std::string dir = temp_dir("diskfull");
+  const std::string ck = dir + "/ck.safetensors";
+  FThetaTrainOptions o = small_options();
+  o.max_steps_this_run = 3;
+  FTheta a = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
+  {
+    FThetaTrainer tr(t.m, a, t.seqs, {t.seqs[1]}, o, ck);
+    EXPECT_FALSE(tr.run());  // 3 steps, checkpoint at step 3
+  }
+  auto read = [](const std::string& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  };
+  const std::string before = read(ck);
+  ASSERT_GT(before.size(), 4096u);
+
+  FTheta b = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
+  FThetaTrainer tr(t.m, b, t.seqs, {t.seqs[1]}, o, ck);
+  ASSERT_TRUE(tr.resume());
+  tr.step_on(make_ftheta_batch({&t.seqs[0], &t.seqs[1]}, 19, at::kCPU), 1e-3);  // step 4, not saved yet
+  struct rlimit old {};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto prev_handler = std::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of a signal
+  struct rlimit small = old;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  std::string msg;
+  try {
+    tr.save_checkpoint();
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, prev_handler);
+  EXPECT_NE(msg.find("ck.safetensors"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("write failed"), std::string::npos) << msg;
+  EXPECT_EQ(read(ck), before);  // the complete checkpoint of step 3 is intact
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d)) EXPECT_EQ(std::string(e->d_name).find(".tmp"), std::string::npos) << e->d_name;
+    closedir(d);
+  }
+  FTheta c = FTheta::random(t.fc, 7, at::kFloat, at::kCPU);
+  FThetaTrainer tc(t.m, c, t.seqs, {t.seqs[1]}, o, ck);
+  ASSERT_TRUE(tc.resume());
+  EXPECT_EQ(tc.step(), 3);
+}
