@@ -83,16 +83,14 @@ RestoreOptions restore_options(double alpha) {
   return ro;
 }
 
+// Greedy AR continuations, computed once per prompt on first use (ctest runs each test in its own process).
 const std::vector<int64_t>& ar_tokens(size_t i) {
-  static std::vector<std::vector<int64_t>> t = [] {
-    std::vector<std::vector<int64_t>> all;
-    for (const auto& p : prompts()) {
-      GenerateOptions go;
-      go.max_new_tokens = kNew;
-      all.push_back(generate(model(), p, go).tokens);
-    }
-    return all;
-  }();
+  static std::vector<std::vector<int64_t>> t(prompts().size());
+  if (t[i].empty()) {
+    GenerateOptions go;
+    go.max_new_tokens = kNew;
+    t[i] = generate(model(), prompts()[i], go).tokens;
+  }
   return t[i];
 }
 
