@@ -124,10 +124,10 @@ at::Tensor KVCache::visible(int64_t layer, const at::Tensor& q_pos) const {
   return m.logical_and(recent.ne(s.in_restored.unsqueeze(0)));
 }
 
-at::Tensor KVCache::decode_slot_positions(int64_t layer, const at::Tensor& q_pos) const {
+ops::CopyRule KVCache::copy_rule(int64_t layer) const {
   const TypeState& s = state(layer);
-  if (!s.policy) return s.pos;
-  return at::where(visible(layer, q_pos).select(0, 0), s.pos, at::full({}, -1, s.pos.options()));
+  if (!s.policy) return {};
+  return {s.in_restored, s.window, s.coded ? s.block : 0};
 }
 
 void KVCache::mark(const at::Tensor& positions) {

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/ops.h"
 
 namespace kakeya {
 
@@ -100,10 +101,9 @@ class KVCache {
   // Which slots of `layer` each query at q_pos [T] attends to: [T, S_l] bool (the
   // layer's causal/sliding rule, and the restoration rule where the policy applies).
   at::Tensor visible(int64_t layer, const at::Tensor& q_pos) const;
-  // For the one-query decode kernel (which applies the causal/sliding rule to slot
-  // positions itself): slot_positions with the slots the restoration rule hides
-  // from the query at q_pos [1] set to -1; slot_positions itself on plain layers.
-  at::Tensor decode_slot_positions(int64_t layer, const at::Tensor& q_pos) const;
+  // The restoration / coding rule of visible() for the attention kernel, which applies
+  // it per query on the device (core/ops.h CopyRule; in_restored undefined on plain layers).
+  ops::CopyRule copy_rule(int64_t layer) const;
 
   // ---- restoration (layers the policy covers) ----
   bool restored(int64_t layer) const;            // the policy restores this layer (f_θ / exact copies)

@@ -203,27 +203,22 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   cache.mark(positions);
   const Taps* taps = fo.taps && !fo.taps->empty() ? fo.taps : nullptr;
   // Fused CUDA kernels where nothing needs the intermediate tensors: q/k norm +
-  // RoPE + cache store in one kernel (no subscriber taps q/k/v), and the
-  // one-query attention kernel for decode steps, which reads visibility from
-  // the slot positions itself (no mask tensors).
+  // RoPE + cache store in one kernel (no subscriber taps q/k/v), and the attention
+  // kernel for decode steps and verify blocks, which reads visibility from the slot
+  // positions and the cache's copy rule itself (no mask tensors, no SDPA launches).
   const bool cuda_fused = ids.is_cuda() && ops::cuda_kernels_available();
   // The fused q/k-norm + RoPE + store kernel skips the q/k/v taps: only when nobody reads them.
   bool qkv_tapped = false;
   for (Tap t : {Tap::QProj, Tap::QNorm, Tap::KProj, Tap::KNorm, Tap::VProj, Tap::VNorm})
     qkv_tapped = qkv_tapped || (taps && taps->reads(t));
-  const bool decode_kernel = cuda_fused && T == 1;
+  // The kernel re-reads K/V per query: right for a few queries; prefill chunks take SDPA.
+  constexpr int64_t kAttnKernelMaxQueries = 32;
+  const bool attn_kernel = cuda_fused && T <= kAttnKernelMaxQueries;
   at::Tensor mask_full, mask_sliding;  // [T, S] bool
-  if (first_full >= 0 && !decode_kernel) mask_full = cache.visible(first_full, positions);
-  if (first_sliding >= 0 && (sliding_concat || !decode_kernel))
+  if (first_full >= 0 && !attn_kernel) mask_full = cache.visible(first_full, positions);
+  if (first_sliding >= 0 && (sliding_concat || !attn_kernel))
     mask_sliding = sliding_concat ? causal_visible(at::cat({old_sliding_pos, positions}), positions, cfg_.sliding_window)
                                   : cache.visible(first_sliding, positions);
-  // The decode kernel applies the causal/sliding rule to slot positions itself;
-  // restored layers hide the copies a query must not read (KVCache::visible).
-  at::Tensor kpos_full, kpos_sliding;  // [S] int64
-  if (decode_kernel) {
-    if (first_full >= 0) kpos_full = cache.decode_slot_positions(first_full, positions);
-    if (first_sliding >= 0) kpos_sliding = cache.decode_slot_positions(first_sliding, positions);
-  }
 
   at::Tensor h = embed(ids);                         // [B, T, hidden]
   at::Tensor x = rms_norm(h, layers_[0].attn_norm);  // later layers get theirs from the fused residual step
@@ -269,10 +264,10 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     if (!write_first) {
       attn = attention(l, q, at::cat({cache.keys(l), kc}, 2), at::cat({cache.values(l), vc}, 2), mask_sliding);
       cache.write(l, kc, vc, positions);
-    } else if (decode_kernel) {
-      attn = ops::decode_attention(q, cache.keys(l), cache.values(l), sliding ? kpos_sliding : kpos_full, positions,
+    } else if (attn_kernel) {
+      attn = ops::decode_attention(q, cache.keys(l), cache.values(l), cache.slot_positions(l), positions,
                                    sliding ? cfg_.sliding_window : 0, cfg_.attn_scale,
-                                   cfg_.attn_logit_softcap.value_or(0.0));
+                                   cfg_.attn_logit_softcap.value_or(0.0), cache.copy_rule(l));
     } else {
       attn = attention(l, q, cache.keys(l), cache.values(l), sliding ? mask_sliding : mask_full);
     }

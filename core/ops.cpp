@@ -82,9 +82,10 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
-                            const at::Tensor& q_pos, int64_t window, double scale, double softcap) {
+                            const at::Tensor& q_pos, int64_t window, double scale, double softcap,
+                            const CopyRule& copies) {
 #ifdef KAKEYA_CUDA
-  return cuda::decode_attention(q, k, v, slot_pos, q_pos, window, scale, softcap);
+  return cuda::decode_attention(q, k, v, slot_pos, q_pos, window, scale, softcap, copies);
 #else
   KAKEYA_FAIL("decode_attention: built without CUDA kernels (KAKEYA_CUDA=OFF)");
 #endif

@@ -53,10 +53,28 @@ struct QKRopeArgs {
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
                               at::Tensor& k_cache, at::Tensor& v_cache);
 
-// One query per sequence. q: [B, 1, Hq, D]; k, v: [B, H_kv, S, D]; slot_pos: [S] int64
-// (-1 empty); q_pos: [1] int64 on the device. window 0 = full attention; softcap 0 = none.
-// Returns [B, 1, Hq·D].
+// Which copy of a position a query reads on a layer with restoration or coding
+// (core/kv_cache.h): slot s sits either in the restored/coded region (in_restored[s])
+// or in the exact ring; the query at q reads a slot's copy iff the slot is in the
+// exact ring exactly when the position is "recent" for q:
+//   q - p < window                                            (restored layers, block == 0)
+//   p >= floor(max(q - window + 1, 0) / block) · block        (coded layers, block > 0)
+// in_restored undefined: a plain layer, every slot is read (the causal/sliding rule only).
+struct CopyRule {
+  at::Tensor in_restored;  // [S] bool, or undefined
+  int64_t window = 0;
+  int64_t block = 0;
+};
+
+// Attention of T queries per sequence over a cache whose slots carry absolute
+// positions (split-K flash-decoding; decode steps, verify blocks, drafter blocks).
+// q: [B, T, Hq, D]; k, v: [B, H_kv, S, D]; slot_pos: [S] int64 (-1 empty);
+// q_pos: [T] int64 on the device, or [1] shared by all T queries (a drafter block,
+// whose queries all see up to the block's last position). Slot s is visible to query
+// t iff 0 <= p = slot_pos[s] <= q_pos[t], (window == 0 or q_pos[t] - p < window) and
+// the copy rule holds. window 0 = full attention; softcap 0 = none. Returns [B, T, Hq·D].
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
-                            const at::Tensor& q_pos, int64_t window, double scale, double softcap);
+                            const at::Tensor& q_pos, int64_t window, double scale, double softcap,
+                            const CopyRule& copies = {});
 
 }  // namespace kakeya::ops

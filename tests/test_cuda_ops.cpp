@@ -115,31 +115,60 @@ TEST_P(CudaOps, QkNormRopeStore) {
   }
 }
 
-// Reference: SDPA over the whole cache with the visibility mask.
+// Reference: softmax attention in f32 over the whole cache with the visibility mask
+// built as KVCache::visible does (causal/sliding rule, then the copy rule).
 TEST_P(CudaOps, DecodeAttention) {
-  struct Case { int64_t Hq, Hkv, D, S, window; double softcap; };
-  for (auto c : {Case{4, 1, 256, 300, 0, 0.0}, Case{6, 2, 64, 37, 16, 0.0}, Case{8, 8, 128, 129, 0, 30.0},
-                 Case{4, 2, 512, 700, 100, 0.0}}) {
-    const int64_t B = 2;
-    auto q = at::randn({B, 1, c.Hq, c.D}).to(dt());
+  struct Case {
+    int64_t Hq, Hkv, D, S, window;
+    double softcap;
+    int64_t T;            // queries per sequence (1: a decode step; more: verify / drafter blocks)
+    bool shared_qpos;     // one q_pos for all T queries (drafter blocks)
+    int64_t rwin, block;  // copy rule: 0 = plain layer; block > 0 = coded layer
+  };
+  for (auto c : {Case{4, 1, 256, 300, 0, 0.0, 1, false, 0, 0}, Case{6, 2, 64, 37, 16, 0.0, 1, false, 0, 0},
+                 Case{8, 8, 128, 129, 0, 30.0, 1, false, 0, 0}, Case{4, 2, 512, 700, 100, 0.0, 1, false, 0, 0},
+                 Case{4, 1, 256, 333, 0, 0.0, 16, false, 0, 0}, Case{8, 1, 64, 201, 0, 0.0, 13, true, 0, 0},
+                 Case{4, 1, 256, 399, 512, 0.0, 16, false, 64, 0}, Case{6, 3, 128, 250, 0, 0.0, 7, false, 40, 0},
+                 Case{4, 2, 64, 517, 0, 0.0, 5, false, 70, 64}, Case{4, 1, 256, 130, 0, 0.0, 1, false, 64, 0}}) {
+    const int64_t B = 2, T = c.T;
+    auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
     auto k = at::randn({B, c.Hkv, c.S, c.D}).to(dt()), v = at::randn({B, c.Hkv, c.S, c.D}).to(dt());
     // Slots hold a shuffled ring of positions with a few empty ones.
     auto slot_pos = at::randperm(c.S, at::kLong) + 5;
     slot_pos.index_put_({at::arange(0, c.S, 7)}, -1);
-    auto q_pos = at::full({1}, c.S - 3, at::kLong);
+    auto q_pos = c.shared_qpos ? at::full({1}, c.S - 3, at::kLong) : at::arange(c.S - 2 - T, c.S - 2, at::kLong);
+    ops::CopyRule rule;
+    if (c.rwin > 0) {
+      // A random split of the slots into exact ring and restored/coded region.
+      rule = {at::rand({c.S}).lt(0.5), c.rwin, c.block};
+    }
     const double scale = 1.0 / std::sqrt((double)c.D);
-    auto sp = slot_pos.unsqueeze(0), qp = q_pos.unsqueeze(1);
-    auto mask = sp.ge(0).logical_and(sp.le(qp));
+    auto sp = slot_pos.unsqueeze(0), qp = q_pos.expand({T}).unsqueeze(1);  // [1, S], [T, 1]
+    auto mask = sp.ge(0).logical_and(sp.le(qp));                          // [T, S]
     if (c.window) mask = mask.logical_and((qp - sp).lt(c.window));
+    if (c.rwin > 0) {
+      at::Tensor recent = c.block > 0 ? sp.ge((qp - (c.rwin - 1)).clamp_min(0).div(c.block, "floor") * c.block)
+                                      : (qp - sp).lt(c.rwin);
+      mask = mask.logical_and(recent.ne(rule.in_restored.unsqueeze(0)));
+    }
     const int64_t G = c.Hq / c.Hkv;
-    auto qf = q.to(at::kFloat).permute({0, 2, 1, 3}).reshape({B, c.Hkv, G, c.D});
-    auto s = at::matmul(qf, k.to(at::kFloat).transpose(-1, -2)) * scale;  // [B, Hkv, G, S]
+    auto qf = q.to(at::kFloat).permute({0, 2, 1, 3}).reshape({B, c.Hkv, G, T, c.D});
+    auto s = at::matmul(qf, k.to(at::kFloat).unsqueeze(2).transpose(-1, -2)) * scale;  // [B, Hkv, G, T, S]
     if (c.softcap > 0) s = at::tanh(s / c.softcap) * c.softcap;
     s = s.masked_fill(mask.logical_not(), -INFINITY);
-    auto ref = at::matmul(at::softmax(s, -1), v.to(at::kFloat)).reshape({B, 1, c.Hq * c.D}).to(dt());
+    // A query that sees nothing gets zeros from the kernel; softmax gives NaN there.
+    auto ref = at::nan_to_num(at::matmul(at::softmax(s, -1), v.to(at::kFloat).unsqueeze(2)), 0.0)
+                   .reshape({B, c.Hq, T, c.D})
+                   .permute({0, 2, 1, 3})
+                   .reshape({B, T, c.Hq * c.D})
+                   .to(dt());
+    ops::CopyRule gpu_rule = rule;
+    if (rule.in_restored.defined()) gpu_rule.in_restored = rule.in_restored.to(kCuda);
     auto got = ops::decode_attention(q.to(kCuda), k.to(kCuda), v.to(kCuda), slot_pos.to(kCuda), q_pos.to(kCuda),
-                                     c.window, scale, c.softcap);
-    expect_close(got, ref, "decode_attention D=" + std::to_string(c.D) + " S=" + std::to_string(c.S));
+                                     c.window, scale, c.softcap, gpu_rule);
+    expect_close(got, ref,
+                 "decode_attention D=" + std::to_string(c.D) + " S=" + std::to_string(c.S) + " T=" + std::to_string(T) +
+                     " rwin=" + std::to_string(c.rwin) + " block=" + std::to_string(c.block));
   }
 }
 

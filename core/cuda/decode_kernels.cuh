@@ -199,24 +199,34 @@ void launch_qk_norm_rope_store(const T* qkv, const float* q_w, const float* k_w,
 }
 
 // ---------------------------------------------------------------------------
-// Decode attention (one query per sequence) over a cache whose slots carry
-// absolute positions (-1 = empty), split over the key axis (flash-decoding).
-//   q: [B, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [S]; q_pos: [1] (device)
-//   partial: [B·Hq, chunks, D + 2] f32 (acc, max, sum); out: [B, Hq, D]
-// Visibility: 0 <= p <= q_pos and (window == 0 or q_pos - p < window).
+// Decode attention (T queries per sequence: decode steps, verify and drafter
+// blocks) over a cache whose slots carry absolute positions (-1 = empty), split
+// over the key axis (flash-decoding). Each (sequence, query, head) row is an
+// independent one-query problem: blocks are few-token, so re-reading K/V per
+// query costs less than the mask tensors and SDPA launches it replaces.
+//   q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [S]; q_pos: [T] (qstride 1)
+//   or [1] shared by all T queries (qstride 0)
+//   partial: [B·T·Hq, chunks, D + 2] f32 (acc, max, sum); out: [B, T, Hq, D]
+// Visibility: 0 <= p <= q_pos[t] and (window == 0 or q_pos[t] - p < window), and
+// where in_restored != nullptr (restored / coded layers, core/kv_cache.h) the slot's
+// region must match whether p is recent for the query: q - p < rwin (rblock == 0),
+// or p >= floor(max(q - rwin + 1, 0) / rblock) · rblock (coded layers).
 constexpr int kAttnWarps = 8;
 constexpr int kAttnChunk = 64;  // keys per block: 8 per warp keeps each warp's serial chain short
 
 template <typename T, int VPL>  // VPL: values per lane = D / 32
 __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            const int64_t* __restrict__ slot_pos, const int64_t* __restrict__ q_pos,
-                                           float* __restrict__ partial, int Hq, int Hkv, int S, int window, float scale,
-                                           float softcap) {
+                                           int qstride, const bool* __restrict__ in_restored, int rwin, int rblock,
+                                           float* __restrict__ partial, int Tq, int Hq, int Hkv, int S, int window,
+                                           float scale, float softcap) {
   constexpr int D = VPL * 32;
-  const int chunk = blockIdx.x, bh = blockIdx.y, nchunks = gridDim.x;
-  const int b = bh / Hq, hq = bh % Hq, hk = hq / (Hq / Hkv);
+  const int chunk = blockIdx.x, bh = blockIdx.y, nchunks = gridDim.x;  // bh: row (b, t, hq) of q
+  const int b = bh / (Tq * Hq), t = (bh / Hq) % Tq, hq = bh % Hq, hk = hq / (Hq / Hkv);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t qp = *q_pos;
+  const int64_t qp = q_pos[t * qstride];
+  // Coded layers: positions below this are read from the coded region, newer ones from the ring.
+  const int64_t below = rblock > 0 ? (max(qp - rwin + 1, (int64_t)0) / rblock) * rblock : 0;
   float qv[VPL], acc[VPL];
   for (int i = 0; i < VPL; ++i) {
     qv[i] = from_t<T>(q[(int64_t)bh * D + lane * VPL + i]) * scale;
@@ -229,6 +239,10 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
   for (int j = start + warp; j < end; j += kAttnWarps) {
     const int64_t p = slot_pos[j];
     if (p < 0 || p > qp || (window > 0 && qp - p >= window)) continue;  // warp-uniform
+    if (in_restored) {
+      const bool recent = rblock > 0 ? p >= below : qp - p < rwin;
+      if (recent == in_restored[j]) continue;  // the other region holds this query's copy
+    }
     float sdot = 0.f;
     const T* kr = kb + (int64_t)j * D + lane * VPL;
     for (int i = 0; i < VPL; ++i) sdot += qv[i] * from_t<T>(kr[i]);
@@ -289,19 +303,24 @@ inline int decode_attn_chunks(int S) { return (S + kAttnChunk - 1) / kAttnChunk;
 // Returns false if D is not one of the supported head dims (64, 128, 256, 512).
 template <typename T>
 bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, const int64_t* q_pos,
-                             float* partial, T* out, int B, int Hq, int Hkv, int S, int D, int window, float scale,
-                             float softcap, cudaStream_t s) {
+                             int qstride, const bool* in_restored, int rwin, int rblock, float* partial, T* out, int B,
+                             int Tq, int Hq, int Hkv, int S, int D, int window, float scale, float softcap,
+                             cudaStream_t s) {
   const int nchunks = decode_attn_chunks(S);
-  dim3 grid(nchunks, B * Hq);
+  dim3 grid(nchunks, B * Tq * Hq);
   const int threads = kAttnWarps * 32;
+#define KAKEYA_ATTN_CASE(DIM, VPL)                                                                                  \
+  case DIM:                                                                                                          \
+    decode_attn_partial_kernel<T, VPL><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, qstride, in_restored, rwin, \
+                                                                 rblock, partial, Tq, Hq, Hkv, S, window, scale,      \
+                                                                 softcap);                                            \
+    break;
   switch (D) {
-    case 64: decode_attn_partial_kernel<T, 2><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, partial, Hq, Hkv, S, window, scale, softcap); break;
-    case 128: decode_attn_partial_kernel<T, 4><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, partial, Hq, Hkv, S, window, scale, softcap); break;
-    case 256: decode_attn_partial_kernel<T, 8><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, partial, Hq, Hkv, S, window, scale, softcap); break;
-    case 512: decode_attn_partial_kernel<T, 16><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, partial, Hq, Hkv, S, window, scale, softcap); break;
+    KAKEYA_ATTN_CASE(64, 2) KAKEYA_ATTN_CASE(128, 4) KAKEYA_ATTN_CASE(256, 8) KAKEYA_ATTN_CASE(512, 16)
     default: return false;
   }
-  decode_attn_combine_kernel<T><<<B * Hq, D < 256 ? D : 256, 0, s>>>(partial, out, D, nchunks);
+#undef KAKEYA_ATTN_CASE
+  decode_attn_combine_kernel<T><<<B * Tq * Hq, D < 256 ? D : 256, 0, s>>>(partial, out, D, nchunks);
   return true;
 }
 

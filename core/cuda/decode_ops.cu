@@ -129,30 +129,43 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
 }
 
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
-                            const at::Tensor& q_pos, int64_t window, double scale, double softcap) {
+                            const at::Tensor& q_pos, int64_t window, double scale, double softcap,
+                            const CopyRule& copies) {
   auto q = q_in.contiguous();
   check_act(q, "decode_attention q");
   check_cuda(k, "decode_attention k");
   check_cuda(v, "decode_attention v");
   check_cuda(slot_pos, "decode_attention slot_pos");
   check_cuda(q_pos, "decode_attention q_pos");
-  TORCH_CHECK(q.dim() == 4 && q.size(1) == 1, "decode_attention q: expected [B, 1, Hq, D], got ", q.sizes());
-  const int64_t B = q.size(0), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(q.dim() == 4, "decode_attention q: expected [B, T, Hq, D], got ", q.sizes());
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D, "decode_attention k/v: ", k.sizes(), " vs q ",
               q.sizes());
   TORCH_CHECK(Hq % Hkv == 0, "decode_attention: ", Hq, " q heads vs ", Hkv, " kv heads");
   TORCH_CHECK(slot_pos.numel() == S && slot_pos.scalar_type() == at::kLong, "slot_pos: expected [", S, "] int64");
-  TORCH_CHECK(q_pos.numel() == 1 && q_pos.scalar_type() == at::kLong, "q_pos: expected [1] int64");
+  TORCH_CHECK((q_pos.numel() == T || q_pos.numel() == 1) && q_pos.scalar_type() == at::kLong,
+              "q_pos: expected [", T, "] or [1] int64, got ", q_pos.sizes());
   TORCH_CHECK(k.scalar_type() == q.scalar_type(), "decode_attention: cache dtype must match q");
+  TORCH_CHECK(B * T * Hq <= 65535, "decode_attention: ", B * T * Hq, " query rows exceed the grid (65535)");
+  const bool* in_restored = nullptr;
+  if (copies.in_restored.defined()) {
+    check_cuda(copies.in_restored, "decode_attention in_restored");
+    TORCH_CHECK(copies.in_restored.scalar_type() == at::kBool && copies.in_restored.numel() == S,
+                "in_restored: expected [", S, "] bool");
+    TORCH_CHECK(copies.window > 0 && copies.block >= 0, "decode_attention: copy rule window ", copies.window,
+                " block ", copies.block);
+    in_restored = copies.in_restored.data_ptr<bool>();
+  }
   c10::cuda::CUDAGuard g(q.device());
-  auto partial = at::empty({B * Hq, k::decode_attn_chunks(S), D + 2}, q.options().dtype(at::kFloat));
-  auto out = at::empty({B, 1, Hq * D}, q.options());
+  auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S), D + 2}, q.options().dtype(at::kFloat));
+  auto out = at::empty({B, T, Hq * D}, q.options());
   bool ok = false;
   dispatch(q.scalar_type(), [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    ok = k::launch_decode_attention<T>(ptr<T>(q), ptr<T>(k), ptr<T>(v), slot_pos.data_ptr<int64_t>(),
-                                       q_pos.data_ptr<int64_t>(), partial.data_ptr<float>(), ptr<T>(out), B, Hq, Hkv, S,
-                                       D, window, scale, softcap, at::cuda::getCurrentCUDAStream());
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    ok = k::launch_decode_attention<T_>(ptr<T_>(q), ptr<T_>(k), ptr<T_>(v), slot_pos.data_ptr<int64_t>(),
+                                        q_pos.data_ptr<int64_t>(), q_pos.numel() == 1 ? 0 : 1, in_restored,
+                                        (int)copies.window, (int)copies.block, partial.data_ptr<float>(), ptr<T_>(out),
+                                        B, T, Hq, Hkv, S, D, window, scale, softcap, at::cuda::getCurrentCUDAStream());
   });
   TORCH_CHECK(ok, "decode_attention: head dim ", D, " not supported (64, 128, 256, 512)");
   return out;

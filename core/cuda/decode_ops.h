@@ -18,6 +18,7 @@ at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Te
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
                               at::Tensor& k_cache, at::Tensor& v_cache);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
-                            const at::Tensor& q_pos, int64_t window, double scale, double softcap);
+                            const at::Tensor& q_pos, int64_t window, double scale, double softcap,
+                            const CopyRule& copies);
 
 }  // namespace kakeya::ops::cuda
