@@ -286,8 +286,9 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_);
     }
     if (taps) {
+      const at::Tensor before = h;
       tap(Tap::LayerOut, h);
-      x = rms_norm(h, next_norm);  // a subscriber may have replaced h
+      if (!h.is_same(before)) x = rms_norm(h, next_norm);  // a subscriber replaced h (core/taps.h)
     }
   }
   if (fo.advance_cache) cache.advance(T);
