@@ -35,7 +35,7 @@ void write_json(const std::string& path, const nlohmann::json& j);
 std::string device_description(const at::Device& dev);
 // Runs a shell command and returns its stdout; throws with the output when it fails.
 std::string run_capture(const std::string& cmd);
-std::string git_commit();  // short HEAD hash of the working directory's repo, or "unknown"
+std::string git_commit();  // $KAKEYA_COMMIT, else the short HEAD hash of the working directory's repo, else "unknown"
 
 // "label  12/100  (12.0%)  34.5 tok/s  ETA 3s" on stderr, at most a few times per second.
 class Progress {
