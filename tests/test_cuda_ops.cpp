@@ -4,8 +4,12 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include "core/fs.h"
 #include "core/ops.h"
 #include "core/rope.h"
+#include "core/safetensors.h"
 
 using namespace kakeya;
 
@@ -209,3 +213,13 @@ TEST_P(CudaOps, LinearActMul) {
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOps, ::testing::Values(at::kFloat, at::kBFloat16));
 
 }  // namespace
+
+// The safetensors writer takes CUDA tensors (and non-contiguous views) as they come.
+TEST(CudaSafetensors, SavesCudaTensors) {
+  const at::Tensor t = at::randn({4, 5}, at::TensorOptions().device(kCuda).dtype(at::kBFloat16));
+  const std::string path = fs::temp_dir() + "/kakeya_cuda_" + std::to_string(::getpid()) + ".safetensors";
+  save_safetensors(path, {{"t", t.t()}});
+  const at::Tensor got = SafetensorsFile(path).get("t");
+  ::unlink(path.c_str());
+  EXPECT_TRUE(at::equal(got, t.t().cpu())) << "t";
+}

@@ -363,13 +363,6 @@ TEST_F(SafetensorsTest, OpenDirFindsSingleFile) {
   EXPECT_TRUE(at::equal(store.get("w", {2, 3}), at::ones({2, 3})));
 }
 
-TEST_F(SafetensorsTest, SavesCudaTensors) {
-  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA";
-  const at::Tensor t = at::randn({4, 5}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16));
-  save_safetensors(path("cuda.safetensors"), {{"t", t.t()}});
-  expect_same(SafetensorsFile(path("cuda.safetensors")).get("t"), t.t().cpu(), "t");
-}
-
 // ---- errors: every message names the file and the field -------------------
 
 TEST_F(SafetensorsTest, WriterRejectsBadInput) {
