@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <map>
 #include <memory>
 #include <sstream>
 
@@ -88,6 +87,9 @@ class Engine {
         capture_(v, d.config().target_layer_ids) {
     const at::Device dev = v.device();
     auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
+    const int64_t gap = rest.ahead_gap(), A = rest.options().window - gap;
+    KAKEYA_CHECK(A >= B, "fused: restoring ahead covers " << A << " positions per batch, fewer than a block of " << B);
+    ahead_ = at::arange(-A - gap, -gap, iopt);
     pos0_ = at::zeros({1}, iopt);
     qpos_ = at::arange(B, iopt);
     ar_ = at::arange(B, iopt);
@@ -145,10 +147,12 @@ class Engine {
   }
 
   // ---- the four parts ----
-  // Restores the positions leaving the window for the last r queries of the block,
-  // (pos0 + B - r .. pos0 + B - 1) - window: the host picks r >= the positions that are new
-  // since the last block (re-restoring one writes the same K/V), so r = B covers any block.
-  void restore(int64_t r) { rest_.prepare_step(qpos_.narrow(0, B_ - r, r)); }
+  // Restores ahead, in one batch of A = window - gap positions ending at pos0 - 1 - gap
+  // (Restorer::ahead_gap): enough for this block and the next ~A/τ blocks, so the host runs
+  // this part only when a block's queries would read a position not restored yet. Positions
+  // restored again get the same K/V; those before 0 clamp to 0.
+  int64_t ahead() const { return ahead_.size(0); }
+  void restore() { rest_.restore_ahead(ahead_ + pos0_); }
 
   void draft() {
     dblk_.narrow(1, 0, 1).copy_(blk_.narrow(1, 0, 1));
@@ -247,6 +251,7 @@ class Engine {
   TargetFeatureCapture capture_;
   TapRelay relay_;
   Taps vtaps_;
+  at::Tensor ahead_;     // [A] offsets from pos0 of the positions restore() restores
   at::Tensor pos0_;      // [1] block start: position of the carried token
   at::Tensor qpos_;      // [B] pos0 + 0..B-1
   at::Tensor ar_;        // [B] 0..B-1
@@ -312,17 +317,16 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
   const bool cuda = dev.is_cuda();
   at::Tensor host = at::empty({B + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(cuda));
 #ifdef KAKEYA_CUDA
-  std::unique_ptr<at::cuda::CUDAGraph> graphs[4];      // [0] unused: restoration has one graph per bucket
-  std::map<int64_t, std::unique_ptr<at::cuda::CUDAGraph>> restore_graphs;  // by restored-position bucket
+  std::unique_ptr<at::cuda::CUDAGraph> graphs[4];      // restore, draft, verify, extend
   std::vector<c10::cuda::CUDAEvent> ev;
   if (cuda && opt.time_split)
     for (int i = 0; i < 5; ++i) ev.emplace_back(cudaEventDefault);
-  bool use_graphs = false;
 #endif
-  int64_t rb = 0;  // this block's restoration bucket (0: nothing leaves the window)
+  bool restore_now = false;  // this block's queries read a position not restored yet
+  const int64_t gap = rest.ahead_gap();
   auto part = [&](int i) {
     switch (i) {
-      case 0: if (rb > 0) eng.restore(rb); break;
+      case 0: eng.restore(); break;
       case 1: eng.draft(); break;
       case 2: eng.verify(); break;
       default: eng.extend(); break;
@@ -332,46 +336,30 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
   int64_t blocks = 0;
   while (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) {
     const int64_t g = res.tokens.size(), s = n_prompt + g - 1;  // s: position of the carried token
-    // Positions that leave the window for this block's queries and are not restored yet: the
-    // previous block's n (B after the prefill), fewer early on. Rounded up to a power of two
-    // so that a handful of fixed-shape restore graphs serve every block.
-    const int64_t need = std::min(B, s + B - 1 - ro.window - rest.restored_upto());
-    rb = 0;
-    if (need > 0)
-      for (rb = 1; rb < need;) rb = std::min(2 * rb, B);
+    // The block's last query reads restored K/V up to s + B - 1 - window; one batch restores
+    // ahead up to s - 1 - gap, which covers it (gap <= window - B) and the next ~(window - B)/τ blocks.
+    restore_now = s + B - 1 - ro.window > rest.restored_upto();
 #ifdef KAKEYA_CUDA
     if (cuda && opt.cuda_graph && !eng.sampling() && blocks == 1) {
       // The first block ran eagerly (warming cuBLAS, the allocator and every code path);
       // capture records the parts without running them, then every block replays them.
       auto tc = Clock::now();
       c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-      for (int i = 1; i < 4; ++i) {
+      for (int i = 0; i < 4; ++i) {
         graphs[i] = std::make_unique<at::cuda::CUDAGraph>();
         graphs[i]->capture_begin();
         part(i);
         graphs[i]->capture_end();
       }
-      use_graphs = out.cuda_graph = true;
-      out.split.capture += std::chrono::duration<double>(Clock::now() - tc).count();
-    }
-    if (use_graphs && rb > 0 && !restore_graphs.count(rb)) {
-      // A bucket's first use: capture it (at most log2(B) + 1 of them per session).
-      auto tc = Clock::now();
-      c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-      auto gr = std::make_unique<at::cuda::CUDAGraph>();
-      gr->capture_begin();
-      eng.restore(rb);
-      gr->capture_end();
-      restore_graphs[rb] = std::move(gr);
+      out.cuda_graph = true;
       out.split.capture += std::chrono::duration<double>(Clock::now() - tc).count();
     }
     if (cuda) {
       auto stream = c10::cuda::getCurrentCUDAStream();
       for (int i = 0; i < 4; ++i) {
         if (!ev.empty()) ev[i].record(stream);
-        if (i == 0 && use_graphs) {
-          if (rb > 0) restore_graphs[rb]->replay();
-        } else if (graphs[i]) {
+        if (i == 0 && !restore_now) continue;
+        if (graphs[i]) {
           graphs[i]->replay();
         } else {
           part(i);
@@ -384,7 +372,7 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
     } else
 #endif
     {
-      for (int i = 0; i < 4; ++i) {
+      for (int i = restore_now ? 0 : 1; i < 4; ++i) {
         auto tp = Clock::now();
         part(i);
         if (opt.time_split) *split[i] += seconds_since(tp, dev);
@@ -395,7 +383,7 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
     const int64_t* r = host.data_ptr<int64_t>();
     const int64_t n = r[B];
     cache.advance(n);
-    rest.note_step(s + B - 1);  // the block restored every position up to s + B - 1 - window
+    if (restore_now) rest.note_restored(s - 1 - gap);
     // Commit within the budget and up to a stop; the device state has moved on by n, which
     // only matters if the loop continued (it does not when produced < n).
     int64_t produced = std::min<int64_t>(n, opt.max_new_tokens - g);
@@ -412,6 +400,7 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
     res.committed.push_back(produced);
   }
   res.decode_seconds = seconds_since(t1, dev);
+  res.capture_seconds = out.split.capture;
   out.split.blocks = blocks;
   res.restored_positions = std::max<int64_t>(0, rest.restored_upto() + 1);
   res.memory = restored_memory_report(v, &d, f, cache, rest, ro, n_prompt + opt.max_new_tokens);

@@ -4,10 +4,10 @@
 // already runs for restoration. Per block of B tokens, nothing O(context) is
 // recomputed and nothing is run twice:
 //
-//   restore  positions that leave the exact window for this block's queries get
-//            their restored K/V (Restorer::prepare_step over the block's last r queries:
-//            r = the previous block's n rounded up to a power of two, so a few fixed-shape
-//            graphs serve every block; re-restoring a position writes the same K/V)
+//   restore  when the block's queries would read a position not restored yet: one batch
+//            restores ahead every committed position up to the block start (as far as the
+//            restored ring allows, Restorer::ahead_gap), so it runs once per ~(window - B)/τ
+//            blocks (re-restoring a position writes the same K/V)
 //   draft    [carried, MASK × (B-1)] through the drafter over its context cache
 //            -> B-1 greedy draft tokens
 //   verify   [carried, d_1 .. d_{B-1}] through the verifier on its restored cache:

@@ -87,21 +87,50 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
   bool stopped = is_stop(tok, opt.stop_ids);
 
 #ifdef KAKEYA_CUDA
-  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  std::unique_ptr<at::cuda::CUDAGraph> graph, upkeep_graph;
   if (dev.is_cuda() && opt.cuda_graph && !loop.before && opt.max_new_tokens > 2 && !stopped) {
     // Capture on a side stream (required by CUDA graphs). Capture records the
     // kernels without running them, so the cache is left untouched.
+    auto tc = Clock::now();
     c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
     graph = std::make_unique<at::cuda::CUDAGraph>();
     graph->capture_begin();
     loop.step();
     graph->capture_end();
+    if (loop.upkeep) {
+      upkeep_graph = std::make_unique<at::cuda::CUDAGraph>();
+      upkeep_graph->capture_begin();
+      loop.upkeep();
+      upkeep_graph->capture_end();
+    }
+    res.capture_seconds = std::chrono::duration<double>(Clock::now() - tc).count();
   }
 #endif
-  int64_t pending = 0;  // steps run but not yet read back (non-streaming mode)
+  // Tokens run but not yet read back. Streaming reads each one; otherwise they are read in
+  // batches of kStopCheckEvery when stop tokens are set, and once at the end when not.
+  int64_t pending = 0;
+  auto read_pending = [&] {
+    const int64_t have = res.tokens.size();
+    auto got = loop.out.slice(0, have, have + pending).cpu();  // SYNC: one read per batch of steps
+    const int64_t* t = got.data_ptr<int64_t>();
+    for (int64_t i = 0; i < pending && !stopped; ++i) {
+      res.tokens.push_back(t[i]);
+      if (opt.on_token) opt.on_token(t[i]);
+      stopped = is_stop(t[i], opt.stop_ids);  // later tokens of the batch are dropped
+    }
+    pending = 0;
+  };
+  const int64_t batch = opt.stream ? 1 : (opt.stop_ids.empty() ? opt.max_new_tokens : kStopCheckEvery);
   while (!stopped && (int64_t)res.tokens.size() + pending < opt.max_new_tokens) {
     const int64_t p = n_prompt + (int64_t)res.tokens.size() + pending - 1;  // position fed by this step
     if (loop.before) loop.before(p);
+    if (loop.upkeep_due && loop.upkeep_due(p)) {
+#ifdef KAKEYA_CUDA
+      if (upkeep_graph) upkeep_graph->replay();
+      else
+#endif
+        loop.upkeep();
+    }
 #ifdef KAKEYA_CUDA
     if (graph) graph->replay();
     else
@@ -109,19 +138,9 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
       loop.step();
     cache.advance(1);
     if (loop.after) loop.after(p);
-    if (opt.stream || !opt.stop_ids.empty()) {
-      tok = loop.cur.item<int64_t>();  // SYNC: stream the token / check for a stop
-      res.tokens.push_back(tok);
-      if (opt.on_token) opt.on_token(tok);
-      stopped = is_stop(tok, opt.stop_ids);
-    } else {
-      ++pending;
-    }
+    if (++pending == batch) read_pending();
   }
-  if (pending > 0) {
-    auto all = loop.out.slice(0, 0, res.tokens.size() + pending).cpu();  // SYNC: read the whole run once
-    res.tokens.assign(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
-  }
+  if (pending > 0) read_pending();
   res.decode_seconds = seconds_since(t1, dev);
 }
 

@@ -241,21 +241,52 @@ void Restorer::prepare(int64_t p0, int64_t t) {
   restored_upto_ = last;
 }
 
-void Restorer::prepare_step(const at::Tensor& pos) {
-  auto j = pos - opt_.window;
-  restore(j.clamp_min(0), j.ge(opt_.sink));
+int64_t Restorer::ahead_gap() const {
+  // Writing j overwrites slot j mod R of a sliding layer's restored ring, i.e. position j - R,
+  // which a query q still reads there while q - (j - R) < sliding_window. Every later query
+  // has q >= q0, so j <= q0 + R - sliding_window is safe: gap = max(0, sliding_window - 1 - R).
+  // A ring as long as the capacity (short sessions) and full-attention layers never wrap.
+  const ModelConfig& cfg = model_.config();
+  int64_t gap = 0;
+  for (int64_t l : layers_)
+    if (cfg.is_sliding(l) && cache_.restored_slots(l) < cache_.capacity())
+      gap = std::max(gap, cfg.sliding_window - 1 - cache_.restored_slots(l));
+  return gap;
+}
+
+void Restorer::restore_ahead(const at::Tensor& js) { restore(js.clamp_min(0), js.ge(opt_.sink)); }
+
+void Restorer::note_restored(int64_t j) {
+  if (j <= restored_upto_) return;
+  if (j >= opt_.sink) stat_positions_ += j - std::max(restored_upto_ + 1, opt_.sink) + 1;
+  restored_upto_ = j;
+}
+
+void Restorer::keep_features() {
+  if (upkeep_off_.defined()) return;
+  upkeep_off_ = at::arange(-opt_.window, 0, at::TensorOptions().dtype(at::kLong).device(model_.device()));
+  if (!opt_.needs_ftheta()) return;  // a = 1 restores from the true raw K/V: no drafter work
+  const int64_t F = drafter_->config().num_features() * model_.config().hidden_size;
+  feat_ = at::zeros({ring_, F}, at::TensorOptions().dtype(model_.dtype()).device(model_.device()));
+}
+
+void Restorer::stash_step(const at::Tensor& pos) {
+  at::Tensor feats = take_features(1);  // [1, 1, n·H]
+  if (feat_.defined()) feat_.index_copy_(0, pos.remainder(ring_), feats.select(0, 0));
+}
+
+void Restorer::upkeep_ahead(const at::Tensor& pos) {
+  at::Tensor js = upkeep_off_ + pos;  // [window]: p - window .. p - 1
+  if (feat_.defined()) {
+    at::Tensor jc = js.clamp_min(0);
+    at::Tensor f = feat_.index_select(0, jc.remainder(ring_)).unsqueeze(0);  // [1, window, n·H]
+    drafter_->context_kv(drafter_->project_context(f), jc.to(drafter_->device()), &dtaps_);
+  }
+  restore_ahead(js.narrow(0, 0, opt_.window - ahead_gap()));
 }
 
 void Restorer::prepare_coded(int64_t q) {
   if (coded_) coded_->prepare(q);
-}
-
-void Restorer::note_step(int64_t p) {
-  const int64_t j = p - opt_.window;
-  if (j > restored_upto_) {
-    if (j >= opt_.sink) stat_positions_ += j - std::max(restored_upto_ + 1, opt_.sink) + 1;
-    restored_upto_ = j;
-  }
 }
 
 void Restorer::restore(const at::Tensor& js, const at::Tensor& counted) {
@@ -327,6 +358,8 @@ at::Tensor Restorer::take_features(int64_t n) {
 
 void Restorer::commit(int64_t p0, int64_t n, DrafterCache* dcache) {
   at::Tensor feats = take_features(n);
+  if (feat_.defined())
+    feat_.index_copy_(0, at::arange(p0, p0 + n, feat_.options().dtype(at::kLong)).remainder(ring_), feats.select(0, 0));
   if (dcache) {
     KAKEYA_CHECK(drafter_ && dcache->length() == p0,
                  "restorer: drafter cache at " << dcache->length() << ", committing at " << p0);
@@ -337,12 +370,7 @@ void Restorer::commit(int64_t p0, int64_t n, DrafterCache* dcache) {
   }
 }
 
-void Restorer::commit_step(const at::Tensor& pos) {
-  at::Tensor feats = take_features(1);
-  if (opt_.needs_ftheta()) drafter_->context_kv(drafter_->project_context(feats), pos.to(drafter_->device()), &dtaps_);
-}
-
-int64_t Restorer::pending_bytes() const { return tensor_bytes(dk_) + tensor_bytes(dv_); }
+int64_t Restorer::pending_bytes() const { return tensor_bytes(dk_) + tensor_bytes(dv_) + tensor_bytes(feat_); }
 
 int64_t Restorer::true_raw_bytes() const {
   int64_t b = 0;
@@ -554,7 +582,8 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
     }
   }
   if (p.pending > 0)
-    m.kv.push_back({"f_θ inputs: drafter raw K/V not yet restored", p.pending, "ring of window + chunk positions"});
+    m.kv.push_back({"f_θ inputs: drafter raw K/V + target features not yet restored", p.pending,
+                    "rings of window + chunk positions"});
   if (p.true_raw > 0)
     m.kv.push_back({"true raw K/V kept (research mode)", p.true_raw,
                     o.mix_alpha > 0 ? "--mix-alpha > 0 blends the verifier's own K/V: not a bounded-memory result"
@@ -671,14 +700,16 @@ DecodeResult decode_ar(const Model& v, const std::vector<int64_t>& prompt, const
   d.tokens = r.tokens;
   d.prefill_seconds = r.prefill_seconds;
   d.decode_seconds = r.decode_seconds;
+  d.capture_seconds = r.capture_seconds;
   const int64_t capacity = (int64_t)prompt.size() + opt.max_new_tokens;
   d.memory = ar_memory(v, capacity);
   return d;
 }
 
-// One restored decode step with static buffers: restores what leaves the window,
-// feeds `cur` at `pos`, commits its drafter features, writes the next token into
-// out[step] and back into `cur`, advances pos and step. No host values: capturable.
+// One restored decode step with static buffers: feeds `cur` at `pos`, stores its target
+// features for the next upkeep, writes the next token into out[step] and back into `cur`,
+// advances pos and step. No host values: capturable. Restoration runs in batches between
+// steps (Restorer::upkeep_ahead).
 struct RestoredStep {
   const Model& model;
   KVCache& cache;
@@ -694,9 +725,8 @@ struct RestoredStep {
     fo.taps = rest.verifier_taps();
     fo.last_logits_only = true;
     fo.advance_cache = false;
-    rest.prepare_step(pos);
     auto logits = model.forward(cur, pos, cache, fo);  // [1, 1, V]
-    rest.commit_step(pos);
+    rest.stash_step(pos);
     auto next = sampler.sample(logits.select(1, 0));  // [1]
     out.index_copy_(0, step, next);
     cur.copy_(next.view({1, 1}));
@@ -717,10 +747,20 @@ DecodeResult decode_restored(const Model& v, const Drafter* dr, const FTheta* ft
 
   auto t0 = Clock::now();
   auto ids = at::tensor(prompt, at::kLong).view({1, n_prompt}).to(dev);
+  rest.keep_features();
   auto logits = run_chunks(v, cache, rest, ids, 0, chunk, true);
   RestoredStep st{v, cache, rest, sampler, at::empty({1, 1}, iopt), at::full({1}, n_prompt, iopt), at::zeros({1}, iopt),
                   at::zeros({opt.max_new_tokens}, iopt)};
-  DecodeLoop loop{[&st] { st.run(); }, nullptr, [&rest](int64_t p) { rest.note_step(p); }, st.cur, st.step, st.out};
+  DecodeLoop loop{[&st] { st.run(); }, nullptr, nullptr, st.cur, st.step, st.out};
+  // Every window - gap steps, one batch restores ahead (the step feeding p reads restored
+  // K/V up to p - window; the batch restores up to p - 1 - gap).
+  const int64_t gap = rest.ahead_gap();
+  loop.upkeep = [&rest, &st] { rest.upkeep_ahead(st.pos); };
+  loop.upkeep_due = [&rest, gap, w = ro.window](int64_t p) {
+    if (p - w <= rest.restored_upto()) return false;
+    rest.note_restored(p - 1 - gap);
+    return true;
+  };
   // --full-attn codec encodes codec blocks on the host between steps: eager steps (no CUDA graph).
   if (rest.needs_host_steps()) loop.before = [&rest](int64_t p) { rest.prepare_coded(p); };
   GenerateResult gr;
@@ -729,6 +769,7 @@ DecodeResult decode_restored(const Model& v, const Drafter* dr, const FTheta* ft
   res.tokens = std::move(gr.tokens);
   res.prefill_seconds = gr.prefill_seconds;
   res.decode_seconds = gr.decode_seconds;
+  res.capture_seconds = gr.capture_seconds;
   const int64_t q = cache.length() - 1;
   res.attention_fraction_sliding = attention_fraction(cache, v.config(), true, q);
   res.attention_fraction_full = attention_fraction(cache, v.config(), false, q);
@@ -825,6 +866,7 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
   if (o.needs_ftheta()) {
     KAKEYA_CHECK(dc, "memory plan: --mix-alpha < 1 needs the drafter config");
     p.pending = 2 * ring * dc->num_layers * dc->num_kv_heads * dc->head_dim * elem;
+    p.pending += ring * dc->num_features() * cfg.hidden_size * elem;  // target features (Restorer::keep_features)
   }
   if (o.needs_true_raw())
     p.true_raw = kv_bytes_for(cfg, elem, ring, o.full_attn == FullAttn::Restored ? -1 : 0);

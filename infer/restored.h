@@ -29,11 +29,13 @@
 //                       restoration only needs drafter_raw(j), known once j's chunk
 //                       ran, so chunking breaks the circularity. O(T²).
 //   restored            incremental (Gap-A): restored K/V are written ONCE per
-//                       position and layer, just before the first forward whose
-//                       queries need them (when the position leaves the exact window),
-//                       into the KV cache's restored region (core/kv_cache.h
-//                       RestorePolicy); the prompt is prefilled in chunks of <= window
-//                       tokens, then one forward per token. O(1) per token.
+//                       position and layer into the KV cache's restored region
+//                       (core/kv_cache.h RestorePolicy), at the latest just before the
+//                       first forward whose queries need them (when the position leaves
+//                       the exact window); the prompt is prefilled in chunks of <= window
+//                       tokens, then one forward per token, and every ~window steps one
+//                       batch projects the drafter context and restores ahead the next
+//                       ~window positions (Restorer::upkeep_ahead). O(1) per token.
 //   fused               `restored` accelerated by speculative decoding with the drafter
 //                       (infer/fused.h): blocks verified on the restored cache, same tokens.
 // Both restored modes run the unmodified Model::forward: restoration lives in
@@ -143,18 +145,31 @@ class Restorer : public TapSubscriber {
   Restorer(const Restorer&) = delete;
   Restorer& operator=(const Restorer&) = delete;
 
+  const RestoreOptions& options() const { return opt_; }
   const Taps* verifier_taps() const { return &vtaps_; }  // every forward on the cache
   const Taps* drafter_taps() const { return &dtaps_; }   // Drafter::extend / context_kv on committed positions
   void prepare(int64_t p0, int64_t t);
   void commit(int64_t p0, int64_t n, DrafterCache* dcache = nullptr);
-  // One-token steps with the position only on the device (pos: [1] int64), so a
-  // CUDA graph can capture prepare_step + forward + commit_step once and replay them:
-  // prepare_step restores max(pos - window, 0) (re-restoring a position writes the same
-  // K/V, and a restored copy of a position still in the window is hidden by the mask);
-  // after each step the host calls note_step(p) for its bookkeeping.
-  void prepare_step(const at::Tensor& pos);
-  void commit_step(const at::Tensor& pos);
-  void note_step(int64_t p);
+  // Restoring ahead, in batches: a committed position may get its restored copy before it
+  // leaves the window (the mask shows each query one copy), as long as the restored region's
+  // ring does not overwrite a slot a later query still reads there. A forward whose first
+  // query is q may find every position <= q - 1 - ahead_gap() restored, so one batch of
+  // A = window - ahead_gap() positions serves the next A one-token steps (or ~A/τ fused blocks).
+  // restore_ahead(js) restores positions js [N] (device; entries < 0 clamp to 0, restored
+  // again as the same K/V); the host then calls note_restored(highest restored position).
+  int64_t ahead_gap() const;
+  void restore_ahead(const at::Tensor& js);
+  void note_restored(int64_t j);
+  // One-token decode steps with the position only on the device (pos: [1] int64), so CUDA
+  // graphs can capture them: each step only stores its target features (stash_step, after
+  // the forward); before the step feeding p, when p - window > restored_upto(), one upkeep
+  // (upkeep_ahead) projects the drafter context of [p - window, p) from the stored features
+  // (positions projected twice get the same K/V) and restores [p - window, p - 1 - gap]; the
+  // host then calls note_restored(p - 1 - gap). keep_features() allocates the feature ring
+  // first (before the prefill, whose commits store their features too).
+  void keep_features();
+  void stash_step(const at::Tensor& pos);
+  void upkeep_ahead(const at::Tensor& pos);
   // --full-attn codec: codec blocks are encoded on the host before the step that feeds
   // position q first reads them coded (prepare() does it for chunks); steps are then eager.
   bool needs_host_steps() const { return coded_ != nullptr; }
@@ -162,7 +177,7 @@ class Restorer : public TapSubscriber {
   int64_t coded_bytes() const { return coded_ ? coded_->bytes() : 0; }
   int64_t coded_positions() const { return coded_ ? coded_->coded_positions() : 0; }
   int64_t restored_upto() const { return restored_upto_; }  // every position <= this is restored
-  int64_t pending_bytes() const;   // drafter raw K/V of positions not restored yet (f_θ inputs)
+  int64_t pending_bytes() const;   // f_θ inputs of positions not restored yet (drafter raw K/V, target features)
   int64_t true_raw_bytes() const;  // true raw K/V kept for --mix-alpha / stats
   RestoreStats stats() const;      // SYNC: reads the device accumulators
   void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) override;
@@ -195,6 +210,8 @@ class Restorer : public TapSubscriber {
   Taps vtaps_, dtaps_;
   int64_t ring_ = 0;                             // positions the pending rings hold
   at::Tensor dk_, dv_;                           // [ring, L_d, H_d, D_d] drafter raw K/V
+  at::Tensor feat_;                              // [ring, n·H] target features of committed positions (keep_features)
+  at::Tensor upkeep_off_;                        // [window] -window .. -1: upkeep_ahead's positions from p
   std::vector<at::Tensor> tk_, tv_;              // per verifier layer [ring, H_kv, D] true raw K/V (or undefined)
   at::Tensor acc_;                               // [2 raw|cache, 2 type, 2 stream, 2 err|ref] f64 accumulators
   int64_t stat_positions_ = 0;
@@ -246,6 +263,7 @@ struct DecodeResult {
   std::vector<int64_t> tokens;          // generated ids (prompt excluded)
   double prefill_seconds = 0;
   double decode_seconds = 0;            // from the first generated token to the last
+  double capture_seconds = 0;           // CUDA graph capture inside decode_seconds (once per session)
   MemoryReport memory;
   RestoreStats stats;                   // filled when restore.stats
   // Share of each layer type's span the last query attends to through exactly one

@@ -13,6 +13,7 @@
 //   - bad input fails with a clear error.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -85,6 +86,27 @@ TEST(Restored, ExactRestorationIncrementalEqualsAr) {
   EXPECT_GT(r.restored_positions, 20);
   EXPECT_DOUBLE_EQ(r.attention_fraction_sliding, 1.0);
   EXPECT_DOUBLE_EQ(r.attention_fraction_full, 1.0);
+}
+
+// Without streaming, stops are read every kStopCheckEvery steps: the result still ends at
+// the first stop token, whichever batch it falls in (the steps run after it are dropped).
+TEST(Restored, BatchedStopCheckEndsAtTheFirstStop) {
+  const auto& ref = ar_tokens();
+  for (size_t at : {size_t(3), size_t(9)}) {
+    const int64_t stop = ref[at];
+    const size_t first = std::find(ref.begin(), ref.end(), stop) - ref.begin();
+    const std::vector<int64_t> want(ref.begin(), ref.begin() + first + 1);
+    for (DecodeMode m : {DecodeMode::Ar, DecodeMode::Restored}) {
+      auto o = options(m, 1.0, 12);
+      o.stream = false;
+      o.stop_ids = {stop};
+      std::vector<int64_t> seen;
+      o.on_token = [&](int64_t t) { seen.push_back(t); };
+      auto r = decode(model(), nullptr, nullptr, prompt(), o);
+      EXPECT_EQ(r.tokens, want) << decode_mode_name(m) << ", stop at " << at;
+      EXPECT_EQ(seen, want) << decode_mode_name(m);
+    }
+  }
 }
 
 TEST(Restored, ExactRestorationIncrementalWithFullAttentionRestoredEqualsAr) {
