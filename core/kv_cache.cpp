@@ -103,8 +103,9 @@ bool KVCache::write_first(int64_t layer, int64_t t) const {
   if (s.policy) return s.ring >= t + s.window - 1 || s.ring == opt_.capacity;
   if (!cfg_.is_sliding(layer)) return true;
   // Slots overwritten by the chunk held positions p - S for p in the chunk; the
-  // chunk's first query still needs p0 - window + 1, hence S >= T + window - 1.
-  return slots(layer) >= t + cfg_.sliding_window - 1;
+  // chunk's first query still needs p0 - window + 1, hence S >= T + window - 1. A ring as
+  // long as the capacity (contexts shorter than the window) never overwrites anything.
+  return slots(layer) >= t + cfg_.sliding_window - 1 || slots(layer) == opt_.capacity;
 }
 
 at::Tensor KVCache::visible(int64_t layer, const at::Tensor& q_pos) const {
