@@ -263,14 +263,7 @@ TEST(Capture, MismatchesAreRefused) {
   remove_all(other);
   run_capture(*m.verifier, verifier_dir(), *m.drafter, drafter_dir(), ps, options(dir));
 
-  auto expect_error = [](const std::function<void()>& f, const std::string& needle) {
-    try {
-      f();
-      ADD_FAILURE() << "no error (expected one mentioning '" << needle << "')";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-    }
-  };
+  using test::expect_error;
   auto o = options(dir);
   o.gen_len = 5;
   expect_error([&] { run_capture(*m.verifier, verifier_dir(), *m.drafter, drafter_dir(), ps, o); }, "identity.gen_len");

@@ -27,6 +27,7 @@
 #include "tests/test_util.h"
 
 using namespace kakeya;
+using test::expect_error;
 
 namespace {
 
@@ -207,15 +208,6 @@ TEST(Fused, BlockLargerThanTrainedWarnsAndStaysLossless) {
   ASSERT_EQ(r.warnings.size(), 1u);
   EXPECT_NE(r.warnings[0].find("larger than the drafter was trained for"), std::string::npos) << r.warnings[0];
   EXPECT_EQ(r.decode.tokens, std::vector<int64_t>(ar_tokens(1).begin(), ar_tokens(1).begin() + 10));
-}
-
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
 }
 
 TEST(Fused, DrafterOfAnotherTargetIsRefused) {

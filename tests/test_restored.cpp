@@ -29,6 +29,7 @@
 #include "tests/test_util.h"
 
 using namespace kakeya;
+using test::expect_error;
 
 namespace {
 
@@ -299,15 +300,6 @@ TEST(RestoredCodec, PlanAt8kIsWithinAFifthOfFullKv) {
                 coded.table().c_str());
     EXPECT_LE(rc, 0.2);
     EXPECT_GT(re, 0.2);  // the codec is what brings it under a fifth
-  }
-}
-
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
   }
 }
 

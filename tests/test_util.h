@@ -3,11 +3,13 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include "core/error.h"
 #include "core/fs.h"
 #include "core/model.h"
 #include "core/tokenizer.h"
 
 #include <cstdlib>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -18,6 +20,16 @@ inline std::string env_or_fail(const char* name) {
   if (!v) ADD_FAILURE() << "environment variable " << name << " is not set (run the tests through ctest)";
   return v ? v : "";
 }
+// f() must throw a kakeya::Error whose message contains `needle`.
+inline void expect_error(const std::function<void()>& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "expected an error mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
 inline std::string fixtures_dir(const std::string& name) { return env_or_fail("KAKEYA_FIXTURES") + "/" + name; }
 // The real model; CI fetches it before the tests (`make model`), so its absence is a failure, not a skip.
 inline std::string real_model_dir() {
