@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/fs.h"
+#include "core/ops.h"
 #include "core/safetensors.h"
 
 namespace kakeya {
@@ -418,6 +419,17 @@ int64_t Drafter::num_parameters() const {
   return n;
 }
 
+int64_t Drafter::weight_bytes() const {
+  int64_t b = num_parameters() * c10::elementSize(dtype_);  // qkv/gate_up are these tensors' storage
+  if (dtype_ != at::kFloat) {
+    int64_t norms = hidden_norm32_.numel() + norm32_.numel();
+    for (const auto& L : layers_)
+      norms += L.q_norm32.numel() + L.k_norm32.numel() + L.input_norm32.numel() + L.post_norm32.numel();
+    b += norms * 4;
+  }
+  return b;
+}
+
 void Drafter::check_shapes(const std::string& origin) const {
   auto exp = expected_tensors(cfg_);
   auto got = named_parameters();
@@ -438,14 +450,35 @@ Drafter Drafter::assemble(const DrafterConfig& cfg, const Model& target, const D
   d.fc_ = w.at("fc.weight");
   d.hidden_norm_ = w.at("hidden_norm.weight");
   d.norm_ = w.at("norm.weight");
+  // f32 norm weights for core/ops.h's kernels: the same tensors on an f32 drafter (so the
+  // trainer's updates reach them), copies otherwise (a bf16 drafter is never trained).
+  auto f32 = [&](const at::Tensor& t) { return d.dtype_ == at::kFloat ? t : t.to(at::kFloat); };
+  d.hidden_norm32_ = f32(d.hidden_norm_);
+  d.norm32_ = f32(d.norm_);
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
-    d.layers_.push_back({w.at(p + "self_attn.q_proj.weight"), w.at(p + "self_attn.k_proj.weight"),
-                         w.at(p + "self_attn.v_proj.weight"), w.at(p + "self_attn.o_proj.weight"),
-                         w.at(p + "self_attn.q_norm.weight"), w.at(p + "self_attn.k_norm.weight"),
-                         w.at(p + "input_layernorm.weight"), w.at(p + "post_attention_layernorm.weight"),
-                         w.at(p + "mlp.gate_proj.weight"), w.at(p + "mlp.up_proj.weight"),
-                         w.at(p + "mlp.down_proj.weight")});
+    const int64_t qd = cfg.q_dim(), kd = cfg.kv_dim(), I = cfg.intermediate_size;
+    DrafterLayer L;
+    L.qkv = at::cat({w.at(p + "self_attn.q_proj.weight"), w.at(p + "self_attn.k_proj.weight"),
+                     w.at(p + "self_attn.v_proj.weight")});
+    L.q_proj = L.qkv.narrow(0, 0, qd);
+    L.k_proj = L.qkv.narrow(0, qd, kd);
+    L.v_proj = L.qkv.narrow(0, qd + kd, kd);
+    L.kv = L.qkv.narrow(0, qd, 2 * kd);
+    L.gate_up = at::cat({w.at(p + "mlp.gate_proj.weight"), w.at(p + "mlp.up_proj.weight")});
+    L.gate_proj = L.gate_up.narrow(0, 0, I);
+    L.up_proj = L.gate_up.narrow(0, I, I);
+    L.o_proj = w.at(p + "self_attn.o_proj.weight");
+    L.q_norm = w.at(p + "self_attn.q_norm.weight");
+    L.k_norm = w.at(p + "self_attn.k_norm.weight");
+    L.input_norm = w.at(p + "input_layernorm.weight");
+    L.post_norm = w.at(p + "post_attention_layernorm.weight");
+    L.down_proj = w.at(p + "mlp.down_proj.weight");
+    L.q_norm32 = f32(L.q_norm);
+    L.k_norm32 = f32(L.k_norm);
+    L.input_norm32 = f32(L.input_norm);
+    L.post_norm32 = f32(L.post_norm);
+    d.layers_.push_back(std::move(L));
   }
   const int64_t maxpos = opt.max_positions > 0 ? opt.max_positions : target.options().max_positions;
   d.rope_ = RopeTable(cfg.rope, cfg.head_dim, maxpos, d.dtype_, d.device_);
@@ -512,10 +545,24 @@ at::Tensor Drafter::rms_norm(const at::Tensor& x, const at::Tensor& w) const {
   return w * n.to(x.scalar_type());
 }
 
+bool Drafter::kernels() const {
+  // The kernels have no autograd: a drafter in training (parameters requiring grad) runs the reference.
+  return device_.is_cuda() && ops::cuda_kernels_available() && (dtype_ == at::kFloat || dtype_ == at::kBFloat16) &&
+         !fc_.requires_grad();
+}
+
+at::Tensor Drafter::norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w32) const {
+  if (!kernels()) return rms_norm(x, w);
+  ops::NormSpec ns;
+  ns.eps = cfg_.rms_norm_eps;
+  ns.unit_offset = false;  // cast x̂ to the dtype, then × w there: Qwen3RMSNorm
+  return ops::rms_norm(x, w32, ns);
+}
+
 at::Tensor Drafter::project_context(const at::Tensor& target_hidden) const {
   KAKEYA_CHECK(target_hidden.size(-1) == fc_.size(1),
                "drafter: context features have " << target_hidden.size(-1) << " channels, fc expects " << fc_.size(1));
-  return rms_norm(at::linear(target_hidden.to(dtype_), fc_), hidden_norm_);
+  return norm(at::linear(target_hidden.to(dtype_), fc_), hidden_norm_, hidden_norm32_);
 }
 
 at::Tensor Drafter::embed(const at::Tensor& ids) const {
@@ -556,6 +603,46 @@ std::vector<std::pair<at::Tensor, at::Tensor>> Drafter::context_kv(const at::Ten
     out.push_back({rope_at(rope_, kn, positions).transpose(1, 2), v.transpose(1, 2)});
   }
   return out;
+}
+
+void Drafter::store_context(const at::Tensor& c, const at::Tensor& positions, std::vector<at::Tensor>& k_cache,
+                            std::vector<at::Tensor>& v_cache, const Taps* taps) const {
+  if (taps && taps->empty()) taps = nullptr;
+  const bool fast = kernels() && c.size(0) == 1 &&
+                    !(taps && (taps->reads(Tap::KNorm) || taps->reads(Tap::VNorm)));  // the kernel never materialises k_norm(k)
+  if (!fast) {
+    auto kv = context_kv(c, positions, taps);
+    for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+      k_cache[l].index_copy_(2, positions, kv[l].first);
+      v_cache[l].index_copy_(2, positions, kv[l].second);
+    }
+    return;
+  }
+  const int64_t T = c.size(1), Hkv = cfg_.num_kv_heads, D = cfg_.head_dim;
+  ops::QKRopeArgs a;
+  a.num_heads = 0;  // K/V only: the context has no queries
+  a.num_kv_heads = Hkv;
+  a.head_dim = D;
+  a.norm.eps = cfg_.rms_norm_eps;
+  a.cos = rope_.cos();
+  a.sin = rope_.sin();
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    const auto& w = layers_[l];
+    at::Tensor kv = at::linear(c, w.kv);  // [1, T, 2·H_kv·D]: k | v, one GEMM
+    if (taps) {
+      TapContext ctx{l, cfg_.layer_types[l], positions};
+      auto tap = [&](Tap t, int64_t h0) {
+        at::Tensor x = kv.view({1, T, 2 * Hkv, D}).narrow(2, h0, Hkv);  // [1, T, H_kv, D]
+        at::Tensor mine = x;
+        taps->cb(t, ctx, x);
+        if (!x.is_same(mine)) mine.copy_(x);  // a subscriber replaced it: the kernel reads kv
+      };
+      tap(Tap::KProj, 0);
+      tap(Tap::VProj, Hkv);
+    }
+    a.k_norm = w.k_norm32;
+    ops::qk_norm_rope_store(kv, positions, a, k_cache[l], v_cache[l]);
+  }
 }
 
 at::Tensor Drafter::layer_mask(int64_t layer, const at::Tensor& q_pos, const at::Tensor& k_pos) const {
@@ -609,6 +696,59 @@ at::Tensor Drafter::forward_block(const at::Tensor& x, const at::Tensor& q_pos, 
   return rms_norm(h, norm_);
 }
 
+bool Drafter::block_in_cache_supported() const {
+  if (!kernels()) return false;
+  const int64_t D = cfg_.head_dim;
+  if (D != 64 && D != 128 && D != 256 && D != 512) return false;  // ops::decode_attention's head dims
+  for (int64_t l = 0; l < cfg_.num_layers; ++l)
+    if (cfg_.causal(l) || cfg_.window(l) > 0) return false;  // one shared visibility bound per block
+  return true;
+}
+
+at::Tensor Drafter::forward_block_in_cache(const at::Tensor& x, const at::Tensor& q_pos, const at::Tensor& last_pos,
+                                           std::vector<at::Tensor>& ctx_k, std::vector<at::Tensor>& ctx_v,
+                                           const at::Tensor& slot_pos) const {
+  KAKEYA_CHECK(block_in_cache_supported(),
+               "drafter: the in-cache block forward needs a CUDA f32/bf16 drafter with full non-causal layers ("
+                   << cfg_.origin << ")");
+  KAKEYA_CHECK(x.size(0) == 1, "drafter: the in-cache block forward takes one sequence, got " << x.size(0));
+  const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, D = cfg_.head_dim;
+  ops::NormSpec ns;
+  ns.eps = cfg_.rms_norm_eps;
+  ops::QKRopeArgs a;
+  a.num_heads = Hq;
+  a.num_kv_heads = Hkv;
+  a.head_dim = D;
+  a.norm = ns;
+  a.cos = rope_.cos();
+  a.sin = rope_.sin();
+  const double scale = 1.0 / std::sqrt((double)D);
+  at::Tensor h = x;                                                     // [1, T, H]
+  at::Tensor xn = ops::rms_norm(h, layers_[0].input_norm32, ns);        // [1, T, H]
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    const auto& w = layers_[l];
+    a.q_norm = w.q_norm32;
+    a.k_norm = w.k_norm32;
+    // The block's K/V go to their own slots (slot = position), so attention reads
+    // context and block from one cache with one bound: every slot <= last_pos.
+    at::Tensor q = ops::qk_norm_rope_store(ops::linear(xn, w.qkv), q_pos, a, ctx_k[l], ctx_v[l]);  // [1, T, Hq, D]
+    at::Tensor o = ops::linear(ops::decode_attention(q, ctx_k[l], ctx_v[l], slot_pos, last_pos, 0, scale, 0.0),
+                               w.o_proj);                                // [1, T, H]
+    std::tie(h, xn) = ops::add_rms_norm(h, o, at::Tensor(), w.post_norm32, ns);
+    at::Tensor m = ops::linear(ops::linear_act_mul(xn, w.gate_up, at::Tensor(), false), w.down_proj);  // [1, T, H]
+    const at::Tensor& next = l + 1 < cfg_.num_layers ? layers_[l + 1].input_norm32 : norm32_;
+    std::tie(h, xn) = ops::add_rms_norm(h, m, at::Tensor(), next, ns);
+  }
+  return xn;  // the final norm's output
+}
+
+at::Tensor Drafter::draft_tokens(const at::Tensor& hidden) const {
+  // The multiplier (> 0, checked at load) and the softcap are monotone: the argmax of the
+  // head's raw scores is logits()'s (up to rounding ties), without its passes over [T, V].
+  at::Tensor scores = at::linear(hidden.to(target_->lm_head().scalar_type()), target_->lm_head());  // [B, T, V]
+  return scores.argmax(-1);
+}
+
 at::Tensor Drafter::logits(const at::Tensor& hidden) const {
   // dflash compute_logits: output head, × output_multiplier, softcap — in the head's dtype.
   const at::Tensor& head = target_->lm_head();
@@ -635,11 +775,7 @@ void Drafter::extend(DrafterCache& cache, const at::Tensor& target_hidden, const
   KAKEYA_CHECK(s + n <= cache.capacity(),
                "drafter cache: " << s << " + " << n << " positions exceed its capacity " << cache.capacity());
   auto pos = at::arange(s, s + n, at::TensorOptions().dtype(at::kLong).device(device_));
-  auto kv = context_kv(project_context(target_hidden), pos, taps);
-  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
-    cache.k_[l].slice(2, s, s + n).copy_(kv[l].first);
-    cache.v_[l].slice(2, s, s + n).copy_(kv[l].second);
-  }
+  store_context(project_context(target_hidden), pos, cache.k_, cache.v_, taps);
   cache.length_ += n;
 }
 

@@ -91,18 +91,29 @@ struct DrafterConfig {
 
 // One drafter layer (z-lab names in comments). Norm weights are plain w
 // (Qwen3RMSNorm: w · x̂ in the compute dtype).
+// The projections that read the same input are stored concatenated (qkv, gate_up)
+// so the CUDA block path runs one GEMM each; the z-lab tensors are row views into
+// them (no extra bytes; the trainer's in-place updates reach both).
 struct DrafterLayer {
-  at::Tensor q_proj;      // [Hq·D, H]      self_attn.q_proj.weight
-  at::Tensor k_proj;      // [Hkv·D, H]     self_attn.k_proj.weight
-  at::Tensor v_proj;      // [Hkv·D, H]     self_attn.v_proj.weight
+  at::Tensor qkv;         // [(Hq + 2·Hkv)·D, H]  q_proj; k_proj; v_proj
+  at::Tensor kv;          // [2·Hkv·D, H]   k_proj; v_proj: rows of qkv (context K/V in one GEMM)
+  at::Tensor gate_up;     // [2·I, H]       gate_proj; up_proj
+  at::Tensor q_proj;      // [Hq·D, H]      self_attn.q_proj.weight (view of qkv)
+  at::Tensor k_proj;      // [Hkv·D, H]     self_attn.k_proj.weight (view of qkv)
+  at::Tensor v_proj;      // [Hkv·D, H]     self_attn.v_proj.weight (view of qkv)
   at::Tensor o_proj;      // [H, Hq·D]      self_attn.o_proj.weight
   at::Tensor q_norm;      // [D]            self_attn.q_norm.weight
   at::Tensor k_norm;      // [D]            self_attn.k_norm.weight
   at::Tensor input_norm;  // [H]            input_layernorm.weight
   at::Tensor post_norm;   // [H]            post_attention_layernorm.weight
-  at::Tensor gate_proj;   // [I, H]         mlp.gate_proj.weight
-  at::Tensor up_proj;     // [I, H]         mlp.up_proj.weight
+  at::Tensor gate_proj;   // [I, H]         mlp.gate_proj.weight (view of gate_up)
+  at::Tensor up_proj;     // [I, H]         mlp.up_proj.weight (view of gate_up)
   at::Tensor down_proj;   // [H, I]         mlp.down_proj.weight
+  // The norm weights in f32, as core/ops.h's kernels take them (ops::NormSpec
+  // unit_offset=false: cast x̂, ×w in the dtype, which is Qwen3RMSNorm exactly).
+  // The same tensors as above on an f32 drafter (the one dtype the trainer
+  // updates); copies taken at load otherwise.
+  at::Tensor q_norm32, k_norm32, input_norm32, post_norm32;  // [D], [D], [H], [H] f32
 };
 
 struct DrafterOptions {
@@ -174,6 +185,9 @@ class Drafter {
   at::Device device() const { return device_; }
   const Model& target() const { return *target_; }
   int64_t num_parameters() const;
+  // Bytes the drafter's weights occupy on its device: the parameters (the concatenated
+  // qkv/gate_up share their storage) and the f32 norm copies of a non-f32 drafter.
+  int64_t weight_bytes() const;
   // z-lab name -> tensor (handles share storage with the drafter: the trainer
   // sets requires_grad and updates them in place).
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
@@ -185,6 +199,12 @@ class Drafter {
   // Taps (if any) see KProj/KNorm/VProj/VNorm [B, T, H_kv, D] at these positions: f_θ trains on them.
   std::vector<std::pair<at::Tensor, at::Tensor>> context_kv(const at::Tensor& c, const at::Tensor& positions,
                                                             const Taps* taps = nullptr) const;
+  // The same K/V written into a context cache at slot = position: k_cache/v_cache per
+  // layer [B, H_kv, S, D]; positions [T] < S. On CUDA (batch 1, no subscriber reading
+  // KNorm/VNorm) one k|v GEMM and the fused norm + RoPE + store kernel per layer; taps
+  // still see KProj/VProj (a replaced tensor is what gets stored).
+  void store_context(const at::Tensor& c, const at::Tensor& positions, std::vector<at::Tensor>& k_cache,
+                     std::vector<at::Tensor>& v_cache, const Taps* taps = nullptr) const;
   // ids: [B, T] -> target embedding × input_embedding_scale: [B, T, H] in the drafter dtype.
   at::Tensor embed(const at::Tensor& ids) const;
   // Block forward. x: [B, T, H] embedded block; q_pos: [T] or [B, T] absolute positions;
@@ -193,8 +213,29 @@ class Drafter {
   // Returns final-normed hidden [B, T, H].
   at::Tensor forward_block(const at::Tensor& x, const at::Tensor& q_pos, const std::vector<at::Tensor>& ctx_k,
                            const std::vector<at::Tensor>& ctx_v, const std::vector<at::Tensor>& masks) const;
+  // The same block forward on CUDA with the fused kernels of core/ops.h, O(block) per
+  // layer: the block's K/V are stored into the context cache itself (slot = position)
+  // and one attention kernel reads the cache, every slot at position <= last_pos
+  // visible to every query (no masks, no concatenation of the context). So it needs
+  // every layer full-attention and non-causal (block_in_cache_supported()), and the
+  // caller guarantees slots [0, q_pos[0]) hold the committed context's K/V; slots
+  // past last_pos may hold anything. x: [1, T, H] embedded block; q_pos: [T] int64
+  // consecutive positions; last_pos: [1] int64 = q_pos[T-1] (device tensors, so a
+  // CUDA graph can replay it at moving positions); ctx_k/ctx_v: per layer
+  // [1, H_kv, S, D], written at the block's T slots; slot_pos: [S] int64 = 0..S-1.
+  // Returns final-normed hidden [1, T, H].
+  at::Tensor forward_block_in_cache(const at::Tensor& x, const at::Tensor& q_pos, const at::Tensor& last_pos,
+                                    std::vector<at::Tensor>& ctx_k, std::vector<at::Tensor>& ctx_v,
+                                    const at::Tensor& slot_pos) const;
+  // True when forward_block_in_cache can run: a CUDA build, a CUDA drafter in f32 or
+  // bf16, a head dim the attention kernel has (64/128/256/512), and every layer
+  // full-attention and non-causal (the shipped DFlash drafters).
+  bool block_in_cache_supported() const;
   // hidden [B, T, H] -> draft logits [B, T, V] f32 (target lm_head, × output_multiplier, softcap).
   at::Tensor logits(const at::Tensor& hidden) const;
+  // hidden [B, T, H] -> greedy draft tokens [B, T] int64: logits().argmax(-1) up to rounding
+  // ties, from the head's raw scores (multiplier and softcap are monotone).
+  at::Tensor draft_tokens(const at::Tensor& hidden) const;
   // Visibility of keys at k_pos [S] (or [B, S]) to queries at q_pos [T] (or [B, T]) on one layer,
   // DFlash's rule on absolute positions: [T, S] (or [B, T, S]) bool.
   at::Tensor layer_mask(int64_t layer, const at::Tensor& q_pos, const at::Tensor& k_pos) const;
@@ -209,6 +250,12 @@ class Drafter {
 
  private:
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) const;
+  // rms_norm through ops::rms_norm (the fused kernel) when kernels(), the reference above
+  // otherwise. w: [N] in the drafter dtype; w32: the same in f32.
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w32) const;
+  // A CUDA drafter in a build with the kernels, in a dtype they take (f32, bf16), and not
+  // in training (the kernels have no autograd).
+  bool kernels() const;
   at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) const;
   void check_shapes(const std::string& origin) const;
   // Moves `w` (z-lab names -> tensors) to the drafter's device/dtype and binds it to `target`.
@@ -222,6 +269,7 @@ class Drafter {
   at::Tensor fc_;           // [H, n·H]
   at::Tensor hidden_norm_;  // [H]
   at::Tensor norm_;         // [H]
+  at::Tensor hidden_norm32_, norm32_;  // [H] f32 (see DrafterLayer::q_norm32)
   std::vector<DrafterLayer> layers_;
   RopeTable rope_;
 };

@@ -92,6 +92,7 @@ class Engine {
     ahead_ = at::arange(-A - gap, -gap, iopt);
     pos0_ = at::zeros({1}, iopt);
     qpos_ = at::arange(B, iopt);
+    last_ = qpos_.narrow(0, B - 1, 1);
     ar_ = at::arange(B, iopt);
     slot_idx_ = at::arange(cap, iopt);
     blk_ = at::zeros({1, B}, iopt);
@@ -156,29 +157,21 @@ class Engine {
 
   void draft() {
     dblk_.narrow(1, 0, 1).copy_(blk_.narrow(1, 0, 1));
-    const auto& dc = d_.config();
-    // Context slot i holds position i; only committed positions (< the block start) are
-    // visible: slots at or past it hold a rejected tail or nothing.
-    at::Tensor valid = slot_idx_.lt(pos0_);  // [cap]
-    std::vector<at::Tensor> masks(dc.num_layers);
-    for (int64_t l = 0; l < dc.num_layers; ++l) {
-      int64_t same = -1;  // layers with the same rule share a mask
-      for (int64_t j = 0; j < l && same < 0; ++j)
-        if (dc.causal(j) == dc.causal(l) && dc.window(j) == dc.window(l)) same = j;
-      if (same >= 0) {
-        masks[l] = masks[same];
-        continue;
-      }
-      at::Tensor ctx = d_.layer_mask(l, qpos_, slot_idx_).logical_and(valid);  // [B, cap]
-      masks[l] = at::cat({ctx, d_.layer_mask(l, qpos_, qpos_)}, 1);          // [B, cap + B]
+    at::Tensor h;  // [1, B, H]
+    if (d_.block_in_cache_supported()) {
+      // CUDA: the block's K/V go into the context cache at their own slots (the next
+      // extend() overwrites them with the committed context's), one attention kernel per
+      // layer bounded by the block's last position: nothing O(context) but the attention.
+      h = d_.forward_block_in_cache(d_.embed(dblk_), qpos_, last_, ck_, cv_, slot_idx_);
+    } else {
+      h = d_.forward_block(d_.embed(dblk_), qpos_, ck_, cv_, masks());
     }
-    at::Tensor h = d_.forward_block(d_.embed(dblk_), qpos_, ck_, cv_, masks);  // [1, B, H]
-    at::Tensor lg = d_.logits(h.narrow(1, 1, B_ - 1));                         // [1, B-1, V]
+    at::Tensor hd = h.narrow(1, 1, B_ - 1);  // [1, B-1, H]: the masks' hidden states
     if (sampling()) {
-      q_ = sampler_.probs(lg.select(0, 0));  // [B-1, V]: the drafter's distributions, kept for acceptance
+      q_ = sampler_.probs(d_.logits(hd).select(0, 0));  // [B-1, V]: the drafter's distributions, kept for acceptance
       blk_.narrow(1, 1, B_ - 1).copy_(at::multinomial(q_, 1, false, sampler_.generator()).view({1, B_ - 1}));
     } else {
-      blk_.narrow(1, 1, B_ - 1).copy_(lg.argmax(-1));
+      blk_.narrow(1, 1, B_ - 1).copy_(d_.draft_tokens(hd));
     }
   }
 
@@ -233,12 +226,29 @@ class Engine {
     report_.narrow(0, B_, 1).copy_(acc.add(1).view({1}));
   }
 
-  void write_context(const at::Tensor& feats, const at::Tensor& pos) {
-    auto kv = d_.context_kv(d_.project_context(feats), pos, rest_.drafter_taps());
-    for (size_t l = 0; l < kv.size(); ++l) {
-      ck_[l].index_copy_(2, pos, kv[l].first);
-      cv_[l].index_copy_(2, pos, kv[l].second);
+  // The reference block forward's masks over [context slots ++ block]: context slot i holds
+  // position i; only committed positions (< the block start) are visible: slots at or past
+  // it hold a rejected tail or nothing. Per layer [B, cap + B] bool.
+  std::vector<at::Tensor> masks() const {
+    const auto& dc = d_.config();
+    at::Tensor valid = slot_idx_.lt(pos0_);  // [cap]
+    std::vector<at::Tensor> m(dc.num_layers);
+    for (int64_t l = 0; l < dc.num_layers; ++l) {
+      int64_t same = -1;  // layers with the same rule share a mask
+      for (int64_t j = 0; j < l && same < 0; ++j)
+        if (dc.causal(j) == dc.causal(l) && dc.window(j) == dc.window(l)) same = j;
+      if (same >= 0) {
+        m[l] = m[same];
+        continue;
+      }
+      at::Tensor ctx = d_.layer_mask(l, qpos_, slot_idx_).logical_and(valid);  // [B, cap]
+      m[l] = at::cat({ctx, d_.layer_mask(l, qpos_, qpos_)}, 1);              // [B, cap + B]
     }
+    return m;
+  }
+
+  void write_context(const at::Tensor& feats, const at::Tensor& pos) {
+    d_.store_context(d_.project_context(feats), pos, ck_, cv_, rest_.drafter_taps());
   }
 
   const Model& v_;
@@ -254,6 +264,7 @@ class Engine {
   at::Tensor ahead_;     // [A] offsets from pos0 of the positions restore() restores
   at::Tensor pos0_;      // [1] block start: position of the carried token
   at::Tensor qpos_;      // [B] pos0 + 0..B-1
+  at::Tensor last_;      // [1] view of qpos_'s last entry: the draft block's visibility bound
   at::Tensor ar_;        // [B] 0..B-1
   at::Tensor slot_idx_;  // [cap] 0..cap-1 (drafter context slot = position)
   at::Tensor blk_;       // [1, B] verify block: carried token, drafts
@@ -413,7 +424,7 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
     }
   for (const auto& l : res.memory.weights) drafter_weights |= l.name == "drafter weights";
   if (!drafter_weights)
-    res.memory.weights.push_back({"drafter weights", drafter_weight_bytes(d), "embedding and lm_head shared with the verifier"});
+    res.memory.weights.push_back({"drafter weights", d.weight_bytes(), "embedding and lm_head shared with the verifier"});
   return out;
 }
 

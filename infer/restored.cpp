@@ -491,12 +491,6 @@ std::string MemoryReport::table() const {
   return os.str();
 }
 
-int64_t drafter_weight_bytes(const Drafter& d) {
-  int64_t b = 0;
-  for (const auto& [name, t] : d.named_parameters()) b += tensor_bytes(t);
-  return b;
-}
-
 int64_t ftheta_weight_bytes(const FTheta& f) {
   int64_t b = 0;
   for (const auto& [name, t] : f.named_parameters()) b += tensor_bytes(t);
@@ -509,7 +503,7 @@ void add_weights(MemoryReport& m, const Model& v, const Drafter* d, const FTheta
   m.weights.push_back({"verifier weights", v.weight_bytes(), ""});
   const bool uses_drafter = o && o->needs_ftheta();
   if (d && uses_drafter)
-    m.weights.push_back({"drafter weights", drafter_weight_bytes(*d), "embedding and lm_head shared with the verifier"});
+    m.weights.push_back({"drafter weights", d->weight_bytes(), "embedding and lm_head shared with the verifier"});
   if (f && uses_drafter) m.weights.push_back({"f_θ weights", ftheta_weight_bytes(*f), ""});
   if (o && o->full_attn == FullAttn::Codec)
     m.weights.push_back({"codec bundle data", o->codec->shared_bytes(), "shared bases and tables the codec reads"});

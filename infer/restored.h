@@ -191,6 +191,8 @@ class Restorer : public TapSubscriber {
   struct DrafterTap : TapSubscriber {
     Restorer* self = nullptr;
     void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) override;
+    // The raw K/V only: Drafter::store_context keeps its fused kernel.
+    bool reads(Tap tap) const override { return tap == Tap::KProj || tap == Tap::VProj; }
   };
   // Restores positions js [N] (device); sinks get their exact copy. counted [N] bool:
   // positions that enter the error statistics (restored through f_θ, first time).
@@ -294,8 +296,7 @@ MemoryReport restored_memory_report(const Model& verifier, const Drafter* drafte
                                     const KVCache& cache, const Restorer& restorer, const RestoreOptions& opt,
                                     int64_t positions);
 
-// Memory of weights next to the caches (helpers for tools).
-int64_t drafter_weight_bytes(const Drafter& d);
+// Memory of f_θ's weights next to the caches (the drafter's: Drafter::weight_bytes).
 int64_t ftheta_weight_bytes(const FTheta& f);
 
 }  // namespace kakeya
