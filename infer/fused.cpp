@@ -87,9 +87,9 @@ class Engine {
         capture_(v, d.config().target_layer_ids) {
     const at::Device dev = v.device();
     auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
-    const int64_t gap = rest.ahead_gap(), A = rest.options().window - gap;
+    const int64_t A = rest.options().window - rest.ahead_gap();
     KAKEYA_CHECK(A >= B, "fused: restoring ahead covers " << A << " positions per batch, fewer than a block of " << B);
-    ahead_ = at::arange(-A - gap, -gap, iopt);
+    rest.keep_features();
     pos0_ = at::zeros({1}, iopt);
     qpos_ = at::arange(B, iopt);
     last_ = qpos_.narrow(0, B - 1, 1);
@@ -133,7 +133,10 @@ class Engine {
     fo.last_logits_only = true;
     fo.skip_logits = !want_logits;
     auto logits = v_.forward(ids, pos, cache_, fo);
-    write_context(capture_.take(), pos);
+    at::Tensor feats = capture_.take();  // [1, n, n·H]
+    // Restoration inside the prefill (prepare) reads the drafter's raw K/V from the taps.
+    d_.store_context(d_.project_context(feats), pos, ck_, cv_, rest_.drafter_taps());
+    rest_.stash_features(feats, pos);
     return logits;
   }
 
@@ -148,12 +151,12 @@ class Engine {
   }
 
   // ---- the four parts ----
-  // Restores ahead, in one batch of A = window - gap positions ending at pos0 - 1 - gap
-  // (Restorer::ahead_gap): enough for this block and the next ~A/τ blocks, so the host runs
-  // this part only when a block's queries would read a position not restored yet. Positions
-  // restored again get the same K/V; those before 0 clamp to 0.
-  int64_t ahead() const { return ahead_.size(0); }
-  void restore() { rest_.restore_ahead(ahead_ + pos0_); }
+  // Restores ahead, in one batch of window - gap positions ending at pos0 - 1 - gap
+  // (Restorer::upkeep_ahead, from the stored target features): enough for this block and
+  // the next ~(window - gap)/τ blocks, so the host runs this part only when a block's
+  // queries would read a position not restored yet. Positions restored again get the same
+  // K/V; those before 0 clamp to 0.
+  void restore() { rest_.upkeep_ahead(pos0_); }
 
   void draft() {
     dblk_.narrow(1, 0, 1).copy_(blk_.narrow(1, 0, 1));
@@ -195,9 +198,10 @@ class Engine {
   }
 
   void extend() {
-    // Context K/V (and the Restorer's f_θ inputs) at every block position: the rejected
-    // tail's are hidden by the draft mask until the next block overwrites them.
-    write_context(feats_, qpos_);
+    // Context K/V (and the Restorer's stored features) at every block position: the
+    // rejected tail's are hidden from the draft until the next block overwrites them.
+    d_.store_context(d_.project_context(feats_), qpos_, ck_, cv_);
+    rest_.stash_features(feats_, qpos_);
     at::Tensor n = report_.narrow(0, B_, 1);  // [1]
     // Carried bonus: the verifier's token after the accepted drafts opens the next block.
     blk_.select(1, 0).copy_(report_.narrow(0, 0, B_).index_select(0, n - 1));
@@ -247,10 +251,6 @@ class Engine {
     return m;
   }
 
-  void write_context(const at::Tensor& feats, const at::Tensor& pos) {
-    d_.store_context(d_.project_context(feats), pos, ck_, cv_, rest_.drafter_taps());
-  }
-
   const Model& v_;
   const Drafter& d_;
   Restorer& rest_;
@@ -261,7 +261,6 @@ class Engine {
   TargetFeatureCapture capture_;
   TapRelay relay_;
   Taps vtaps_;
-  at::Tensor ahead_;     // [A] offsets from pos0 of the positions restore() restores
   at::Tensor pos0_;      // [1] block start: position of the carried token
   at::Tensor qpos_;      // [B] pos0 + 0..B-1
   at::Tensor last_;      // [1] view of qpos_'s last entry: the draft block's visibility bound

@@ -6,16 +6,19 @@
 //
 //   restore  when the block's queries would read a position not restored yet: one batch
 //            restores ahead every committed position up to the block start (as far as the
-//            restored ring allows, Restorer::ahead_gap), so it runs once per ~(window - B)/τ
-//            blocks (re-restoring a position writes the same K/V)
-//   draft    [carried, MASK × (B-1)] through the drafter over its context cache
+//            restored ring allows, Restorer::ahead_gap; f_θ's drafter inputs projected then
+//            from the stored target features), so it runs once per ~(window - B)/τ blocks
+//            (re-restoring a position writes the same K/V)
+//   draft    [carried, MASK × (B-1)] through the drafter over its context cache (on CUDA
+//            the block's own K/V go into that cache at their positions and one attention
+//            kernel per layer reads context and block: Drafter::forward_block_in_cache)
 //            -> B-1 greedy draft tokens
 //   verify   [carried, d_1 .. d_{B-1}] through the verifier on its restored cache:
 //            one forward whose taps also capture the drafter's context features (A);
 //            greedy acceptance on the device (leading run of d_i == argmax_{i-1}, a
 //            cumprod), n = accepted + 1 tokens committed
-//   extend   the drafter's context K/V (and the Restorer's f_θ inputs) at the block's
-//            positions from those features (B); the next block starts at pos + n
+//   extend   the drafter's context K/V at the block's positions from those features (B),
+//            which the Restorer also stores for restoration; the next block starts at pos + n
 //            with the verifier's own token after the accepted drafts carried as its
 //            position-0 token (no correction forward)
 //

@@ -270,8 +270,9 @@ void Restorer::keep_features() {
   feat_ = at::zeros({ring_, F}, at::TensorOptions().dtype(model_.dtype()).device(model_.device()));
 }
 
-void Restorer::stash_step(const at::Tensor& pos) {
-  at::Tensor feats = take_features(1);  // [1, 1, n·H]
+void Restorer::stash_step(const at::Tensor& pos) { stash_features(take_features(1), pos); }
+
+void Restorer::stash_features(const at::Tensor& feats, const at::Tensor& pos) {
   if (feat_.defined()) feat_.index_copy_(0, pos.remainder(ring_), feats.select(0, 0));
 }
 
@@ -358,8 +359,7 @@ at::Tensor Restorer::take_features(int64_t n) {
 
 void Restorer::commit(int64_t p0, int64_t n, DrafterCache* dcache) {
   at::Tensor feats = take_features(n);
-  if (feat_.defined())
-    feat_.index_copy_(0, at::arange(p0, p0 + n, feat_.options().dtype(at::kLong)).remainder(ring_), feats.select(0, 0));
+  if (feat_.defined()) stash_features(feats, at::arange(p0, p0 + n, feat_.options().dtype(at::kLong)));
   if (dcache) {
     KAKEYA_CHECK(drafter_ && dcache->length() == p0,
                  "restorer: drafter cache at " << dcache->length() << ", committing at " << p0);

@@ -169,6 +169,10 @@ class Restorer : public TapSubscriber {
   // first (before the prefill, whose commits store their features too).
   void keep_features();
   void stash_step(const at::Tensor& pos);
+  // Target features feats [1, T, n·H] of positions pos [T] (device) into the feature ring
+  // (no-op without one): a caller that runs its own forwards (fused blocks) stores them so
+  // upkeep_ahead can project the drafter context at restoration time.
+  void stash_features(const at::Tensor& feats, const at::Tensor& pos);
   void upkeep_ahead(const at::Tensor& pos);
   // --full-attn codec: codec blocks are encoded on the host before the step that feeds
   // position q first reads them coded (prepare() does it for chunks); steps are then eager.
