@@ -605,6 +605,17 @@ std::vector<std::pair<at::Tensor, at::Tensor>> Drafter::context_kv(const at::Ten
   return out;
 }
 
+ops::QKRopeArgs Drafter::rope_args(int64_t num_heads) const {
+  ops::QKRopeArgs a;
+  a.num_heads = num_heads;
+  a.num_kv_heads = cfg_.num_kv_heads;
+  a.head_dim = cfg_.head_dim;
+  a.norm.eps = cfg_.rms_norm_eps;  // unit_offset false: Qwen3RMSNorm
+  a.cos = rope_.cos();
+  a.sin = rope_.sin();
+  return a;
+}
+
 void Drafter::store_context(const at::Tensor& c, const at::Tensor& positions, std::vector<at::Tensor>& k_cache,
                             std::vector<at::Tensor>& v_cache, const Taps* taps) const {
   if (taps && taps->empty()) taps = nullptr;
@@ -619,13 +630,7 @@ void Drafter::store_context(const at::Tensor& c, const at::Tensor& positions, st
     return;
   }
   const int64_t T = c.size(1), Hkv = cfg_.num_kv_heads, D = cfg_.head_dim;
-  ops::QKRopeArgs a;
-  a.num_heads = 0;  // K/V only: the context has no queries
-  a.num_kv_heads = Hkv;
-  a.head_dim = D;
-  a.norm.eps = cfg_.rms_norm_eps;
-  a.cos = rope_.cos();
-  a.sin = rope_.sin();
+  ops::QKRopeArgs a = rope_args(0);  // K/V only: the context has no queries
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const auto& w = layers_[l];
     at::Tensor kv = at::linear(c, w.kv);  // [1, T, 2·H_kv·D]: k | v, one GEMM
@@ -712,17 +717,9 @@ at::Tensor Drafter::forward_block_in_cache(const at::Tensor& x, const at::Tensor
                "drafter: the in-cache block forward needs a CUDA f32/bf16 drafter with full non-causal layers ("
                    << cfg_.origin << ")");
   KAKEYA_CHECK(x.size(0) == 1, "drafter: the in-cache block forward takes one sequence, got " << x.size(0));
-  const int64_t Hq = cfg_.num_heads, Hkv = cfg_.num_kv_heads, D = cfg_.head_dim;
-  ops::NormSpec ns;
-  ns.eps = cfg_.rms_norm_eps;
-  ops::QKRopeArgs a;
-  a.num_heads = Hq;
-  a.num_kv_heads = Hkv;
-  a.head_dim = D;
-  a.norm = ns;
-  a.cos = rope_.cos();
-  a.sin = rope_.sin();
-  const double scale = 1.0 / std::sqrt((double)D);
+  ops::QKRopeArgs a = rope_args(cfg_.num_heads);
+  const ops::NormSpec& ns = a.norm;
+  const double scale = 1.0 / std::sqrt((double)cfg_.head_dim);
   at::Tensor h = x;                                                     // [1, T, H]
   at::Tensor xn = ops::rms_norm(h, layers_[0].input_norm32, ns);        // [1, T, H]
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {

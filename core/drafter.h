@@ -27,6 +27,7 @@
 
 #include "core/config.h"
 #include "core/model.h"
+#include "core/ops.h"
 #include "core/rope.h"
 #include "core/taps.h"
 
@@ -256,6 +257,9 @@ class Drafter {
   // A CUDA drafter in a build with the kernels, in a dtype they take (f32, bf16), and not
   // in training (the kernels have no autograd).
   bool kernels() const;
+  // The fused q/k-norm + RoPE + store kernel's arguments for this drafter (q/k norm
+  // weights set per layer by the caller); num_heads 0 stores K/V only.
+  ops::QKRopeArgs rope_args(int64_t num_heads) const;
   at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) const;
   void check_shapes(const std::string& origin) const;
   // Moves `w` (z-lab names -> tensors) to the drafter's device/dtype and binds it to `target`.

@@ -133,10 +133,8 @@ class Engine {
     fo.last_logits_only = true;
     fo.skip_logits = !want_logits;
     auto logits = v_.forward(ids, pos, cache_, fo);
-    at::Tensor feats = capture_.take();  // [1, n, n·H]
     // Restoration inside the prefill (prepare) reads the drafter's raw K/V from the taps.
-    d_.store_context(d_.project_context(feats), pos, ck_, cv_, rest_.drafter_taps());
-    rest_.stash_features(feats, pos);
+    write_context(capture_.take(), pos, rest_.drafter_taps());
     return logits;
   }
 
@@ -200,8 +198,7 @@ class Engine {
   void extend() {
     // Context K/V (and the Restorer's stored features) at every block position: the
     // rejected tail's are hidden from the draft until the next block overwrites them.
-    d_.store_context(d_.project_context(feats_), qpos_, ck_, cv_);
-    rest_.stash_features(feats_, qpos_);
+    write_context(feats_, qpos_, nullptr);
     at::Tensor n = report_.narrow(0, B_, 1);  // [1]
     // Carried bonus: the verifier's token after the accepted drafts opens the next block.
     blk_.select(1, 0).copy_(report_.narrow(0, 0, B_).index_select(0, n - 1));
@@ -228,6 +225,13 @@ class Engine {
     at::Tensor tokens = at::where(idx.lt(acc), at::cat({d, c.narrow(0, n, 1)}), c);  // drafts, then the sample
     report_.narrow(0, 0, B_).copy_(tokens);
     report_.narrow(0, B_, 1).copy_(acc.add(1).view({1}));
+  }
+
+  // The drafter's context K/V at pos [T] from the verifier's features [1, T, n·H], which
+  // the Restorer also keeps for restoration (upkeep_ahead projects f_θ's inputs from them).
+  void write_context(const at::Tensor& feats, const at::Tensor& pos, const Taps* taps) {
+    d_.store_context(d_.project_context(feats), pos, ck_, cv_, taps);
+    rest_.stash_features(feats, pos);
   }
 
   // The reference block forward's masks over [context slots ++ block]: context slot i holds
