@@ -583,24 +583,39 @@ at::Tensor rope_at(const RopeTable& rope, const at::Tensor& x, const at::Tensor&
 
 }  // namespace
 
-std::vector<std::pair<at::Tensor, at::Tensor>> Drafter::context_kv(const at::Tensor& c, const at::Tensor& positions,
-                                                                   const Taps* taps) const {
+std::vector<std::pair<at::Tensor, at::Tensor>> Drafter::context_raw_kv(const at::Tensor& c, const at::Tensor& positions,
+                                                                       const Taps* taps) const {
   const int64_t B = c.size(0), T = c.size(1), Hkv = cfg_.num_kv_heads, D = cfg_.head_dim;
   std::vector<std::pair<at::Tensor, at::Tensor>> out;
   if (taps && taps->empty()) taps = nullptr;
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const auto& w = layers_[l];
-    TapContext ctx{l, cfg_.layer_types[l], positions};
-    auto tap = [&](Tap t, at::Tensor& x) { if (taps) taps->cb(t, ctx, x); };
     // The context enters every layer's K/V directly (no input_layernorm): dflash's k_proj(target_hidden).
     at::Tensor k = at::linear(c, w.k_proj).view({B, T, Hkv, D});  // [B, T, H_kv, D]
     at::Tensor v = at::linear(c, w.v_proj).view({B, T, Hkv, D});  // [B, T, H_kv, D]
-    tap(Tap::KProj, k);
-    tap(Tap::VProj, v);
-    at::Tensor kn = rms_norm(k, w.k_norm);
+    if (taps) {
+      TapContext ctx{l, cfg_.layer_types[l], positions};
+      taps->cb(Tap::KProj, ctx, k);
+      taps->cb(Tap::VProj, ctx, v);
+    }
+    out.push_back({k, v});
+  }
+  return out;
+}
+
+std::vector<std::pair<at::Tensor, at::Tensor>> Drafter::context_kv(const at::Tensor& c, const at::Tensor& positions,
+                                                                   const Taps* taps) const {
+  auto out = context_raw_kv(c, positions, taps);
+  if (taps && taps->empty()) taps = nullptr;
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    auto& [k, v] = out[l];
+    TapContext ctx{l, cfg_.layer_types[l], positions};
+    auto tap = [&](Tap t, at::Tensor& x) { if (taps) taps->cb(t, ctx, x); };
+    at::Tensor kn = rms_norm(k, layers_[l].k_norm);
     tap(Tap::KNorm, kn);
     tap(Tap::VNorm, v);
-    out.push_back({rope_at(rope_, kn, positions).transpose(1, 2), v.transpose(1, 2)});
+    k = rope_at(rope_, kn, positions).transpose(1, 2);
+    v = v.transpose(1, 2);
   }
   return out;
 }

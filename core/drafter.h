@@ -200,6 +200,11 @@ class Drafter {
   // Taps (if any) see KProj/KNorm/VProj/VNorm [B, T, H_kv, D] at these positions: f_θ trains on them.
   std::vector<std::pair<at::Tensor, at::Tensor>> context_kv(const at::Tensor& c, const at::Tensor& positions,
                                                             const Taps* taps = nullptr) const;
+  // Only the raw part of context_kv, what f_θ reads: per layer {k_proj(c), v_proj(c)} [B, T, H_kv, D]
+  // (after the KProj/VProj taps, which see them as context_kv's do). Restoration projects
+  // the drafter context with it: k_norm and RoPE would be computed for nobody.
+  std::vector<std::pair<at::Tensor, at::Tensor>> context_raw_kv(const at::Tensor& c, const at::Tensor& positions,
+                                                                const Taps* taps = nullptr) const;
   // The same K/V written into a context cache at slot = position: k_cache/v_cache per
   // layer [B, H_kv, S, D]; positions [T] < S. On CUDA (batch 1, no subscriber reading
   // KNorm/VNorm) one k|v GEMM and the fused norm + RoPE + store kernel per layer; taps

@@ -221,6 +221,18 @@ std::pair<at::Tensor, at::Tensor> KVCache::exact_kv(int64_t layer, const at::Ten
   return {k_[layer].index_select(2, slot), v_[layer].index_select(2, slot)};
 }
 
+std::pair<at::Tensor, at::Tensor> KVCache::exact_ring(int64_t layer) {
+  const TypeState& s = state(layer);
+  KAKEYA_CHECK(s.policy && !s.coded, "KV cache: exact_ring of layer " << layer << ", which has no restoration");
+  return {k_[layer].narrow(2, 0, s.ring), v_[layer].narrow(2, 0, s.ring)};
+}
+
+std::pair<at::Tensor, at::Tensor> KVCache::restored_region(int64_t layer) {
+  const TypeState& s = state(layer);
+  KAKEYA_CHECK(s.policy && !s.coded, "KV cache: restored_region of layer " << layer << ", which has no restoration");
+  return {k_[layer].narrow(2, s.ring, s.rest), v_[layer].narrow(2, s.ring, s.rest)};
+}
+
 void KVCache::advance(int64_t t) {
   length_ += t;
   for (TypeState* s : {&full_, &sliding_})

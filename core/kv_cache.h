@@ -117,6 +117,11 @@ class KVCache {
   void write_restored(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
   // The exact K/V the ring still holds for `positions` (attention sinks keep theirs): {k, v} [B, H_kv, N, D].
   std::pair<at::Tensor, at::Tensor> exact_kv(int64_t layer, const at::Tensor& positions) const;
+  // Writable views {k, v} [B, H_kv, n, D] of a restored (not coded) layer's two regions, slot =
+  // position mod n: the exact ring (n = exact_slots) and the restored region (n = restored_slots),
+  // for a kernel that stores restored K/V itself (what write_restored and exact_kv address).
+  std::pair<at::Tensor, at::Tensor> exact_ring(int64_t layer);
+  std::pair<at::Tensor, at::Tensor> restored_region(int64_t layer);
 
   // ---- coded full-attention layers ----
   // Positions < coded_below(q) are read by the query at q from their coded copy (whole

@@ -150,6 +150,21 @@ std::pair<at::Tensor, at::Tensor> Model::finish_kv(int64_t layer, const at::Tens
   return {k.transpose(1, 2), v.transpose(1, 2)};
 }
 
+ops::QKRopeArgs Model::rope_args(int64_t layer, int64_t num_heads, int64_t ring) const {
+  const auto& w = layers_[layer];
+  ops::QKRopeArgs a;
+  a.num_heads = num_heads;
+  a.num_kv_heads = cfg_.kv_heads(layer);
+  a.head_dim = cfg_.layer_head_dim[layer];
+  a.norm = norm_spec_;
+  a.q_norm = w.q_norm;
+  a.k_norm = w.k_norm;
+  a.cos = rope(layer).cos();
+  a.sin = rope(layer).sin();
+  a.ring = ring;
+  return a;
+}
+
 at::Tensor Model::finish_q(int64_t layer, const at::Tensor& q_raw, const at::Tensor& positions) const {
   auto q = cfg_.qk_norm ? rms_norm(q_raw, layers_[layer].q_norm) : q_raw;
   return rope(layer).apply(q, positions);
@@ -237,9 +252,8 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     // It stores at position mod the exact ring, as KVCache::write does on plain and restored
     // layers (coded layers also keep a dense copy: their write() does more).
     if (cuda_fused && !qkv_tapped && write_first && !cfg_.v_norm && !cache.coded(l)) {
-      ops::QKRopeArgs ra{Hq, Hkv, D, norm_spec_, w.q_norm, w.k_norm, rope(l).cos(), rope(l).sin(),
-                         cache.exact_slots(l)};
-      q = ops::qk_norm_rope_store(qkv, positions, ra, cache.k_mut(l), cache.v_mut(l));
+      q = ops::qk_norm_rope_store(qkv, positions, rope_args(l, Hq, cache.exact_slots(l)), cache.k_mut(l),
+                                  cache.v_mut(l));
     } else {
       q = qkv.slice(-1, 0, qd).view({B, T, Hq, D});
       at::Tensor k = qkv.slice(-1, qd, qd + kvd).view({B, T, Hkv, D});

@@ -85,6 +85,10 @@ class Model {
   const at::Tensor& embedding() const { return embed_; }  // [V, hidden]
   const at::Tensor& lm_head() const { return lm_head_; }  // [V, hidden] raw output head (no softcap; = embedding() when tied)
   const RopeTable& rope(int64_t layer) const { return cfg_.is_sliding(layer) ? rope_sliding_ : rope_full_; }
+  // The fused q/k-norm + RoPE + store kernel's arguments for layer l (core/ops.h): its
+  // norms and RoPE table, `num_heads` query heads (0: K/V only), slot = position mod ring.
+  // The forward stores through it; restoration writes restored K/V with it.
+  ops::QKRopeArgs rope_args(int64_t layer, int64_t num_heads, int64_t ring) const;
   // q raw [B, T, H_q, D] -> q_norm'd and RoPE'd [B, T, H_q, D], as the forward feeds attention().
   at::Tensor finish_q(int64_t layer, const at::Tensor& q_raw, const at::Tensor& positions) const;
   // Causal (+ window on sliding layers) visibility of keys at k_pos [S] to queries at q_pos [T]: [T, S] bool.

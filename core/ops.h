@@ -46,10 +46,16 @@ struct QKRopeArgs {
   at::Tensor q_norm, k_norm;  // [D] f32, or undefined (no q/k norm)
   at::Tensor cos, sin;        // [P, rot] in the activation dtype
   int64_t ring = 0;           // slot = position mod ring (0: the whole cache, S); see KVCache::exact_slots
+  // Storing into a restored region (infer/restored.h, K/V only: num_heads 0): positions < sink
+  // are not computed but copied from sink_k/sink_v (the layer's exact ring, the caches' strides)
+  // at slot position mod sink_ring: attention sinks keep their exact K/V. sink 0: none.
+  int64_t sink = 0, sink_ring = 0;
+  at::Tensor sink_k, sink_v;  // [B, H_kv, >= sink_ring, D]
 };
 // qkv: [B, T, (Hq + 2·Hkv)·D] contiguous; positions: [T] int64.
 // Writes normed+RoPE'd k and raw v into k_cache/v_cache [B, H_kv, S, D] at slot
 // = position mod ring (T <= ring <= S); returns normed+RoPE'd q: [B, T, Hq, D].
+// The caches may be strided views (rows of D contiguous values), e.g. a restored region.
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
                               at::Tensor& k_cache, at::Tensor& v_cache);
 

@@ -209,6 +209,17 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
   dtap_.self = this;
   dtaps_.subscribe(&dtap_);
   if (opt.stats) acc_ = at::zeros({2, 2, 2, 2}, at::TensorOptions().dtype(at::kDouble).device(dev));
+  // The fused path: pure f_θ (no true raw K/V to mix, no statistics), f_θ's fused outputs one
+  // equal-width k and v row per verifier layer (no K=V layers), and no v_norm (the kernel
+  // stores raw v) — Gemma 3. Everything else takes the reference ops below.
+  kernel_ = opt.kernels && dev.is_cuda() && ops::cuda_kernels_available() && opt.needs_ftheta() &&
+            !opt.needs_true_raw() && !cfg.v_norm &&
+            (verifier.dtype() == at::kFloat || verifier.dtype() == at::kBFloat16);
+  if (kernel_) {
+    const FThetaConfig& fc = ftheta->config();
+    for (int64_t l = 0; l < cfg.num_layers; ++l)
+      kernel_ = kernel_ && !fc.v_from_k[l] && fc.kv_dim(l) == fc.kv_dim(0);
+  }
 }
 
 void Restorer::on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) {
@@ -281,7 +292,7 @@ void Restorer::upkeep_ahead(const at::Tensor& pos) {
   if (feat_.defined()) {
     at::Tensor jc = js.clamp_min(0);
     at::Tensor f = feat_.index_select(0, jc.remainder(ring_)).unsqueeze(0);  // [1, window, n·H]
-    drafter_->context_kv(drafter_->project_context(f), jc.to(drafter_->device()), &dtaps_);
+    drafter_->context_raw_kv(drafter_->project_context(f), jc.to(drafter_->device()), &dtaps_);
   }
   restore_ahead(js.narrow(0, 0, opt_.window - ahead_gap()));
 }
@@ -301,6 +312,10 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& counted) {
   at::Tensor sink_kv = opt_.sink > 0 ? is_sink.view({1, 1, N, 1}) : at::Tensor();
   at::Tensor weight;  // [N, 1, 1] f64: 1 for positions restored through f_θ for the first time (stats)
   if (opt_.stats) weight = counted.to(at::kDouble).view({N, 1, 1});
+  if (kernel_) {
+    restore_kernel(js, slot);
+    return;
+  }
   std::vector<std::pair<at::Tensor, at::Tensor>> pred;
   if (opt_.needs_ftheta()) {
     auto dsl = slot.to(dk_.device());
@@ -349,6 +364,28 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& counted) {
   if (has_full_) cache_.mark_restored(LayerType::Full, js);
 }
 
+void Restorer::restore_kernel(const at::Tensor& js, const at::Tensor& slot) {
+  const ModelConfig& cfg = model_.config();
+  const int64_t N = js.size(0), L = cfg.num_layers, kvd = cfg.kv_dim(0);
+  auto dsl = slot.to(dk_.device());
+  at::Tensor k = ftheta_->predict_fused(dk_.index_select(0, dsl), false).view({N, L, kvd});  // [N, L, H_kv·D]
+  at::Tensor v = ftheta_->predict_fused(dv_.index_select(0, dsl), true).view({N, L, kvd});   // [N, L, H_kv·D]
+  // [L, N, 2·H_kv·D]: per layer, each position's raw k | v row, as the store kernel reads a K/V-only qkv.
+  at::Tensor kv = at::stack({k.transpose(0, 1), v.transpose(0, 1)}, 2).to(model_.dtype()).view({L, N, 2 * kvd});
+  for (int64_t l : layers_) {
+    ops::QKRopeArgs a = model_.rope_args(l, 0, cache_.restored_slots(l));
+    auto [ek, ev] = cache_.exact_ring(l);
+    a.sink = opt_.sink;  // sinks leaving the window take their exact K/V, which the exact ring still holds
+    a.sink_ring = cache_.exact_slots(l);
+    a.sink_k = ek;
+    a.sink_v = ev;
+    auto [rk, rv] = cache_.restored_region(l);
+    ops::qk_norm_rope_store(kv[l].unsqueeze(0), js, a, rk, rv);
+  }
+  if (has_sliding_) cache_.mark_restored(LayerType::Sliding, js);
+  if (has_full_) cache_.mark_restored(LayerType::Full, js);
+}
+
 at::Tensor Restorer::take_features(int64_t n) {
   if (!capture_) return at::Tensor();
   at::Tensor feats = capture_->take();  // [1, T, n·H] of the last forward
@@ -366,7 +403,7 @@ void Restorer::commit(int64_t p0, int64_t n, DrafterCache* dcache) {
     drafter_->extend(*dcache, feats, &dtaps_);
   } else if (opt_.needs_ftheta()) {
     auto pos = at::arange(p0, p0 + n, at::TensorOptions().dtype(at::kLong).device(drafter_->device()));
-    drafter_->context_kv(drafter_->project_context(feats), pos, &dtaps_);
+    drafter_->context_raw_kv(drafter_->project_context(feats), pos, &dtaps_);
   }
 }
 

@@ -77,6 +77,7 @@ struct RestoreOptions {
   FullAttn full_attn = FullAttn::Exact;
   double mix_alpha = 0.0;    // restored raw K/V = a·true + (1-a)·f_θ; a > 0 keeps true raw K/V (research mode)
   int64_t chunk = 0;         // prefill tokens per forward, 1..window; 0: window
+  bool kernels = true;       // CUDA: restore through the fused store kernel where it applies (false: reference ops)
   bool stats = false;        // relative error of restored vs true K/V (keeps true raw K/V too)
   const KVCodec* codec = nullptr;  // FullAttn::Codec: full-attention history stored through it (blocks of its block size)
   int64_t resolved_chunk() const { return chunk > 0 ? chunk : window; }
@@ -201,6 +202,10 @@ class Restorer : public TapSubscriber {
   // Restores positions js [N] (device); sinks get their exact copy. counted [N] bool:
   // positions that enter the error statistics (restored through f_θ, first time).
   void restore(const at::Tensor& js, const at::Tensor& counted);
+  // restore() on CUDA in one pass: f_θ's fused outputs, then per layer one kernel that
+  // k-norms, RoPEs and stores them into the restored region (sinks copied from the exact
+  // ring): what finish_kv + write_restored do, without ~a dozen ops per layer. slot: js mod ring.
+  void restore_kernel(const at::Tensor& js, const at::Tensor& slot);
   at::Tensor take_features(int64_t n);
 
   const Model& model_;
@@ -222,6 +227,7 @@ class Restorer : public TapSubscriber {
   at::Tensor acc_;                               // [2 raw|cache, 2 type, 2 stream, 2 err|ref] f64 accumulators
   int64_t stat_positions_ = 0;
   int64_t restored_upto_ = -1;
+  bool kernel_ = false;                          // restore() runs restore_kernel()
 };
 
 struct MemoryLine {

@@ -119,6 +119,59 @@ TEST_P(CudaOps, QkNormRopeStore) {
   }
 }
 
+// K/V-only stores into a restored region (a strided view behind the exact ring of the same
+// buffer), with attention sinks copied from the exact ring instead of computed: what
+// Restorer::restore_kernel asks of the kernel. Reference: norm + RoPE, exact copies for
+// sinks, index_copy_ at ring + position mod rest; the exact ring must stay untouched.
+TEST_P(CudaOps, QkNormRopeStoreRestoredRegionWithSinks) {
+  struct Case { int64_t Hkv, D, ring, rest, sink; };
+  for (auto c : {Case{1, 256, 11, 23, 4}, Case{2, 64, 7, 9, 3}, Case{3, 128, 5, 17, 0}}) {
+    const int64_t B = 2, P = 100;
+    RopeParams rp;
+    rp.theta = 10000;
+    RopeTable rope(rp, c.D, P, dt(), at::kCPU);
+    RopeTable rope_gpu(rp, c.D, P, dt(), kCuda);
+    // Odd positions, some below the sink count, none twice in the region.
+    auto positions = at::tensor(std::vector<int64_t>{2, 0, 13, 5, 1, 30, 8}, at::kLong);
+    const int64_t T = positions.numel();
+    auto kv = at::randn({B, T, 2 * c.Hkv * c.D}).to(dt());
+    auto kw = at::randn({c.D}) * 0.2 + 1;
+    ops::NormSpec ns{1e-6, true};
+    auto buf_k = at::randn({B, c.Hkv, c.ring + c.rest, c.D}).to(dt()), buf_v = at::randn_like(buf_k);
+    // Reference.
+    auto k = ops::rms_norm(kv.slice(-1, 0, c.Hkv * c.D).view({B, T, c.Hkv, c.D}), kw, ns);
+    auto k_ref = rope.apply(k, positions).transpose(1, 2);                           // [B, H, T, D]
+    auto v_ref = kv.slice(-1, c.Hkv * c.D).view({B, T, c.Hkv, c.D}).transpose(1, 2);  // [B, H, T, D]
+    auto is_sink = positions.lt(c.sink).view({1, 1, T, 1});
+    auto exact_slot = positions.remainder(c.ring);
+    k_ref = at::where(is_sink, buf_k.index_select(2, exact_slot), k_ref);
+    v_ref = at::where(is_sink, buf_v.index_select(2, exact_slot), v_ref);
+    auto want_k = buf_k.clone(), want_v = buf_v.clone();
+    want_k.index_copy_(2, positions.remainder(c.rest) + c.ring, k_ref);
+    want_v.index_copy_(2, positions.remainder(c.rest) + c.ring, v_ref);
+    // Kernel on views of one device buffer.
+    auto gk = buf_k.to(kCuda), gv = buf_v.to(kCuda);
+    ops::QKRopeArgs a;
+    a.num_kv_heads = c.Hkv;
+    a.head_dim = c.D;
+    a.norm = ns;
+    a.k_norm = kw.to(kCuda);
+    a.cos = rope_gpu.cos();
+    a.sin = rope_gpu.sin();
+    a.ring = c.rest;
+    a.sink = c.sink;
+    a.sink_ring = c.ring;
+    a.sink_k = gk.narrow(2, 0, c.ring);
+    a.sink_v = gv.narrow(2, 0, c.ring);
+    auto rk = gk.narrow(2, c.ring, c.rest), rv = gv.narrow(2, c.ring, c.rest);
+    auto q = ops::qk_norm_rope_store(kv.to(kCuda), positions.to(kCuda), a, rk, rv);
+    EXPECT_EQ(q.numel(), 0);
+    std::string tag = "D=" + std::to_string(c.D) + " Hkv=" + std::to_string(c.Hkv) + " sink=" + std::to_string(c.sink);
+    expect_close(gk, want_k, "k buffer " + tag);
+    expect_close(gv, want_v, "v buffer " + tag);
+  }
+}
+
 // Reference: softmax attention in f32 over the whole cache with the visibility mask
 // built as KVCache::visible does (causal/sliding rule, then the copy rule).
 TEST_P(CudaOps, DecodeAttention) {

@@ -131,17 +131,23 @@ void launch_add_rms_norm(const T* h, const T* x, const float* w_post, const floa
 //   heads 0..Hq-1 are q heads -> q_out [B·T, Hq, D];
 //   heads Hq..Hq+Hkv-1 are k heads -> k_cache[b, h, slot, :], with v copied to v_cache.
 //   cos, sin: [P, rot] in T (HF casts its tables to the activation dtype).
-//   positions: [T] int64; slot = position mod ring, ring <= S (the cache's exact ring: all S
-//   slots on plain layers, the first `ring` on restored ones, whose restored region follows).
+//   positions: [T] int64; slot = position mod ring (the cache's exact ring: all S slots on
+//   plain layers, the first `ring` on restored ones; a restored region when the caller passes
+//   its view). k_cache/v_cache element (b, h, slot, i) sits at b·cache_bs + h·cache_hs + slot·D + i.
 //   q_w/k_w: [D] f32 norm weights, nullptr when the family has no q/k norm.
+//   sink_k/sink_v (K/V only, Hq == 0): positions < sink are copied from these buffers (same
+//   strides) at slot position mod sink_ring instead of computed: attention sinks keep their
+//   exact K/V when a restored region takes them in. nullptr/0: none.
 // Threads: one per rotary pair (rot/2), plus pass-through dims past rot.
 template <typename T>
 __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float* __restrict__ q_w,
                                           const float* __restrict__ k_w, const T* __restrict__ cos_t,
                                           const T* __restrict__ sin_t, const int64_t* __restrict__ positions,
                                           T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
-                                          int T_len, int Hq, int Hkv, int D, int rot, int S, int ring,
-                                          float eps, bool unit_offset) {
+                                          int T_len, int Hq, int Hkv, int D, int rot, int64_t cache_bs,
+                                          int64_t cache_hs, int ring, const T* __restrict__ sink_k,
+                                          const T* __restrict__ sink_v, int sink, int sink_ring, float eps,
+                                          bool unit_offset) {
   __shared__ float red[32];
   extern __shared__ float xs[];  // [D] the normed head, rounded to T
   const int n = blockIdx.x;      // token row: b·T + t
@@ -150,6 +156,16 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
   const bool is_q = head < Hq;
   const int row_w = (Hq + 2 * Hkv) * D;
   const T* src = qkv + (int64_t)n * row_w + (int64_t)head * D;
+  const int64_t pos = positions[t];
+  if (!is_q && pos < sink) {  // the whole block takes this branch (one position): no barrier is skipped halfway
+    const int64_t base = (int64_t)b * cache_bs + (int64_t)(head - Hq) * cache_hs;
+    const int64_t off = base + (pos % ring) * D, from = base + (pos % sink_ring) * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      k_cache[off + i] = sink_k[from + i];
+      v_cache[off + i] = sink_v[from + i];
+    }
+    return;
+  }
   const float* w = is_q ? q_w : k_w;
   float ss = 0.f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
@@ -163,7 +179,6 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
     xs[i] = w ? rnd<T>(norm_value<T>(v, inv, w[i], unit_offset)) : v;
   }
   __syncthreads();
-  const int64_t pos = positions[t];
   const T* c = cos_t + pos * rot;
   const T* s = sin_t + pos * rot;
   T* dst;
@@ -172,7 +187,7 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
   } else {
     const int hk = head - Hq;
     const int64_t slot = pos % ring;
-    const int64_t off = (((int64_t)b * Hkv + hk) * S + slot) * D;
+    const int64_t off = (int64_t)b * cache_bs + (int64_t)hk * cache_hs + slot * D;
     dst = k_cache + off;
     const T* vsrc = qkv + (int64_t)n * row_w + (int64_t)(Hq + Hkv + hk) * D;
     for (int i = threadIdx.x; i < D; i += blockDim.x) v_cache[off + i] = vsrc[i];
@@ -190,12 +205,13 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
 template <typename T>
 void launch_qk_norm_rope_store(const T* qkv, const float* q_w, const float* k_w, const T* cos_t, const T* sin_t,
                                const int64_t* positions, T* q_out, T* k_cache, T* v_cache, int B, int T_len, int Hq,
-                               int Hkv, int D, int rot, int S, int ring, float eps, bool unit_offset, cudaStream_t s) {
+                               int Hkv, int D, int rot, int64_t cache_bs, int64_t cache_hs, int ring, const T* sink_k,
+                               const T* sink_v, int sink, int sink_ring, float eps, bool unit_offset, cudaStream_t s) {
   dim3 grid(B * T_len, Hq + Hkv);
   int threads = D >= 256 ? 128 : (D >= 128 ? 64 : 32);
-  qk_norm_rope_store_kernel<T><<<grid, threads, D * sizeof(float), s>>>(qkv, q_w, k_w, cos_t, sin_t, positions, q_out,
-                                                                       k_cache, v_cache, T_len, Hq, Hkv, D, rot, S, ring,
-                                                                       eps, unit_offset);
+  qk_norm_rope_store_kernel<T><<<grid, threads, D * sizeof(float), s>>>(
+      qkv, q_w, k_w, cos_t, sin_t, positions, q_out, k_cache, v_cache, T_len, Hq, Hkv, D, rot, cache_bs, cache_hs, ring,
+      sink_k, sink_v, sink, sink_ring, eps, unit_offset);
 }
 
 // ---------------------------------------------------------------------------

@@ -94,15 +94,22 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   auto qkv = qkv_in.contiguous();
   check_act(qkv, "qk_norm_rope_store qkv");
   check_cuda(positions, "qk_norm_rope_store positions");
-  check_cuda(k_cache, "k_cache");
-  check_cuda(v_cache, "v_cache");
+  // The caches may be views (a restored region of a layer's buffer): rows of D contiguous
+  // values, any batch/head strides, the same for K and V.
+  auto check_rows = [&](const at::Tensor& c, const char* name) {
+    TORCH_CHECK(c.is_cuda(), name, ": expected a CUDA tensor, got ", c.device());
+    TORCH_CHECK(c.dim() == 4 && c.stride(3) == 1 && c.stride(2) == c.size(3) && c.strides() == k_cache.strides(),
+                name, ": expected [B, H_kv, S, D] with contiguous rows and K's strides, got sizes ", c.sizes(),
+                " strides ", c.strides());
+  };
+  check_rows(k_cache, "k_cache");
+  check_rows(v_cache, "v_cache");
   TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
   const int64_t B = qkv.size(0), T = qkv.size(1), Hq = a.num_heads, Hkv = a.num_kv_heads, D = a.head_dim;
   TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) == (Hq + 2 * Hkv) * D, "qkv: expected [B, T, ", (Hq + 2 * Hkv) * D,
               "], got ", qkv.sizes());
   TORCH_CHECK(positions.numel() == T, "positions: expected ", T, " entries, got ", positions.numel());
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D &&
-                  v_cache.sizes() == k_cache.sizes(),
+  TORCH_CHECK(k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(),
               "k/v cache: expected [", B, ", ", Hkv, ", S, ", D, "], got ", k_cache.sizes(), " / ", v_cache.sizes());
   const int64_t ring = a.ring > 0 ? a.ring : k_cache.size(2);
   TORCH_CHECK(ring <= k_cache.size(2), "qk_norm_rope_store: ring of ", ring, " slots in a cache of ", k_cache.size(2));
@@ -111,6 +118,16 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
               "qk_norm_rope_store: cache / RoPE table dtype must match qkv");
   if (a.q_norm.defined()) check_w(a.q_norm, D, "q_norm");
   if (a.k_norm.defined()) check_w(a.k_norm, D, "k_norm");
+  if (a.sink > 0) {
+    TORCH_CHECK(Hq == 0, "qk_norm_rope_store: sinks are copied on K/V-only stores (num_heads 0), got ", Hq, " q heads");
+    TORCH_CHECK(a.sink_k.defined() && a.sink_v.defined() && a.sink_ring > 0 && a.sink_ring <= a.sink_k.size(2),
+                "qk_norm_rope_store: sink ", a.sink, " needs sink_k/sink_v and a sink ring within them");
+    check_rows(a.sink_k, "sink_k");
+    check_rows(a.sink_v, "sink_v");
+    TORCH_CHECK(a.sink_k.sizes().slice(0, 2) == k_cache.sizes().slice(0, 2) && a.sink_k.sizes() == a.sink_v.sizes() &&
+                    a.sink_k.scalar_type() == k_cache.scalar_type(),
+                "qk_norm_rope_store: sink buffers ", a.sink_k.sizes(), " do not match the cache ", k_cache.sizes());
+  }
   check_cuda(a.cos, "rope cos");
   check_cuda(a.sin, "rope sin");
   const int64_t rot = a.cos.size(1);
@@ -119,11 +136,14 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   auto q = at::empty({B, T, Hq, D}, qkv.options());
   dispatch(qkv.scalar_type(), [&](auto* tag) {
     using Ty = std::remove_pointer_t<decltype(tag)>;
+    const bool sinks = a.sink > 0;
     k::launch_qk_norm_rope_store<Ty>(ptr<Ty>(qkv), a.q_norm.defined() ? a.q_norm.data_ptr<float>() : nullptr,
                                      a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr, ptr<Ty>(a.cos),
                                      ptr<Ty>(a.sin), positions.data_ptr<int64_t>(), ptr<Ty>(q), ptr<Ty>(k_cache),
-                                     ptr<Ty>(v_cache), B, T, Hq, Hkv, D, rot, k_cache.size(2), ring, a.norm.eps,
-                                     a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
+                                     ptr<Ty>(v_cache), B, T, Hq, Hkv, D, rot, k_cache.stride(0), k_cache.stride(1), ring,
+                                     sinks ? ptr<Ty>(a.sink_k) : nullptr, sinks ? ptr<Ty>(a.sink_v) : nullptr,
+                                     sinks ? a.sink : 0, sinks ? a.sink_ring : 1, a.norm.eps, a.norm.unit_offset,
+                                     at::cuda::getCurrentCUDAStream());
   });
   return q;
 }
