@@ -427,6 +427,7 @@ int64_t Drafter::weight_bytes() const {
       norms += L.q_norm32.numel() + L.k_norm32.numel() + L.input_norm32.numel() + L.post_norm32.numel();
     b += norms * 4;
   }
+  if (head_sub_.defined()) b += head_sub_.numel() * head_sub_.element_size() + vocab_ids_.numel() * 8;
   return b;
 }
 
@@ -508,7 +509,33 @@ Drafter Drafter::load(const std::string& dir, const Model& target, const Drafter
   }
   std::map<std::string, at::Tensor> w;
   for (const auto& [name, shape] : expected_tensors(cfg)) w[name] = st.get(pre + name, shape);
-  return assemble(cfg, target, opt, w);
+  Drafter d = assemble(cfg, target, opt, w);
+  const std::string vocab = dir + "/" + kDraftVocabFile;
+  if (opt.draft_vocab && fs::exists(vocab)) {
+    TensorStore vs = TensorStore::open_file(vocab);
+    KAKEYA_CHECK(vs.has("ids"), vocab << ": missing tensor 'ids' (the draft vocabulary, [K] int64)");
+    d.set_draft_vocab(vs.get("ids"), vocab);
+  }
+  return d;
+}
+
+void Drafter::set_draft_vocab(const at::Tensor& ids_in, const std::string& origin) {
+  if (!ids_in.defined()) {
+    vocab_ids_ = head_sub_ = at::Tensor();
+    return;
+  }
+  const int64_t V = target_->lm_head().size(0);
+  KAKEYA_CHECK(ids_in.dim() == 1 && ids_in.scalar_type() == at::kLong && ids_in.numel() > 0,
+               origin << ": tensor 'ids' must be [K] int64 with K > 0, got " << ids_in.sizes() << " "
+                      << c10::toString(ids_in.scalar_type()));
+  at::Tensor ids = ids_in.to(at::kCPU);
+  const int64_t lo = ids.min().item<int64_t>(), hi = ids.max().item<int64_t>();
+  KAKEYA_CHECK(lo >= 0 && hi < V, origin << ": tensor 'ids' holds token ids in [" << lo << ", " << hi
+                                         << "], expected [0, " << V << ") (the target's vocabulary)");
+  KAKEYA_CHECK(std::get<0>(at::_unique(ids)).numel() == ids.numel(), origin << ": tensor 'ids' repeats token ids");
+  // On the head's device: draft_tokens maps the head's argmax through it.
+  vocab_ids_ = ids.to(target_->lm_head().device());
+  head_sub_ = target_->lm_head().index_select(0, vocab_ids_).contiguous();
 }
 
 Drafter Drafter::random(const DrafterConfig& cfg, const Model& target, uint64_t seed, const DrafterOptions& opt) {
@@ -530,6 +557,7 @@ void Drafter::save(const std::string& dir, at::ScalarType dtype, const std::map<
   md["format"] = "pt";  // transformers' from_pretrained expects it
   // Weights first, config last: a directory with a config always has its weights.
   save_safetensors(dir + "/model.safetensors", t, md);
+  if (vocab_ids_.defined()) save_safetensors(dir + "/" + kDraftVocabFile, {{"ids", vocab_ids_.to(at::kCPU)}}, {});
   json cfg = cfg_.to_json();
   cfg["dtype"] = dtype == at::kBFloat16 ? "bfloat16" : dtype == at::kHalf ? "float16" : "float32";
   fs::write_atomic(dir + "/config.json", cfg.dump(2) + "\n");
@@ -757,6 +785,10 @@ at::Tensor Drafter::forward_block_in_cache(const at::Tensor& x, const at::Tensor
 at::Tensor Drafter::draft_tokens(const at::Tensor& hidden) const {
   // The multiplier (> 0, checked at load) and the softcap are monotone: the argmax of the
   // head's raw scores is logits()'s (up to rounding ties), without its passes over [T, V].
+  if (head_sub_.defined()) {
+    at::Tensor scores = at::linear(hidden.to(head_sub_.scalar_type()), head_sub_);  // [B, T, K]
+    return vocab_ids_.index_select(0, scores.argmax(-1).flatten()).view(scores.sizes().slice(0, scores.dim() - 1));
+  }
   at::Tensor scores = at::linear(hidden.to(target_->lm_head().scalar_type()), target_->lm_head());  // [B, T, V]
   return scores.argmax(-1);
 }

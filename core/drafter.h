@@ -122,6 +122,7 @@ struct DrafterOptions {
   std::optional<at::ScalarType> dtype;
   std::optional<at::Device> device;
   int64_t max_positions = 0;  // RoPE table length; 0: the target's
+  bool draft_vocab = true;    // load <dir>/draft_vocab.safetensors when present (false: the whole vocabulary)
 };
 
 // Per-layer K/V of the committed context (post-k_norm, RoPE'd K and raw V, as
@@ -177,7 +178,8 @@ class Drafter {
   static Drafter load(const std::string& dir, const Model& target, const DrafterOptions& opt = {});
   // Fresh weights (HF Qwen3 init: linear ~ N(0, 0.02), norms 1), seeded.
   static Drafter random(const DrafterConfig& cfg, const Model& target, uint64_t seed, const DrafterOptions& opt = {});
-  // <dir>/config.json + <dir>/model.safetensors (z-lab names) in `dtype`, atomically per file.
+  // <dir>/config.json + <dir>/model.safetensors (z-lab names) in `dtype`, atomically per file
+  // (and <dir>/draft_vocab.safetensors when the drafter has a draft vocabulary).
   void save(const std::string& dir, at::ScalarType dtype = at::kBFloat16,
             const std::map<std::string, std::string>& metadata = {}) const;
 
@@ -187,7 +189,8 @@ class Drafter {
   const Model& target() const { return *target_; }
   int64_t num_parameters() const;
   // Bytes the drafter's weights occupy on its device: the parameters (the concatenated
-  // qkv/gate_up share their storage) and the f32 norm copies of a non-f32 drafter.
+  // qkv/gate_up share their storage), the f32 norm copies of a non-f32 drafter and the
+  // draft vocabulary's head rows.
   int64_t weight_bytes() const;
   // z-lab name -> tensor (handles share storage with the drafter: the trainer
   // sets requires_grad and updates them in place).
@@ -240,8 +243,18 @@ class Drafter {
   // hidden [B, T, H] -> draft logits [B, T, V] f32 (target lm_head, × output_multiplier, softcap).
   at::Tensor logits(const at::Tensor& hidden) const;
   // hidden [B, T, H] -> greedy draft tokens [B, T] int64: logits().argmax(-1) up to rounding
-  // ties, from the head's raw scores (multiplier and softcap are monotone).
+  // ties, from the head's raw scores (multiplier and softcap are monotone); with a draft
+  // vocabulary, the argmax over its tokens only.
   at::Tensor draft_tokens(const at::Tensor& hidden) const;
+  // FR-Spec (arXiv 2502.14856): greedy drafts from a frequency-ranked subset of the
+  // vocabulary. The head then reads K of the target's V lm_head rows — on Gemma 3 (V = 262k)
+  // the head is most of a draft's memory traffic. A token outside the subset is never
+  // drafted; the verifier still picks from the whole vocabulary, so output is unchanged and
+  // only τ can drop. Sampling (Drafter::logits) keeps the whole vocabulary.
+  // ids: [K] int64, distinct, in [0, V); origin names the source in errors. Undefined: none.
+  void set_draft_vocab(const at::Tensor& ids, const std::string& origin);
+  const at::Tensor& draft_vocab() const { return vocab_ids_; }  // [K] int64 on the device, or undefined
+  static constexpr const char* kDraftVocabFile = "draft_vocab.safetensors";  // tensor "ids" [K] int64
   // Visibility of keys at k_pos [S] (or [B, S]) to queries at q_pos [T] (or [B, T]) on one layer,
   // DFlash's rule on absolute positions: [T, S] (or [B, T, S]) bool.
   at::Tensor layer_mask(int64_t layer, const at::Tensor& q_pos, const at::Tensor& k_pos) const;
@@ -281,6 +294,8 @@ class Drafter {
   at::Tensor hidden_norm32_, norm32_;  // [H] f32 (see DrafterLayer::q_norm32)
   std::vector<DrafterLayer> layers_;
   RopeTable rope_;
+  at::Tensor vocab_ids_;  // [K] int64: the draft vocabulary (undefined: the whole vocabulary)
+  at::Tensor head_sub_;   // [K, H] the target lm_head's rows of vocab_ids_, in the head's dtype
 };
 
 }  // namespace kakeya

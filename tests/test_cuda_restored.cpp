@@ -4,11 +4,15 @@
 // exact_kv + where, write_restored) on the real Gemma 3 270M with the shipped drafter
 // and f_θ, f32 and bf16 (label gpu: runs on the GPU machine only).
 //   - teacher-forced scores of a 300-token text through the restored cache (every
-//     position past the window restored, the sinks among them) agree per token;
+//     position past the window restored, the sinks among them) agree per token in f32;
+//     in bf16 the kernel path is as close to the f32 scores as the reference ops;
 //   - `restored` and `fused` decodes give the same tokens either way (f32).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <memory>
 #include <string>
 
@@ -45,6 +49,7 @@ class RestoredSetup {
     mo.device = kCuda;
     mo.dtype = dt;
     mo.max_positions = 512;
+    drafter_.reset();  // bound to the previous target
     target_ = std::make_unique<Model>(Model::load(test::real_model_dir(), mo));
     drafter_ = std::make_unique<Drafter>(Drafter::load(test::shipped_dir("drafter"), *target_));
     ftheta_ = std::make_unique<FTheta>(FTheta::load(test::shipped_dir("ftheta"), dt, kCuda));
@@ -64,33 +69,47 @@ class RestoredSetup {
   std::vector<int64_t> ids_;
 };
 
-class CudaRestored : public RestoredSetup, public ::testing::TestWithParam<at::ScalarType> {
- protected:
-  void SetUp() override { load(GetParam()); }
-};
-
-// Token identity is asserted in f32; bf16 is covered by the scores above.
 class CudaRestoredF32 : public RestoredSetup, public ::testing::Test {
  protected:
   void SetUp() override { load(at::kFloat); }
 };
 
-TEST_P(CudaRestored, KernelScoresEqualReference) {
+// f32: the same math in another op order, so the scores agree to rounding.
+TEST_F(CudaRestoredF32, KernelScoresEqualReference) {
   auto got = score_restored(*target_, drafter_.get(), ftheta_.get(), ids_, options(true));
   auto want = score_restored(*target_, drafter_.get(), ftheta_.get(), ids_, options(false));
   ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
-  // f32: the same math in another op order. bf16: the kernel rounds as the reference does,
-  // but a restored K/V one bf16 step off moves later hidden states by about that much.
-  const double tol = GetParam() == at::kFloat ? 2e-3 : 0.15;
   double worst = 0;
+  for (size_t i = 0; i < got.logprobs.size(); ++i) worst = std::max(worst, std::abs(got.logprobs[i] - want.logprobs[i]));
+  EXPECT_LE(worst, 2e-3) << "max |Δ log p| over " << got.logprobs.size() << " tokens";
+  EXPECT_EQ(got.top1, want.top1);
+  EXPECT_NEAR(got.mean_nll(), want.mean_nll(), 1e-4);
+}
+
+// bf16: the kernel norms in f32 and rounds once, the reference ops round after each op, so
+// a restored K/V may differ by a bf16 step and later hidden states drift by about that much
+// (a fixed |Δ log p| bound between the two says little). What must hold: the kernel path is
+// as close to the f32 scores as the reference ops are, and picks the same tokens.
+TEST_F(CudaRestoredF32, KernelBf16AsAccurateAsReferenceOps) {
+  auto f32 = score_restored(*target_, drafter_.get(), ftheta_.get(), ids_, options(false));
+  load(at::kBFloat16);
+  auto got = score_restored(*target_, drafter_.get(), ftheta_.get(), ids_, options(true));
+  auto ref = score_restored(*target_, drafter_.get(), ftheta_.get(), ids_, options(false));
+  ASSERT_EQ(got.logprobs.size(), f32.logprobs.size());
+  ASSERT_EQ(ref.logprobs.size(), f32.logprobs.size());
+  double err_got = 0, err_ref = 0;
   int64_t same_top1 = 0;
-  for (size_t i = 0; i < got.logprobs.size(); ++i) {
-    worst = std::max(worst, std::abs(got.logprobs[i] - want.logprobs[i]));
-    same_top1 += got.top1[i] == want.top1[i];
+  for (size_t i = 0; i < f32.logprobs.size(); ++i) {
+    err_got += std::abs(got.logprobs[i] - f32.logprobs[i]);
+    err_ref += std::abs(ref.logprobs[i] - f32.logprobs[i]);
+    same_top1 += got.top1[i] == ref.top1[i];
   }
-  EXPECT_LE(worst, tol) << "max |Δ log p| over " << got.logprobs.size() << " tokens";
-  EXPECT_GE((double)same_top1 / got.top1.size(), GetParam() == at::kFloat ? 1.0 : 0.97);
-  EXPECT_NEAR(got.mean_nll(), want.mean_nll(), GetParam() == at::kFloat ? 1e-4 : 1e-2);
+  err_got /= f32.logprobs.size();
+  err_ref /= f32.logprobs.size();
+  std::printf("bf16 mean |Δ log p| vs f32: kernel %.4f, reference ops %.4f\n", err_got, err_ref);
+  EXPECT_LE(err_got, 1.25 * err_ref + 2e-3) << "kernel path mean |Δ log p| vs f32 " << err_got << ", reference ops " << err_ref;
+  EXPECT_GE((double)same_top1 / f32.top1.size(), 0.97);
+  EXPECT_NEAR(got.mean_nll(), f32.mean_nll(), std::max(0.02, 2 * std::abs(ref.mean_nll() - f32.mean_nll())));
 }
 
 TEST_F(CudaRestoredF32, KernelDecodesEqualReference) {
@@ -109,8 +128,5 @@ TEST_F(CudaRestoredF32, KernelDecodesEqualReference) {
     EXPECT_EQ((int64_t)got.tokens.size(), 96);
   }
 }
-
-INSTANTIATE_TEST_SUITE_P(Dtypes, CudaRestored, ::testing::Values(at::kFloat, at::kBFloat16),
-                         [](const auto& info) { return std::string(info.param == at::kFloat ? "f32" : "bf16"); });
 
 }  // namespace

@@ -255,6 +255,60 @@ TEST_P(DrafterParity, SpeculativeEqualsGreedyAR) {
   }
 }
 
+// FR-Spec draft vocabulary: greedy drafts are the argmax of the drafter's logits over the
+// subset (reference: logits() restricted by index_select), a vocabulary of every id changes
+// nothing, it survives save/load (and DrafterOptions::draft_vocab = false ignores it), the
+// memory report counts its head rows, and bad files are refused naming the file.
+TEST_P(DrafterParity, DraftVocabRestrictsGreedyDrafts) {
+  auto c = load(GetParam());
+  Drafter& d = *c.drafter;
+  const int64_t V = c.target->lm_head().size(0), H = d.config().hidden_size;
+  at::manual_seed(3);
+  at::Tensor hidden = at::randn({2, 5, H});  // [B, T, H]
+  at::Tensor logits = d.logits(hidden);       // [B, T, V]
+  EXPECT_TRUE(at::equal(d.draft_tokens(hidden), logits.argmax(-1)));
+  const int64_t bytes = d.weight_bytes();
+  // A third of the vocabulary that leaves out every full-vocabulary argmax: the restriction must show.
+  at::Tensor banned = at::zeros({V}, at::kBool).index_fill_(0, logits.argmax(-1).flatten(), true);
+  at::Tensor ids = at::randperm(V, at::kLong);
+  ids = ids.index_select(0, banned.index_select(0, ids).logical_not().nonzero().flatten()).narrow(0, 0, V / 3);
+  d.set_draft_vocab(ids, "test");
+  at::Tensor got = d.draft_tokens(hidden);  // [B, T]
+  at::Tensor want = ids.index_select(0, logits.index_select(-1, ids).argmax(-1).flatten()).view({2, 5});
+  EXPECT_TRUE(at::equal(got, want)) << got << want;
+  EXPECT_FALSE(banned.index_select(0, got.flatten()).any().item<bool>());
+  EXPECT_EQ(d.weight_bytes(), bytes + (V / 3) * H * (int64_t)c.target->lm_head().element_size() + (V / 3) * 8);
+  // Saved beside the weights, loaded back; ignored on request.
+  const std::string dir = temp_dir("vocab_" + GetParam());
+  d.save(dir, at::kFloat);
+  EXPECT_TRUE(at::equal(Drafter::load(dir, *c.target).draft_vocab(), ids));
+  DrafterOptions no_vocab;
+  no_vocab.draft_vocab = false;
+  EXPECT_TRUE(at::equal(Drafter::load(dir, *c.target, no_vocab).draft_tokens(hidden), logits.argmax(-1)));
+  // Every id, in any order: the whole vocabulary again.
+  d.set_draft_vocab(at::randperm(V, at::kLong), "test");
+  EXPECT_TRUE(at::equal(d.draft_tokens(hidden), logits.argmax(-1)));
+  d.set_draft_vocab(at::Tensor(), "test");
+  EXPECT_EQ(d.weight_bytes(), bytes);
+  // Bad files.
+  const std::string file = dir + "/" + Drafter::kDraftVocabFile;
+  auto refuse = [&](const std::map<std::string, at::Tensor>& t, const std::string& needle) {
+    save_safetensors(file, t);
+    try {
+      Drafter::load(dir, *c.target);
+      ADD_FAILURE() << "expected an error containing '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(file), std::string::npos) << e.what();
+    }
+  };
+  refuse({{"ids", at::tensor(std::vector<int64_t>{1, 2, V}, at::kLong)}}, "expected [0, " + std::to_string(V));
+  refuse({{"ids", at::tensor(std::vector<int64_t>{1, 2, 1}, at::kLong)}}, "repeats");
+  refuse({{"ids", at::tensor(std::vector<int32_t>{1, 2}, at::kInt)}}, "int64");
+  refuse({{"tokens", at::tensor(std::vector<int64_t>{1, 2}, at::kLong)}}, "missing tensor 'ids'");
+  remove_all(dir);
+}
+
 // A stop token inside an accepted block ends generation right after it,
 // exactly where AR stops; the budget cuts a block the same way.
 TEST_P(DrafterParity, StopTokenInsideABlockAndBudget) {

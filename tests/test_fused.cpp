@@ -156,6 +156,31 @@ TEST(Fused, EqualsRestoredDecoderWithRandomFTheta) {
   EXPECT_TRUE(acts) << "a random f_θ changed no continuation: restoration does not act";
 }
 
+// The shipped drafter drafts from its FR-Spec vocabulary (core/drafter.h); output stays
+// the verifier's with and without it, and both draft (τ > 1).
+TEST(Fused, DraftVocabularyChangesOnlyTheDrafts) {
+  ASSERT_TRUE(drafter().draft_vocab().defined()) << "checkpoints/gemma3-270m/drafter ships draft_vocab.safetensors";
+  EXPECT_LT(drafter().draft_vocab().numel(), model().lm_head().size(0));
+  DrafterOptions whole;
+  whole.draft_vocab = false;
+  Drafter full = Drafter::load(test::shipped_dir("drafter"), model(), whole);
+  ASSERT_FALSE(full.draft_vocab().defined());
+  FusedOptions fo;
+  fo.max_new_tokens = kNew;
+  fo.block_size = 8;
+  for (size_t p = 0; p < prompts().size(); ++p) {
+    SCOPED_TRACE("prompt " + std::to_string(p));
+    auto sub = fused_generate(model(), drafter(), nullptr, restore_options(1.0), prompts()[p], fo);
+    auto all = fused_generate(model(), full, nullptr, restore_options(1.0), prompts()[p], fo);
+    EXPECT_EQ(sub.decode.tokens, ar_tokens(p));
+    EXPECT_EQ(all.decode.tokens, ar_tokens(p));
+    if (p == 0) {
+      EXPECT_GT(sub.decode.tau(), 1.5);
+      EXPECT_GT(all.decode.tau(), 1.5);
+    }
+  }
+}
+
 TEST(Fused, DecodeModeFusedDispatches) {
   EXPECT_EQ(parse_decode_mode("fused"), DecodeMode::Fused);
   EXPECT_STREQ(decode_mode_name(DecodeMode::Fused), "fused");

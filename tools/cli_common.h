@@ -63,6 +63,7 @@ void set_command_line(int argc, char** argv);
 const std::string& command_line();
 void register_spec(CLI::App& app);           // cmd_spec.cpp
 void register_train_drafter(CLI::App& app);  // cmd_train_drafter.cpp
+void register_draft_vocab(CLI::App& app);    // cmd_draft_vocab.cpp
 void register_capture(CLI::App& app);        // cmd_capture.cpp (built where HDF5 is found)
 void register_train_ftheta(CLI::App& app);   // cmd_train_ftheta.cpp (reads captures: HDF5 too)
 void register_decode(CLI::App& app);         // cmd_decode.cpp

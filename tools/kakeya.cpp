@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   kakeya::cli::set_command_line(argc, argv);
   kakeya::cli::register_spec(app);
   kakeya::cli::register_train_drafter(app);
+  kakeya::cli::register_draft_vocab(app);
   kakeya::cli::register_decode(app);
   kakeya::cli::register_niah(app);
   kakeya::cli::register_sweep_alpha(app);
