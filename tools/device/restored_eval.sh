@@ -60,7 +60,7 @@ PY
   bench)
     for FA in $FULL_ATTNS; do
       echo "[restored] bench decode at 8k, --full-attn $FA"
-      $K bench decode --device cuda --model "$MODEL" --prompt-len 8192 --new-tokens 256 --repeats 3 --no-peer \
+      $K bench decode --device cuda --model "$MODEL" --prompt-len 8192 --new-tokens 256 --repeats 5 --no-peer \
         --restored --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" --window "$WINDOW" --full-attn "$FA" \
         --calib "$CALIB" --json "$OUT/bench_$FA.json" 2>&1 | tail -12
     done ;;
