@@ -1,13 +1,16 @@
 // The drafter trainer on the tiny fixture targets (tests/fixtures/make_drafter_fixtures.py):
 // the training forward equals what the drafter computes when decoding (no
 // train/serve skew), the loss falls and the acceptance length rises on a
-// target's own greedy continuations, and a resumed run equals an uninterrupted one.
+// target's own greedy continuations, a resumed run equals an uninterrupted one, and
+// freeze_context leaves the context path (fc, hidden_norm, k_proj, v_proj) bitwise as it was.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <unistd.h>
 
 #include <cstdlib>
 #include <random>
+#include <set>
 
 #include "core/drafter.h"
 #include "core/error.h"
@@ -164,6 +167,143 @@ TEST(DrafterTrain, CheckpointOfAnotherConfigIsRefused) {
   DrafterTrainer t2(*s.target, d2, {s.seqs}, o, ck);
   EXPECT_THROW(t2.resume(), Error);
   ::unlink(ck.c_str());
+}
+
+// The target's features of tokens [1, S] -> [1, S, n·H] (what the drafter's context is made from).
+at::Tensor target_features(const Model& target, const Drafter& drafter, const at::Tensor& tokens) {
+  at::NoGradGuard no_grad;
+  KVCacheOptions co;
+  co.capacity = tokens.size(1);
+  KVCache cache(target.config(), co);
+  TargetFeatureCapture cap(target, drafter.config().target_layer_ids);
+  ForwardOptions fo;
+  fo.taps = &cap.taps();
+  fo.skip_logits = true;
+  target.forward(tokens, cache, fo);
+  return cap.take();
+}
+
+// The raw context K/V f_θ reads (Tap::KProj/VProj of context_kv) plus context_kv's V, cloned.
+std::vector<at::Tensor> raw_context_kv(const Drafter& drafter, const at::Tensor& feats) {
+  at::NoGradGuard no_grad;
+  struct Rec : TapSubscriber {
+    std::vector<at::Tensor> got;
+    void on_tap(Tap t, const TapContext&, at::Tensor& x) override {
+      if (t == Tap::KProj || t == Tap::VProj) got.push_back(x.clone());  // [1, T, H_kv, D]
+    }
+  } rec;
+  Taps taps;
+  taps.subscribe(&rec);
+  auto kv = drafter.context_kv(drafter.project_context(feats), at::arange(feats.size(1), at::kLong), &taps);
+  for (auto& [k, v] : kv) rec.got.push_back(v.clone());  // [1, H_kv, T, D]: raw V as attention reads it
+  return rec.got;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> snapshot(const Drafter& d) {
+  auto p = d.named_parameters();
+  for (auto& [n, t] : p) t = t.detach().clone();
+  return p;
+}
+
+// Fine-tuning with freeze_context: fc, hidden_norm and every k_proj/v_proj keep their
+// bits (k/v are rows of the qkv tensor whose q rows do train), every other tensor
+// trains, and the raw context K/V of real features are bitwise what they were.
+TEST(DrafterTrain, FreezeContextKeepsContextKVBitwise) {
+  auto s = setup();
+  DrafterOptions dopt;
+  dopt.dtype = at::kFloat;
+  auto drafter = Drafter::random(s.cfg, *s.target, 11, dopt);
+  auto feats = target_features(*s.target, drafter, s.seqs.tokens.slice(0, 0, 1));  // [1, S, n·H]
+  const auto before = snapshot(drafter);
+  const auto kv_before = raw_context_kv(drafter, feats);
+
+  const std::string ck = temp_path("freeze");
+  auto o = small_options(8);
+  o.freeze_context = true;
+  DrafterTrainer t(*s.target, drafter, {s.seqs}, o, ck);
+  EXPECT_TRUE(t.run());
+
+  std::set<std::string> frozen{"fc.weight", "hidden_norm.weight"};
+  for (int l = 0; l < s.cfg.num_layers; ++l)
+    for (const char* w : {"k_proj", "v_proj"})
+      frozen.insert("layers." + std::to_string(l) + ".self_attn." + w + ".weight");
+  const auto after = drafter.named_parameters();
+  ASSERT_EQ(after.size(), before.size());
+  int64_t n_frozen = 0, n_changed = 0;
+  for (size_t i = 0; i < after.size(); ++i) {
+    const auto& [name, w] = after[i];
+    EXPECT_EQ(is_context_parameter(name), frozen.count(name) == 1) << name;
+    if (frozen.count(name)) {
+      EXPECT_TRUE(at::equal(w, before[i].second)) << name << " changed under freeze_context";
+      EXPECT_FALSE(w.requires_grad()) << name;
+      n_frozen += w.numel();
+    } else {
+      n_changed += !at::equal(w, before[i].second);
+      EXPECT_FALSE(at::equal(w, before[i].second)) << name << " did not train";
+    }
+  }
+  EXPECT_GT(n_changed, 0);
+  EXPECT_EQ(t.frozen_parameters(), n_frozen);
+  EXPECT_EQ(t.trainable_parameters() + n_frozen, drafter.num_parameters());
+
+  const auto kv_after = raw_context_kv(drafter, feats);
+  ASSERT_EQ(kv_after.size(), kv_before.size());
+  ASSERT_EQ(kv_after.size(), (size_t)(3 * s.cfg.num_layers));
+  for (size_t i = 0; i < kv_after.size(); ++i) EXPECT_TRUE(at::equal(kv_after[i], kv_before[i])) << "context K/V " << i;
+  ::unlink(ck.c_str());
+}
+
+// A checkpoint records freeze_context; resuming with the other setting, or with
+// another init drafter under it, is refused naming the file.
+TEST(DrafterTrain, FreezeContextMustMatchOnResume) {
+  auto s = setup();
+  DrafterOptions dopt;
+  dopt.dtype = at::kFloat;
+  const std::string ck_frozen = temp_path("frozen"), ck_free = temp_path("free");
+  auto o = small_options(6);
+  o.max_steps_this_run = 3;
+  auto of = o;
+  of.freeze_context = true;
+  {
+    auto d = Drafter::random(s.cfg, *s.target, 2, dopt);
+    DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_frozen);
+    EXPECT_FALSE(t.run());
+  }
+  {
+    auto d = Drafter::random(s.cfg, *s.target, 2, dopt);
+    DrafterTrainer t(*s.target, d, {s.seqs}, o, ck_free);
+    EXPECT_FALSE(t.run());
+  }
+  {
+    auto d = Drafter::random(s.cfg, *s.target, 2, dopt);
+    DrafterTrainer t(*s.target, d, {s.seqs}, o, ck_frozen);
+    test::expect_error([&] { t.resume(); }, ck_frozen + ": the checkpoint was written with freeze_context=true, "
+                                            "this run has freeze_context=false");
+  }
+  {
+    auto d = Drafter::random(s.cfg, *s.target, 2, dopt);
+    DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_free);
+    test::expect_error([&] { t.resume(); }, ck_free + ": the checkpoint was written with freeze_context=false, "
+                                          "this run has freeze_context=true");
+  }
+  {
+    auto d = Drafter::random(s.cfg, *s.target, 3, dopt);  // another init: other frozen weights
+    DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_frozen);
+    test::expect_error([&] { t.resume(); }, ck_frozen + ": frozen tensor 'fc.weight' differs");
+  }
+  {
+    auto d = Drafter::random(s.cfg, *s.target, 2, dopt);  // same init, same flag: resumes and finishes
+    const auto init = snapshot(d);
+    DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_frozen);
+    ASSERT_TRUE(t.resume());
+    EXPECT_EQ(t.state().step, 3);
+    EXPECT_TRUE(t.run());
+    const auto after = d.named_parameters();
+    for (size_t i = 0; i < after.size(); ++i)
+      if (is_context_parameter(after[i].first)) EXPECT_TRUE(at::equal(after[i].second, init[i].second)) << after[i].first;
+  }
+  ::unlink(ck_frozen.c_str());
+  ::unlink(ck_free.c_str());
 }
 
 }  // namespace

@@ -76,6 +76,9 @@ void register_train_drafter(CLI::App& app) {
   c->add_option("--block-size", o->block_size, "block size B (tokens per verify forward)")->capture_default_str();
   c->add_option("--mask-token", o->mask_token, "mask token id (default: the tokenizer's <mask>)");
   c->add_option("--init", o->init, "start from this drafter directory instead of random weights");
+  c->add_flag("--freeze-context", o->t.freeze_context,
+              "with --init: keep fc, hidden_norm and every k_proj/v_proj fixed, so the drafter's raw context K/V "
+              "(what an f_θ trained on the --init drafter reads) do not change");
   c->add_option("--batch", o->t.batch, "sequences per step")->capture_default_str();
   c->add_option("--anchors", o->t.anchors, "blocks per sequence")->capture_default_str();
   c->add_option("--gamma", o->t.gamma, "loss decay over block positions")->capture_default_str();
@@ -99,6 +102,9 @@ void register_train_drafter(CLI::App& app) {
   o->df.add(c);
 
   c->callback([o] {
+    // A frozen context only means something relative to a drafter an f_θ was trained on.
+    KAKEYA_CHECK(!o->t.freeze_context || (!o->init.empty() && !o->eval_only),
+                 "train-drafter: --freeze-context fine-tunes an existing drafter: give --init DIR (and no --eval-only)");
     const std::string out = o->out, data_dir = out + "/data", ckpt = out + "/train/checkpoint.safetensors";
     fs::make_dirs(data_dir);
     fs::make_dirs(out + "/train");
@@ -230,6 +236,9 @@ void register_train_drafter(CLI::App& app) {
       for (int64_t id : drafter.config().target_layer_ids) std::fprintf(stderr, " %lld", (long long)id);
       std::fprintf(stderr, ", mask %lld, input scale %.4f\n", (long long)mask, drafter.config().input_embedding_scale);
       DrafterTrainer trainer(target, drafter, {seqs["code_train"], seqs["prose_train"]}, o->t, ckpt);
+      if (o->t.freeze_context)
+        std::fprintf(stderr, "[train] --freeze-context: fc, hidden_norm, k_proj, v_proj frozen (%.2fM), %.2fM trained\n",
+                     trainer.frozen_parameters() / 1e6, trainer.trainable_parameters() / 1e6);
       trainer.resume();
       const bool done = trainer.run();
       const auto& st = trainer.state();
@@ -250,7 +259,10 @@ void register_train_drafter(CLI::App& app) {
                          {"weight_decay", o->t.weight_decay},
                          {"grad_clip", o->t.grad_clip},
                          {"seed", o->t.seed},
+                         {"init", o->init},
+                         {"freeze_context", o->t.freeze_context},
                          {"parameters", drafter.num_parameters()},
+                         {"trainable_parameters", trainer.trainable_parameters()},
                          {"finished", done},
                          {"log", log}};
       json ho;
@@ -299,10 +311,13 @@ void register_train_drafter(CLI::App& app) {
                   {"target", o->model},
                   {"device", o->df.device},
                   {"data", report["data"]},
-                  {"train", report.contains("train") ? json{{"steps", report["train"]["steps"]},
-                                                            {"seconds", report["train"]["seconds"]},
-                                                            {"parameters", report["train"]["parameters"]}}
-                                                     : json()},
+                  {"train", report.contains("train")
+                                ? json{{"steps", report["train"]["steps"]},
+                                       {"seconds", report["train"]["seconds"]},
+                                       {"parameters", report["train"]["parameters"]},
+                                       {"init", report["train"].value("init", "")},
+                                       {"freeze_context", report["train"].value("freeze_context", false)}}
+                                : json()},
                   {"tau", {{"code", ev["code"]["tau"]}, {"prose", ev["prose"]["tau"]}}},
                   {"eval", {{"prompts_per_domain", eval_prompts["code"].size()},
                             {"max_new_tokens", o->eval_max_new},

@@ -29,15 +29,43 @@ DrafterTrainer::DrafterTrainer(const Model& target, Drafter& drafter, std::vecto
                  "train-drafter: training sets differ in sequence or prompt length");
   KAKEYA_CHECK(opt.batch > 0 && opt.anchors > 0 && opt.gamma > 0 && opt.lr > 0,
                "train-drafter: batch, anchors, gamma and lr must be positive");
-  params_ = drafter.named_parameters();
+  // q/k/v_proj are row views of one qkv leaf. The training forward (context_kv,
+  // forward_block) reads each view on its own, so grads land per view, and AdamW's
+  // in-place update of q_proj writes only q's rows: k/v rows keep their bits.
+  // A frozen fc lets Drafter::kernels() take the fused norm in project_context on CUDA:
+  // harmless, c needs no grad then (and ops:: fall back whenever an input requires grad).
+  for (auto& np : drafter.named_parameters()) {
+    const bool frozen = opt.freeze_context && is_context_parameter(np.first);
+    np.second.requires_grad_(!frozen);
+    (frozen ? frozen_ : params_).push_back(np);
+  }
   for (auto& [name, p] : params_) {
-    p.requires_grad_(true);
     m_.push_back(at::zeros_like(p));
     v_.push_back(at::zeros_like(p));
   }
   const int64_t B = drafter.config().block_size;
   // w_k = exp(-(k-1)/γ), k = 1 .. B-1: early positions decide the acceptance length.
   pos_weights_ = at::exp(-at::arange(0, B - 1, at::kFloat) / opt.gamma).to(drafter.device());  // [B-1]
+}
+
+bool is_context_parameter(const std::string& name) {
+  auto ends = [&](const std::string& suf) {
+    return name.size() >= suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
+  };
+  return name == "fc.weight" || name == "hidden_norm.weight" ||
+         (name.rfind("layers.", 0) == 0 && (ends(".self_attn.k_proj.weight") || ends(".self_attn.v_proj.weight")));
+}
+
+int64_t DrafterTrainer::trainable_parameters() const {
+  int64_t n = 0;
+  for (const auto& [name, p] : params_) n += p.numel();
+  return n;
+}
+
+int64_t DrafterTrainer::frozen_parameters() const {
+  int64_t n = 0;
+  for (const auto& [name, p] : frozen_) n += p.numel();
+  return n;
 }
 
 DrafterTrainer::Batch DrafterTrainer::sample(const std::vector<const Sequences*>& pool, uint64_t seed) const {
@@ -197,6 +225,7 @@ void DrafterTrainer::save_checkpoint() const {
     t["adam_m/" + n] = m_[i];
     t["adam_v/" + n] = v_[i];
   }
+  for (const auto& [n, p] : frozen_) t["param/" + n] = p.detach();  // all weights, so the file is a whole drafter
   json log = json::array();
   for (const auto& p : st_.log)
     log.push_back({p.step, p.loss, p.acc1, p.accept_len, p.lr, p.grad_norm, p.elapsed});
@@ -204,6 +233,7 @@ void DrafterTrainer::save_checkpoint() const {
          {"total_steps", st_.total_steps},
          {"train_seconds", st_.train_seconds},
          {"step_seconds", st_.step_seconds},
+         {"freeze_context", opt_.freeze_context},
          {"log", log}};
   // One file: parameters, moments and state are replaced together (save_safetensors is atomic).
   save_safetensors(ckpt_, t, {{"state", s.dump()}, {"drafter_config", drafter_.config().to_json().dump()}});
@@ -216,14 +246,27 @@ bool DrafterTrainer::resume() {
   KAKEYA_CHECK(md.count("state") && md.count("drafter_config"), ckpt_ << ": not a train-drafter checkpoint");
   KAKEYA_CHECK(json::parse(md["drafter_config"]) == drafter_.config().to_json(),
                ckpt_ << ": the checkpoint's drafter config differs from this run's (delete it or use the same flags)");
+  json s = json::parse(md["state"]);
+  // Moments exist for trained tensors only, and a frozen run must not pick up a
+  // trained context (nor the reverse): the flag has to match. Older files lack it: false.
+  const bool ck_freeze = s.value("freeze_context", false);
+  KAKEYA_CHECK(ck_freeze == opt_.freeze_context,
+               ckpt_ << ": the checkpoint was written with freeze_context=" << (ck_freeze ? "true" : "false")
+                     << ", this run has freeze_context=" << (opt_.freeze_context ? "true" : "false")
+                     << " (rerun with" << (ck_freeze ? "" : "out") << " --freeze-context, or delete the checkpoint)");
   at::NoGradGuard no_grad;
+  // The frozen tensors are the init drafter's: a checkpoint of another --init is refused
+  // rather than silently replacing the context f_θ was trained on.
+  for (const auto& [n, p] : frozen_)
+    KAKEYA_CHECK(at::equal(st.get("param/" + n, p.sizes().vec()).to(p.device(), p.scalar_type()), p),
+                 ckpt_ << ": frozen tensor '" << n
+                       << "' differs from the drafter being fine-tuned (another --init?); delete the checkpoint");
   for (size_t i = 0; i < params_.size(); ++i) {
     const std::string& n = params_[i].first;
     params_[i].second.copy_(st.get("param/" + n, params_[i].second.sizes().vec()));
     m_[i].copy_(st.get("adam_m/" + n));
     v_[i].copy_(st.get("adam_v/" + n));
   }
-  json s = json::parse(md["state"]);
   st_.step = s["step"];
   st_.total_steps = s["total_steps"];
   st_.train_seconds = s["train_seconds"];

@@ -5,6 +5,8 @@
 //   loss = Σ_k w_k · CE(draft_k, tok[a+k]) / Σ w_k over k = 1 .. B-1, w_k = exp(-(k-1)/γ);
 //   AdamW (decoupled decay on matrices), linear warmup + cosine decay, grad-norm clip.
 // Only the drafter's own weights train; the target's embedding and lm_head stay frozen.
+// With freeze_context the drafter's context path (fc, hidden_norm, every k_proj/v_proj)
+// stays frozen too, so its raw context K/V — what a trained f_θ reads — do not move.
 // The step count can be derived from a time budget (--train-seconds): the first
 // steps are timed, then the schedule is fixed and stored in the checkpoint.
 #pragma once
@@ -39,7 +41,15 @@ struct TrainOptions {
   int64_t max_steps_this_run = 0;  // return (with a checkpoint) after this many steps (0: no limit)
   double checkpoint_seconds = 60;
   double log_seconds = 5;
+  // Fine-tuning a drafter that an f_θ was trained against: fc, hidden_norm and every
+  // layer's k_proj/v_proj stay bitwise unchanged (no grad, no moments, no decay), so
+  // the raw context K/V k_proj(c), v_proj(c) are the same function of the features.
+  bool freeze_context = false;
 };
+
+// True for the tensors freeze_context keeps fixed (z-lab names): fc.weight,
+// hidden_norm.weight, layers.*.self_attn.k_proj.weight, layers.*.self_attn.v_proj.weight.
+bool is_context_parameter(const std::string& name);
 
 // One logged point of the loss curve.
 struct LogPoint {
@@ -78,13 +88,16 @@ class DrafterTrainer {
   // target-generated sequences; `checkpoint` is the resumable state file.
   DrafterTrainer(const Model& target, Drafter& drafter, std::vector<Sequences> train, const TrainOptions& opt,
                  std::string checkpoint);
-  // Resumes from the checkpoint if it exists (same drafter config required).
+  // Resumes from the checkpoint if it exists (same drafter config and freeze_context
+  // required; with freeze_context its frozen tensors must equal the drafter's bitwise).
   bool resume();
   // Runs until the schedule ends or the deadline nears; checkpoints on the way and at the end.
   // Returns true when training is finished.
   bool run();
   void save_checkpoint() const;
   const TrainState& state() const { return st_; }
+  int64_t trainable_parameters() const;
+  int64_t frozen_parameters() const;
   // Metrics over held-out sequences (teacher forcing, same anchors rule), `max_batches` batches.
   BatchMetrics evaluate(const Sequences& seqs, int64_t max_batches, uint64_t seed) const;
 
@@ -105,7 +118,8 @@ class DrafterTrainer {
   std::vector<Sequences> train_;
   TrainOptions opt_;
   std::string ckpt_;
-  std::vector<std::pair<std::string, at::Tensor>> params_;
+  std::vector<std::pair<std::string, at::Tensor>> params_;  // trained (requires grad)
+  std::vector<std::pair<std::string, at::Tensor>> frozen_;  // freeze_context: checkpointed, never updated
   std::vector<at::Tensor> m_, v_;   // AdamW moments, like params_
   at::Tensor pos_weights_;          // [B-1] f32: exp(-(k-1)/γ)
   TrainState st_;

@@ -9,7 +9,11 @@
 #
 # Env: MODEL (default /tmp/models/gemma3-270m), RUN (work dir, default /tmp/drafter-run),
 #      BUDGET (seconds this call may use from its start, default 560), COMMIT (recorded in the manifest),
-#      TRAIN_SECONDS (optimisation budget over all calls, default 540).
+#      TRAIN_SECONDS (optimisation budget over all calls, default 540),
+#      LR (peak, default 1e-3), WARMUP (steps, default 200), TRAIN_PROMPTS (per domain, default 12000),
+#      SEED (data order, anchors, init; default 0),
+#      INIT (a drafter dir: fine-tune it with --init DIR --freeze-context, so an f_θ trained on
+#      it stays valid; use a fresh RUN, since a RUN's data and checkpoint are reused).
 # Needs: the model converted by tools/device/remote.sh (model step), .carry/include if the
 # image lacks nlohmann/CLI11 headers (tools/device/prepare.sh).
 set -euo pipefail
@@ -19,6 +23,12 @@ RUN=${RUN:-/tmp/drafter-run}
 BUDGET=${BUDGET:-560}
 COMMIT=${COMMIT:-unknown}
 TRAIN_SECONDS=${TRAIN_SECONDS:-540}
+LR=${LR:-1e-3}
+WARMUP=${WARMUP:-200}
+TRAIN_PROMPTS=${TRAIN_PROMPTS:-12000}
+SEED=${SEED:-0}
+INIT_ARGS=()
+if [ -n "${INIT:-}" ]; then INIT_ARGS=(--init "$INIT" --freeze-context); fi
 
 if [ ! -f build-cuda/build.ninja ]; then
   TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
@@ -38,9 +48,9 @@ for d in /usr/share/common-licenses /usr/share/doc; do [ -d "$d" ] && PROSE+=("$
 build-cuda/kakeya train-drafter --device cuda --model "$MODEL" --out "$RUN" \
   --code "$STDLIB" --prose "${PROSE[@]}" \
   --layers 5 --heads 8 --kv-heads 1 --head-dim 64 --intermediate 1280 --block-size 16 \
-  --prompt-len 64 --gen-len 192 --train-prompts 12000 --eval-prompts 48 --eval-max-new 192 --gen-batch 256 \
-  --batch 16 --anchors 24 --gamma 7 --lr 1e-3 --warmup 200 --train-seconds "$TRAIN_SECONDS" --seed 0 \
-  --deadline $((T0 + BUDGET)) --commit "$COMMIT"
+  --prompt-len 64 --gen-len 192 --train-prompts "$TRAIN_PROMPTS" --eval-prompts 48 --eval-max-new 192 --gen-batch 256 \
+  --batch 16 --anchors 24 --gamma 7 --lr "$LR" --warmup "$WARMUP" --train-seconds "$TRAIN_SECONDS" --seed "$SEED" \
+  ${INIT_ARGS[@]+"${INIT_ARGS[@]}"} --deadline $((T0 + BUDGET)) --commit "$COMMIT"
 
 if [ -f "$RUN/drafter/manifest.json" ]; then  # written once the held-out evaluation is done
   python3 tools/plot_drafter_loss.py "$RUN/report.json" "$RUN/loss.png"
