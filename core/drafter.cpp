@@ -575,8 +575,9 @@ at::Tensor Drafter::rms_norm(const at::Tensor& x, const at::Tensor& w) const {
 
 bool Drafter::kernels() const {
   // The kernels have no autograd: a drafter in training (parameters requiring grad) runs the reference.
+  // norm_ trains in every mode (train-drafter --freeze-context keeps fc frozen, so fc cannot tell).
   return device_.is_cuda() && ops::cuda_kernels_available() && (dtype_ == at::kFloat || dtype_ == at::kBFloat16) &&
-         !fc_.requires_grad();
+         !norm_.requires_grad();
 }
 
 at::Tensor Drafter::norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w32) const {
