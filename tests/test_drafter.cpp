@@ -15,6 +15,7 @@
 #include "core/model.h"
 #include "infer/generate.h"
 #include "infer/speculative.h"
+#include "tests/drafter_test_util.h"
 #include "tests/test_util.h"
 
 using namespace kakeya;
@@ -56,19 +57,6 @@ void expect_close(const at::Tensor& got, const at::Tensor& want, const std::stri
   EXPECT_LE(diff, 1e-4 * scale) << what << ": max |Δlogit| " << diff << " at scale " << scale;
 }
 
-// Target features of a whole sequence in one forward: [1, T, n·H].
-at::Tensor features(const Model& target, const Drafter& d, const at::Tensor& ids) {
-  KVCacheOptions co;
-  co.capacity = ids.size(0);
-  KVCache cache(target.config(), co);
-  TargetFeatureCapture cap(target, d.config().target_layer_ids);
-  ForwardOptions fo;
-  fo.taps = &cap.taps();
-  fo.skip_logits = true;
-  target.forward(ids.unsqueeze(0), cache, fo);
-  return cap.take();
-}
-
 // No std::filesystem here (core/fs.h says why): POSIX and the shell.
 void remove_all(const std::string& d) { ASSERT_EQ(std::system(("rm -rf '" + d + "'").c_str()), 0); }
 void copy_file(const std::string& from, const std::string& to) {
@@ -91,7 +79,7 @@ TEST_P(DrafterParity, DraftLogitsAfterContextExtensions) {
   auto c = load(GetParam());
   const Drafter& d = *c.drafter;
   auto ids = c.expected.get("ids");
-  auto feats = features(*c.target, d, ids);
+  auto feats = test::target_features(*c.target, d, ids.unsqueeze(0));  // [1, T, n·H]
   auto steps = c.expected.get("steps");
   auto cache = d.make_cache(ids.size(0));
   const int64_t B = c.meta["block_size"];
@@ -136,7 +124,7 @@ TEST_P(DrafterParity, IncrementalContextEqualsOneShotAndTapsSeeKV) {
   const Drafter& d = *c.drafter;
   const auto& cfg = d.config();
   auto ids = c.expected.get("ids");
-  auto feats = features(*c.target, d, ids);
+  auto feats = test::target_features(*c.target, d, ids.unsqueeze(0));  // [1, T, n·H]
   const int64_t T = ids.size(0);
   auto whole = d.make_cache(T), pieces = d.make_cache(T);
   d.extend(whole, feats);

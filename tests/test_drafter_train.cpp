@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "core/model.h"
+#include "tests/drafter_test_util.h"
 #include "tests/test_util.h"
 #include "train/drafter_data.h"
 #include "train/drafter_train.h"
@@ -50,15 +51,7 @@ TEST_P(TrainServe, BlockLogitsEqualDraftAfterExtend) {
   auto A = at::tensor(std::vector<int64_t>{3, 9, 12, 14}, at::kLong).unsqueeze(0);  // [1, 4]
   auto lg = drafter.logits(block_hidden(*target, drafter, tokens, A));  // [1, 4, B-1, V]
 
-  KVCacheOptions co;
-  co.capacity = ids.size(0);
-  KVCache cache(target->config(), co);
-  TargetFeatureCapture cap(*target, drafter.config().target_layer_ids);
-  ForwardOptions fo;
-  fo.taps = &cap.taps();
-  fo.skip_logits = true;
-  target->forward(tokens, cache, fo);
-  auto feats = cap.take();  // [1, S, n·H]
+  auto feats = test::target_features(*target, drafter, tokens);  // [1, S, n·H]
   for (int64_t n = 0; n < A.size(1); ++n) {
     const int64_t a = A[0][n].item<int64_t>();
     auto dc = drafter.make_cache(ids.size(0));
@@ -96,6 +89,13 @@ Setup setup() {
   return s;
 }
 
+// A random drafter of the setup's config in f32 (training runs in f32).
+Drafter random_drafter(const Setup& s, uint64_t seed) {
+  DrafterOptions dopt;
+  dopt.dtype = at::kFloat;
+  return Drafter::random(s.cfg, *s.target, seed, dopt);
+}
+
 TrainOptions small_options(int64_t steps) {
   TrainOptions o;
   o.batch = 8;
@@ -110,9 +110,7 @@ TrainOptions small_options(int64_t steps) {
 
 TEST(DrafterTrain, LossFallsAndAcceptanceRises) {
   auto s = setup();
-  DrafterOptions dopt;
-  dopt.dtype = at::kFloat;
-  auto drafter = Drafter::random(s.cfg, *s.target, 0, dopt);
+  auto drafter = random_drafter(s, 0);
   const std::string ckpt = temp_path("fall");
   DrafterTrainer t(*s.target, drafter, {s.seqs}, small_options(200), ckpt);
   auto before = t.evaluate(s.seqs, 3, 99);
@@ -126,14 +124,12 @@ TEST(DrafterTrain, LossFallsAndAcceptanceRises) {
 
 TEST(DrafterTrain, ResumedRunEqualsUninterruptedRun) {
   auto s = setup();
-  DrafterOptions dopt;
-  dopt.dtype = at::kFloat;
   const std::string ck1 = temp_path("straight"), ck2 = temp_path("resumed");
-  auto straight = Drafter::random(s.cfg, *s.target, 5, dopt);
+  auto straight = random_drafter(s, 5);
   DrafterTrainer a(*s.target, straight, {s.seqs}, small_options(12), ck1);
   EXPECT_TRUE(a.run());
 
-  auto first = Drafter::random(s.cfg, *s.target, 5, dopt);
+  auto first = random_drafter(s, 5);
   auto o = small_options(12);
   o.max_steps_this_run = 5;
   {
@@ -141,7 +137,7 @@ TEST(DrafterTrain, ResumedRunEqualsUninterruptedRun) {
     EXPECT_FALSE(b1.run());
     EXPECT_EQ(b1.state().step, 5);
   }
-  auto second = Drafter::random(s.cfg, *s.target, 77, dopt);  // other weights: the checkpoint must restore them
+  auto second = random_drafter(s, 77);  // other weights: the checkpoint must restore them
   DrafterTrainer b2(*s.target, second, {s.seqs}, small_options(12), ck2);
   ASSERT_TRUE(b2.resume());
   EXPECT_EQ(b2.state().step, 5);
@@ -158,7 +154,7 @@ TEST(DrafterTrain, CheckpointOfAnotherConfigIsRefused) {
   DrafterOptions dopt;
   dopt.dtype = at::kFloat;
   const std::string ck = temp_path("other");
-  auto d1 = Drafter::random(s.cfg, *s.target, 0, dopt);
+  auto d1 = random_drafter(s, 0);
   auto o = small_options(3);
   DrafterTrainer t1(*s.target, d1, {s.seqs}, o, ck);
   t1.run();
@@ -167,20 +163,6 @@ TEST(DrafterTrain, CheckpointOfAnotherConfigIsRefused) {
   DrafterTrainer t2(*s.target, d2, {s.seqs}, o, ck);
   EXPECT_THROW(t2.resume(), Error);
   ::unlink(ck.c_str());
-}
-
-// The target's features of tokens [1, S] -> [1, S, n·H] (what the drafter's context is made from).
-at::Tensor target_features(const Model& target, const Drafter& drafter, const at::Tensor& tokens) {
-  at::NoGradGuard no_grad;
-  KVCacheOptions co;
-  co.capacity = tokens.size(1);
-  KVCache cache(target.config(), co);
-  TargetFeatureCapture cap(target, drafter.config().target_layer_ids);
-  ForwardOptions fo;
-  fo.taps = &cap.taps();
-  fo.skip_logits = true;
-  target.forward(tokens, cache, fo);
-  return cap.take();
 }
 
 // The raw context K/V f_θ reads (Tap::KProj/VProj of context_kv) plus context_kv's V, cloned.
@@ -210,10 +192,8 @@ std::vector<std::pair<std::string, at::Tensor>> snapshot(const Drafter& d) {
 // trains, and the raw context K/V of real features are bitwise what they were.
 TEST(DrafterTrain, FreezeContextKeepsContextKVBitwise) {
   auto s = setup();
-  DrafterOptions dopt;
-  dopt.dtype = at::kFloat;
-  auto drafter = Drafter::random(s.cfg, *s.target, 11, dopt);
-  auto feats = target_features(*s.target, drafter, s.seqs.tokens.slice(0, 0, 1));  // [1, S, n·H]
+  auto drafter = random_drafter(s, 11);
+  auto feats = test::target_features(*s.target, drafter, s.seqs.tokens.slice(0, 0, 1));  // [1, S, n·H]
   const auto before = snapshot(drafter);
   const auto kv_before = raw_context_kv(drafter, feats);
 
@@ -257,42 +237,40 @@ TEST(DrafterTrain, FreezeContextKeepsContextKVBitwise) {
 // another init drafter under it, is refused naming the file.
 TEST(DrafterTrain, FreezeContextMustMatchOnResume) {
   auto s = setup();
-  DrafterOptions dopt;
-  dopt.dtype = at::kFloat;
   const std::string ck_frozen = temp_path("frozen"), ck_free = temp_path("free");
   auto o = small_options(6);
   o.max_steps_this_run = 3;
   auto of = o;
   of.freeze_context = true;
   {
-    auto d = Drafter::random(s.cfg, *s.target, 2, dopt);
+    auto d = random_drafter(s, 2);
     DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_frozen);
     EXPECT_FALSE(t.run());
   }
   {
-    auto d = Drafter::random(s.cfg, *s.target, 2, dopt);
+    auto d = random_drafter(s, 2);
     DrafterTrainer t(*s.target, d, {s.seqs}, o, ck_free);
     EXPECT_FALSE(t.run());
   }
   {
-    auto d = Drafter::random(s.cfg, *s.target, 2, dopt);
+    auto d = random_drafter(s, 2);
     DrafterTrainer t(*s.target, d, {s.seqs}, o, ck_frozen);
     test::expect_error([&] { t.resume(); }, ck_frozen + ": the checkpoint was written with freeze_context=true, "
                                             "this run has freeze_context=false");
   }
   {
-    auto d = Drafter::random(s.cfg, *s.target, 2, dopt);
+    auto d = random_drafter(s, 2);
     DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_free);
     test::expect_error([&] { t.resume(); }, ck_free + ": the checkpoint was written with freeze_context=false, "
                                           "this run has freeze_context=true");
   }
   {
-    auto d = Drafter::random(s.cfg, *s.target, 3, dopt);  // another init: other frozen weights
+    auto d = random_drafter(s, 3);  // another init: other frozen weights
     DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_frozen);
     test::expect_error([&] { t.resume(); }, ck_frozen + ": frozen tensor 'fc.weight' differs");
   }
   {
-    auto d = Drafter::random(s.cfg, *s.target, 2, dopt);  // same init, same flag: resumes and finishes
+    auto d = random_drafter(s, 2);  // same init, same flag: resumes and finishes
     const auto init = snapshot(d);
     DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_frozen);
     ASSERT_TRUE(t.resume());
