@@ -363,6 +363,10 @@ at::Tensor TargetFeatureCapture::take() {
   return parts.size() == 1 ? parts[0] : at::cat(parts, -1);
 }
 
+void TargetFeatureCapture::clear() {
+  for (auto& g : got_) g = at::Tensor();
+}
+
 // ---------------------------------------------------------------------------
 // Drafter: weights
 

@@ -161,6 +161,7 @@ class TargetFeatureCapture : public TapSubscriber {
   // puts the final-normed output at the last layer; an id naming the last layer
   // gets the same. Clears what was captured.
   at::Tensor take();
+  void clear();  // drops what was captured (a new session)
   const Taps& taps() const { return taps_; }
 
  private:

@@ -25,6 +25,8 @@ class Sampler {
   // sampling (infer/fused.h) compares the drafter's and the verifier's through it.
   at::Tensor probs(const at::Tensor& logits) const;
   at::Generator& generator() { return gen_; }  // seeded: draws through it are reproducible
+  void reset(uint64_t seed) { gen_.set_current_seed(seed); }  // a new run draws what a fresh sampler of `seed` would
+  const SamplingOptions& options() const { return opt_; }
 
  private:
   SamplingOptions opt_;

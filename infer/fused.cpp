@@ -17,12 +17,24 @@
 
 namespace kakeya {
 
+FusedTiming& FusedTiming::operator+=(const FusedTiming& o) {
+  draft += o.draft;
+  verify += o.verify;
+  extend += o.extend;
+  restore += o.restore;
+  restore_overlapped = restore_overlapped || o.restore_overlapped;
+  capture += o.capture;
+  blocks += o.blocks;
+  return *this;
+}
+
 nlohmann::json FusedTiming::to_json() const {
   auto per = [&](double s) { return blocks > 0 ? 1e3 * s / blocks : 0.0; };
   return {{"blocks", blocks},
           {"draft_seconds", draft},
           {"verify_seconds", verify},
           {"restore_seconds", restore},
+          {"restore_overlapped", restore_overlapped},
           {"extend_seconds", extend},
           {"upkeep_seconds", upkeep()},
           {"capture_seconds", capture},
@@ -77,7 +89,7 @@ struct TapRelay : TapSubscriber {
   bool reads(Tap t) const override { return to->reads(t); }  // keeps the forward's fused kernels where it can
 };
 
-// The four parts of a block on static buffers (see fused.h). Every part reads its
+// The three parts of a block on static buffers (see fused.h). Every part reads its
 // positions from the device (pos0_, qpos_), so each can be captured as a CUDA graph.
 class Engine {
  public:
@@ -87,9 +99,7 @@ class Engine {
         capture_(v, d.config().target_layer_ids) {
     const at::Device dev = v.device();
     auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
-    const int64_t A = rest.options().window - rest.ahead_gap();
-    KAKEYA_CHECK(A >= B, "fused: restoring ahead covers " << A << " positions per batch, fewer than a block of " << B);
-    rest.keep_features();
+    rest.start_upkeep(B);  // before the prefill, whose commits store their target features
     pos0_ = at::zeros({1}, iopt);
     qpos_ = at::arange(B, iopt);
     last_ = qpos_.narrow(0, B - 1, 1);
@@ -140,6 +150,7 @@ class Engine {
 
   // The first block starts at `pos` with `first` ([1] int64, on the device) carried.
   bool sampling() const { return !sampler_.greedy(); }
+  Sampler& sampler() { return sampler_; }
   at::Tensor pick(const at::Tensor& logits) { return sampler_.sample(logits); }  // [1, V] -> [1]: the first token
 
   void start(const at::Tensor& first, int64_t pos) {
@@ -148,14 +159,7 @@ class Engine {
     at::add_out(qpos_, ar_, pos0_);
   }
 
-  // ---- the four parts ----
-  // Restores ahead, in one batch of window - gap positions ending at pos0 - 1 - gap
-  // (Restorer::upkeep_ahead, from the stored target features): enough for this block and
-  // the next ~(window - gap)/τ blocks, so the host runs this part only when a block's
-  // queries would read a position not restored yet. Positions restored again get the same
-  // K/V; those before 0 clamp to 0.
-  void restore() { rest_.upkeep_ahead(pos0_); }
-
+  // ---- the three parts (restoration runs in batches beside them: Restorer::upkeep) ----
   void draft() {
     dblk_.narrow(1, 0, 1).copy_(blk_.narrow(1, 0, 1));
     at::Tensor h;  // [1, B, H]
@@ -228,7 +232,7 @@ class Engine {
   }
 
   // The drafter's context K/V at pos [T] from the verifier's features [1, T, n·H], which
-  // the Restorer also keeps for restoration (upkeep_ahead projects f_θ's inputs from them).
+  // the Restorer also keeps for restoration (its upkeep projects f_θ's inputs from them).
   void write_context(const at::Tensor& feats, const at::Tensor& pos, const Taps* taps) {
     d_.store_context(d_.project_context(feats), pos, ck_, cv_, taps);
     rest_.stash_features(feats, pos);
@@ -293,20 +297,81 @@ KVCacheOptions fused_cache_options(const Model& v, const RestoreOptions& o, int6
 
 }  // namespace
 
-FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, const RestoreOptions& ro,
-                           const std::vector<int64_t>& prompt, const FusedOptions& opt) {
-  FusedResult out;
-  out.warnings = validate_fused(v, &d, f, ro, prompt.size(), opt.max_new_tokens, opt.block_size);
-  for (const auto& w : out.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
+struct FusedDecoder::Impl {
+  const Model& v;
+  const Drafter& d;
+  const FTheta* f;
+  RestoreOptions ro;
+  FusedOptions opt;  // what the graphs depend on: block size, sampling, cuda_graph
+  int64_t B, capacity;
+  KVCache cache;
+  // The Restorer needs the drafter only for f_θ's inputs (a < 1); the Engine drafts.
+  Restorer rest;
+  Engine eng;
+  UpkeepRunner upkeep;
+  at::Tensor host;  // [B + 1] int64 (pinned on CUDA): the block's report, read once per block
+#ifdef KAKEYA_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graphs[3];  // draft, verify, extend
+  std::vector<c10::cuda::CUDAEvent> ev;             // around the parts (timing)
+#endif
+
+  Impl(const Model& v_, const Drafter& d_, const FTheta* f_, const RestoreOptions& ro_, const FusedOptions& o,
+       int64_t B_, int64_t capacity_)
+      : v(v_), d(d_), f(f_), ro(ro_), opt(o), B(B_), capacity(capacity_),
+        cache(v.config(), fused_cache_options(v, ro, capacity + B, B)),
+        rest(v, ro.needs_ftheta() ? &d : nullptr, f, ro, cache),
+        eng(v, d, rest, cache, B, capacity + B, o.sampling),
+        upkeep([this](int64_t from) { rest.upkeep_from(from); }, [this] { rest.upkeep(); }, v.device().is_cuda()),
+        host(at::empty({B + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(v.device().is_cuda()))) {}
+
+  void part(int i) {
+    switch (i) {
+      case 0: eng.draft(); break;
+      case 1: eng.verify(); break;
+      default: eng.extend(); break;
+    }
+  }
+};
+
+FusedDecoder::FusedDecoder(const Model& v, const Drafter& d, const FTheta* f, const RestoreOptions& ro,
+                           const FusedOptions& opt, int64_t capacity) {
+  KAKEYA_CHECK(&d.target() == &v,
+               "fused: the drafter is bound to another target model (a drafter drafts for the verifier it was "
+               "loaded with: load it against this verifier)");
   const int64_t B = opt.block_size > 0 ? opt.block_size : d.config().block_size;
+  KAKEYA_CHECK(B >= 2 && B <= ro.window, "fused: --block-size expected in [2, window " << ro.window << "], got " << B);
+  impl_ = std::make_unique<Impl>(v, d, f, ro, opt, B, capacity);
+}
+
+FusedDecoder::~FusedDecoder() = default;
+
+int64_t FusedDecoder::block_size() const { return impl_->B; }
+
+FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOptions& opt) {
+  Impl& m = *impl_;
+  FusedResult out;
+  out.warnings = validate_fused(m.v, &m.d, m.f, m.ro, prompt.size(), opt.max_new_tokens, opt.block_size);
+  for (const auto& w : out.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
+  const int64_t B = m.B;
+  KAKEYA_CHECK((opt.block_size > 0 ? opt.block_size : m.d.config().block_size) == B,
+               "fused decoder: built for blocks of " << B << ", asked for " << opt.block_size);
+  {
+    GenerateOptions built, asked;
+    built.sampling = m.opt.sampling;
+    built.cuda_graph = m.opt.cuda_graph;
+    asked.sampling = opt.sampling;
+    asked.cuda_graph = opt.cuda_graph;
+    asked.max_new_tokens = opt.max_new_tokens;
+    check_run_fits("fused decoder", m.capacity, prompt.size(), built, asked);
+  }
   out.block_size = B;
-  const at::Device dev = v.device();
-  const int64_t n_prompt = prompt.size(), chunk = ro.resolved_chunk();
-  const int64_t cap = n_prompt + opt.max_new_tokens + B;
-  KVCache cache(v.config(), fused_cache_options(v, ro, cap, B));
-  // The Restorer needs the drafter only for f_θ's inputs (a < 1); our Engine drafts.
-  Restorer rest(v, ro.needs_ftheta() ? &d : nullptr, f, ro, cache);
-  Engine eng(v, d, rest, cache, B, cap, opt.sampling);
+  const at::Device dev = m.v.device();
+  const int64_t n_prompt = prompt.size(), chunk = m.ro.resolved_chunk();
+  m.cache.clear();
+  m.rest.reset();
+  m.eng.sampler().reset(opt.sampling.seed);
+  m.upkeep.set_timing(opt.time_split);
+  Engine& eng = m.eng;
   DecodeResult& res = out.decode;
   res.tokens.reserve(opt.max_new_tokens + B);
   res.committed.reserve(opt.max_new_tokens);
@@ -328,67 +393,58 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
   bool stopped = is_stop(tok, opt.stop_ids);
   auto t1 = Clock::now();
 
-  const bool cuda = dev.is_cuda();
-  at::Tensor host = at::empty({B + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(cuda));
+  at::Tensor& host = m.host;
 #ifdef KAKEYA_CUDA
-  std::unique_ptr<at::cuda::CUDAGraph> graphs[4];      // restore, draft, verify, extend
-  std::vector<c10::cuda::CUDAEvent> ev;
-  if (cuda && opt.time_split)
-    for (int i = 0; i < 5; ++i) ev.emplace_back(cudaEventDefault);
+  const bool cuda = dev.is_cuda();
+  // Sampling draws through an unregistered generator: its parts run eagerly (no graphs).
+  const bool graphs = cuda && opt.cuda_graph && !eng.sampling();
+  if (cuda && opt.time_split && m.ev.empty())
+    for (int i = 0; i < 4; ++i) m.ev.emplace_back(cudaEventDefault);
 #endif
-  bool restore_now = false;  // this block's queries read a position not restored yet
-  const int64_t gap = rest.ahead_gap();
-  auto part = [&](int i) {
-    switch (i) {
-      case 0: eng.restore(); break;
-      case 1: eng.draft(); break;
-      case 2: eng.verify(); break;
-      default: eng.extend(); break;
-    }
-  };
-  double* split[4] = {&out.split.restore, &out.split.draft, &out.split.verify, &out.split.extend};
+  double* split[3] = {&out.split.draft, &out.split.verify, &out.split.extend};
   int64_t blocks = 0;
   while (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) {
     const int64_t g = res.tokens.size(), s = n_prompt + g - 1;  // s: position of the carried token
-    // The block's last query reads restored K/V up to s + B - 1 - window; one batch restores
-    // ahead up to s - 1 - gap, which covers it (gap <= window - B) and the next ~(window - B)/τ blocks.
-    restore_now = s + B - 1 - ro.window > rest.restored_upto();
+    // Restoration batches the committed positions (< s) now cover, then the wait for those this
+    // block's queries read (its last one reads restored K/V up to s + B - 1 - window).
+    for (UpkeepBatch b = m.rest.next_upkeep(s); b.from >= 0; b = m.rest.next_upkeep(s)) m.upkeep.run(b.from, b.read_at);
+    m.upkeep.wait(s);
 #ifdef KAKEYA_CUDA
-    if (cuda && opt.cuda_graph && !eng.sampling() && blocks == 1) {
-      // The first block ran eagerly (warming cuBLAS, the allocator and every code path);
-      // capture records the parts without running them, then every block replays them.
+    if (graphs && !m.graphs[0] && blocks == 1) {
+      // The first block of the first run ran eagerly (warming cuBLAS, the allocator and every
+      // code path); capture records the parts without running them, then every block replays them.
       auto tc = Clock::now();
-      c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-      for (int i = 0; i < 4; ++i) {
-        graphs[i] = std::make_unique<at::cuda::CUDAGraph>();
-        graphs[i]->capture_begin();
-        part(i);
-        graphs[i]->capture_end();
+      {
+        c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+        for (int i = 0; i < 3; ++i) {
+          m.graphs[i] = std::make_unique<at::cuda::CUDAGraph>();
+          m.graphs[i]->capture_begin();
+          m.part(i);
+          m.graphs[i]->capture_end();
+        }
       }
-      out.cuda_graph = true;
+      m.upkeep.capture();
       out.split.capture += std::chrono::duration<double>(Clock::now() - tc).count();
     }
     if (cuda) {
       auto stream = c10::cuda::getCurrentCUDAStream();
-      for (int i = 0; i < 4; ++i) {
-        if (!ev.empty()) ev[i].record(stream);
-        if (i == 0 && !restore_now) continue;
-        if (graphs[i]) {
-          graphs[i]->replay();
-        } else {
-          part(i);
-        }
+      const bool replay = graphs && m.graphs[0];
+      for (int i = 0; i < 3; ++i) {
+        if (!m.ev.empty()) m.ev[i].record(stream);
+        if (replay) m.graphs[i]->replay();
+        else m.part(i);
       }
-      if (!ev.empty()) ev[4].record(stream);
+      if (!m.ev.empty()) m.ev[3].record(stream);
       host.copy_(eng.report(), /*non_blocking=*/true);
       stream.synchronize();  // SYNC: the one per block (accepted length and tokens)
-      for (size_t i = 0; i + 1 < ev.size(); ++i) *split[i] += ev[i].elapsed_time(ev[i + 1]) / 1e3;
+      for (size_t i = 0; i + 1 < m.ev.size(); ++i) *split[i] += m.ev[i].elapsed_time(m.ev[i + 1]) / 1e3;
+      out.cuda_graph = out.cuda_graph || replay;
     } else
 #endif
     {
-      for (int i = restore_now ? 0 : 1; i < 4; ++i) {
+      for (int i = 0; i < 3; ++i) {
         auto tp = Clock::now();
-        part(i);
+        m.part(i);
         if (opt.time_split) *split[i] += seconds_since(tp, dev);
       }
       host.copy_(eng.report());
@@ -396,8 +452,7 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
     ++blocks;
     const int64_t* r = host.data_ptr<int64_t>();
     const int64_t n = r[B];
-    cache.advance(n);
-    if (restore_now) rest.note_restored(s - 1 - gap);
+    m.cache.advance(n);
     // Commit within the budget and up to a stop; the device state has moved on by n, which
     // only matters if the loop continued (it does not when produced < n).
     int64_t produced = std::min<int64_t>(n, opt.max_new_tokens - g);
@@ -413,27 +468,35 @@ FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, co
     }
     res.committed.push_back(produced);
   }
+  m.upkeep.drain();
   res.decode_seconds = seconds_since(t1, dev);
   res.capture_seconds = out.split.capture;
   out.split.blocks = blocks;
-  res.restored_positions = std::max<int64_t>(0, rest.restored_upto() + 1);
-  res.memory = restored_memory_report(v, &d, f, cache, rest, ro, n_prompt + opt.max_new_tokens);
+  out.split.restore = m.upkeep.take_seconds();
+  out.split.restore_overlapped = m.upkeep.captured() && out.cuda_graph;
+  res.restored_positions = std::max<int64_t>(0, m.rest.restored_upto() + 1);
+  res.memory = restored_memory_report(m.v, &m.d, m.f, m.cache, m.rest, m.ro, m.capacity);
   bool drafter_weights = false;
   for (auto& l : res.memory.kv)
     if (l.name == "drafter context cache") {
       l.bytes = eng.context_bytes();
-      l.note = std::to_string(cap) + " positions (its full-attention layers read every committed position)";
+      l.note = std::to_string(m.capacity + B) + " positions (its full-attention layers read every committed position)";
       l.grows = true;
     }
   for (const auto& l : res.memory.weights) drafter_weights |= l.name == "drafter weights";
   if (!drafter_weights)
-    res.memory.weights.push_back({"drafter weights", d.weight_bytes(), "embedding and lm_head shared with the verifier"});
+    res.memory.weights.push_back({"drafter weights", m.d.weight_bytes(), "embedding and lm_head shared with the verifier"});
   return out;
 }
 
-DecodeResult decode_fused(const Model& v, const Drafter* d, const FTheta* f, const std::vector<int64_t>& prompt,
-                          const DecodeOptions& opt) {
-  KAKEYA_CHECK(d, "fused: --mode fused drafts with the drafter: give --drafter DIR");
+FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, const RestoreOptions& ro,
+                           const std::vector<int64_t>& prompt, const FusedOptions& opt) {
+  validate_fused(v, &d, f, ro, prompt.size(), opt.max_new_tokens, opt.block_size);  // before anything is allocated
+  FusedDecoder dec(v, d, f, ro, opt, (int64_t)prompt.size() + opt.max_new_tokens);
+  return dec.run(prompt, opt);
+}
+
+FusedOptions fused_options(const DecodeOptions& opt) {
   FusedOptions fo;
   fo.max_new_tokens = opt.max_new_tokens;
   fo.block_size = opt.block_size;
@@ -441,8 +504,7 @@ DecodeResult decode_fused(const Model& v, const Drafter* d, const FTheta* f, con
   fo.on_token = opt.on_token;
   fo.cuda_graph = opt.cuda_graph;
   fo.sampling = opt.sampling;
-  auto r = fused_generate(v, *d, f, opt.restore, prompt, fo);
-  return std::move(r.decode);
+  return fo;
 }
 
 }  // namespace kakeya

@@ -13,6 +13,28 @@
 #endif
 
 namespace kakeya {
+
+#ifdef KAKEYA_CUDA
+struct LoopGraphs {
+  std::unique_ptr<at::cuda::CUDAGraph> step;
+};
+#else
+struct LoopGraphs {};
+#endif
+
+void check_run_fits(const char* who, int64_t capacity, int64_t n_prompt, const GenerateOptions& built,
+                    const GenerateOptions& run) {
+  KAKEYA_CHECK(n_prompt > 0, who << ": empty prompt (the tokenizer produced no tokens)");
+  KAKEYA_CHECK(run.max_new_tokens > 0, who << ": --max-new-tokens expected > 0, got " << run.max_new_tokens);
+  KAKEYA_CHECK(n_prompt + run.max_new_tokens <= capacity,
+               who << ": prompt (" << n_prompt << ") + new tokens (" << run.max_new_tokens << ") exceed the "
+                   << capacity << " positions this decoder was built for");
+  const auto &a = built.sampling, &b = run.sampling;
+  KAKEYA_CHECK(a.temperature == b.temperature && a.top_p == b.top_p && built.cuda_graph == run.cuda_graph,
+               who << ": sampling / cuda_graph options differ from the ones this decoder was built with "
+                      "(its graphs depend on them): build another decoder");
+}
+
 namespace {
 
 // One decode step with static buffers: reads token `cur` at position `pos`,
@@ -24,7 +46,7 @@ struct DecodeStep {
   at::Tensor cur;    // [1, 1] int64
   at::Tensor pos;    // [1] int64
   at::Tensor step;   // [1] int64
-  at::Tensor out;    // [max_new] int64
+  at::Tensor out;    // [capacity] int64
 
   void run() {
     ForwardOptions fo;
@@ -39,37 +61,59 @@ struct DecodeStep {
   }
 };
 
+KVCacheOptions ar_cache_options(const Model& model, int64_t capacity) {
+  KVCacheOptions co;
+  co.capacity = capacity;
+  co.dtype = model.dtype();
+  co.device = model.device();
+  co.rollback = 0;
+  KAKEYA_CHECK(capacity <= model.options().max_positions,
+               "generate: " << capacity << " positions (prompt + new tokens) exceed the model's position table ("
+                            << model.options().max_positions << ")");
+  return co;
+}
+
 }  // namespace
 
-GenerateResult generate(const Model& model, const std::vector<int64_t>& prompt, const GenerateOptions& opt) {
-  KAKEYA_CHECK(!prompt.empty(), "generate: empty prompt (the tokenizer produced no tokens)");
-  KAKEYA_CHECK(opt.max_new_tokens > 0, "generate: --max-new-tokens expected > 0, got " << opt.max_new_tokens);
-  const at::Device dev = model.device();
-  const int64_t n_prompt = prompt.size();
-  KVCacheOptions co;
-  co.capacity = n_prompt + opt.max_new_tokens;
-  co.dtype = model.dtype();
-  co.device = dev;
-  co.rollback = 0;
-  KAKEYA_CHECK(co.capacity <= model.options().max_positions,
-               "generate: prompt (" << n_prompt << ") + new tokens (" << opt.max_new_tokens
-                                    << ") exceed the model's position table (" << model.options().max_positions << ")");
-  KVCache cache(model.config(), co);
-  Sampler sampler(opt.sampling, dev);
-  GenerateResult res;
+ArDecoder::ArDecoder(const Model& model, int64_t capacity, const GenerateOptions& opt)
+    : model_(model), opt_(opt), cache_(model.config(), ar_cache_options(model, capacity)), sampler_(opt.sampling, model.device()) {
+  auto iopt = at::TensorOptions().dtype(at::kLong).device(model.device());
+  cur_ = at::zeros({1, 1}, iopt);
+  pos_ = at::zeros({1}, iopt);
+  step_ = at::zeros({1}, iopt);
+  out_ = at::zeros({capacity}, iopt);
+  loop_.step = [this] { DecodeStep{model_, cache_, sampler_, cur_, pos_, step_, out_}.run(); };
+  loop_.cur = cur_;
+  loop_.step_idx = step_;
+  loop_.out = out_;
+}
 
-  auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
+GenerateResult ArDecoder::run(const std::vector<int64_t>& prompt, const GenerateOptions& opt) {
+  const int64_t n_prompt = prompt.size();
+  check_run_fits("generate", capacity(), n_prompt, opt_, opt);
+  const at::Device dev = model_.device();
+  cache_.clear();
+  sampler_.reset(opt.sampling.seed);
+  GenerateResult res;
   auto t0 = Clock::now();
   auto ids = at::tensor(prompt, at::kLong).view({1, n_prompt}).to(dev);
   ForwardOptions fo;
   fo.last_logits_only = true;
-  auto logits = model.forward(ids, cache, fo);
-  DecodeStep st{model, cache, sampler, at::empty({1, 1}, iopt), at::full({1}, n_prompt, iopt), at::zeros({1}, iopt),
-                at::zeros({opt.max_new_tokens}, iopt)};
-  DecodeLoop loop{[&st] { st.run(); }, nullptr, nullptr, st.cur, st.step, st.out};
-  run_decode_loop(loop, sampler.sample(logits.select(1, 0)), cache, n_prompt, opt, t0, dev, res);
-  res.cache_bytes = cache.bytes();
+  auto logits = model_.forward(ids, cache_, fo);
+  pos_.fill_(n_prompt);
+  step_.zero_();
+  // Sampling draws through the graph's captured generator offsets: recapture per run (greedy reuses).
+  if (!sampler_.greedy()) loop_.graphs.reset();
+  run_decode_loop(loop_, sampler_.sample(logits.select(1, 0)), cache_, n_prompt, opt, t0, dev, res);
+  res.cache_bytes = cache_.bytes();
   return res;
+}
+
+GenerateResult generate(const Model& model, const std::vector<int64_t>& prompt, const GenerateOptions& opt) {
+  KAKEYA_CHECK(!prompt.empty(), "generate: empty prompt (the tokenizer produced no tokens)");
+  KAKEYA_CHECK(opt.max_new_tokens > 0, "generate: --max-new-tokens expected > 0, got " << opt.max_new_tokens);
+  ArDecoder d(model, (int64_t)prompt.size() + opt.max_new_tokens, opt);
+  return d.run(prompt, opt);
 }
 
 void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, int64_t n_prompt,
@@ -85,27 +129,31 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
   if (opt.on_token) opt.on_token(tok);
   auto t1 = Clock::now();
   bool stopped = is_stop(tok, opt.stop_ids);
+  if (!loop.graphs) loop.graphs = std::make_shared<LoopGraphs>();
 
 #ifdef KAKEYA_CUDA
-  std::unique_ptr<at::cuda::CUDAGraph> graph, upkeep_graph;
-  if (dev.is_cuda() && opt.cuda_graph && !loop.before && opt.max_new_tokens > 2 && !stopped) {
+  LoopGraphs& g = *loop.graphs;
+  if (!g.step && dev.is_cuda() && opt.cuda_graph && !loop.before && opt.max_new_tokens > 2 && !stopped) {
     // Capture on a side stream (required by CUDA graphs). Capture records the
     // kernels without running them, so the cache is left untouched.
     auto tc = Clock::now();
-    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-    graph = std::make_unique<at::cuda::CUDAGraph>();
-    graph->capture_begin();
-    loop.step();
-    graph->capture_end();
-    if (loop.upkeep) {
-      upkeep_graph = std::make_unique<at::cuda::CUDAGraph>();
-      upkeep_graph->capture_begin();
-      loop.upkeep();
-      upkeep_graph->capture_end();
+    {
+      c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+      g.step = std::make_unique<at::cuda::CUDAGraph>();
+      g.step->capture_begin();
+      loop.step();
+      g.step->capture_end();
     }
+    if (loop.upkeep) loop.upkeep->capture();
     res.capture_seconds = std::chrono::duration<double>(Clock::now() - tc).count();
   }
 #endif
+  // The batches due before the step feeding p, then the wait for those it reads.
+  auto upkeep = [&](int64_t p) {
+    if (!loop.upkeep_due) return;
+    for (UpkeepBatch b = loop.upkeep_due(p); b.from >= 0; b = loop.upkeep_due(p)) loop.upkeep->run(b.from, b.read_at);
+    loop.upkeep->wait(p);
+  };
   // Tokens run but not yet read back. Streaming reads each one; otherwise they are read in
   // batches of kStopCheckEvery when stop tokens are set, and once at the end when not.
   int64_t pending = 0;
@@ -124,15 +172,9 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
   while (!stopped && (int64_t)res.tokens.size() + pending < opt.max_new_tokens) {
     const int64_t p = n_prompt + (int64_t)res.tokens.size() + pending - 1;  // position fed by this step
     if (loop.before) loop.before(p);
-    if (loop.upkeep_due && loop.upkeep_due(p)) {
+    upkeep(p);
 #ifdef KAKEYA_CUDA
-      if (upkeep_graph) upkeep_graph->replay();
-      else
-#endif
-        loop.upkeep();
-    }
-#ifdef KAKEYA_CUDA
-    if (graph) graph->replay();
+    if (g.step) g.step->replay();
     else
 #endif
       loop.step();
@@ -141,6 +183,9 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
     if (++pending == batch) read_pending();
   }
   if (pending > 0) read_pending();
+  // Batches still running write positions no step of this run reads; the next run must not
+  // find them half done.
+  if (loop.upkeep) loop.upkeep->drain();
   res.decode_seconds = seconds_since(t1, dev);
 }
 

@@ -265,21 +265,35 @@ int64_t Restorer::ahead_gap() const {
   return gap;
 }
 
-void Restorer::restore_ahead(const at::Tensor& js) { restore(js.clamp_min(0), js.ge(opt_.sink)); }
-
 void Restorer::note_restored(int64_t j) {
   if (j <= restored_upto_) return;
   if (j >= opt_.sink) stat_positions_ += j - std::max(restored_upto_ + 1, opt_.sink) + 1;
   restored_upto_ = j;
 }
 
-void Restorer::keep_features() {
-  if (upkeep_off_.defined()) return;
-  upkeep_off_ = at::arange(-opt_.window, 0, at::TensorOptions().dtype(at::kLong).device(model_.device()));
-  if (!opt_.needs_ftheta()) return;  // a = 1 restores from the true raw K/V: no drafter work
+void Restorer::start_upkeep(int64_t block) {
+  const int64_t span = opt_.window - ahead_gap() - block + 1;  // what one batch may cover and still be early
+  KAKEYA_CHECK(span >= 1, "restorer: forwards of " << block << " tokens leave no room to restore ahead (window "
+                                                   << opt_.window << ", gap " << ahead_gap() << ")");
+  upkeep_block_ = block;
+  upkeep_len_ = std::max<int64_t>(1, span / 2);
+  auto iopt = at::TensorOptions().dtype(at::kLong).device(model_.device());
+  upkeep_off_ = at::arange(upkeep_len_, iopt);
+  upkeep_first_ = at::zeros({1}, iopt);
+  if (!opt_.needs_ftheta() || feat_.defined()) return;  // a = 1 restores from the true raw K/V: no drafter work
   const int64_t F = drafter_->config().num_features() * model_.config().hidden_size;
   feat_ = at::zeros({ring_, F}, at::TensorOptions().dtype(model_.dtype()).device(model_.device()));
 }
+
+UpkeepBatch Restorer::next_upkeep(int64_t s) {
+  KAKEYA_CHECK(upkeep_len_ > 0, "restorer: next_upkeep before start_upkeep");
+  if (s - 1 - ahead_gap() - restored_upto_ < upkeep_len_) return {};
+  const int64_t from = restored_upto_ + 1;
+  note_restored(from + upkeep_len_ - 1);
+  return {from, from + opt_.window - upkeep_block_ + 1};
+}
+
+void Restorer::upkeep_from(int64_t from) { upkeep_first_.fill_(from); }
 
 void Restorer::stash_step(const at::Tensor& pos) { stash_features(take_features(1), pos); }
 
@@ -287,14 +301,21 @@ void Restorer::stash_features(const at::Tensor& feats, const at::Tensor& pos) {
   if (feat_.defined()) feat_.index_copy_(0, pos.remainder(ring_), feats.select(0, 0));
 }
 
-void Restorer::upkeep_ahead(const at::Tensor& pos) {
-  at::Tensor js = upkeep_off_ + pos;  // [window]: p - window .. p - 1
+void Restorer::upkeep() {
+  at::Tensor js = upkeep_off_ + upkeep_first_;  // [L]
   if (feat_.defined()) {
-    at::Tensor jc = js.clamp_min(0);
-    at::Tensor f = feat_.index_select(0, jc.remainder(ring_)).unsqueeze(0);  // [1, window, n·H]
-    drafter_->context_raw_kv(drafter_->project_context(f), jc.to(drafter_->device()), &dtaps_);
+    at::Tensor f = feat_.index_select(0, js.remainder(ring_)).unsqueeze(0);  // [1, L, n·H]
+    drafter_->context_raw_kv(drafter_->project_context(f), js.to(drafter_->device()), &dtaps_);
   }
-  restore_ahead(js.narrow(0, 0, opt_.window - ahead_gap()));
+  restore(js, js.ge(opt_.sink));
+}
+
+void Restorer::reset() {
+  restored_upto_ = -1;
+  stat_positions_ = 0;
+  if (acc_.defined()) acc_.zero_();
+  if (capture_) capture_->clear();
+  if (coded_) coded_ = std::make_unique<CodedHistory>(model_, *opt_.codec, cache_);
 }
 
 void Restorer::prepare_coded(int64_t q) {
@@ -714,33 +735,10 @@ at::Tensor run_chunks(const Model& v, KVCache& cache, Restorer& r, const at::Ten
   return logits;
 }
 
-GenerateOptions generate_options(const DecodeOptions& opt) {
-  GenerateOptions g;
-  g.max_new_tokens = opt.max_new_tokens;
-  g.sampling = opt.sampling;
-  g.stop_ids = opt.stop_ids;
-  g.on_token = opt.on_token;
-  g.stream = opt.stream;
-  g.cuda_graph = opt.cuda_graph;
-  return g;
-}
-
-DecodeResult decode_ar(const Model& v, const std::vector<int64_t>& prompt, const DecodeOptions& opt) {
-  auto r = generate(v, prompt, generate_options(opt));
-  DecodeResult d;
-  d.tokens = r.tokens;
-  d.prefill_seconds = r.prefill_seconds;
-  d.decode_seconds = r.decode_seconds;
-  d.capture_seconds = r.capture_seconds;
-  const int64_t capacity = (int64_t)prompt.size() + opt.max_new_tokens;
-  d.memory = ar_memory(v, capacity);
-  return d;
-}
-
 // One restored decode step with static buffers: feeds `cur` at `pos`, stores its target
-// features for the next upkeep, writes the next token into out[step] and back into `cur`,
+// features for the upkeep, writes the next token into out[step] and back into `cur`,
 // advances pos and step. No host values: capturable. Restoration runs in batches between
-// steps (Restorer::upkeep_ahead).
+// steps (Restorer::next_upkeep / upkeep, overlapping the steps on CUDA).
 struct RestoredStep {
   const Model& model;
   KVCache& cache;
@@ -749,7 +747,7 @@ struct RestoredStep {
   at::Tensor cur;   // [1, 1] int64
   at::Tensor pos;   // [1] int64
   at::Tensor step;  // [1] int64
-  at::Tensor out;   // [max_new] int64
+  at::Tensor out;   // [capacity] int64
 
   void run() {
     ForwardOptions fo;
@@ -766,50 +764,17 @@ struct RestoredStep {
   }
 };
 
-DecodeResult decode_restored(const Model& v, const Drafter* dr, const FTheta* ft, const std::vector<int64_t>& prompt,
-                             const DecodeOptions& opt) {
-  const RestoreOptions& ro = opt.restore;
-  const at::Device dev = v.device();
-  const int64_t n_prompt = prompt.size(), chunk = ro.resolved_chunk();
-  KVCache cache(v.config(), restored_cache_options(v, ro, n_prompt + opt.max_new_tokens, false));
-  Restorer rest(v, dr, ft, ro, cache);
-  Sampler sampler(opt.sampling, dev);
-  auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
+}  // namespace
 
-  auto t0 = Clock::now();
-  auto ids = at::tensor(prompt, at::kLong).view({1, n_prompt}).to(dev);
-  rest.keep_features();
-  auto logits = run_chunks(v, cache, rest, ids, 0, chunk, true);
-  RestoredStep st{v, cache, rest, sampler, at::empty({1, 1}, iopt), at::full({1}, n_prompt, iopt), at::zeros({1}, iopt),
-                  at::zeros({opt.max_new_tokens}, iopt)};
-  DecodeLoop loop{[&st] { st.run(); }, nullptr, nullptr, st.cur, st.step, st.out};
-  // Every window - gap steps, one batch restores ahead (the step feeding p reads restored
-  // K/V up to p - window; the batch restores up to p - 1 - gap).
-  const int64_t gap = rest.ahead_gap();
-  loop.upkeep = [&rest, &st] { rest.upkeep_ahead(st.pos); };
-  loop.upkeep_due = [&rest, gap, w = ro.window](int64_t p) {
-    if (p - w <= rest.restored_upto()) return false;
-    rest.note_restored(p - 1 - gap);
-    return true;
-  };
-  // --full-attn codec encodes codec blocks on the host between steps: eager steps (no CUDA graph).
-  if (rest.needs_host_steps()) loop.before = [&rest](int64_t p) { rest.prepare_coded(p); };
-  GenerateResult gr;
-  run_decode_loop(loop, sampler.sample(logits.select(1, 0)), cache, n_prompt, generate_options(opt), t0, dev, gr);
-  DecodeResult res;
-  res.tokens = std::move(gr.tokens);
-  res.prefill_seconds = gr.prefill_seconds;
-  res.decode_seconds = gr.decode_seconds;
-  res.capture_seconds = gr.capture_seconds;
-  const int64_t q = cache.length() - 1;
-  res.attention_fraction_sliding = attention_fraction(cache, v.config(), true, q);
-  res.attention_fraction_full = attention_fraction(cache, v.config(), false, q);
-  res.restored_positions = std::max<int64_t>(0, rest.restored_upto() + 1);
-  res.coded_positions = rest.coded_positions();
-  res.served_positions = cache.length();
-  res.memory = restored_memory(v, dr, ft, cache, rest, ro, n_prompt + opt.max_new_tokens);
-  if (ro.stats) res.stats = rest.stats();
-  return res;
+GenerateOptions generate_options(const DecodeOptions& opt) {
+  GenerateOptions g;
+  g.max_new_tokens = opt.max_new_tokens;
+  g.sampling = opt.sampling;
+  g.stop_ids = opt.stop_ids;
+  g.on_token = opt.on_token;
+  g.stream = opt.stream;
+  g.cuda_graph = opt.cuda_graph;
+  return g;
 }
 
 DecodeResult decode_reforward(const Model& v, const Drafter* dr, const FTheta* ft, const std::vector<int64_t>& prompt,
@@ -853,7 +818,69 @@ DecodeResult decode_reforward(const Model& v, const Drafter* dr, const FTheta* f
   return res;
 }
 
-}  // namespace
+MemoryReport ar_memory_report(const Model& v, int64_t capacity) { return ar_memory(v, capacity); }
+
+RestoredDecoder::RestoredDecoder(const Model& v, const Drafter* d, const FTheta* f, const DecodeOptions& opt,
+                                 int64_t capacity)
+    : v_(v), d_(d), f_(f), opt_(opt), cache_(v.config(), restored_cache_options(v, opt.restore, capacity, false)),
+      rest_(v, d, f, opt.restore, cache_), sampler_(opt.sampling, v.device()) {
+  auto iopt = at::TensorOptions().dtype(at::kLong).device(v.device());
+  cur_ = at::zeros({1, 1}, iopt);
+  pos_ = at::zeros({1}, iopt);
+  step_ = at::zeros({1}, iopt);
+  out_ = at::zeros({capacity}, iopt);
+  rest_.start_upkeep(1);
+  upkeep_ = std::make_unique<UpkeepRunner>([this](int64_t from) { rest_.upkeep_from(from); }, [this] { rest_.upkeep(); },
+                                           v.device().is_cuda());
+  loop_.step = [this] { RestoredStep{v_, cache_, rest_, sampler_, cur_, pos_, step_, out_}.run(); };
+  loop_.cur = cur_;
+  loop_.step_idx = step_;
+  loop_.out = out_;
+  loop_.upkeep = upkeep_.get();
+  loop_.upkeep_due = [this](int64_t p) { return rest_.next_upkeep(p); };
+  // --full-attn codec encodes codec blocks on the host between steps: eager steps (no CUDA graph).
+  if (rest_.needs_host_steps()) loop_.before = [this](int64_t p) { rest_.prepare_coded(p); };
+}
+
+RestoredDecoder::~RestoredDecoder() = default;
+
+DecodeResult RestoredDecoder::run(const std::vector<int64_t>& prompt, const DecodeOptions& opt) {
+  const RestoreOptions& ro = opt_.restore;
+  KAKEYA_CHECK(opt.restore.to_json() == ro.to_json(),
+               "restored decoder: restore options " << opt.restore.to_json().dump() << " differ from the ones it was built with "
+                                                    << ro.to_json().dump());
+  validate_restore(v_, d_, f_, ro, prompt.size(), opt.max_new_tokens);
+  const GenerateOptions g = generate_options(opt);
+  check_run_fits("restored decoder", cache_.capacity(), prompt.size(), generate_options(opt_), g);
+  const at::Device dev = v_.device();
+  const int64_t n_prompt = prompt.size();
+  cache_.clear();
+  rest_.reset();
+  sampler_.reset(opt.sampling.seed);
+  auto t0 = Clock::now();
+  auto ids = at::tensor(prompt, at::kLong).view({1, n_prompt}).to(dev);
+  auto logits = run_chunks(v_, cache_, rest_, ids, 0, ro.resolved_chunk(), true);
+  pos_.fill_(n_prompt);
+  step_.zero_();
+  // Sampling draws through the graph's captured generator offsets: recapture per run (greedy reuses).
+  if (!sampler_.greedy()) loop_.graphs.reset();
+  GenerateResult gr;
+  run_decode_loop(loop_, sampler_.sample(logits.select(1, 0)), cache_, n_prompt, g, t0, dev, gr);
+  DecodeResult res;
+  res.tokens = std::move(gr.tokens);
+  res.prefill_seconds = gr.prefill_seconds;
+  res.decode_seconds = gr.decode_seconds;
+  res.capture_seconds = gr.capture_seconds;
+  const int64_t q = cache_.length() - 1;
+  res.attention_fraction_sliding = attention_fraction(cache_, v_.config(), true, q);
+  res.attention_fraction_full = attention_fraction(cache_, v_.config(), false, q);
+  res.restored_positions = std::max<int64_t>(0, rest_.restored_upto() + 1);
+  res.coded_positions = rest_.coded_positions();
+  res.served_positions = cache_.length();
+  res.memory = restored_memory(v_, d_, f_, cache_, rest_, ro, cache_.capacity());
+  if (ro.stats) res.stats = rest_.stats();
+  return res;
+}
 
 MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* dc, const RestoreOptions& o,
                                   at::ScalarType dtype, int64_t n, int64_t served) {
@@ -897,30 +924,13 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
   if (o.needs_ftheta()) {
     KAKEYA_CHECK(dc, "memory plan: --mix-alpha < 1 needs the drafter config");
     p.pending = 2 * ring * dc->num_layers * dc->num_kv_heads * dc->head_dim * elem;
-    p.pending += ring * dc->num_features() * cfg.hidden_size * elem;  // target features (Restorer::keep_features)
+    p.pending += ring * dc->num_features() * cfg.hidden_size * elem;  // target features (Restorer::start_upkeep)
   }
   if (o.needs_true_raw())
     p.true_raw = kv_bytes_for(cfg, elem, ring, o.full_attn == FullAttn::Restored ? -1 : 0);
   return memory_lines(p, cfg, elem, o, n);
 }
 
-DecodeResult decode(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
-                    const std::vector<int64_t>& prompt, const DecodeOptions& opt) {
-  if (opt.mode == DecodeMode::Ar) {
-    KAKEYA_CHECK(!prompt.empty(), "decode: empty prompt (the tokenizer produced no tokens)");
-    const int64_t context = (int64_t)prompt.size() + opt.max_new_tokens;
-    const auto& cfg = verifier.config();
-    KAKEYA_CHECK(cfg.max_position_embeddings <= 0 || context <= cfg.max_position_embeddings,
-                 "decode: prompt of " << prompt.size() << " tokens + " << opt.max_new_tokens << " new tokens = "
-                                      << context << " positions exceeds the model's limit of "
-                                      << cfg.max_position_embeddings << " (max_position_embeddings)");
-    return decode_ar(verifier, prompt, opt);
-  }
-  if (opt.mode == DecodeMode::Fused) return decode_fused(verifier, drafter, ftheta, prompt, opt);
-  validate_restore(verifier, drafter, ftheta, opt.restore, prompt.size(), opt.max_new_tokens);
-  return opt.mode == DecodeMode::Restored ? decode_restored(verifier, drafter, ftheta, prompt, opt)
-                                          : decode_reforward(verifier, drafter, ftheta, prompt, opt);
-}
 
 double DecodeResult::tau() const {
   int64_t n = 0;

@@ -33,9 +33,10 @@
 //                       (core/kv_cache.h RestorePolicy), at the latest just before the
 //                       first forward whose queries need them (when the position leaves
 //                       the exact window); the prompt is prefilled in chunks of <= window
-//                       tokens, then one forward per token, and every ~window steps one
+//                       tokens, then one forward per token, and every ~window/2 steps one
 //                       batch projects the drafter context and restores ahead the next
-//                       ~window positions (Restorer::upkeep_ahead). O(1) per token.
+//                       ~window/2 positions (Restorer::next_upkeep; on CUDA beside the
+//                       steps, infer/upkeep.h). O(1) per token.
 //   fused               `restored` accelerated by speculative decoding with the drafter
 //                       (infer/fused.h): blocks verified on the restored cache, same tokens.
 // Both restored modes run the unmodified Model::forward: restoration lives in
@@ -59,7 +60,9 @@
 #include "core/model.h"
 #include "core/sampling.h"
 #include "core/taps.h"
+#include "infer/generate.h"
 #include "infer/score.h"
+#include "infer/upkeep.h"
 
 namespace kakeya {
 
@@ -153,28 +156,34 @@ class Restorer : public TapSubscriber {
   void commit(int64_t p0, int64_t n, DrafterCache* dcache = nullptr);
   // Restoring ahead, in batches: a committed position may get its restored copy before it
   // leaves the window (the mask shows each query one copy), as long as the restored region's
-  // ring does not overwrite a slot a later query still reads there. A forward whose first
-  // query is q may find every position <= q - 1 - ahead_gap() restored, so one batch of
-  // A = window - ahead_gap() positions serves the next A one-token steps (or ~A/τ fused blocks).
-  // restore_ahead(js) restores positions js [N] (device; entries < 0 clamp to 0, restored
-  // again as the same K/V); the host then calls note_restored(highest restored position).
+  // ring does not overwrite a slot a later query still reads there: a forward whose first
+  // query is q may find every position <= q - 1 - ahead_gap() restored.
   int64_t ahead_gap() const;
-  void restore_ahead(const at::Tensor& js);
-  void note_restored(int64_t j);
-  // One-token decode steps with the position only on the device (pos: [1] int64), so CUDA
-  // graphs can capture them: each step only stores its target features (stash_step, after
-  // the forward); before the step feeding p, when p - window > restored_upto(), one upkeep
-  // (upkeep_ahead) projects the drafter context of [p - window, p) from the stored features
-  // (positions projected twice get the same K/V) and restores [p - window, p - 1 - gap]; the
-  // host then calls note_restored(p - 1 - gap). keep_features() allocates the feature ring
-  // first (before the prefill, whose commits store their features too).
-  void keep_features();
+  // Batched restoration for forwards whose positions live on the device (decode steps, fused
+  // blocks of `block` tokens), so CUDA graphs can capture them. start_upkeep(block) first
+  // (before the prefill: it allocates the ring of target features the commits fill; forwards
+  // on the device store theirs with stash_step / stash_features). Before the forward whose
+  // first position is s (every position < s committed), next_upkeep(s) is asked until it
+  // answers from < 0: each batch restores the upkeep_len() positions from restored_upto() + 1
+  // once s - 1 - ahead_gap() covers them (so nothing it reads can change while it runs), and
+  // is first read by the forward starting at read_at. With L = upkeep_len() at most half of
+  // window - gap - block + 1, every position a forward reads restored was in a batch due at
+  // least L positions earlier, which is what lets a batch overlap the forwards (infer/upkeep.h).
+  // The batch's device work: upkeep_from(from) (stores the argument on the device, outside any
+  // graph), then upkeep() (capturable): f_θ's drafter inputs projected from the stored
+  // features, then restoration.
+  void start_upkeep(int64_t block);
+  int64_t upkeep_len() const { return upkeep_len_; }
+  UpkeepBatch next_upkeep(int64_t s);
+  void upkeep_from(int64_t from);
+  void upkeep();
   void stash_step(const at::Tensor& pos);
   // Target features feats [1, T, n·H] of positions pos [T] (device) into the feature ring
   // (no-op without one): a caller that runs its own forwards (fused blocks) stores them so
-  // upkeep_ahead can project the drafter context at restoration time.
+  // upkeep() can project the drafter context at restoration time.
   void stash_features(const at::Tensor& feats, const at::Tensor& pos);
-  void upkeep_ahead(const at::Tensor& pos);
+  // A new session on the same cache (which the caller clear()s): nothing restored, no statistics.
+  void reset();
   // --full-attn codec: codec blocks are encoded on the host before the step that feeds
   // position q first reads them coded (prepare() does it for chunks); steps are then eager.
   bool needs_host_steps() const { return coded_ != nullptr; }
@@ -207,6 +216,7 @@ class Restorer : public TapSubscriber {
   // ring): what finish_kv + write_restored do, without ~a dozen ops per layer. slot: js mod ring.
   void restore_kernel(const at::Tensor& js, const at::Tensor& slot);
   at::Tensor take_features(int64_t n);
+  void note_restored(int64_t j);  // every position <= j is restored (or in a batch in flight)
 
   const Model& model_;
   const Drafter* drafter_;
@@ -221,8 +231,10 @@ class Restorer : public TapSubscriber {
   Taps vtaps_, dtaps_;
   int64_t ring_ = 0;                             // positions the pending rings hold
   at::Tensor dk_, dv_;                           // [ring, L_d, H_d, D_d] drafter raw K/V
-  at::Tensor feat_;                              // [ring, n·H] target features of committed positions (keep_features)
-  at::Tensor upkeep_off_;                        // [window] -window .. -1: upkeep_ahead's positions from p
+  at::Tensor feat_;                              // [ring, n·H] target features of committed positions (start_upkeep)
+  int64_t upkeep_len_ = 0, upkeep_block_ = 0;    // batch length, tokens per forward (start_upkeep)
+  at::Tensor upkeep_off_;                        // [L] 0 .. L-1: a batch's positions from its first
+  at::Tensor upkeep_first_;                      // [1] the batch's first position (upkeep_from)
   std::vector<at::Tensor> tk_, tv_;              // per verifier layer [ring, H_kv, D] true raw K/V (or undefined)
   at::Tensor acc_;                               // [2 raw|cache, 2 type, 2 stream, 2 err|ref] f64 accumulators
   int64_t stat_positions_ = 0;
@@ -267,7 +279,7 @@ struct DecodeOptions {
   std::vector<int64_t> stop_ids;        // generation ends after emitting one of these
   std::function<void(int64_t)> on_token;
   bool stream = true;                   // read each token as it comes (one host sync per token)
-  bool cuda_graph = true;               // restored mode on CUDA: replay the decode step as a graph
+  bool cuda_graph = true;               // CUDA: replay the decode step (fused: the block's parts) as graphs
   int64_t block_size = 0;               // fused: tokens per verify forward (0: the drafter's block_size)
 };
 
@@ -275,7 +287,7 @@ struct DecodeResult {
   std::vector<int64_t> tokens;          // generated ids (prompt excluded)
   double prefill_seconds = 0;
   double decode_seconds = 0;            // from the first generated token to the last
-  double capture_seconds = 0;           // CUDA graph capture inside decode_seconds (once per session)
+  double capture_seconds = 0;           // CUDA graph capture inside decode_seconds (a decoder's first run)
   MemoryReport memory;
   RestoreStats stats;                   // filled when restore.stats
   // Share of each layer type's span the last query attends to through exactly one
@@ -291,15 +303,48 @@ struct DecodeResult {
   }
 };
 
-// One decode session. drafter/ftheta: required by the restored modes unless a = 1.
-DecodeResult decode(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
-                    const std::vector<int64_t>& prompt, const DecodeOptions& opt);
+// The incremental restored decoder (DecodeMode::Restored) kept across prompts: its KV cache
+// for `capacity` positions (prompt + new tokens of the longest run), Restorer, step buffers,
+// restoration runner and CUDA graphs are built once, as ArDecoder's (infer/generate.h);
+// infer/decoder.h's decode() builds one per prompt. drafter/ftheta: required unless a = 1.
+// The restore options, sampling and cuda_graph are fixed at construction; run() checks them.
+class RestoredDecoder {
+ public:
+  RestoredDecoder(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const DecodeOptions& opt,
+                  int64_t capacity);
+  ~RestoredDecoder();
+  RestoredDecoder(const RestoredDecoder&) = delete;  // the loop's functions hold `this`
+  RestoredDecoder& operator=(const RestoredDecoder&) = delete;
+  DecodeResult run(const std::vector<int64_t>& prompt, const DecodeOptions& opt);
+
+ private:
+  const Model& v_;
+  const Drafter* d_;
+  const FTheta* f_;
+  DecodeOptions opt_;
+  KVCache cache_;
+  Restorer rest_;
+  Sampler sampler_;
+  at::Tensor cur_, pos_, step_, out_;  // [1, 1], [1], [1], [capacity] int64: the step's static buffers
+  std::unique_ptr<UpkeepRunner> upkeep_;
+  DecodeLoop loop_;
+};
+
+// The slow reference (DecodeMode::RestoredReforward): the whole prefix again per token.
+DecodeResult decode_reforward(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
+                              const std::vector<int64_t>& prompt, const DecodeOptions& opt);
+
+// The AR loop's options for a DecodeOptions (what ar and restored steps share).
+GenerateOptions generate_options(const DecodeOptions& opt);
 
 // Teacher-forced scoring (infer/score.h logic) through the incremental restored
 // cache: the sequence runs in chunks of <= window tokens, each chunk's logits
 // scored against the next tokens. One window (the whole sequence, <= the model's positions).
 ScoreResult score_restored(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
                            const std::vector<int64_t>& ids, const RestoreOptions& opt, RestoreStats* stats = nullptr);
+
+// The memory report of an AR session of `capacity` positions (the full-KV oracle's cache).
+MemoryReport ar_memory_report(const Model& verifier, int64_t capacity);
 
 // The memory report of a restored-cache session (what `restored` mode reports; fused adds its drafter context).
 MemoryReport restored_memory_report(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,

@@ -19,6 +19,7 @@
 #include "core/drafter.h"
 #include "core/ftheta.h"
 #include "core/model.h"
+#include "infer/decoder.h"
 #include "infer/restored.h"
 #include "tests/test_util.h"
 

@@ -23,6 +23,7 @@
 #include "core/tokenizer.h"
 #include "infer/fused.h"
 #include "infer/generate.h"
+#include "infer/decoder.h"
 #include "infer/restored.h"
 #include "tests/test_util.h"
 

@@ -25,6 +25,7 @@
 #include "core/model.h"
 #include "core/tokenizer.h"
 #include "infer/generate.h"
+#include "infer/decoder.h"
 #include "infer/restored.h"
 #include "tests/test_util.h"
 

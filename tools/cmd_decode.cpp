@@ -7,6 +7,7 @@
 #include <iostream>
 
 #include "core/error.h"
+#include "infer/decoder.h"
 #include "infer/restored.h"
 #include "tools/cli_common.h"
 #include "tools/restored_flags.h"
@@ -112,14 +113,26 @@ void register_decode(CLI::App& app) {
                           {"models", o->rf.to_json()},
                           {"restore", ro.to_json()},
                           {"prompts", nlohmann::json::array()}};
-    for (size_t i = 0; i < items.size(); ++i) {
+    auto options = [&](size_t i, DecodeMode m) {
       DecodeOptions d;
-      d.mode = mode;
+      d.mode = m;
       d.restore = ro;
       d.max_new_tokens = items[i].max_new ? items[i].max_new : o->max_new;
       d.sampling = {o->temperature, o->top_p, o->seed};
       d.block_size = o->block_size;
       d.stop_ids = model.config().eos_token_ids;
+      return d;
+    };
+    // One decoder for the whole batch (and one ar decoder for --compare-ar), sized for its
+    // longest prompt: caches, buffers and CUDA graphs are built once and reused per prompt.
+    // Bad input of the first prompt is reported before anything is allocated.
+    decode_checks(model, st.d(), st.f(), ids[0], options(0, mode));
+    Decoder dec(model, st.d(), st.f(), options(0, mode), longest);
+    std::unique_ptr<Decoder> ar_dec;
+    if (o->compare_ar && mode != DecodeMode::Ar)
+      ar_dec = std::make_unique<Decoder>(model, nullptr, nullptr, options(0, DecodeMode::Ar), longest);
+    for (size_t i = 0; i < items.size(); ++i) {
+      DecodeOptions d = options(i, mode);
       std::vector<int32_t> out;
       std::string shown;
       if (stream) {
@@ -133,7 +146,7 @@ void register_decode(CLI::App& app) {
         };
         std::cout << items[i].text << std::flush;
       }
-      auto r = decode(model, st.d(), st.f(), ids[i], d);
+      auto r = dec.run(ids[i], d);
       if (stream) std::cout << "\n";
       std::vector<int32_t> gen(r.tokens.begin(), r.tokens.end());
       const std::string text = tok.decode(gen, true);
@@ -163,10 +176,8 @@ void register_decode(CLI::App& app) {
         if (o->stats) pj["restore_error"] = r.stats.to_json();
       }
       if (o->compare_ar && mode != DecodeMode::Ar) {
-        DecodeOptions a = d;
-        a.mode = DecodeMode::Ar;
-        a.on_token = nullptr;
-        auto ar = decode(model, nullptr, nullptr, ids[i], a);
+        DecodeOptions a = options(i, DecodeMode::Ar);
+        auto ar = ar_dec->run(ids[i], a);
         size_t same = 0;
         while (same < ar.tokens.size() && same < r.tokens.size() && ar.tokens[same] == r.tokens[same]) ++same;
         std::fprintf(stderr, "[decode ar] %.2f tok/s; %s (first %zu of %zu tokens agree); ratio %.2fx\n",

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "data/niah.h"
+#include "infer/decoder.h"
 #include "infer/restored.h"
 #include "tools/cli_common.h"
 #include "tools/restored_flags.h"
