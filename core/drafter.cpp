@@ -350,17 +350,26 @@ void TargetFeatureCapture::on_tap(Tap tap, const TapContext& ctx, at::Tensor& x)
     if (ids_[i] == ctx.layer) got_[i] = x;  // the forward continues with a new tensor; this one stays intact
 }
 
-at::Tensor TargetFeatureCapture::take() {
-  std::vector<at::Tensor> parts;
+std::vector<at::Tensor> TargetFeatureCapture::parts() {
+  std::vector<at::Tensor> out;
   const int64_t last = target_.config().num_layers - 1;
   for (size_t i = 0; i < ids_.size(); ++i) {
     KAKEYA_CHECK(got_[i].defined(), "target feature capture: no output of layer "
                                         << ids_[i] << " was captured (was the forward run with these taps?)");
     // HF's hidden_states[-1] is the final-normed output, and DFlash indexes hidden_states[id + 1].
-    parts.push_back(ids_[i] == last ? target_.final_norm(got_[i]) : got_[i]);
+    out.push_back(ids_[i] == last ? target_.final_norm(got_[i]) : got_[i]);
     got_[i] = at::Tensor();
   }
-  return parts.size() == 1 ? parts[0] : at::cat(parts, -1);
+  return out;
+}
+
+at::Tensor TargetFeatureCapture::take() {
+  auto p = parts();
+  return p.size() == 1 ? p[0] : at::cat(p, -1);
+}
+
+void TargetFeatureCapture::take_into(at::Tensor* out, at::Tensor* ring, const at::Tensor& positions) {
+  ops::concat_rows(parts(), out, ring, positions);
 }
 
 void TargetFeatureCapture::clear() {

@@ -161,10 +161,16 @@ class TargetFeatureCapture : public TapSubscriber {
   // puts the final-normed output at the last layer; an id naming the last layer
   // gets the same. Clears what was captured.
   at::Tensor take();
+  // The same rows written where they are read, without an intermediate tensor (one kernel on
+  // CUDA, core/ops.h concat_rows): into out [B, T, n·H] if given, and into ring [R, n·H] at
+  // rows positions [T] mod R if given. Clears what was captured.
+  void take_into(at::Tensor* out, at::Tensor* ring, const at::Tensor& positions);
   void clear();  // drops what was captured (a new session)
   const Taps& taps() const { return taps_; }
 
  private:
+  std::vector<at::Tensor> parts();  // per id [B, T, H] in config order (final-normed at the last layer); clears
+
   const Model& target_;
   std::vector<int64_t> ids_;
   std::vector<at::Tensor> got_;  // per id: [B, T, H]

@@ -308,6 +308,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   if (fo.advance_cache) cache.advance(T);
   if (fo.skip_logits) return at::Tensor();
   if (fo.last_logits_only) x = x.slice(1, T - 1);
+  if (fo.raw_logits) return ops::linear(x, lm_head_);
   return logits(x);  // x = final_norm(h) from the last residual step
 }
 

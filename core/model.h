@@ -26,6 +26,9 @@ struct ModelOptions {
 struct ForwardOptions {
   bool last_logits_only = false;  // logits of the last position only: [B, 1, V]
   bool skip_logits = false;       // no lm_head (prefill whose logits nobody reads)
+  // The lm_head's scores as they come, in the model dtype: no softcap, no f32 cast. Any
+  // monotone map of the logits, so they serve an argmax (greedy verification) unchanged.
+  bool raw_logits = false;
   const Taps* taps = nullptr;
   bool advance_cache = true;      // false: caller commits (CUDA-graph capture runs the host code once)
 };
@@ -66,7 +69,7 @@ class Model {
 
   // ids: [B, T] int64; positions: [T] int64 (absolute, on the model device),
   // consecutive from cache.length(). Writes K/V into `cache` and advances it.
-  // Returns logits [B, T, V] f32 (or [B, 1, V] / undefined per options).
+  // Returns logits [B, T, V] f32 (or [B, 1, V] / raw scores / undefined per options).
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, KVCache& cache,
                      const ForwardOptions& fo = {}) const;
   // Same with positions = cache.length() .. + T.

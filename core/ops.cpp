@@ -6,6 +6,7 @@
 #include <ATen/core/grad_mode.h>
 
 #include "core/cuda/decode_ops.h"
+#include "core/cuda/spec_ops.h"
 #endif
 
 namespace kakeya::ops {
@@ -89,6 +90,38 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 #else
   KAKEYA_FAIL("decode_attention: built without CUDA kernels (KAKEYA_CUDA=OFF)");
 #endif
+}
+
+void greedy_accept(const at::Tensor& scores, const at::Tensor& block, at::Tensor& report) {
+#ifdef KAKEYA_CUDA
+  if (scores.is_cuda()) return cuda::greedy_accept(scores, block, report);
+#endif
+  const int64_t T = scores.size(0);
+  at::Tensor post = scores.argmax(-1);  // [T]
+  at::Tensor match = block.narrow(0, 1, T - 1).eq(post.narrow(0, 0, T - 1)).to(at::kLong);
+  report.narrow(0, 0, T).copy_(post);
+  report.narrow(0, T, 1).copy_(match.cumprod(0).sum().add(1).view({1}));
+}
+
+void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos) {
+#ifdef KAKEYA_CUDA
+  if (report.is_cuda()) return cuda::advance_block(report, block, pos0, qpos);
+#endif
+  const int64_t T = qpos.numel();
+  at::Tensor n = report.narrow(0, T, 1);  // [1]
+  block.select(1, 0).copy_(report.narrow(0, 0, T).index_select(0, n - 1));
+  pos0.add_(n);
+  at::add_out(qpos, at::arange(T, qpos.options()), pos0);
+}
+
+void concat_rows(const std::vector<at::Tensor>& parts, at::Tensor* out, at::Tensor* ring, const at::Tensor& pos) {
+#ifdef KAKEYA_CUDA
+  if (parts.at(0).is_cuda()) return cuda::concat_rows(parts, out, ring, pos);
+#endif
+  at::Tensor rows = parts.size() == 1 ? parts[0] : at::cat(parts, -1);
+  rows = rows.reshape({-1, rows.size(-1)});  // [T, F]
+  if (out) out->view({-1, rows.size(-1)}).copy_(rows);
+  if (ring) ring->index_copy_(0, pos.remainder(ring->size(0)), rows);
 }
 
 }  // namespace kakeya::ops

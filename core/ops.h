@@ -9,6 +9,7 @@
 
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace kakeya::ops {
 
@@ -25,8 +26,14 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
                                                const at::Tensor& w_next, const NormSpec& ns);
 
-// x: [..., K]; w: [N, K]; bias: [N] or undefined -> [..., N]. On CUDA with at most
-// 8 rows (decode, small verify blocks) a bandwidth-bound GEMV kernel, else at::linear.
+// x: [..., K]; w: [N, K]; bias: [N] or undefined -> [..., N]. On CUDA, by rows M = x.numel() / K:
+//   M <= 8 (decode steps, small blocks): a bandwidth-bound GEMV kernel (bf16 or f32; x staged
+//     as f32 in 48 KB of shared memory: M·K <= ~12k);
+//   9 <= M <= 16, bf16, K % 32 == 0, x and w 16-byte aligned (verify and drafter blocks):
+//     a tensor-core skinny GEMM (mma.sync, K split over a thread-block cluster, sm_90);
+//   anything else: at::linear (cuBLAS). Same contract on every path: f32 accumulation, one
+//   rounding to the dtype. linear_act_mul below dispatches the same way, with act(gate)·up
+//   fused into our kernels' epilogue (cuBLAS + act_mul otherwise).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = {});
 
 // The gated MLP's first half: act_mul(linear(x, w, bias)) with w = [gate; up]: [2I, K] -> [..., I].
@@ -82,5 +89,21 @@ struct CopyRule {
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
                             const CopyRule& copies = {});
+
+// ---- speculative blocks (infer/fused.h): a verify block's bookkeeping in one kernel each ----
+
+// Greedy acceptance of a verify block. scores: [T, V] raw verifier scores (any monotone map of
+// its logits: the argmax is the same); block: [T] int64 = [carried, d_1 .. d_{T-1}]. Writes
+// report [T + 1] int64: post[i] = argmax of row i (the first of equal maxima), then
+// n = 1 + the leading run of d_i == post[i - 1] (accepted drafts + the verifier's next token).
+void greedy_accept(const at::Tensor& scores, const at::Tensor& block, at::Tensor& report);
+
+// After a block of T tokens: with n = report[T], block[0] = report[n - 1] (the carried token),
+// pos0 += n, qpos = pos0 + 0..T-1. report: [T + 1], block: [1, T], pos0: [1], qpos: [T] int64.
+void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos);
+
+// Rows of the concatenation of `parts` (each [..., H_i] with the same leading rows T): into
+// out [.., T, ΣH] (if given) and into ring [R, ΣH] at rows pos mod R (if given; pos [T] int64).
+void concat_rows(const std::vector<at::Tensor>& parts, at::Tensor* out, at::Tensor* ring, const at::Tensor& pos);
 
 }  // namespace kakeya::ops

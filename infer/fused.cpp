@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/ops.h"
 #include "infer/loop_util.h"
 
 #ifdef KAKEYA_CUDA
@@ -144,7 +145,9 @@ class Engine {
     fo.skip_logits = !want_logits;
     auto logits = v_.forward(ids, pos, cache_, fo);
     // Restoration inside the prefill (prepare) reads the drafter's raw K/V from the taps.
-    write_context(capture_.take(), pos, rest_.drafter_taps());
+    at::Tensor feats = capture_.take();  // [1, n, n·H]
+    d_.store_context(d_.project_context(feats), pos, ck_, cv_, rest_.drafter_taps());
+    rest_.stash_features(feats, pos);
     return logits;
   }
 
@@ -184,30 +187,21 @@ class Engine {
     ForwardOptions fo;
     fo.taps = &vtaps_;
     fo.advance_cache = false;  // the host advances by the accepted length
+    fo.raw_logits = !sampling();  // greedy acceptance only compares argmaxes
     at::Tensor logits = v_.forward(blk_, qpos_, cache_, fo);  // [1, B, V]
-    if (sampling()) {
-      accept_sampled(logits.select(0, 0));
-      feats_.copy_(capture_.take());
-      return;
-    }
-    at::Tensor post = logits.select(0, 0).argmax(-1);         // [B]: the verifier's token after each position
-    // Greedy acceptance in the graph: the leading run of drafts equal to the verifier's choice.
-    at::Tensor match = blk_.select(0, 0).narrow(0, 1, B_ - 1).eq(post.narrow(0, 0, B_ - 1)).to(at::kLong);
-    at::Tensor n = match.cumprod(0).sum().add(1);  // committed: accepted drafts + the verifier's next token
-    report_.narrow(0, 0, B_).copy_(post);
-    report_.narrow(0, B_, 1).copy_(n.view({1}));
-    feats_.copy_(capture_.take());  // the drafter's features of the block, from this same forward
+    if (sampling()) accept_sampled(logits.select(0, 0));
+    else ops::greedy_accept(logits.select(0, 0), blk_.select(0, 0), report_);  // report_: B verifier tokens, n
+    // The drafter's features of the block, from this same forward, where extend() and the
+    // Restorer read them (the rejected tail's ring rows are overwritten before anyone reads them).
+    capture_.take_into(&feats_, rest_.feature_ring(), qpos_);
   }
 
   void extend() {
-    // Context K/V (and the Restorer's stored features) at every block position: the
-    // rejected tail's are hidden from the draft until the next block overwrites them.
-    write_context(feats_, qpos_, nullptr);
-    at::Tensor n = report_.narrow(0, B_, 1);  // [1]
+    // Context K/V at every block position: the rejected tail's are hidden from the draft
+    // until the next block overwrites them.
+    d_.store_context(d_.project_context(feats_), qpos_, ck_, cv_, nullptr);
     // Carried bonus: the verifier's token after the accepted drafts opens the next block.
-    blk_.select(1, 0).copy_(report_.narrow(0, 0, B_).index_select(0, n - 1));
-    pos0_.add_(n);
-    at::add_out(qpos_, ar_, pos0_);
+    ops::advance_block(report_, blk_, pos0_, qpos_);
   }
 
  private:
@@ -229,13 +223,6 @@ class Engine {
     at::Tensor tokens = at::where(idx.lt(acc), at::cat({d, c.narrow(0, n, 1)}), c);  // drafts, then the sample
     report_.narrow(0, 0, B_).copy_(tokens);
     report_.narrow(0, B_, 1).copy_(acc.add(1).view({1}));
-  }
-
-  // The drafter's context K/V at pos [T] from the verifier's features [1, T, n·H], which
-  // the Restorer also keeps for restoration (its upkeep projects f_θ's inputs from them).
-  void write_context(const at::Tensor& feats, const at::Tensor& pos, const Taps* taps) {
-    d_.store_context(d_.project_context(feats), pos, ck_, cv_, taps);
-    rest_.stash_features(feats, pos);
   }
 
   // The reference block forward's masks over [context slots ++ block]: context slot i holds
@@ -272,7 +259,7 @@ class Engine {
   at::Tensor pos0_;      // [1] block start: position of the carried token
   at::Tensor qpos_;      // [B] pos0 + 0..B-1
   at::Tensor last_;      // [1] view of qpos_'s last entry: the draft block's visibility bound
-  at::Tensor ar_;        // [B] 0..B-1
+  at::Tensor ar_;        // [B] 0..B-1 (start)
   at::Tensor slot_idx_;  // [cap] 0..cap-1 (drafter context slot = position)
   at::Tensor blk_;       // [1, B] verify block: carried token, drafts
   at::Tensor dblk_;      // [1, B] draft block: carried token, MASK × (B-1)

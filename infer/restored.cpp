@@ -295,7 +295,9 @@ UpkeepBatch Restorer::next_upkeep(int64_t s) {
 
 void Restorer::upkeep_from(int64_t from) { upkeep_first_.fill_(from); }
 
-void Restorer::stash_step(const at::Tensor& pos) { stash_features(take_features(1), pos); }
+void Restorer::stash_step(const at::Tensor& pos) {
+  if (capture_) capture_->take_into(nullptr, feat_.defined() ? &feat_ : nullptr, pos);
+}
 
 void Restorer::stash_features(const at::Tensor& feats, const at::Tensor& pos) {
   if (feat_.defined()) feat_.index_copy_(0, pos.remainder(ring_), feats.select(0, 0));

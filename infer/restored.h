@@ -177,11 +177,13 @@ class Restorer : public TapSubscriber {
   UpkeepBatch next_upkeep(int64_t s);
   void upkeep_from(int64_t from);
   void upkeep();
-  void stash_step(const at::Tensor& pos);
+  void stash_step(const at::Tensor& pos);  // the last forward's target features at pos [1]
   // Target features feats [1, T, n·H] of positions pos [T] (device) into the feature ring
   // (no-op without one): a caller that runs its own forwards (fused blocks) stores them so
-  // upkeep() can project the drafter context at restoration time.
+  // upkeep() can project the drafter context at restoration time; or it writes them there
+  // itself (TargetFeatureCapture::take_into) through feature_ring() (null without one).
   void stash_features(const at::Tensor& feats, const at::Tensor& pos);
+  at::Tensor* feature_ring() { return feat_.defined() ? &feat_ : nullptr; }  // [ring, n·H], row = position mod ring
   // A new session on the same cache (which the caller clear()s): nothing restored, no statistics.
   void reset();
   // --full-attn codec: codec blocks are encoded on the host before the step that feeds

@@ -130,4 +130,30 @@ TEST_F(CudaRestoredF32, KernelDecodesEqualReference) {
   }
 }
 
+// CUDA graphs with restoration batches on a side stream (overlapping the steps / blocks until
+// the first one that reads them waits) decode what eager launches with in-place batches
+// decode, on a decoder kept across prompts (graphs captured once, replayed on the next prompt).
+TEST_F(CudaRestoredF32, GraphsWithOverlappedRestorationEqualEagerInPlace) {
+  std::vector<int64_t> a(ids_.begin(), ids_.begin() + 120), b(ids_.begin() + 7, ids_.begin() + 90);
+  for (DecodeMode mode : {DecodeMode::Restored, DecodeMode::Fused}) {
+    SCOPED_TRACE(decode_mode_name(mode));
+    DecodeOptions d;
+    d.mode = mode;
+    d.max_new_tokens = 96;
+    d.stream = false;
+    d.restore = options(true);
+    DecodeOptions eager = d;
+    eager.cuda_graph = false;
+    Decoder graphs(*target_, drafter_.get(), ftheta_.get(), d, a.size() + 96);
+    Decoder plain(*target_, drafter_.get(), ftheta_.get(), eager, a.size() + 96);
+    for (const auto* p : {&a, &b, &a}) {
+      auto got = graphs.run(*p, d);
+      auto want = plain.run(*p, eager);
+      EXPECT_EQ(got.tokens, want.tokens);
+      EXPECT_EQ(got.restored_positions, want.restored_positions);
+      EXPECT_EQ((int64_t)got.tokens.size(), 96);
+    }
+  }
+}
+
 }  // namespace

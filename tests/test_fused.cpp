@@ -157,6 +157,39 @@ TEST(Fused, EqualsRestoredDecoderWithRandomFTheta) {
   EXPECT_TRUE(acts) << "a random f_θ changed no continuation: restoration does not act";
 }
 
+// A FusedDecoder kept across prompts (its caches and buffers reused, graphs captured once on
+// CUDA) decodes each prompt as a fresh one does: nothing of an earlier prompt leaks into the
+// next, in any order, also after a longer prompt and with stops and shorter budgets.
+TEST(Fused, DecoderKeptAcrossPromptsEqualsFreshRuns) {
+  for (double alpha : {1.0, 0.0}) {
+    SCOPED_TRACE("a = " + std::to_string(alpha));
+    const FTheta* f = alpha < 1.0 ? &ftheta() : nullptr;
+    FusedOptions fo;
+    fo.block_size = 8;
+    fo.max_new_tokens = 16;
+    int64_t capacity = 0;
+    for (const auto& p : prompts()) capacity = std::max<int64_t>(capacity, p.size() + fo.max_new_tokens);
+    FusedDecoder dec(model(), drafter(), f, restore_options(alpha), fo, capacity);
+    for (size_t p : {0u, 2u, 1u, 0u}) {
+      SCOPED_TRACE("prompt " + std::to_string(p));
+      FusedOptions run = fo;
+      if (p == 1) run.max_new_tokens = 9;  // a shorter budget in the middle
+      auto kept = dec.run(prompts()[p], run);
+      auto fresh = fused_generate(model(), drafter(), f, restore_options(alpha), prompts()[p], run);
+      EXPECT_EQ(kept.decode.tokens, fresh.decode.tokens);
+      EXPECT_EQ(kept.decode.committed, fresh.decode.committed);
+      EXPECT_EQ(kept.decode.restored_positions, fresh.decode.restored_positions);
+    }
+    // Options its buffers or graphs depend on are refused by name; so is a run past its capacity.
+    FusedOptions other = fo;
+    other.block_size = 4;
+    expect_error([&] { dec.run(prompts()[0], other); }, "built for blocks of 8");
+    FusedOptions longer = fo;
+    longer.max_new_tokens = capacity;
+    expect_error([&] { dec.run(prompts()[0], longer); }, "positions this decoder was built for");
+  }
+}
+
 // The shipped drafter drafts from its FR-Spec vocabulary (core/drafter.h); output stays
 // the verifier's with and without it, and both draft (τ > 1).
 TEST(Fused, DraftVocabularyChangesOnlyTheDrafts) {

@@ -111,6 +111,32 @@ TEST(Restored, BatchedStopCheckEndsAtTheFirstStop) {
   }
 }
 
+// Decoders kept across prompts (ar, restored: caches and buffers reused, CUDA graphs captured
+// once) decode each prompt as a fresh one does, whatever came before; options they were not
+// built for are refused by name.
+TEST(Restored, DecodersKeptAcrossPromptsEqualFreshRuns) {
+  const std::vector<int64_t> shorter(prompt().begin(), prompt().begin() + 17);
+  for (DecodeMode m : {DecodeMode::Ar, DecodeMode::Restored}) {
+    SCOPED_TRACE(decode_mode_name(m));
+    const DecodeOptions o = options(m, 0.0, 12);
+    Decoder dec(model(), &drafter(), &ftheta(), o, prompt().size() + 12);
+    for (const auto* p : {&prompt(), &shorter, &prompt()}) {
+      auto kept = dec.run(*p, o);
+      auto fresh = decode(model(), &drafter(), &ftheta(), *p, o);
+      EXPECT_EQ(kept.tokens, fresh.tokens);
+      EXPECT_EQ(kept.restored_positions, fresh.restored_positions);
+    }
+    DecodeOptions other = o;
+    other.mode = m == DecodeMode::Ar ? DecodeMode::Restored : DecodeMode::Ar;
+    expect_error([&] { dec.run(prompt(), other); }, "built for --mode");
+    if (m == DecodeMode::Restored) {
+      other = o;
+      other.restore.window = 12;
+      expect_error([&] { dec.run(prompt(), other); }, "differ from the ones it was built with");
+    }
+  }
+}
+
 TEST(Restored, ExactRestorationIncrementalWithFullAttentionRestoredEqualsAr) {
   auto o = options(DecodeMode::Restored, 1.0, 12);
   o.restore.full_attn = FullAttn::Restored;

@@ -6,11 +6,15 @@
 // fused kernel returns what the unfused LibTorch ops return: every place where
 // PyTorch would materialise a T tensor, we round to T (to_t(from_t(...))).
 #pragma once
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 namespace kakeya::kernels {
 
@@ -253,11 +257,14 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
   const T* vb = v + ((int64_t)b * Hkv + hk) * S * D;
   const int start = chunk * kAttnChunk, end = min(S, start + kAttnChunk);
   for (int j = start + warp; j < end; j += kAttnWarps) {
+    // Both loads issue together: the restored-region flag must not add a dependent load
+    // to every key's chain on restored layers.
     const int64_t p = slot_pos[j];
+    const bool restored_slot = in_restored && in_restored[j];
     if (p < 0 || p > qp || (window > 0 && qp - p >= window)) continue;  // warp-uniform
     if (in_restored) {
       const bool recent = rblock > 0 ? p >= below : qp - p < rwin;
-      if (recent == in_restored[j]) continue;  // the other region holds this query's copy
+      if (recent == restored_slot) continue;  // the other region holds this query's copy
     }
     float sdot = 0.f;
     const T* kr = kb + (int64_t)j * D + lane * VPL;
@@ -490,6 +497,370 @@ bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int 
 #undef KAKEYA_GEMV_CASE
   }
   return true;
+}
+
+// ---------------------------------------------------------------------------
+// Skinny tensor-core GEMM for verify and drafter blocks (bf16, 9..16 rows):
+//   y[m, n] = Σ_k x[m, k]·W[n, k] (+ bias[n]); gated mode (act != None): W = [gate; up]
+//   ([2N, K]) and y = act(gate)·up, rounded as gemv_kernel's gated epilogue does.
+// Same contract as gemv_kernel: f32 accumulation, one rounding to bf16 at the end.
+//
+// Why not cuBLAS: at 9..16 rows these layers are tiny (0.2..4 MB of weights) and
+// latency-bound; one kernel that issues every weight load at once, with the gated
+// epilogue fused (no act_mul kernel), wins back the cuBLAS kernel(s) + act_mul launch.
+// Why tensor cores: at 16 rows a CUDA-core dot product spends ~16 FMAs per loaded
+// weight, which no longer hides under the load; one mma.sync does 16·8·16 of them.
+//
+// Fragments (PTX ISA, mma.m16n8k16 .bf16; lane = 4·g + q, g = lane / 4, q = lane % 4):
+//   A (x, 16×16, row): a0 = x[g][2q, 2q+1]  a1 = x[g+8][2q, 2q+1]  a2 = x[g][2q+8, +9]  a3 = x[g+8][2q+8, +9]
+//   B (Wᵀ, 16×8, col): b0 = W[g][2q, 2q+1]  b1 = W[g][2q+8, 2q+9]
+//   C (16×8 f32):      c0, c1 = row g, cols 2q, 2q+1;  c2, c3 = row g+8, same cols
+// A k chunk of 32 is two mma's with a permuted k order: lane (g, q) loads W[n0+g][kc+8q .. +7]
+// (one 16-byte load, the 4 lanes of a row read 64 contiguous bytes) as words w0..w3 and
+// passes b = {w0, w1} to the first mma and {w2, w3} to the second. So the first mma's
+// logical k (2q+e, 2q+8+e) is physical kc+8q+e, kc+8q+2+e and the second's is kc+8q+4+e,
+// kc+8q+6+e: a bijection onto kc..kc+31 that depends on the logical index only, so the A
+// side uses it too: x[g][kc+8q .. +7] and x[g+8][same] (two 16-byte loads) split the same way.
+// Σ_k is order-free, so the result is the plain product up to f32 summation order.
+//
+// Work split. A warp owns a unit of output columns: 16 (two 8-column n-tiles) or, gated,
+// 8 (the gate tile and its up tile: the epilogue has both in registers). Two tiles per warp
+// halve the x traffic per weight byte (x fragments are loaded once for both).
+//  * P = 1 (many units: lm_head, draft head): persistent CTAs, each warp loops over units with
+//    all of K, kSgUnroll chunks (2·kSgUnroll 16-byte weight loads) in flight per lane, and
+//    writes its outputs straight from the C fragments.
+//  * P > 1 (few units, N ~ 128..2048): K is split P ways so that about one wave of warps
+//    has every weight load in flight at once: S = min(P, 8) CTAs of a thread-block cluster
+//    (sm_90) times wk = P / S warps per CTA. Partial sums go through shared memory: the
+//    CTA's wk warps are summed in place, then each CTA of the cluster finalises 1/S of the
+//    outputs reading the S CTA sums over distributed shared memory. Fixed summation order
+//    (warps, then ranks, in index order): deterministic, no atomics, no workspace, one
+//    kernel. Splitting across the cluster first (rather than across a CTA's warps) keeps
+//    the warps of a CTA on the same k slice, so they share x through L1.
+// x is read straight from global memory with 16-byte loads, not staged in shared memory:
+// it was just written (L2-resident), the warps of a CTA that share a k slice (all of K in
+// the persistent path) read the same x through L1, and a staged copy would cost a pass over
+// x per CTA plus a barrier before the first mma, where here each x element is loaded where
+// a fragment needs it, in flight together with the weights. Rows M..15 of the A fragments
+// are zeros (not loaded). Weights are streamed with ld.global.nc.L1::no_allocate so they do
+// not evict x from L1. Shared memory holds only the split-K partial sums (8 KB per CTA).
+//   x: [M, K]; W: [N or 2N, K] row-major; bias: [N or 2N] or nullptr; y: [M, N].
+//   x and W 16-byte aligned, K % 32 == 0.
+constexpr int kSgMinRows = kGemvMaxRows + 1;  // below: gemv_kernel (decode steps)
+constexpr int kSgMaxRows = 16;                // one m16 row block
+constexpr int kSgWarps = 8;
+constexpr int kSgThreads = kSgWarps * 32;
+constexpr int kSgUnroll = 4;      // 32-wide k chunks per load round (x 2 tiles: 8 weight loads per lane)
+constexpr int kSgMaxCluster = 8;  // the portable cluster size limit
+constexpr int kSgMaxSplit = kSgMaxCluster * kSgWarps;
+
+// Weights are read once per call: bypass L1 (keeps x resident there).
+__device__ __forceinline__ uint4 sg_load_stream(const __nv_bfloat16* p) {  // 8 values, 16-byte aligned
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// d += A·B for one 16x8x16 tile; a0..a3, b0..b1 as in the fragment table above.
+__device__ __forceinline__ void sg_mma(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                       uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One 32-wide k chunk for one n-tile: lo = x row g, hi = x row g+8, w = W row n0+g (16 bytes each).
+__device__ __forceinline__ void sg_mma_chunk(float (&d)[4], const uint4& lo, const uint4& hi, const uint4& w) {
+  sg_mma(d, lo.x, hi.x, lo.y, hi.y, w.x, w.y);  // physical k 8q+0..3
+  sg_mma(d, lo.z, hi.z, lo.w, hi.w, w.z, w.w);  // physical k 8q+4..7
+}
+
+// acc[t] += this lane's C fragment of tile t of `unit` over k chunks [c0, c1).
+// Tile 0: W rows unit·CW + g; tile 1: the up rows N + unit·8 + g (gated) or unit·16 + 8 + g.
+template <bool GATED>
+__device__ __forceinline__ void sg_accumulate(const __nv_bfloat16* __restrict__ x,  // [M, K]
+                                              const __nv_bfloat16* __restrict__ W,  // [N or 2N, K]
+                                              int M, int N, int K, int unit, int c0, int c1, int lane,
+                                              float (&acc)[2][4]) {
+  constexpr int CW = GATED ? 8 : 16;
+  const int g = lane >> 2, q = lane & 3;
+  const int n0 = unit * CW;
+  // Rows past N (the last unit) read row N-1 instead: their columns are never stored, and a
+  // clamped address keeps the loads unpredicated. A tile wholly past N loads nothing.
+  const int64_t row0 = min(n0 + g, N - 1);
+  const int64_t row1 = GATED ? N + row0 : min(n0 + 8 + g, N - 1);
+  const bool tile1 = GATED || n0 + 8 < N;  // warp-uniform
+  const __nv_bfloat16* w0 = W + row0 * K + q * 8;
+  const __nv_bfloat16* w1 = W + row1 * K + q * 8;
+  // A rows M..15 are zeros: the hi fragment is only loaded where row g+8 exists (g < 8 < M always does).
+  const bool hi_ok = g + 8 < M;
+  const __nv_bfloat16* xlo = x + (int64_t)g * K + q * 8;
+  const __nv_bfloat16* xhi = x + (int64_t)(hi_ok ? g + 8 : g) * K + q * 8;
+  const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+  for (int c = c0; c < c1; c += kSgUnroll) {
+    uint4 wa[kSgUnroll], wb[kSgUnroll], lo[kSgUnroll], hi[kSgUnroll];
+    // Every load of the round is issued before the first mma waits on one.
+#pragma unroll
+    for (int j = 0; j < kSgUnroll; ++j) {
+      if (c + j < c1) {
+        wa[j] = sg_load_stream(w0 + (c + j) * 32);
+        wb[j] = tile1 ? sg_load_stream(w1 + (c + j) * 32) : zero;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kSgUnroll; ++j) {
+      if (c + j < c1) {
+        lo[j] = __ldg(reinterpret_cast<const uint4*>(xlo + (c + j) * 32));
+        hi[j] = hi_ok ? __ldg(reinterpret_cast<const uint4*>(xhi + (c + j) * 32)) : zero;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kSgUnroll; ++j) {
+      if (c + j < c1) {
+        sg_mma_chunk(acc[0], lo[j], hi[j], wa[j]);
+        sg_mma_chunk(acc[1], lo[j], hi[j], wb[j]);
+      }
+    }
+  }
+}
+
+// The epilogue of one output: gemv_kernel's rounding, term for term.
+template <bool GATED>
+__device__ __forceinline__ void sg_store(__nv_bfloat16* __restrict__ y,           // [M, N]
+                                         const __nv_bfloat16* __restrict__ bias,  // [N or 2N] or nullptr
+                                         int N, Act act, int m, int n, float gate, float up) {
+  using T = __nv_bfloat16;
+  const float g = gate + (bias ? from_t<T>(bias[n]) : 0.f);
+  if (!GATED) {
+    y[(int64_t)m * N + n] = to_t<T>(g);
+  } else {
+    // The unfused path materialises gate and up in T, then act(gate) in T, then the product.
+    const float u = rnd<T>(up + (bias ? from_t<T>(bias[n + N]) : 0.f));
+    y[(int64_t)m * N + n] = to_t<T>(rnd<T>(apply_act(rnd<T>(g), act)) * u);
+  }
+}
+
+// S == 1: persistent (P = 1). S > 1: launched as clusters of S CTAs along x, K split S·wk ways.
+template <bool GATED>
+__global__ void __launch_bounds__(kSgThreads, 2)
+    skinny_gemm_kernel(const __nv_bfloat16* __restrict__ x,     // [M, K]
+                       const __nv_bfloat16* __restrict__ W,     // [N, K], or [2N, K] = [gate; up] (GATED)
+                       const __nv_bfloat16* __restrict__ bias,  // [N or 2N] or nullptr
+                       __nv_bfloat16* __restrict__ y,           // [M, N]
+                       int M, int N, int K, int wk, int S, Act act) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // clusters and this tuning are sm_90: the launcher refuses older devices
+#else
+  constexpr int CW = GATED ? 8 : 16;          // output columns per unit
+  constexpr int OPU = kSgMaxRows * CW;        // outputs per unit (rows past M skipped)
+  // Per warp: its two 16x8 tiles' partial sums, dense [tile][m][n] (256 floats).
+  __shared__ __align__(16) float part[kSgWarps * 256];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, q = lane & 3;
+  const int units = (N + CW - 1) / CW, C = K / 32;
+  float acc[2][4];
+
+  if (S == 1) {
+    for (int unit = blockIdx.x * kSgWarps + warp; unit < units; unit += gridDim.x * kSgWarps) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[0][i] = acc[1][i] = 0.f;
+      sg_accumulate<GATED>(x, W, M, N, K, unit, 0, C, lane, acc);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // c0, c1: row g; c2, c3: row g+8
+        const int m = g + 8 * h;
+        if (m >= M) continue;
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          if (GATED) {
+            const int n = unit * CW + 2 * q + j;
+            if (n < N) sg_store<true>(y, bias, N, act, m, n, acc[0][2 * h + j], acc[1][2 * h + j]);
+          } else {
+#pragma unroll
+            for (int t = 0; t < 2; ++t) {
+              const int n = unit * CW + 8 * t + 2 * q + j;
+              if (n < N) sg_store<false>(y, bias, N, act, m, n, acc[t][2 * h + j], 0.f);
+            }
+          }
+        }
+      }
+    }
+    return;
+  }
+
+  // Split K: this CTA is rank `rank` of a cluster of S working on units_cta units; warp
+  // (tl, ks) takes unit tl and K part p = rank·wk + ks of P = S·wk.
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = (int)cluster.block_rank();
+  const int units_cta = kSgWarps / wk;
+  const int group = blockIdx.x / S;  // clusters tile the grid along x: blocks group·S .. group·S + S-1
+  const int tl = warp / wk, ks = warp % wk;
+  const int unit = group * units_cta + tl;
+  const int P = S * wk, p = rank * wk + ks;
+  const int c0 = (int)((int64_t)C * p / P), c1 = (int)((int64_t)C * (p + 1) / P);  // P <= C: never empty
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[0][i] = acc[1][i] = 0.f;
+  if (unit < units) sg_accumulate<GATED>(x, W, M, N, K, unit, c0, c1, lane, acc);  // warp-uniform
+  float* mine = part + warp * 256;
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    *reinterpret_cast<float2*>(mine + t * 128 + g * 8 + 2 * q) = make_float2(acc[t][0], acc[t][1]);
+    *reinterpret_cast<float2*>(mine + t * 128 + (g + 8) * 8 + 2 * q) = make_float2(acc[t][2], acc[t][3]);
+  }
+  if (wk > 1) {
+    // The CTA's sum of each unit, in place into its first warp's slot: element i of unit tl is
+    // read and written by one thread only.
+    __syncthreads();
+    for (int e = threadIdx.x; e < units_cta * 256; e += kSgThreads) {
+      float* s = part + (e / 256) * wk * 256 + e % 256;
+      float v = s[0];
+      for (int j = 1; j < wk; ++j) v += s[j * 256];
+      s[0] = v;
+    }
+  }
+  cluster.sync();  // every CTA's sums are written and visible across the cluster
+  // This rank finalises outputs [rank·per, (rank+1)·per) of the group's units_cta·OPU, at most
+  // kOut per thread: all their DSMEM reads are issued together, then the thread arrives on the
+  // cluster barrier (its reads of the other CTAs' shared memory are done) before it stores, so
+  // the barrier's release fence does not wait for the y stores.
+  constexpr int kOut = kSgWarps * 256 / 2 / kSgThreads;  // per <= 8 units·256 / (S >= 2)
+  const int per = units_cta * OPU / S;                    // OPU = 128 or 256, S | 8: exact
+  float v0[kOut], v1[kOut];
+  int om[kOut], on[kOut];
+#pragma unroll
+  for (int k = 0; k < kOut; ++k) {
+    v0[k] = v1[k] = 0.f;
+    om[k] = -1;
+    on[k] = 0;
+    const int e = rank * per + threadIdx.x + k * kSgThreads;
+    if (e >= (rank + 1) * per) continue;
+    const int u = e / OPU, o = e % OPU;
+    const int m = o / CW, c = o % CW;
+    const int n = (group * units_cta + u) * CW + c;
+    if (m >= M || n >= N) continue;
+    om[k] = m;
+    on[k] = n;
+    // Index in a slot: tile 0/1 (gated: gate/up, same column; else column c / 8), row m, column c % 8.
+    const int i0 = u * wk * 256 + (GATED ? 0 : (c / 8) * 128) + m * 8 + c % 8;
+#pragma unroll
+    for (int r = 0; r < kSgMaxCluster; ++r) {
+      if (r < S) {
+        const float* rp = cluster.map_shared_rank(part, r);
+        v0[k] += rp[i0];
+        if (GATED) v1[k] += rp[i0 + 128];
+      }
+    }
+  }
+  cluster.barrier_arrive();
+#pragma unroll
+  for (int k = 0; k < kOut; ++k)
+    if (om[k] >= 0) sg_store<GATED>(y, bias, N, act, om[k], on[k], v0[k], v1[k]);
+  cluster.barrier_wait();  // no CTA may exit while another still reads its shared memory
+#endif
+}
+
+// The launch config of a cluster of S CTAs along x (also what the occupancy query takes).
+inline cudaLaunchConfig_t sg_config(unsigned grid, int S, cudaStream_t s, cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(kSgThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = s;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)S;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// Returns false when the shape is not for this kernel (caller falls back to cuBLAS):
+// not bf16, M outside [kSgMinRows, kSgMaxRows], K % 32 != 0, x or W not 16-byte aligned,
+// a device older than sm_90, or a cluster launch the device refuses.
+template <bool GATED>
+bool launch_skinny_gemm_bf16(const __nv_bfloat16* x,     // [M, K]
+                             const __nv_bfloat16* W,     // [N, K], or [2N, K] = [gate; up] (GATED)
+                             const __nv_bfloat16* bias,  // [N or 2N] or nullptr
+                             __nv_bfloat16* y,           // [M, N]
+                             int M, int N, int K, Act act, cudaStream_t s) {
+  // How many CTAs (plain) and clusters of 2, 4, 8 CTAs of this kernel are resident at once:
+  // registers bound a CTA to 2 per SM (__launch_bounds__), and a cluster must fit one GPC, so
+  // the device's own count is asked rather than derived. Devices are assumed alike: asked once.
+  static const std::array<int, 4> resident = [] {
+    std::array<int, 4> n{};  // [0]: CTAs per SM; [i]: clusters of 1 << i CTAs on the device
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n[0], skinny_gemm_kernel<GATED>, kSgThreads, 0) != cudaSuccess)
+      (void)cudaGetLastError();
+    for (int i = 1; i < 4; ++i) {
+      cudaLaunchAttribute attr[1];
+      const cudaLaunchConfig_t cfg = sg_config(1u << i, 1 << i, nullptr, attr);
+      if (cudaOccupancyMaxActiveClusters(&n[i], reinterpret_cast<const void*>(skinny_gemm_kernel<GATED>), &cfg) !=
+          cudaSuccess) {
+        (void)cudaGetLastError();
+        n[i] = 0;
+      }
+    }
+    return n;
+  }();
+  int dev = 0, sms = 0, major = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (major < 9) return false;
+  constexpr int CW = GATED ? 8 : 16;
+  const int64_t units = (N + CW - 1) / CW, ctas = (int64_t)sms * std::max(resident[0], 1);
+  const int C = K / 32;
+  // K split P (a power of two <= 64, <= C: every warp has a k chunk): the largest whose
+  // clusters all fit on the device at once, so that every weight load of the call is in
+  // flight in the first (only) wave. P = 1 when even P = 2 would not fit: many units, and
+  // persistent CTAs then keep the loads in flight instead.
+  int P = 1;
+  for (int cand = 2; cand <= kSgMaxSplit && cand <= C; cand *= 2) {
+    const int S = std::min(cand, kSgMaxCluster), wk = cand / S, log2S = S == 2 ? 1 : (S == 4 ? 2 : 3);
+    const int64_t units_cta = kSgWarps / wk, clusters = (units + units_cta - 1) / units_cta;
+    const int64_t fit = resident[log2S] > 0 ? resident[log2S] : ctas / S;
+    if (clusters > fit) break;
+    P = cand;
+  }
+  if (P == 1) {
+    const int grid = (int)std::min<int64_t>((units + kSgWarps - 1) / kSgWarps, ctas);
+    skinny_gemm_kernel<GATED><<<grid, kSgThreads, 0, s>>>(x, W, bias, y, M, N, K, 1, 1, act);
+    return true;
+  }
+  const int S = std::min(P, kSgMaxCluster), wk = P / S;
+  const int64_t units_cta = kSgWarps / wk, groups = (units + units_cta - 1) / units_cta;
+  cudaLaunchAttribute attr[1];
+  const cudaLaunchConfig_t cfg = sg_config((unsigned)(groups * S), S, s, attr);
+  if (cudaLaunchKernelEx(&cfg, skinny_gemm_kernel<GATED>, x, W, bias, y, M, N, K, wk, S, act) != cudaSuccess) {
+    (void)cudaGetLastError();  // a refused launch is not sticky: clear it, the caller falls back to cuBLAS
+    return false;
+  }
+  return true;
+}
+
+// Only bf16 has a tensor-core path here (f32 returns false: cuBLAS/TF32 settings decide).
+// N: output columns (for gated mode, W has 2N rows). Returns false (nothing launched) for
+// shapes the kernel does not take: see launch_skinny_gemm_bf16.
+template <typename T>
+bool launch_skinny_gemm(const T* x,     // [M, K]
+                        const T* W,     // [N, K], or [2N, K] = [gate; up] when act != None
+                        const T* bias,  // [N] or [2N], or nullptr
+                        T* y,           // [M, N]
+                        int M, int N, int K, Act act, cudaStream_t s) {
+  if constexpr (!std::is_same_v<T, __nv_bfloat16>) {
+    return false;
+  } else {
+    if (M < kSgMinRows || M > kSgMaxRows || N < 1 || K < 32 || K % 32 != 0) return false;
+    if (reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(W) % 16 != 0) return false;
+    return act == Act::None ? launch_skinny_gemm_bf16<false>(x, W, bias, y, M, N, K, act, s)
+                            : launch_skinny_gemm_bf16<true>(x, W, bias, y, M, N, K, act, s);
+  }
 }
 
 }  // namespace kakeya::kernels

@@ -1,0 +1,181 @@
+// Framework-free CUDA kernels for speculative blocks (infer/fused.h): greedy acceptance of
+// a verify block, the block's advance, and the gathering of target features into their
+// buffers. Small, latency-bound work that would otherwise be a dozen tiny ATen launches
+// per block. core/cuda/spec_ops.cu wraps them for at::Tensor; core/ops.h declares them
+// with the LibTorch reference used on CPU.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/cuda/decode_kernels.cuh"
+
+namespace kakeya::kernels {
+
+// ---------------------------------------------------------------------------
+// Greedy acceptance. scores: [T, V] raw scores (any monotone map of the logits: the
+// argmax is the same); block: [T] int64 = [carried, d_1 .. d_{T-1}].
+// report: [T + 1] int64 = post[0..T-1] (argmax of each row: the verifier's token after
+// each position; the first of equal maxima, NaN counting as the largest, as torch.argmax),
+// then n = 1 + the length of the leading run of d_i == post[i-1].
+// Pass 1: grid (chunks, T), each block reduces one slice of a row to (max, index).
+// Pass 2: one block: each warp reduces rows' partials, then thread 0 counts the run.
+
+// a beats b: larger, NaN first, the lower index among equals.
+__device__ __forceinline__ bool argmax_beats(float a, int ia, float b, int ib) {
+  const bool na = a != a, nb = b != b;
+  if (na || nb) return na && (!nb || ia < ib);
+  return a > b || (a == b && ia < ib);
+}
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (argmax_beats(ov, oi, v, i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+constexpr int kArgmaxThreads = 256;
+
+template <typename T>
+__global__ void argmax_partial_kernel(const T* __restrict__ scores, int V, int chunk, float* __restrict__ pval,
+                                      int* __restrict__ pidx) {
+  const int c = blockIdx.x, row = blockIdx.y, chunks = gridDim.x;
+  const T* r = scores + (int64_t)row * V;
+  const int start = c * chunk, end = min(V, start + chunk);
+  float best = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
+    const float v = from_t<T>(r[j]);
+    if (argmax_beats(v, j, best, bi)) {
+      best = v;
+      bi = j;
+    }
+  }
+  warp_argmax(best, bi);
+  __shared__ float sv[kArgmaxThreads / 32];
+  __shared__ int si[kArgmaxThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    sv[warp] = best;
+    si[warp] = bi;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    best = lane < kArgmaxThreads / 32 ? sv[lane] : -INFINITY;
+    bi = lane < kArgmaxThreads / 32 ? si[lane] : 0x7fffffff;
+    warp_argmax(best, bi);
+    if (lane == 0) {
+      pval[row * chunks + c] = best;
+      pidx[row * chunks + c] = bi;
+    }
+  }
+}
+
+__global__ void greedy_accept_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
+                                     const int64_t* __restrict__ block, int64_t* __restrict__ report, int Tn) {
+  extern __shared__ int64_t post[];  // [Tn]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int row = warp; row < Tn; row += warps) {
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int c = lane; c < chunks; c += 32) {
+      const float v = pval[row * chunks + c];
+      const int i = pidx[row * chunks + c];
+      if (argmax_beats(v, i, best, bi)) {
+        best = v;
+        bi = i;
+      }
+    }
+    warp_argmax(best, bi);
+    if (lane == 0) {
+      post[row] = bi;
+      report[row] = bi;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t n = 1;
+    while (n < Tn && block[n] == post[n - 1]) ++n;
+    report[Tn] = n;
+  }
+}
+
+inline int argmax_chunks(int V) { return V >= 64 * 2048 ? 64 : (V + 2047) / 2048; }
+
+// scratch: argmax_chunks(V) · T floats and as many ints.
+template <typename T>
+void launch_greedy_accept(const T* scores, const int64_t* block, int64_t* report, float* pval, int* pidx, int Tn,
+                          int V, cudaStream_t s) {
+  const int chunks = argmax_chunks(V), chunk = (V + chunks - 1) / chunks;
+  argmax_partial_kernel<T><<<dim3(chunks, Tn), kArgmaxThreads, 0, s>>>(scores, V, chunk, pval, pidx);
+  greedy_accept_kernel<<<1, 256, Tn * sizeof(int64_t), s>>>(pval, pidx, chunks, block, report, Tn);
+}
+
+// ---------------------------------------------------------------------------
+// The block's advance after acceptance: with n = report[T], the next block starts n
+// positions later and carries the verifier's token after the accepted drafts:
+//   block[0] = report[n - 1]; pos0 += n; qpos[i] = pos0 + i (i < T).
+// One block of threads; pos0 is read by all before thread 0 moves it.
+__global__ void advance_block_kernel(const int64_t* __restrict__ report, int Tn, int64_t* __restrict__ block,
+                                     int64_t* __restrict__ pos0, int64_t* __restrict__ qpos) {
+  const int64_t n = report[Tn];
+  const int64_t p = pos0[0] + n;
+  __syncthreads();
+  for (int i = threadIdx.x; i < Tn; i += blockDim.x) qpos[i] = p + i;
+  if (threadIdx.x == 0) {
+    block[0] = report[n - 1];
+    pos0[0] = p;
+  }
+}
+
+inline void launch_advance_block(const int64_t* report, int Tn, int64_t* block, int64_t* pos0, int64_t* qpos,
+                                 cudaStream_t s) {
+  advance_block_kernel<<<1, Tn < 1024 ? ((Tn + 31) / 32) * 32 : 1024, 0, s>>>(report, Tn, block, pos0, qpos);
+}
+
+// ---------------------------------------------------------------------------
+// Concatenated rows: row t of `out` and ring row pos[t] mod R are
+// [src_0[t, :] | src_1[t, :] | ...] (each src_i: [T, H_i] contiguous), i.e. the drafter's
+// target features from the verifier's tapped hidden states, written where the fused block
+// and the Restorer read them. out, ring: [*, F] contiguous, F = Σ H_i; either may be null.
+constexpr int kMaxRowSources = 8;
+template <typename T>
+struct RowSources {
+  const T* src[kMaxRowSources];
+  int width[kMaxRowSources];
+  int n = 0;
+};
+
+template <typename T>
+__global__ void concat_rows_kernel(RowSources<T> parts, const int64_t* __restrict__ pos, int F, T* __restrict__ out,
+                                   T* __restrict__ ring, int64_t ring_rows) {
+  const int t = blockIdx.x;
+  T* o = out ? out + (int64_t)t * F : nullptr;
+  T* g = ring ? ring + (pos[t] % ring_rows) * F : nullptr;
+  int off = 0;
+  for (int i = 0; i < parts.n; ++i) {
+    const int w = parts.width[i];
+    const T* sr = parts.src[i] + (int64_t)t * w;
+    for (int j = threadIdx.x; j < w; j += blockDim.x) {
+      const T v = sr[j];
+      if (o) o[off + j] = v;
+      if (g) g[off + j] = v;
+    }
+    off += w;
+  }
+}
+
+template <typename T>
+void launch_concat_rows(const RowSources<T>& parts, const int64_t* pos, int rows, int F, T* out, T* ring,
+                        int64_t ring_rows, cudaStream_t s) {
+  concat_rows_kernel<T><<<rows, 256, 0, s>>>(parts, pos, F, out, ring, ring_rows);
+}
+
+}  // namespace kakeya::kernels

@@ -1,0 +1,13 @@
+// at::Tensor wrappers of core/cuda/spec_kernels.cuh (CUDA builds only); callers use core/ops.h.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <vector>
+
+namespace kakeya::ops::cuda {
+
+void greedy_accept(const at::Tensor& scores, const at::Tensor& block, at::Tensor& report);
+void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos);
+void concat_rows(const std::vector<at::Tensor>& parts, at::Tensor* out, at::Tensor* ring, const at::Tensor& pos);
+
+}  // namespace kakeya::ops::cuda
