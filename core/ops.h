@@ -26,14 +26,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
                                                const at::Tensor& w_next, const NormSpec& ns);
 
-// x: [..., K]; w: [N, K]; bias: [N] or undefined -> [..., N]. On CUDA, by rows M = x.numel() / K:
-//   M <= 8 (decode steps, small blocks): a bandwidth-bound GEMV kernel (bf16 or f32; x staged
-//     as f32 in 48 KB of shared memory: M·K <= ~12k);
-//   9 <= M <= 16, bf16, K % 32 == 0, x and w 16-byte aligned (verify and drafter blocks):
-//     a tensor-core skinny GEMM (mma.sync, K split over a thread-block cluster, sm_90);
-//   anything else: at::linear (cuBLAS). Same contract on every path: f32 accumulation, one
-//   rounding to the dtype. linear_act_mul below dispatches the same way, with act(gate)·up
-//   fused into our kernels' epilogue (cuBLAS + act_mul otherwise).
+// x: [..., K]; w: [N, K]; bias: [N] or undefined -> [..., N]. On CUDA with at most
+// 8 rows (decode, small verify blocks) a bandwidth-bound GEMV kernel, else at::linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = {});
 
 // The gated MLP's first half: act_mul(linear(x, w, bias)) with w = [gate; up]: [2I, K] -> [..., I].

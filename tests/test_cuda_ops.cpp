@@ -6,19 +6,12 @@
 
 #include <unistd.h>
 
-#include <cmath>
-#include <cstdint>
-
 #include "core/fs.h"
 #include "core/ops.h"
 #include "core/rope.h"
 #include "core/safetensors.h"
 
 using namespace kakeya;
-
-namespace kakeya::ops::cuda {
-int64_t skinny_gemm_launches();  // core/cuda/decode_ops.cu: skinny GEMM launches so far (host count)
-}
 
 namespace {
 
@@ -237,7 +230,7 @@ TEST_P(CudaOps, DecodeAttention) {
 }
 
 TEST_P(CudaOps, Linear) {
-  for (int64_t M : {1, 3, 8, 13})  // 13 rows: the skinny GEMM (bf16, K % 32 == 0), else cuBLAS
+  for (int64_t M : {1, 3, 8, 13})  // 13 rows: the cuBLAS fallback
     for (auto nk : {std::pair<int64_t, int64_t>{7, 640}, {1536, 640}, {640, 2048}, {1001, 24}})
       for (bool with_bias : {false, true}) {
         auto x = at::randn({M, nk.second}).to(dt());
@@ -258,13 +251,12 @@ TEST_P(CudaOps, LinearActMul) {
         auto w = (at::randn({2 * nk.first, nk.second}) * 0.1).to(dt());
         std::string tag = "linear_act_mul M=" + std::to_string(M) + " I=" + std::to_string(nk.first);
         auto got = ops::linear_act_mul(x.to(kCuda), w.to(kCuda), {}, gelu);
-        // Our fused kernels: the GEMV up to 8 rows, the bf16 skinny GEMM up to 16 (K % 32 == 0).
-        if (M <= 8 || (dt() == at::kBFloat16 && M <= 16 && nk.second % 32 == 0)) {
-          // Against f32 matmul rounded once (what a GEMM returns), then the activation.
+        if (M <= 8) {
+          // The fused kernel: against f32 matmul rounded once (what a GEMM returns), then the activation.
           auto gu = at::linear(x.to(at::kFloat), w.to(at::kFloat)).to(dt());
           expect_close(got, ops::act_mul(gu, gelu), tag);
         } else {
-          // Past the kernels' rows: exactly the unfused cuBLAS path.
+          // Past the kernel's rows: exactly the unfused cuBLAS path.
           auto want = ops::act_mul(at::linear(x.to(kCuda), w.to(kCuda)), gelu);
           EXPECT_TRUE(at::equal(got, want)) << tag;
         }
@@ -348,213 +340,6 @@ TEST_P(CudaOps, ConcatRows) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOps, ::testing::Values(at::kFloat, at::kBFloat16));
-
-// The bf16 tensor-core skinny GEMM (9..16 rows: verify and drafter blocks) behind ops::linear
-// and ops::linear_act_mul, against the plain LibTorch reference in f32 on the CPU from the
-// same bf16 values. Every shape class of the kernel: one unit and partial units (N = 1, 7,
-// 37), K split over clusters (N = 640, 1536), the persistent path (K = 32, and N past one
-// wave), rows past M inside the 16-row tile (M = 9, 13).
-class CudaSkinnyGemm : public ::testing::Test {
- protected:
-  void SetUp() override {
-    if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
-    at::manual_seed(4321);
-  }
-  // Runs f (returning a fresh [M, N] bf16 output) after handing the caching allocator a
-  // NaN-filled block of the output's size: the allocator gives the block just freed to the
-  // next request of that size on the stream, so an element the kernel skips stays NaN.
-  // And f must have launched the skinny GEMM once (not fallen back to cuBLAS).
-  template <typename F>
-  at::Tensor poisoned(int64_t M, int64_t N, F&& f, const std::string& what) {
-    const void* where = nullptr;
-    {
-      auto p = at::full({M, N}, NAN, at::TensorOptions().dtype(at::kBFloat16).device(kCuda));
-      where = p.data_ptr();
-    }
-    const int64_t launches = ops::cuda::skinny_gemm_launches();
-    auto y = f();
-    EXPECT_EQ(ops::cuda::skinny_gemm_launches(), launches + 1) << what << ": the skinny GEMM did not run";
-    ++calls_;
-    if (y.data_ptr() == where) ++landed_;
-    return y;
-  }
-  void TearDown() override {
-    // Every call must have written into the poisoned block, or "no NaN" proved nothing.
-    EXPECT_EQ(landed_, calls_) << "outputs that did not land on the NaN-filled block";
-  }
-  int64_t calls_ = 0, landed_ = 0;
-};
-
-// ||got - ref|| / ||ref|| (ref in f32) and no element left unwritten (NaN).
-void expect_rel(const at::Tensor& got, const at::Tensor& ref, double tol, const std::string& what) {
-  auto g = got.to(at::kCPU, at::kFloat), r = ref.to(at::kFloat);
-  ASSERT_EQ(g.sizes(), r.sizes()) << what;
-  EXPECT_FALSE(at::isnan(g).any().item<bool>()) << what << ": unwritten (NaN) outputs";
-  const double rel = (g - r).norm().item<double>() / (r.norm().item<double>() + 1e-30);
-  EXPECT_LT(rel, tol) << what << ": relative error " << rel;
-}
-
-// expect_close's bf16 check for a GEMM output: one bf16 rounding step elementwise, and nearly
-// all elements identical (tiny outputs, N = 1: 9 elements, may have one element on a tie
-// that a different f32 summation order rounds the other way, so at least 2 may differ).
-void expect_close_gemm(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
-  auto g = got.to(at::kCPU, at::kFloat), w = want.to(at::kFloat);
-  ASSERT_EQ(g.sizes(), w.sizes()) << what;
-  auto err = (g - w).abs();
-  const double scale = w.abs().max().item<double>() + 1e-6;
-  auto tol = at::maximum(g.abs(), w.abs()) * (1.0 / 128) + 1e-5 * scale;
-  EXPECT_TRUE(err.le(tol).all().item<bool>()) << what << ": max err " << err.max().item<double>();
-  const int64_t differ = err.ne(0).sum().item<int64_t>();
-  EXPECT_LE(differ, std::max<int64_t>(2, g.numel() * 3 / 100)) << what << ": " << differ << " of " << g.numel()
-                                                                 << " elements differ";
-}
-
-// The same for act(gate)·up against gu = [gate | up], the f32 products (+ bias). gate and up
-// are rounded to bf16 before the activation; where a different f32 summation order rounds
-// gate to the neighbouring bf16 value, the output moves by far more than a step where the
-// activation is steep relative to its value (GELU/SiLU at gate < -2: ~5% per gate ulp). So
-// each element must be within 2 steps (act(gate) and the product round again) of the
-// reference computed from gate and up each rounded to the reference value or a neighbour,
-// and nearly all elements identical to the reference itself.
-void expect_close_gated(const at::Tensor& got, const at::Tensor& gu, bool gelu, const std::string& what) {
-  const int64_t N = gu.size(-1) / 2;
-  auto g = got.to(at::kCPU, at::kFloat);
-  auto gate = gu.narrow(-1, 0, N).to(at::kBFloat16), up = gu.narrow(-1, N, N).to(at::kBFloat16);
-  auto ref = ops::act_mul(at::cat({gate, up}, -1), gelu).to(at::kFloat);
-  ASSERT_EQ(g.sizes(), ref.sizes()) << what;
-  // The bf16 value d steps from t (its bit pattern ± d: toward or away from zero).
-  auto nudge = [](const at::Tensor& t, int d) { return (t.view(at::kShort) + d).view(at::kBFloat16); };
-  const double scale = ref.abs().max().item<double>() + 1e-6;
-  auto ok = at::zeros(g.sizes(), at::kBool);
-  for (int dg : {0, -1, 1})
-    for (int du : {0, -1, 1}) {
-      auto cand = ops::act_mul(at::cat({nudge(gate, dg), nudge(up, du)}, -1), gelu).to(at::kFloat);
-      ok = ok.logical_or((g - cand).abs().le(at::maximum(g.abs(), cand.abs()) * (2.0 / 128) + 1e-5 * scale));
-    }
-  EXPECT_TRUE(ok.all().item<bool>()) << what << ": " << ok.logical_not().sum().item<int64_t>()
-                                     << " elements off by more than a rounding of gate or up";
-  const int64_t differ = (g - ref).ne(0).sum().item<int64_t>();
-  EXPECT_LE(differ, std::max<int64_t>(2, g.numel() * 3 / 100)) << what << ": " << differ << " of " << g.numel()
-                                                                 << " elements differ";
-}
-
-std::string shape_tag(const char* op, int64_t M, int64_t N, int64_t K, bool bias) {
-  return std::string(op) + " M=" + std::to_string(M) + " N=" + std::to_string(N) + " K=" + std::to_string(K) +
-         (bias ? " +bias" : "");
-}
-
-TEST_F(CudaSkinnyGemm, Linear) {
-  for (int64_t M : {9, 13, 16})
-    for (int64_t N : {1, 7, 37, 640, 1536})
-      for (int64_t K : {32, 96, 640, 2048, 3200})
-        for (bool with_bias : {false, true}) {
-          auto x = at::randn({M, K}).to(at::kBFloat16);
-          auto w = (at::randn({N, K}) * 0.05).to(at::kBFloat16);
-          auto b = with_bias ? at::randn({N}).to(at::kBFloat16) : at::Tensor();
-          auto ref = at::linear(x.to(at::kFloat), w.to(at::kFloat), with_bias ? b.to(at::kFloat) : b);
-          auto xg = x.to(kCuda), wg = w.to(kCuda), bg = with_bias ? b.to(kCuda) : b;
-          const std::string tag = shape_tag("linear", M, N, K, with_bias);
-          auto got = poisoned(M, N, [&] { return ops::linear(xg, wg, bg); }, tag);
-          expect_rel(got, ref, 1e-2, tag);
-          expect_close_gemm(got, ref.to(at::kBFloat16), tag);
-        }
-}
-
-TEST_F(CudaSkinnyGemm, LinearActMul) {
-  for (int64_t M : {9, 13, 16})
-    for (int64_t N : {1, 7, 37, 1280})  // W: [2N, K] = [gate; up]
-      for (int64_t K : {32, 96, 640, 3200})
-        for (bool gelu : {true, false})
-          for (bool with_bias : {false, true}) {
-            auto x = at::randn({M, K}).to(at::kBFloat16);
-            auto w = (at::randn({2 * N, K}) * 0.05).to(at::kBFloat16);
-            auto b = with_bias ? at::randn({2 * N}).to(at::kBFloat16) : at::Tensor();
-            // The unfused reference: gate/up from the f32 product rounded once, then act_mul in bf16.
-            auto gu = at::linear(x.to(at::kFloat), w.to(at::kFloat), with_bias ? b.to(at::kFloat) : b);
-            auto ref = ops::act_mul(gu.to(at::kBFloat16), gelu);
-            auto xg = x.to(kCuda), wg = w.to(kCuda), bg = with_bias ? b.to(kCuda) : b;
-            const std::string tag = shape_tag(gelu ? "gelu_tanh(gate)*up" : "silu(gate)*up", M, N, K, with_bias);
-            auto got = poisoned(M, N, [&] { return ops::linear_act_mul(xg, wg, bg, gelu); }, tag);
-            expect_rel(got, ref, 1e-2, tag);
-            expect_close_gated(got, gu, gelu, tag);
-          }
-}
-
-// N past one resident wave of warps: the persistent path, warps looping over several units;
-// a partial last unit (N odd). A [1, T, K] input (a verify block) keeps its leading dims.
-TEST_F(CudaSkinnyGemm, ManyColumns) {
-  for (int64_t K : {64, 640}) {
-    const int64_t M = 16, N = 40003;
-    auto x = at::randn({1, M, K}).to(at::kBFloat16);
-    auto w = (at::randn({N, K}) * 0.05).to(at::kBFloat16);
-    auto ref = at::linear(x.to(at::kFloat), w.to(at::kFloat));
-    auto xg = x.to(kCuda), wg = w.to(kCuda);
-    const std::string tag = shape_tag("linear", M, N, K, false);
-    auto got = poisoned(M, N, [&] { return ops::linear(xg, wg); }, tag);
-    ASSERT_EQ(got.sizes().vec(), (std::vector<int64_t>{1, M, N}));
-    expect_rel(got, ref, 1e-2, tag);
-    expect_close_gemm(got, ref.to(at::kBFloat16), tag);
-  }
-  const int64_t M = 11, N = 20001, K = 640;
-  auto x = at::randn({M, K}).to(at::kBFloat16);
-  auto w = (at::randn({2 * N, K}) * 0.05).to(at::kBFloat16);
-  auto b = at::randn({2 * N}).to(at::kBFloat16);
-  auto gu = at::linear(x.to(at::kFloat), w.to(at::kFloat), b.to(at::kFloat));
-  auto ref = ops::act_mul(gu.to(at::kBFloat16), false);
-  auto xg = x.to(kCuda), wg = w.to(kCuda), bg = b.to(kCuda);
-  const std::string tag = shape_tag("silu(gate)*up", M, N, K, true);
-  auto got = poisoned(M, N, [&] { return ops::linear_act_mul(xg, wg, bg, false); }, tag);
-  expect_rel(got, ref, 1e-2, tag);
-  expect_close_gated(got, gu, false, tag);
-}
-
-// The split-K sums are reduced in a fixed order (no atomics): the same call twice is bitwise equal.
-TEST_F(CudaSkinnyGemm, Deterministic) {
-  for (auto nk : {std::pair<int64_t, int64_t>{640, 3200}, {1536, 640}, {7, 2048}}) {
-    auto x = at::randn({16, nk.second}).to(at::kBFloat16).to(kCuda);
-    auto w = (at::randn({2 * nk.first, nk.second}) * 0.05).to(at::kBFloat16).to(kCuda);
-    auto a = ops::linear(x, w), b = ops::linear(x, w);
-    EXPECT_TRUE(at::equal(a, b)) << "linear N=" << 2 * nk.first << " K=" << nk.second;
-    auto c = ops::linear_act_mul(x, w, {}, true), d = ops::linear_act_mul(x, w, {}, true);
-    EXPECT_TRUE(at::equal(c, d)) << "linear_act_mul N=" << nk.first << " K=" << nk.second;
-  }
-}
-
-// Shapes the kernel refuses (K % 32 != 0, 17 rows, x not 16-byte aligned) take cuBLAS
-// through the same ops and stay correct.
-TEST_F(CudaSkinnyGemm, RejectedShapesFallBack) {
-  struct Case { int64_t M, N, K; bool misaligned; };
-  for (auto c : {Case{13, 640, 24, false}, Case{16, 37, 100, false}, Case{9, 640, 648, false},
-                 Case{17, 640, 640, false}, Case{17, 7, 2048, false}, Case{13, 640, 640, true}}) {
-    for (bool gated : {false, true}) {
-      // x: a contiguous view one element into its buffer when misaligned (2-byte offset).
-      auto flat = at::randn({c.M * c.K + 1}).to(at::kBFloat16);
-      const int64_t off = c.misaligned ? 1 : 0;
-      auto x = flat.narrow(0, off, c.M * c.K).view({c.M, c.K});
-      auto w = (at::randn({gated ? 2 * c.N : c.N, c.K}) * 0.05).to(at::kBFloat16);
-      auto b = at::randn({gated ? 2 * c.N : c.N}).to(at::kBFloat16);
-      auto fg = flat.to(kCuda);
-      auto xg = fg.narrow(0, off, c.M * c.K).view({c.M, c.K});
-      ASSERT_EQ(reinterpret_cast<uintptr_t>(xg.data_ptr()) % 16 != 0, c.misaligned);
-      auto gu = at::linear(x.to(at::kFloat), w.to(at::kFloat), b.to(at::kFloat));
-      const std::string tag = shape_tag(gated ? "fallback silu(gate)*up" : "fallback linear", c.M, c.N, c.K, true) +
-                              (c.misaligned ? " misaligned x" : "");
-      auto wg = w.to(kCuda), bg = b.to(kCuda);
-      const int64_t launches = ops::cuda::skinny_gemm_launches();
-      if (gated) {
-        auto ref = ops::act_mul(gu.to(at::kBFloat16), false);
-        auto got = ops::linear_act_mul(xg, wg, bg, false);
-        expect_rel(got, ref, 1e-2, tag);
-        expect_close_gated(got, gu, false, tag);
-      } else {
-        auto got = ops::linear(xg, wg, bg);
-        expect_rel(got, gu, 1e-2, tag);
-        expect_close_gemm(got, gu.to(at::kBFloat16), tag);
-      }
-      EXPECT_EQ(ops::cuda::skinny_gemm_launches(), launches) << tag << ": refused shapes must not launch the kernel";
-    }
-  }
-}
 
 }  // namespace
 

@@ -56,7 +56,6 @@ void register_score(CLI::App& app);
 void register_bench(CLI::App& app);
 void register_bench_train_ftheta(CLI::App& bench);  // cmd_bench_train.cpp: `kakeya bench train-ftheta`
 void register_bench_spec(CLI::App& bench);          // cmd_bench_spec.cpp: `kakeya bench spec` (kakeya.cpp registers it)
-void register_bench_gemm(CLI::App& bench);          // cmd_bench_gemm.cpp: `kakeya bench gemm`
 void register_calibrate(CLI::App& app);   // cmd_calibrate.cpp
 void register_codec_eval(CLI::App& app);  // cmd_codec_eval.cpp
 // The invocation, recorded in calibration manifests and reports (set by main).

@@ -39,7 +39,6 @@ void register_bench(CLI::App& app) {
   auto* bench = app.add_subcommand("bench", "Benchmarks: print a table, write JSON");
   bench->require_subcommand(1);
   register_bench_train_ftheta(*bench);
-  register_bench_gemm(*bench);
   struct Opts {
     std::string model = "checkpoints/models/gemma3-270m";
     std::string json, python = "python3", peer = "tools/hf_bench.py";

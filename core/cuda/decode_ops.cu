@@ -1,8 +1,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <atomic>
-
 #include "core/cuda/decode_kernels.cuh"
 #include "core/cuda/decode_ops.h"
 
@@ -193,17 +191,9 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   return out;
 }
 
-// Host-side count of skinny GEMM launches (a captured graph counts once, at capture): the
-// tests and `kakeya bench gemm` check with it that a shape took our kernel, not cuBLAS.
-// Declared where it is used (tests/test_cuda_ops.cpp, tools/cmd_bench_gemm.cpp).
-static std::atomic<int64_t> g_skinny_gemm_launches{0};
-int64_t skinny_gemm_launches() { return g_skinny_gemm_launches.load(std::memory_order_relaxed); }
-
 namespace {
-// Our kernel when the shape suits it, else an undefined tensor (the caller takes cuBLAS):
-// up to kGemvMaxRows rows the GEMV kernel (decode steps), kSgMinRows..kSgMaxRows bf16 rows
-// the tensor-core skinny GEMM (verify and drafter blocks). act != None: w is [gate; up]
-// ([2N, K]) and the result act(gate)·up ([..., N]).
+// The GEMV kernel when the shape suits it, else an undefined tensor. act != None:
+// w is [gate; up] ([2N, K]) and the result act(gate)·up ([..., N]).
 at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& bias, k::Act act) {
   auto x = x_in.contiguous();
   const int64_t K = x.size(-1), M = x.numel() / K;
@@ -211,7 +201,7 @@ at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
   const bool ok = x.is_cuda() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
                   w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.size(1) == K &&
                   (!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.is_contiguous()));
-  if (!ok || M > k::kSgMaxRows || (M > k::kGemvMaxRows && x.scalar_type() != at::kBFloat16)) return {};
+  if (!ok || M > k::kGemvMaxRows) return {};
   c10::cuda::CUDAGuard g(x.device());
   auto sizes = x.sizes().vec();
   sizes.back() = N;
@@ -219,14 +209,8 @@ at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
   bool launched = false;
   dispatch(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    if (M <= k::kGemvMaxRows) {
-      launched = k::launch_gemv<T>(ptr<T>(x), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, ptr<T>(y), M, N, K,
-                                   act, at::cuda::getCurrentCUDAStream());
-    } else {
-      launched = k::launch_skinny_gemm<T>(ptr<T>(x), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, ptr<T>(y), M,
-                                          N, K, act, at::cuda::getCurrentCUDAStream());
-      if (launched) g_skinny_gemm_launches.fetch_add(1, std::memory_order_relaxed);
-    }
+    launched = k::launch_gemv<T>(ptr<T>(x), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, ptr<T>(y), M, N, K,
+                                 act, at::cuda::getCurrentCUDAStream());
   });
   return launched ? y : at::Tensor();
 }
