@@ -797,14 +797,17 @@ at::Tensor Drafter::forward_block_in_cache(const at::Tensor& x, const at::Tensor
 }
 
 at::Tensor Drafter::draft_tokens(const at::Tensor& hidden) const {
+  at::Tensor out = at::empty(hidden.sizes().slice(0, hidden.dim() - 1), hidden.options().dtype(at::kLong));
+  draft_tokens_into(hidden, out);
+  return out;
+}
+
+void Drafter::draft_tokens_into(const at::Tensor& hidden, at::Tensor& out) const {
   // The multiplier (> 0, checked at load) and the softcap are monotone: the argmax of the
   // head's raw scores is logits()'s (up to rounding ties), without its passes over [T, V].
-  if (head_sub_.defined()) {
-    at::Tensor scores = at::linear(hidden.to(head_sub_.scalar_type()), head_sub_);  // [B, T, K]
-    return vocab_ids_.index_select(0, scores.argmax(-1).flatten()).view(scores.sizes().slice(0, scores.dim() - 1));
-  }
-  at::Tensor scores = at::linear(hidden.to(target_->lm_head().scalar_type()), target_->lm_head());  // [B, T, V]
-  return scores.argmax(-1);
+  const at::Tensor& head = head_sub_.defined() ? head_sub_ : target_->lm_head();  // [K or V, H]
+  at::Tensor scores = at::linear(hidden.to(head.scalar_type()), head);            // [B, T, K or V]
+  ops::argmax_rows(scores, vocab_ids_, out);  // vocab_ids_ undefined: the whole vocabulary
 }
 
 at::Tensor Drafter::logits(const at::Tensor& hidden) const {

@@ -253,6 +253,9 @@ class Drafter {
   // ties, from the head's raw scores (multiplier and softcap are monotone); with a draft
   // vocabulary, the argmax over its tokens only.
   at::Tensor draft_tokens(const at::Tensor& hidden) const;
+  // The same written into out ([B·T] int64 contiguous, e.g. a slice of a verify block): the
+  // head's scores, then one argmax through the draft vocabulary (core/ops.h argmax_rows).
+  void draft_tokens_into(const at::Tensor& hidden, at::Tensor& out) const;
   // FR-Spec (arXiv 2502.14856): greedy drafts from a frequency-ranked subset of the
   // vocabulary. The head then reads K of the target's V lm_head rows — on Gemma 3 (V = 262k)
   // the head is most of a draft's memory traffic. A token outside the subset is never

@@ -103,15 +103,26 @@ void greedy_accept(const at::Tensor& scores, const at::Tensor& block, at::Tensor
   report.narrow(0, T, 1).copy_(match.cumprod(0).sum().add(1).view({1}));
 }
 
-void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos) {
+void argmax_rows(const at::Tensor& scores, const at::Tensor& map, at::Tensor& out) {
 #ifdef KAKEYA_CUDA
-  if (report.is_cuda()) return cuda::advance_block(report, block, pos0, qpos);
+  if (scores.is_cuda()) return cuda::argmax_rows(scores, map, out);
+#endif
+  at::Tensor idx = scores.reshape({-1, scores.size(-1)}).argmax(-1);  // [rows]
+  out.view({-1}).copy_(map.defined() ? map.index_select(0, idx) : idx);
+}
+
+void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos,
+                   const CarriedEmbedding* emb) {
+#ifdef KAKEYA_CUDA
+  if (report.is_cuda()) return cuda::advance_block(report, block, pos0, qpos, emb);
 #endif
   const int64_t T = qpos.numel();
   at::Tensor n = report.narrow(0, T, 1);  // [1]
-  block.select(1, 0).copy_(report.narrow(0, 0, T).index_select(0, n - 1));
+  at::Tensor tok = report.narrow(0, 0, T).index_select(0, n - 1);  // [1]
+  block.select(1, 0).copy_(tok);
   pos0.add_(n);
   at::add_out(qpos, at::arange(T, qpos.options()), pos0);
+  if (emb) emb->out.copy_((at::embedding(emb->table, tok) * emb->scale).view(emb->out.sizes()));
 }
 
 void concat_rows(const std::vector<at::Tensor>& parts, at::Tensor* out, at::Tensor* ring, const at::Tensor& pos) {

@@ -92,9 +92,24 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 // n = 1 + the leading run of d_i == post[i - 1] (accepted drafts + the verifier's next token).
 void greedy_accept(const at::Tensor& scores, const at::Tensor& block, at::Tensor& report);
 
+// Greedy drafts: out[r] = map[argmax(scores[r])] (map undefined: the index itself), the first
+// of equal maxima. scores: [..., V] (rows = the leading dims), map: [V] int64, out: [rows] int64
+// contiguous (e.g. a slice of the next verify block).
+void argmax_rows(const at::Tensor& scores, const at::Tensor& map, at::Tensor& out);
+
+// The draft block's input row of the carried token, written by advance_block: out = table[token]
+// · scale in the table's dtype (Drafter::embed). table: [V, H]; out: [H] contiguous, same dtype.
+struct CarriedEmbedding {
+  at::Tensor table;
+  double scale = 1.0;
+  at::Tensor out;
+};
+
 // After a block of T tokens: with n = report[T], block[0] = report[n - 1] (the carried token),
-// pos0 += n, qpos = pos0 + 0..T-1. report: [T + 1], block: [1, T], pos0: [1], qpos: [T] int64.
-void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos);
+// pos0 += n, qpos = pos0 + 0..T-1, and (emb given) emb->out = its embedding row. report: [T + 1],
+// block: [1, T], pos0: [1], qpos: [T] int64.
+void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos,
+                   const CarriedEmbedding* emb = nullptr);
 
 // Rows of the concatenation of `parts` (each [..., H_i] with the same leading rows T): into
 // out [.., T, ΣH] (if given) and into ring [R, ΣH] at rows pos mod R (if given; pos [T] int64).

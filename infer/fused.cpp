@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <deque>
 #include <memory>
 #include <sstream>
 
@@ -100,7 +101,6 @@ class Engine {
         capture_(v, d.config().target_layer_ids) {
     const at::Device dev = v.device();
     auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
-    rest.start_upkeep(B);  // before the prefill, whose commits store their target features
     pos0_ = at::zeros({1}, iopt);
     qpos_ = at::arange(B, iopt);
     last_ = qpos_.narrow(0, B - 1, 1);
@@ -108,6 +108,12 @@ class Engine {
     slot_idx_ = at::arange(cap, iopt);
     blk_ = at::zeros({1, B}, iopt);
     dblk_ = at::full({1, B}, d.config().mask_token_id, iopt);
+    dx_ = at::zeros({1, B, v.config().hidden_size}, at::TensorOptions().dtype(d.dtype()).device(dev));
+    if (v.embedding().scalar_type() == d.dtype()) {  // Drafter::embed in one kernel with the block's advance
+      emb_.table = v.embedding();
+      emb_.scale = d.config().input_embedding_scale;
+      emb_.out = dx_.select(0, 0).select(0, 0);
+    }
     report_ = at::zeros({B + 1}, iopt);
     feats_ = at::zeros({1, B, d.config().num_features() * v.config().hidden_size},
                        at::TensorOptions().dtype(v.dtype()).device(dev));
@@ -158,28 +164,33 @@ class Engine {
 
   void start(const at::Tensor& first, int64_t pos) {
     blk_.select(1, 0).copy_(first.view({1}));
+    dblk_.select(1, 0).copy_(first.view({1}));
+    dx_.copy_(d_.embed(dblk_));
     pos0_.fill_(pos);
     at::add_out(qpos_, ar_, pos0_);
   }
 
   // ---- the three parts (restoration runs in batches beside them: Restorer::upkeep) ----
   void draft() {
-    dblk_.narrow(1, 0, 1).copy_(blk_.narrow(1, 0, 1));
+    // dx_ = embed([carried, MASK × (B-1)]): rows 1.. are fixed, row 0 follows the carried token
+    // (advance_block writes it where the embedding's dtype allows, else here).
+    if (!emb_.table.defined()) dx_.narrow(1, 0, 1).copy_(d_.embed(blk_.narrow(1, 0, 1)));
     at::Tensor h;  // [1, B, H]
     if (d_.block_in_cache_supported()) {
       // CUDA: the block's K/V go into the context cache at their own slots (the next
       // extend() overwrites them with the committed context's), one attention kernel per
       // layer bounded by the block's last position: nothing O(context) but the attention.
-      h = d_.forward_block_in_cache(d_.embed(dblk_), qpos_, last_, ck_, cv_, slot_idx_);
+      h = d_.forward_block_in_cache(dx_, qpos_, last_, ck_, cv_, slot_idx_);
     } else {
-      h = d_.forward_block(d_.embed(dblk_), qpos_, ck_, cv_, masks());
+      h = d_.forward_block(dx_, qpos_, ck_, cv_, masks());
     }
     at::Tensor hd = h.narrow(1, 1, B_ - 1);  // [1, B-1, H]: the masks' hidden states
+    at::Tensor drafts = blk_.narrow(1, 1, B_ - 1);  // [1, B-1]
     if (sampling()) {
       q_ = sampler_.probs(d_.logits(hd).select(0, 0));  // [B-1, V]: the drafter's distributions, kept for acceptance
-      blk_.narrow(1, 1, B_ - 1).copy_(at::multinomial(q_, 1, false, sampler_.generator()).view({1, B_ - 1}));
+      drafts.copy_(at::multinomial(q_, 1, false, sampler_.generator()).view({1, B_ - 1}));
     } else {
-      blk_.narrow(1, 1, B_ - 1).copy_(d_.draft_tokens(hd));
+      d_.draft_tokens_into(hd, drafts);
     }
   }
 
@@ -201,7 +212,7 @@ class Engine {
     // until the next block overwrites them.
     d_.store_context(d_.project_context(feats_), qpos_, ck_, cv_, nullptr);
     // Carried bonus: the verifier's token after the accepted drafts opens the next block.
-    ops::advance_block(report_, blk_, pos0_, qpos_);
+    ops::advance_block(report_, blk_, pos0_, qpos_, emb_.table.defined() ? &emb_ : nullptr);
   }
 
  private:
@@ -262,7 +273,9 @@ class Engine {
   at::Tensor ar_;        // [B] 0..B-1 (start)
   at::Tensor slot_idx_;  // [cap] 0..cap-1 (drafter context slot = position)
   at::Tensor blk_;       // [1, B] verify block: carried token, drafts
-  at::Tensor dblk_;      // [1, B] draft block: carried token, MASK × (B-1)
+  at::Tensor dblk_;      // [1, B] draft block: carried token, MASK × (B-1) (start())
+  at::Tensor dx_;        // [1, B, H] its embedding: the draft forward's input
+  ops::CarriedEmbedding emb_;  // dx_'s row 0 for advance_block (table undefined: draft() embeds it)
   at::Tensor report_;    // [B + 1] the verifier's B tokens, then n (the one thing the host reads)
   at::Tensor feats_;     // [1, B, n·H] drafter features of the last verify block
   std::vector<at::Tensor> ck_, cv_;  // per drafter layer [1, H_kv, cap, D]: the drafter's context cache
@@ -291,15 +304,17 @@ struct FusedDecoder::Impl {
   RestoreOptions ro;
   FusedOptions opt;  // what the graphs depend on: block size, sampling, cuda_graph
   int64_t B, capacity;
+  bool lookahead = false;  // the host keeps one block enqueued ahead of the one it reads
   KVCache cache;
   // The Restorer needs the drafter only for f_θ's inputs (a < 1); the Engine drafts.
   Restorer rest;
   Engine eng;
   UpkeepRunner upkeep;
-  at::Tensor host;  // [B + 1] int64 (pinned on CUDA): the block's report, read once per block
+  at::Tensor host[2];  // [B + 1] int64 (pinned on CUDA): a block's report, one buffer per block in flight
 #ifdef KAKEYA_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graphs[3];  // draft, verify, extend
-  std::vector<c10::cuda::CUDAEvent> ev;             // around the parts (timing)
+  std::vector<c10::cuda::CUDAEvent> ev[2];          // per slot: around the parts (timing)
+  std::vector<c10::cuda::CUDAEvent> done;           // per slot: the report has reached the host buffer
 #endif
 
   Impl(const Model& v_, const Drafter& d_, const FTheta* f_, const RestoreOptions& ro_, const FusedOptions& o,
@@ -308,8 +323,14 @@ struct FusedDecoder::Impl {
         cache(v.config(), fused_cache_options(v, ro, capacity + B, B)),
         rest(v, ro.needs_ftheta() ? &d : nullptr, f, ro, cache),
         eng(v, d, rest, cache, B, capacity + B, o.sampling),
-        upkeep([this](int64_t from) { rest.upkeep_from(from); }, [this] { rest.upkeep(); }, v.device().is_cuda()),
-        host(at::empty({B + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(v.device().is_cuda()))) {}
+        upkeep([this](int64_t from) { rest.upkeep_from(from); }, [this] { rest.upkeep(); }, v.device().is_cuda()) {
+    for (auto& h : host) h = at::empty({B + 1}, at::TensorOptions().dtype(at::kLong).pinned_memory(v.device().is_cuda()));
+    // One block ahead of the host (CUDA): a block is then enqueued knowing only that it starts
+    // after the previous one's start, so its queries reach up to 2B - 2 past what the host knows;
+    // restoration batches are sized for that span (it must leave room before the window).
+    lookahead = v.device().is_cuda() && 2 * B - 1 <= ro.window - rest.ahead_gap();
+    rest.start_upkeep(lookahead ? 2 * B - 1 : B);  // before the prefill, whose commits store their target features
+  }
 
   void part(int i) {
     switch (i) {
@@ -380,22 +401,26 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
   bool stopped = is_stop(tok, opt.stop_ids);
   auto t1 = Clock::now();
 
-  at::Tensor& host = m.host;
 #ifdef KAKEYA_CUDA
   const bool cuda = dev.is_cuda();
   // Sampling draws through an unregistered generator: its parts run eagerly (no graphs).
   const bool graphs = cuda && opt.cuda_graph && !eng.sampling();
-  if (cuda && opt.time_split && m.ev.empty())
-    for (int i = 0; i < 4; ++i) m.ev.emplace_back(cudaEventDefault);
+  if (cuda && m.done.empty())
+    for (int k = 0; k < 2; ++k) {
+      m.done.emplace_back(cudaEventDisableTiming);
+      for (int i = 0; i < 4; ++i) m.ev[k].emplace_back(cudaEventDefault);
+    }
 #endif
   double* split[3] = {&out.split.draft, &out.split.verify, &out.split.extend};
-  int64_t blocks = 0;
-  while (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) {
-    const int64_t g = res.tokens.size(), s = n_prompt + g - 1;  // s: position of the carried token
-    // Restoration batches the committed positions (< s) now cover, then the wait for those this
-    // block's queries read (its last one reads restored K/V up to s + B - 1 - window).
-    for (UpkeepBatch b = m.rest.next_upkeep(s); b.from >= 0; b = m.rest.next_upkeep(s)) m.upkeep.run(b.from, b.read_at);
-    m.upkeep.wait(s);
+  int64_t blocks = 0;  // enqueued
+  // Enqueues the next block into host slot `slot`, whose queries start at s_lo at the earliest
+  // (exactly, unless it is enqueued before the previous block's report is read: then the host
+  // knows only s_lo = the previous start + 1, and the Restorer was set up for that span).
+  auto enqueue = [&](int64_t s_lo, int slot) {
+    // Restoration batches the committed positions (< s_lo) now cover, then the wait for those
+    // this block's queries may read.
+    for (UpkeepBatch b = m.rest.next_upkeep(s_lo); b.from >= 0; b = m.rest.next_upkeep(s_lo)) m.upkeep.run(b.from, b.read_at);
+    m.upkeep.wait(s_lo);
 #ifdef KAKEYA_CUDA
     if (graphs && !m.graphs[0] && blocks == 1) {
       // The first block of the first run ran eagerly (warming cuBLAS, the allocator and every
@@ -416,28 +441,58 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
     if (cuda) {
       auto stream = c10::cuda::getCurrentCUDAStream();
       const bool replay = graphs && m.graphs[0];
+      auto& ev = m.ev[slot];
       for (int i = 0; i < 3; ++i) {
-        if (!m.ev.empty()) m.ev[i].record(stream);
+        if (opt.time_split) ev[i].record(stream);
         if (replay) m.graphs[i]->replay();
         else m.part(i);
       }
-      if (!m.ev.empty()) m.ev[3].record(stream);
-      host.copy_(eng.report(), /*non_blocking=*/true);
-      stream.synchronize();  // SYNC: the one per block (accepted length and tokens)
-      for (size_t i = 0; i + 1 < m.ev.size(); ++i) *split[i] += m.ev[i].elapsed_time(m.ev[i + 1]) / 1e3;
+      if (opt.time_split) ev[3].record(stream);
+      // The report goes to this slot's host buffer before the next block's verify rewrites it.
+      m.host[slot].copy_(eng.report(), /*non_blocking=*/true);
+      m.done[slot].record(stream);
       out.cuda_graph = out.cuda_graph || replay;
-    } else
-#endif
-    {
-      for (int i = 0; i < 3; ++i) {
-        auto tp = Clock::now();
-        m.part(i);
-        if (opt.time_split) *split[i] += seconds_since(tp, dev);
-      }
-      host.copy_(eng.report());
+      ++blocks;
+      return;
     }
+#endif
+    for (int i = 0; i < 3; ++i) {
+      auto tp = Clock::now();
+      m.part(i);
+      if (opt.time_split) *split[i] += seconds_since(tp, dev);
+    }
+    m.host[slot].copy_(eng.report());
     ++blocks;
-    const int64_t* r = host.data_ptr<int64_t>();
+  };
+  // The host reads each block's report once. On CUDA it keeps one block ahead while the budget
+  // certainly needs it (tokens so far + B < max_new: whatever the oldest block commits), so the
+  // device never waits for the host between blocks; a stop inside the oldest block leaves the
+  // one ahead to finish unread (its tokens are dropped; the timing below waits for it).
+  std::deque<int> pending;  // slots of enqueued blocks, oldest first
+  int64_t s_known = n_prompt + (int64_t)res.tokens.size() - 1;  // start of the oldest pending block (its carried token)
+  int next_slot = 0;
+  if (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) {
+    enqueue(s_known, next_slot);
+    pending.push_back(next_slot);
+    next_slot ^= 1;
+  }
+  while (!pending.empty()) {
+    const int64_t g = res.tokens.size();
+    if (m.lookahead && pending.size() == 1 && g + B < opt.max_new_tokens) {
+      enqueue(s_known + 1, next_slot);
+      pending.push_back(next_slot);
+      next_slot ^= 1;
+    }
+    const int slot = pending.front();
+    pending.pop_front();
+#ifdef KAKEYA_CUDA
+    if (cuda) {
+      m.done[slot].synchronize();  // SYNC: the one per block (accepted length and tokens)
+      if (opt.time_split)
+        for (int i = 0; i < 3; ++i) *split[i] += m.ev[slot][i].elapsed_time(m.ev[slot][i + 1]) / 1e3;
+    }
+#endif
+    const int64_t* r = m.host[slot].data_ptr<int64_t>();
     const int64_t n = r[B];
     m.cache.advance(n);
     // Commit within the budget and up to a stop; the device state has moved on by n, which
@@ -454,6 +509,13 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
       if (opt.on_token) opt.on_token(r[i]);
     }
     res.committed.push_back(produced);
+    s_known += n;
+    if (stopped || (int64_t)res.tokens.size() >= opt.max_new_tokens) break;
+    if (pending.empty()) {
+      enqueue(s_known, next_slot);
+      pending.push_back(next_slot);
+      next_slot ^= 1;
+    }
   }
   m.upkeep.drain();
   res.decode_seconds = seconds_since(t1, dev);

@@ -28,11 +28,14 @@
 // (it starts at pos + n <= pos + B - 1 and spans B positions), overwrites them.
 // Accepted K/V are kept: no token is forwarded twice.
 //
-// All parts read and write static device buffers only (positions live on the device),
-// so on CUDA each is captured once as a CUDA graph and replayed per block; the host
-// syncs once per block, to read the B verifier tokens and n (stop tokens and the token
-// budget are applied there). No allocation in the steady state. A FusedDecoder keeps
-// its caches, buffers and graphs across prompts (capture happens once, as a server does).
+// All parts read and write static device buffers only (positions live on the device,
+// and the block's advance happens there too), so on CUDA each is captured once as a CUDA
+// graph and replayed per block; the host reads each block's report once (the B verifier
+// tokens and n: stop tokens and the token budget are applied there), keeping the next
+// block enqueued ahead of that read while the budget certainly needs it, so the device
+// does not wait for the host between blocks. No allocation in the steady state. A
+// FusedDecoder keeps its caches, buffers and graphs across prompts (capture happens once,
+// as a server does).
 //
 // Lossless: every committed token is the verifier's argmax given the committed prefix
 // under the restoration rules of infer/restored.h, so the output equals `restored`

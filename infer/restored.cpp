@@ -271,12 +271,12 @@ void Restorer::note_restored(int64_t j) {
   restored_upto_ = j;
 }
 
-void Restorer::start_upkeep(int64_t block) {
-  const int64_t span = opt_.window - ahead_gap() - block + 1;  // what one batch may cover and still be early
-  KAKEYA_CHECK(span >= 1, "restorer: forwards of " << block << " tokens leave no room to restore ahead (window "
-                                                   << opt_.window << ", gap " << ahead_gap() << ")");
-  upkeep_block_ = block;
-  upkeep_len_ = std::max<int64_t>(1, span / 2);
+void Restorer::start_upkeep(int64_t span) {
+  const int64_t room = opt_.window - ahead_gap() - span + 1;  // what batches may cover and still be early
+  KAKEYA_CHECK(room >= 1, "restorer: forwards reaching " << span << " positions leave no room to restore ahead (window "
+                                                         << opt_.window << ", gap " << ahead_gap() << ")");
+  upkeep_span_ = span;
+  upkeep_len_ = std::max<int64_t>(1, room / 2);
   auto iopt = at::TensorOptions().dtype(at::kLong).device(model_.device());
   upkeep_off_ = at::arange(upkeep_len_, iopt);
   upkeep_first_ = at::zeros({1}, iopt);
@@ -290,7 +290,7 @@ UpkeepBatch Restorer::next_upkeep(int64_t s) {
   if (s - 1 - ahead_gap() - restored_upto_ < upkeep_len_) return {};
   const int64_t from = restored_upto_ + 1;
   note_restored(from + upkeep_len_ - 1);
-  return {from, from + opt_.window - upkeep_block_ + 1};
+  return {from, from + opt_.window - upkeep_span_ + 1};
 }
 
 void Restorer::upkeep_from(int64_t from) { upkeep_first_.fill_(from); }

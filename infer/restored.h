@@ -160,19 +160,20 @@ class Restorer : public TapSubscriber {
   // query is q may find every position <= q - 1 - ahead_gap() restored.
   int64_t ahead_gap() const;
   // Batched restoration for forwards whose positions live on the device (decode steps, fused
-  // blocks of `block` tokens), so CUDA graphs can capture them. start_upkeep(block) first
-  // (before the prefill: it allocates the ring of target features the commits fill; forwards
-  // on the device store theirs with stash_step / stash_features). Before the forward whose
-  // first position is s (every position < s committed), next_upkeep(s) is asked until it
-  // answers from < 0: each batch restores the upkeep_len() positions from restored_upto() + 1
-  // once s - 1 - ahead_gap() covers them (so nothing it reads can change while it runs), and
-  // is first read by the forward starting at read_at. With L = upkeep_len() at most half of
-  // window - gap - block + 1, every position a forward reads restored was in a batch due at
-  // least L positions earlier, which is what lets a batch overlap the forwards (infer/upkeep.h).
-  // The batch's device work: upkeep_from(from) (stores the argument on the device, outside any
-  // graph), then upkeep() (capturable): f_θ's drafter inputs projected from the stored
-  // features, then restoration.
-  void start_upkeep(int64_t block);
+  // blocks), so CUDA graphs can capture them. start_upkeep(span) first (before the prefill: it
+  // allocates the ring of target features the commits fill; forwards on the device store theirs
+  // with stash_step / stash_features): a forward the host launches knowing it starts at s or
+  // later has its queries within s .. s + span - 1 (1 for decode steps, B for fused blocks, 2B - 1
+  // for a block enqueued before the previous one's report is read). Before such a forward,
+  // next_upkeep(s) is asked until it answers from < 0: each batch restores the upkeep_len()
+  // positions from restored_upto() + 1 once s - 1 - ahead_gap() covers them (every position < s
+  // is committed, so nothing it reads can change while it runs), and is first read by a forward
+  // launched at s' >= read_at. With L = upkeep_len() at most half of window - gap - span + 1,
+  // every position a forward reads restored was in a batch due at least L positions earlier,
+  // which is what lets a batch overlap the forwards (infer/upkeep.h). The batch's device work:
+  // upkeep_from(from) (stores the argument on the device, outside any graph), then upkeep()
+  // (capturable): f_θ's drafter inputs projected from the stored features, then restoration.
+  void start_upkeep(int64_t span);
   int64_t upkeep_len() const { return upkeep_len_; }
   UpkeepBatch next_upkeep(int64_t s);
   void upkeep_from(int64_t from);
@@ -234,7 +235,7 @@ class Restorer : public TapSubscriber {
   int64_t ring_ = 0;                             // positions the pending rings hold
   at::Tensor dk_, dv_;                           // [ring, L_d, H_d, D_d] drafter raw K/V
   at::Tensor feat_;                              // [ring, n·H] target features of committed positions (start_upkeep)
-  int64_t upkeep_len_ = 0, upkeep_block_ = 0;    // batch length, tokens per forward (start_upkeep)
+  int64_t upkeep_len_ = 0, upkeep_span_ = 0;     // batch length, a forward's reach past its known start (start_upkeep)
   at::Tensor upkeep_off_;                        // [L] 0 .. L-1: a batch's positions from its first
   at::Tensor upkeep_first_;                      // [1] the batch's first position (upkeep_from)
   std::vector<at::Tensor> tk_, tv_;              // per verifier layer [ring, H_kv, D] true raw K/V (or undefined)

@@ -294,22 +294,56 @@ TEST_P(CudaOps, GreedyAccept) {
     }
 }
 
-// The block's advance: carried token = report[n - 1], pos0 += n, qpos = pos0 + 0..T-1.
-TEST(CudaSpecOps, AdvanceBlock) {
+// The block's advance: carried token = report[n - 1], pos0 += n, qpos = pos0 + 0..T-1, and the
+// carried token's draft input row (Drafter::embed: table row × scale, in the table's dtype).
+TEST_P(CudaOps, AdvanceBlock) {
+  const int64_t V = 301, H = 640;
+  auto table = at::randn({V, H}).to(dt());
   for (int64_t T : {2, 16, 33})
     for (int64_t n : {int64_t(1), T / 2 + 1, T}) {
-      auto report = at::randint(0, 1000, {T + 1}, at::kLong);
+      auto report = at::randint(0, V, {T + 1}, at::kLong);
       report[T] = n;
-      auto block = at::randint(0, 1000, {1, T}, at::kLong), pos0 = at::full({1}, 41, at::kLong);
+      auto block = at::randint(0, V, {1, T}, at::kLong), pos0 = at::full({1}, 41, at::kLong);
       auto qpos = at::arange(41, 41 + T, at::kLong);
       auto b_ref = block.clone(), p_ref = pos0.clone(), q_ref = qpos.clone();
-      ops::advance_block(report, b_ref, p_ref, q_ref);
-      EXPECT_EQ(b_ref[0][0].item<int64_t>(), report[n - 1].item<int64_t>());
+      auto row_ref = at::zeros({H}, dt());
+      ops::CarriedEmbedding e_ref{table, 25.298221281347036, row_ref};
+      ops::advance_block(report, b_ref, p_ref, q_ref, &e_ref);
+      const int64_t tok = report[n - 1].item<int64_t>();
+      EXPECT_EQ(b_ref[0][0].item<int64_t>(), tok);
       EXPECT_EQ(p_ref.item<int64_t>(), 41 + n);
+      EXPECT_TRUE(row_ref.equal((table[tok] * 25.298221281347036).to(dt())));
       auto b = block.to(kCuda), p = pos0.to(kCuda), q = qpos.to(kCuda);
-      ops::advance_block(report.to(kCuda), b, p, q);
+      auto row = at::full({H}, NAN, at::TensorOptions().dtype(dt()).device(kCuda));
+      ops::CarriedEmbedding e{table.to(kCuda), 25.298221281347036, row};
+      ops::advance_block(report.to(kCuda), b, p, q, &e);
       EXPECT_TRUE(b.cpu().equal(b_ref) && p.cpu().equal(p_ref) && q.cpu().equal(q_ref)) << "T=" << T << " n=" << n;
+      EXPECT_TRUE(row.cpu().equal(row_ref)) << "embedding row, T=" << T << " n=" << n;
+      // Without the embedding the positions still move.
+      auto b2 = block.to(kCuda), p2 = pos0.to(kCuda), q2 = qpos.to(kCuda);
+      ops::advance_block(report.to(kCuda), b2, p2, q2);
+      EXPECT_TRUE(b2.cpu().equal(b_ref) && p2.cpu().equal(p_ref) && q2.cpu().equal(q_ref));
     }
+}
+
+// Greedy drafts: argmax per row through a vocabulary map, written into a slice of a block.
+TEST_P(CudaOps, ArgmaxRows) {
+  for (int64_t V : {7, 32768, 262144}) {
+    auto scores = at::randn({1, 15, V}).to(dt());
+    scores[0][3][V / 2] = scores[0][3].max();  // a tie with the row's maximum
+    auto map = at::randperm(V, at::kLong) * 3;
+    for (bool mapped : {false, true}) {
+      auto block = at::full({1, 16}, -5, at::kLong), want = block.clone();
+      auto slice_ref = want.narrow(1, 1, 15);
+      ops::argmax_rows(scores, mapped ? map : at::Tensor(), slice_ref);
+      auto idx = scores.reshape({15, V}).argmax(-1);
+      EXPECT_TRUE(want.narrow(1, 1, 15).view({15}).equal(mapped ? map.index_select(0, idx) : idx));
+      auto got = block.to(kCuda);
+      auto slice = got.narrow(1, 1, 15);
+      ops::argmax_rows(scores.to(kCuda), mapped ? map.to(kCuda) : at::Tensor(), slice);
+      EXPECT_TRUE(got.cpu().equal(want)) << "V=" << V << " mapped=" << mapped;
+    }
+  }
 }
 
 // Target features gathered from several hidden states into a block buffer and a ring at

@@ -1,6 +1,6 @@
 // Framework-free CUDA kernels for speculative blocks (infer/fused.h): greedy acceptance of
-// a verify block, the block's advance, and the gathering of target features into their
-// buffers. Small, latency-bound work that would otherwise be a dozen tiny ATen launches
+// a verify block, greedy drafts, the block's advance, and the gathering of target features
+// into their buffers. Small, latency-bound work that would otherwise be a dozen tiny ATen launches
 // per block. core/cuda/spec_ops.cu wraps them for at::Tensor; core/ops.h declares them
 // with the LibTorch reference used on CPU.
 #pragma once
@@ -107,6 +107,27 @@ __global__ void greedy_accept_kernel(const float* __restrict__ pval, const int* 
   }
 }
 
+// Rows' argmax through an optional id map: out[row] = map ? map[argmax] : argmax (the
+// drafter's greedy drafts over its draft vocabulary). out: [rows] int64.
+__global__ void argmax_final_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
+                                    const int64_t* __restrict__ map, int64_t* __restrict__ out, int rows) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int row = warp; row < rows; row += warps) {
+    float best = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int c = lane; c < chunks; c += 32) {
+      const float v = pval[row * chunks + c];
+      const int i = pidx[row * chunks + c];
+      if (argmax_beats(v, i, best, bi)) {
+        best = v;
+        bi = i;
+      }
+    }
+    warp_argmax(best, bi);
+    if (lane == 0) out[row] = map ? map[bi] : bi;
+  }
+}
+
 inline int argmax_chunks(int V) { return V >= 64 * 2048 ? 64 : (V + 2047) / 2048; }
 
 // scratch: argmax_chunks(V) · T floats and as many ints.
@@ -118,26 +139,44 @@ void launch_greedy_accept(const T* scores, const int64_t* block, int64_t* report
   greedy_accept_kernel<<<1, 256, Tn * sizeof(int64_t), s>>>(pval, pidx, chunks, block, report, Tn);
 }
 
+// scratch: argmax_chunks(V) · rows floats and as many ints.
+template <typename T>
+void launch_argmax_rows(const T* scores, const int64_t* map, int64_t* out, float* pval, int* pidx, int rows, int V,
+                        cudaStream_t s) {
+  const int chunks = argmax_chunks(V), chunk = (V + chunks - 1) / chunks;
+  argmax_partial_kernel<T><<<dim3(chunks, rows), kArgmaxThreads, 0, s>>>(scores, V, chunk, pval, pidx);
+  argmax_final_kernel<<<1, 256, 0, s>>>(pval, pidx, chunks, map, out, rows);
+}
+
 // ---------------------------------------------------------------------------
 // The block's advance after acceptance: with n = report[T], the next block starts n
 // positions later and carries the verifier's token after the accepted drafts:
-//   block[0] = report[n - 1]; pos0 += n; qpos[i] = pos0 + i (i < T).
+//   block[0] = report[n - 1]; pos0 += n; qpos[i] = pos0 + i (i < T);
+// and, when `table` is given, the draft block's input row of that token (Drafter::embed:
+// the table row times `scale`, rounded to T as PyTorch's scalar multiply does):
+//   emb[i] = table[report[n - 1], i] · scale (i < H).
 // One block of threads; pos0 is read by all before thread 0 moves it.
+template <typename T>
 __global__ void advance_block_kernel(const int64_t* __restrict__ report, int Tn, int64_t* __restrict__ block,
-                                     int64_t* __restrict__ pos0, int64_t* __restrict__ qpos) {
+                                     int64_t* __restrict__ pos0, int64_t* __restrict__ qpos,
+                                     const T* __restrict__ table, float scale, T* __restrict__ emb, int H) {
   const int64_t n = report[Tn];
   const int64_t p = pos0[0] + n;
+  const int64_t tok = report[n - 1];
   __syncthreads();
   for (int i = threadIdx.x; i < Tn; i += blockDim.x) qpos[i] = p + i;
+  if (table)
+    for (int i = threadIdx.x; i < H; i += blockDim.x) emb[i] = to_t<T>(from_t<T>(table[tok * H + i]) * scale);
   if (threadIdx.x == 0) {
-    block[0] = report[n - 1];
+    block[0] = tok;
     pos0[0] = p;
   }
 }
 
-inline void launch_advance_block(const int64_t* report, int Tn, int64_t* block, int64_t* pos0, int64_t* qpos,
-                                 cudaStream_t s) {
-  advance_block_kernel<<<1, Tn < 1024 ? ((Tn + 31) / 32) * 32 : 1024, 0, s>>>(report, Tn, block, pos0, qpos);
+template <typename T>
+void launch_advance_block(const int64_t* report, int Tn, int64_t* block, int64_t* pos0, int64_t* qpos, const T* table,
+                          float scale, T* emb, int H, cudaStream_t s) {
+  advance_block_kernel<T><<<1, 256, 0, s>>>(report, Tn, block, pos0, qpos, table, scale, emb, H);
 }
 
 // ---------------------------------------------------------------------------

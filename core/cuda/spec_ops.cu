@@ -41,15 +41,57 @@ void greedy_accept(const at::Tensor& scores_in, const at::Tensor& block, at::Ten
                                            V, stream);
 }
 
-void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos) {
+void argmax_rows(const at::Tensor& scores_in, const at::Tensor& map, at::Tensor& out) {
+  auto scores = scores_in.contiguous();
+  TORCH_CHECK(scores.is_cuda() && (scores.scalar_type() == at::kBFloat16 || scores.scalar_type() == at::kFloat),
+              "argmax_rows scores: expected bf16 or f32 on CUDA, got ", scores.scalar_type(), " on ", scores.device());
+  const int64_t V = scores.size(-1), rows = scores.numel() / V;
+  check_long(out, rows, "argmax_rows out");
+  if (map.defined()) check_long(map, V, "argmax_rows map");
+  TORCH_CHECK(V < (int64_t)1 << 31, "argmax_rows: ", V, " columns exceed int32 indices");
+  c10::cuda::CUDAGuard g(scores.device());
+  const int chunks = k::argmax_chunks((int)V);
+  auto pval = at::empty({rows * chunks}, scores.options().dtype(at::kFloat));
+  auto pidx = at::empty({rows * chunks}, scores.options().dtype(at::kInt));
+  const int64_t* m = map.defined() ? map.data_ptr<int64_t>() : nullptr;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (scores.scalar_type() == at::kFloat)
+    k::launch_argmax_rows<float>(scores.data_ptr<float>(), m, out.data_ptr<int64_t>(), pval.data_ptr<float>(),
+                                 pidx.data_ptr<int>(), rows, V, stream);
+  else
+    k::launch_argmax_rows<__nv_bfloat16>(ptr<__nv_bfloat16>(scores), m, out.data_ptr<int64_t>(), pval.data_ptr<float>(),
+                                         pidx.data_ptr<int>(), rows, V, stream);
+}
+
+void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos,
+                   const CarriedEmbedding* emb) {
   const int64_t T = qpos.numel();
   check_long(report, T + 1, "advance_block report");
   check_long(block, T, "advance_block block");
   check_long(pos0, 1, "advance_block pos0");
   check_long(qpos, T, "advance_block qpos");
   c10::cuda::CUDAGuard g(report.device());
-  k::launch_advance_block(report.data_ptr<int64_t>(), T, block.data_ptr<int64_t>(), pos0.data_ptr<int64_t>(),
-                          qpos.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (!emb) {
+    k::launch_advance_block<float>(report.data_ptr<int64_t>(), T, block.data_ptr<int64_t>(), pos0.data_ptr<int64_t>(),
+                                   qpos.data_ptr<int64_t>(), nullptr, 1.f, nullptr, 0, stream);
+    return;
+  }
+  const at::Tensor& t = emb->table;
+  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.is_contiguous() && emb->out.is_cuda() && emb->out.is_contiguous() &&
+                  emb->out.numel() == t.size(1) && emb->out.scalar_type() == t.scalar_type() &&
+                  (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat),
+              "advance_block: embedding table ", t.sizes(), " ", t.scalar_type(), " and row ", emb->out.sizes(), " ",
+              emb->out.scalar_type(), ": expected a contiguous [V, H] bf16/f32 table and a contiguous row of H of its dtype");
+  const int H = (int)t.size(1);
+  if (t.scalar_type() == at::kFloat)
+    k::launch_advance_block<float>(report.data_ptr<int64_t>(), T, block.data_ptr<int64_t>(), pos0.data_ptr<int64_t>(),
+                                   qpos.data_ptr<int64_t>(), t.data_ptr<float>(), (float)emb->scale,
+                                   emb->out.data_ptr<float>(), H, stream);
+  else
+    k::launch_advance_block<__nv_bfloat16>(report.data_ptr<int64_t>(), T, block.data_ptr<int64_t>(),
+                                           pos0.data_ptr<int64_t>(), qpos.data_ptr<int64_t>(), ptr<__nv_bfloat16>(t),
+                                           (float)emb->scale, ptr<__nv_bfloat16>(emb->out), H, stream);
 }
 
 void concat_rows(const std::vector<at::Tensor>& parts, at::Tensor* out, at::Tensor* ring, const at::Tensor& pos) {

@@ -7,14 +7,14 @@
 #                                             # split, held-out code + prose, NIAH 4k + 16k (bf16)
 #   STEP=check    tools/device/spec_bench.sh  # lossless in f32 on CUDA (graphs on): fused == ar at a = 1,
 #                                             # fused == restored at a = 0
-#   STEP=profile  tools/device/spec_bench.sh  # ncu: per-kernel time of a short fused decode (graph nodes)
+#   STEP=profile  tools/device/spec_bench.sh  # ncu: per-kernel time of short eager ar and fused decodes
 #   STEP=all      tools/device/spec_bench.sh  # check + bench (both fit in one call when the build is done)
 # Env: MODEL (/tmp/models/gemma3-270m), DRAFTER (checkpoints/gemma3-270m/drafter),
 #      FTHETA (checkpoints/gemma3-270m/ftheta if it exists, else random:1),
 #      ALPHA (0 with a trained f_θ; 1 = exact restoration with a random one, so τ and the tokens are real),
 #      WINDOW (64), SINK (4), BLOCK (0 = the drafter's 16), PROMPTS (8 per domain), NEW (192),
 #      NIAH ("4096,16384"), NIAH_NEW (24), CODE/PROSE (train-drafter's held-out roots), OUT (/tmp/spec-out).
-# Results in $OUT: spec.json (+ spec.log), check.log, profile.txt.
+# Results in $OUT: spec.json (+ spec.log), check.log, profile.txt (+ profile_{ar,fused}.csv).
 set -euo pipefail
 MODEL=${MODEL:-/tmp/models/gemma3-270m}
 DRAFTER=${DRAFTER:-checkpoints/gemma3-270m/drafter}
@@ -86,32 +86,34 @@ PY
 }
 
 profile() {
-  # One short fused decode under ncu; the graph nodes are profiled one by one (slow): few blocks only.
-  python3 -c 'print(open("data/codec/eval.txt").read()[:1500])' > /tmp/spec-prompt.txt
-  ncu --graph-profiling node --print-summary per-kernel --csv --launch-skip 2000 --launch-count 1500 \
-    $K spec --mode fused --device cuda --model "$MODEL" --drafter "$DRAFTER" --ftheta "$FTHETA" \
-    --mix-alpha "$ALPHA" --sink "$SINK" --window "$WINDOW" --prompt-file /tmp/spec-prompt.txt --max-new-tokens 64 \
-    > "$OUT/profile.csv" 2> "$OUT/profile.err" || { tail -20 "$OUT/profile.err"; exit 1; }
-  python3 - "$OUT/profile.csv" <<'PY' | tee "$OUT/profile.txt"
+  # Where a block's time goes, per kernel: ncu times every kernel of short eager runs (no CUDA
+  # graphs, duration only, so each kernel is replayed once): ar alone, then fused alone, one
+  # held-out code prompt each. Kernel names are grouped; totals and calls per run.
+  for M in ar fused; do
+    ncu --metrics gpu__time_duration.sum --csv --print-units base \
+      $K bench spec --device cuda --verifier "$MODEL" --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" \
+      --window "$WINDOW" --block-size "$BLOCK" --mix-alpha "$ALPHA" --prompts 1 --new-tokens 64 --niah-contexts "" \
+      --code "$CODE" --prose "${PROSE_ARR[@]}" --modes $M --warmup 0 --no-graph \
+      > "$OUT/profile_$M.csv" 2> "$OUT/profile_$M.err" || { tail -20 "$OUT/profile_$M.err"; exit 1; }
+  done
+  python3 - "$OUT" <<'PY' | tee "$OUT/profile.txt"
 import csv, sys, collections
-rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 5]
-hdr = next((i for i, r in enumerate(rows) if "Kernel Name" in r), None)
-if hdr is None:
-    print("no per-kernel summary in the ncu output"); sys.exit(0)
-h = rows[hdr]
-ki, mi, vi, ui = h.index("Kernel Name"), h.index("Metric Name"), h.index("Average"), h.index("Metric Unit")
-ci = h.index("Invocations") if "Invocations" in h else None
-tot = collections.Counter(); cnt = collections.Counter()
-for r in rows[hdr + 1:]:
-    if r[mi] != "Duration":
-        continue
-    v = float(r[vi].replace(",", "")); v *= {"nsecond": 1e-3, "usecond": 1, "msecond": 1e3}.get(r[ui], 1)
-    n = int(r[ci]) if ci is not None else 1
-    tot[r[ki][:90]] += v * n; cnt[r[ki][:90]] += n
-all_us = sum(tot.values())
-print(f"{sum(cnt.values())} kernels profiled, {all_us/1e3:.2f} ms of kernel time")
-for k, v in tot.most_common(25):
-    print(f"{100*v/all_us:5.1f}%  {v/cnt[k]:8.2f} us x {cnt[k]:5d}  {k}")
+d = sys.argv[1]
+for m in ("ar", "fused"):
+    rows = [r for r in csv.reader(open(f"{d}/profile_{m}.csv")) if len(r) > 5]
+    hdr = next((i for i, r in enumerate(rows) if "Kernel Name" in r and "Metric Value" in r), None)
+    if hdr is None:
+        print(f"{m}: no kernel rows in the ncu output"); continue
+    h = rows[hdr]
+    ki, vi = h.index("Kernel Name"), h.index("Metric Value")
+    tot = collections.Counter(); cnt = collections.Counter()
+    for r in rows[hdr + 1:]:
+        name = r[ki].split("(")[0].split("<")[0][:70]
+        tot[name] += float(r[vi].replace(",", "")) / 1e3; cnt[name] += 1
+    all_us = sum(tot.values())
+    print(f"== {m}: {sum(cnt.values())} kernels, {all_us/1e3:.2f} ms of kernel time (one code and one prose prompt, 64 tokens each, prefill included)")
+    for k, v in tot.most_common(22):
+        print(f"{100*v/all_us:5.1f}%  {v/cnt[k]:7.2f} us x {cnt[k]:5d}  {k}")
 PY
 }
 
