@@ -22,16 +22,16 @@ struct UpkeepRunner::Impl {
 #ifdef KAKEYA_CUDA
   std::unique_ptr<at::cuda::CUDAGraph> graph;
   std::optional<c10::cuda::CUDAStream> side;
-  // One event per batch in flight. A batch is waited for within about a window of
-  // positions, so a few suffice; an event is reused only after its wait was enqueued.
+  // One event per batch in flight (a batch is waited for within about a window of positions,
+  // so a few exist); an event returns to `free` once its wait is enqueued.
   std::vector<c10::cuda::CUDAEvent> done;
+  std::vector<size_t> free;
   c10::cuda::CUDAEvent ready{cudaEventDisableTiming};  // the forwards before the batch are enqueued
   struct InFlight {
     int64_t read_at;
     size_t ev;
   };
   std::deque<InFlight> in_flight;
-  size_t next = 0;
   std::vector<std::pair<c10::cuda::CUDAEvent, c10::cuda::CUDAEvent>> timed;  // start, end of each batch
 #endif
   bool cuda = false;
@@ -59,7 +59,6 @@ double UpkeepRunner::capture() {
     impl_->graph->capture_end();
   }
   impl_->side = c10::cuda::getStreamFromPool();
-  for (int i = 0; i < 4; ++i) impl_->done.emplace_back(cudaEventDisableTiming);
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 #else
   return 0.0;
@@ -78,10 +77,14 @@ void UpkeepRunner::run(int64_t from, int64_t read_at) {
 #ifdef KAKEYA_CUDA
   Impl& m = *impl_;
   if (m.graph) {
-    KAKEYA_CHECK(m.in_flight.size() < m.done.size(), "upkeep: " << m.in_flight.size() << " batches in flight already");
     auto main = c10::cuda::getCurrentCUDAStream();
     m.ready.record(main);
-    const size_t e = m.next++ % m.done.size();
+    if (m.free.empty()) {
+      m.free.push_back(m.done.size());
+      m.done.emplace_back(cudaEventDisableTiming);
+    }
+    const size_t e = m.free.back();
+    m.free.pop_back();
     {
       c10::cuda::CUDAStreamGuard guard(*m.side);
       m.ready.block(*m.side);
@@ -122,6 +125,7 @@ void UpkeepRunner::wait(int64_t pos) {
   Impl& m = *impl_;
   while (!m.in_flight.empty() && m.in_flight.front().read_at <= pos) {
     m.done[m.in_flight.front().ev].block(c10::cuda::getCurrentCUDAStream());
+    m.free.push_back(m.in_flight.front().ev);
     m.in_flight.pop_front();
   }
 #else
@@ -132,7 +136,10 @@ void UpkeepRunner::wait(int64_t pos) {
 void UpkeepRunner::drain() {
 #ifdef KAKEYA_CUDA
   Impl& m = *impl_;
-  for (const auto& f : m.in_flight) m.done[f.ev].block(c10::cuda::getCurrentCUDAStream());
+  for (const auto& f : m.in_flight) {
+    m.done[f.ev].block(c10::cuda::getCurrentCUDAStream());
+    m.free.push_back(f.ev);
+  }
   m.in_flight.clear();
 #endif
 }

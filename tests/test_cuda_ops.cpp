@@ -351,26 +351,32 @@ TEST_P(CudaOps, ArgmaxRows) {
 // maps to stay untouched.
 TEST_P(CudaOps, ConcatRows) {
   const int64_t T = 5, R = 7;
-  std::vector<int64_t> widths{640, 3, 640, 129};
-  std::vector<at::Tensor> parts;
-  for (int64_t w : widths) parts.push_back(at::randn({1, T, w}).to(dt()));
-  const int64_t F = 640 + 3 + 640 + 129;
-  auto pos = at::tensor(std::vector<int64_t>{12, 13, 3, 15, 16}, at::kLong);  // 12 mod 7 = 5 ... 16 mod 7 = 2
-  auto out_ref = at::zeros({1, T, F}, dt()), ring_ref = at::randn({R, F}).to(dt());
-  auto ring0 = ring_ref.clone();
-  ops::concat_rows(parts, &out_ref, &ring_ref, pos);
-  EXPECT_TRUE(out_ref.equal(at::cat(parts, -1)));
-  std::vector<at::Tensor> gparts;
-  for (const auto& p : parts) gparts.push_back(p.to(kCuda));
-  auto out = at::full({1, T, F}, NAN, at::TensorOptions().dtype(dt()).device(kCuda)), ring = ring0.to(kCuda);
-  ops::concat_rows(gparts, &out, &ring, pos.to(kCuda));
-  EXPECT_TRUE(out.cpu().equal(out_ref));
-  EXPECT_TRUE(ring.cpu().equal(ring_ref));
-  EXPECT_TRUE(ring.cpu()[0].equal(ring0[0]) && ring.cpu()[4].equal(ring0[4])) << "rows 0, 4: no position maps there";
-  // Either destination alone.
-  auto only_ring = ring0.to(kCuda);
-  ops::concat_rows(gparts, nullptr, &only_ring, pos.to(kCuda));
-  EXPECT_TRUE(only_ring.cpu().equal(ring_ref));
+  // Odd widths (element-wise copies) and the drafter's features (5 x 640: 16-byte copies).
+  for (const std::vector<int64_t>& widths : {std::vector<int64_t>{640, 3, 640, 129}, std::vector<int64_t>(5, 640)}) {
+    std::vector<at::Tensor> parts;
+    int64_t F = 0;
+    for (int64_t w : widths) {
+      parts.push_back(at::randn({1, T, w}).to(dt()));
+      F += w;
+    }
+    SCOPED_TRACE("F = " + std::to_string(F));
+    auto pos = at::tensor(std::vector<int64_t>{12, 13, 3, 15, 16}, at::kLong);  // 12 mod 7 = 5 ... 16 mod 7 = 2
+    auto out_ref = at::zeros({1, T, F}, dt()), ring_ref = at::randn({R, F}).to(dt());
+    auto ring0 = ring_ref.clone();
+    ops::concat_rows(parts, &out_ref, &ring_ref, pos);
+    EXPECT_TRUE(out_ref.equal(at::cat(parts, -1)));
+    std::vector<at::Tensor> gparts;
+    for (const auto& p : parts) gparts.push_back(p.to(kCuda));
+    auto out = at::full({1, T, F}, NAN, at::TensorOptions().dtype(dt()).device(kCuda)), ring = ring0.to(kCuda);
+    ops::concat_rows(gparts, &out, &ring, pos.to(kCuda));
+    EXPECT_TRUE(out.cpu().equal(out_ref));
+    EXPECT_TRUE(ring.cpu().equal(ring_ref));
+    EXPECT_TRUE(ring.cpu()[0].equal(ring0[0]) && ring.cpu()[4].equal(ring0[4])) << "rows 0, 4: no position maps there";
+    // Either destination alone.
+    auto only_ring = ring0.to(kCuda);
+    ops::concat_rows(gparts, nullptr, &only_ring, pos.to(kCuda));
+    EXPECT_TRUE(only_ring.cpu().equal(ring_ref));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOps, ::testing::Values(at::kFloat, at::kBFloat16));

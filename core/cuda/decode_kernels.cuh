@@ -296,23 +296,42 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
   }
 }
 
+// Max over the block; every thread gets the result. `red` holds >= 32 floats.
+__device__ __forceinline__ float block_max(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = warp_max(v);
+  __syncthreads();  // red may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? red[lane] : -INFINITY;
+  return warp_max(v);
+}
+
+// The chunks' (max, sum) pairs are read once, in parallel, and each chunk's weight
+// exp(m_c - M) kept in shared memory, so the per-dimension sums below issue their loads
+// back to back: the combine's time hardly grows with the number of chunks (long contexts,
+// and restored layers whose buffer holds the exact ring and the restored region).
 template <typename T>
 __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T* __restrict__ out, int D, int nchunks) {
+  extern __shared__ float wgt[];  // [nchunks]: exp(m_c - M), 0 for empty chunks
+  __shared__ float red[32];
   const int bh = blockIdx.x;
   const float* p = partial + (int64_t)bh * nchunks * (D + 2);
-  float M = -INFINITY;
-  for (int c = 0; c < nchunks; ++c) M = fmaxf(M, p[c * (D + 2) + D]);
-  float L = 0.f;
-  for (int c = 0; c < nchunks; ++c) {
-    float mc = p[c * (D + 2) + D];
-    if (mc != -INFINITY) L += p[c * (D + 2) + D + 1] * __expf(mc - M);
+  float m = -INFINITY;
+  for (int c = threadIdx.x; c < nchunks; c += blockDim.x) m = fmaxf(m, p[c * (D + 2) + D]);
+  const float M = block_max(m, red);
+  float l = 0.f;
+  for (int c = threadIdx.x; c < nchunks; c += blockDim.x) {
+    const float mc = p[c * (D + 2) + D];
+    const float w = mc == -INFINITY ? 0.f : __expf(mc - M);
+    wgt[c] = w;
+    l += w == 0.f ? 0.f : p[c * (D + 2) + D + 1] * w;
   }
+  const float L = block_sum(l, red);  // its barriers also publish wgt
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
     float a = 0.f;
-    for (int c = 0; c < nchunks; ++c) {
-      float mc = p[c * (D + 2) + D];
-      if (mc != -INFINITY) a += p[c * (D + 2) + d] * __expf(mc - M);
-    }
+#pragma unroll 4
+    for (int c = 0; c < nchunks; ++c) a += p[c * (D + 2) + d] * wgt[c];
     out[(int64_t)bh * D + d] = to_t<T>(L > 0.f ? a / L : 0.f);
   }
 }
@@ -339,7 +358,7 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
     default: return false;
   }
 #undef KAKEYA_ATTN_CASE
-  decode_attn_combine_kernel<T><<<B * Tq * Hq, D < 256 ? D : 256, 0, s>>>(partial, out, D, nchunks);
+  decode_attn_combine_kernel<T><<<B * Tq * Hq, D < 256 ? D : 256, nchunks * sizeof(float), s>>>(partial, out, D, nchunks);
   return true;
 }
 

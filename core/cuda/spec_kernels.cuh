@@ -188,33 +188,44 @@ constexpr int kMaxRowSources = 8;
 template <typename T>
 struct RowSources {
   const T* src[kMaxRowSources];
-  int width[kMaxRowSources];
+  int width[kMaxRowSources];   // H_i
+  int offset[kMaxRowSources];  // Σ_{j<i} H_j: the part's first column
   int n = 0;
 };
 
-template <typename T>
+// One block per (row, part): the copies of a row run side by side instead of one after
+// another. VEC: every width, offset and row start is a multiple of 16 bytes (the caller checks),
+// so each thread moves 16 bytes at a time.
+template <typename T, bool VEC>
 __global__ void concat_rows_kernel(RowSources<T> parts, const int64_t* __restrict__ pos, int F, T* __restrict__ out,
                                    T* __restrict__ ring, int64_t ring_rows) {
-  const int t = blockIdx.x;
-  T* o = out ? out + (int64_t)t * F : nullptr;
-  T* g = ring ? ring + (pos[t] % ring_rows) * F : nullptr;
-  int off = 0;
-  for (int i = 0; i < parts.n; ++i) {
-    const int w = parts.width[i];
-    const T* sr = parts.src[i] + (int64_t)t * w;
+  const int t = blockIdx.x, i = blockIdx.y;
+  const int w = parts.width[i], off = parts.offset[i];
+  const T* sr = parts.src[i] + (int64_t)t * w;
+  T* o = out ? out + (int64_t)t * F + off : nullptr;
+  T* g = ring ? ring + (pos[t] % ring_rows) * F + off : nullptr;
+  if (VEC) {
+    constexpr int V = 16 / sizeof(T);
+    for (int j = threadIdx.x; j < w / V; j += blockDim.x) {
+      const uint4 v = reinterpret_cast<const uint4*>(sr)[j];
+      if (o) reinterpret_cast<uint4*>(o)[j] = v;
+      if (g) reinterpret_cast<uint4*>(g)[j] = v;
+    }
+  } else {
     for (int j = threadIdx.x; j < w; j += blockDim.x) {
       const T v = sr[j];
-      if (o) o[off + j] = v;
-      if (g) g[off + j] = v;
+      if (o) o[j] = v;
+      if (g) g[j] = v;
     }
-    off += w;
   }
 }
 
 template <typename T>
 void launch_concat_rows(const RowSources<T>& parts, const int64_t* pos, int rows, int F, T* out, T* ring,
-                        int64_t ring_rows, cudaStream_t s) {
-  concat_rows_kernel<T><<<rows, 256, 0, s>>>(parts, pos, F, out, ring, ring_rows);
+                        int64_t ring_rows, bool vec, cudaStream_t s) {
+  const dim3 grid(rows, parts.n);
+  if (vec) concat_rows_kernel<T, true><<<grid, 128, 0, s>>>(parts, pos, F, out, ring, ring_rows);
+  else concat_rows_kernel<T, false><<<grid, 128, 0, s>>>(parts, pos, F, out, ring, ring_rows);
 }
 
 }  // namespace kakeya::kernels

@@ -124,13 +124,21 @@ void concat_rows(const std::vector<at::Tensor>& parts, at::Tensor* out, at::Tens
   const int64_t ring_rows = ring ? ring->numel() / F : 1;
   auto run = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    constexpr int V = 16 / sizeof(T);
+    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    bool vec = F % V == 0 && (!out || aligned(out->data_ptr())) && (!ring || aligned(ring->data_ptr()));
     k::RowSources<T> src;
+    int off = 0;
     for (const auto& t : parts) {
+      const int w = (int)t.size(-1);
+      vec = vec && w % V == 0 && aligned(t.data_ptr());
       src.src[src.n] = ptr<T>(t);
-      src.width[src.n++] = (int)t.size(-1);
+      src.width[src.n] = w;
+      src.offset[src.n++] = off;
+      off += w;
     }
     k::launch_concat_rows<T>(src, p, (int)rows, (int)F, out ? ptr<T>(*out) : nullptr, ring ? ptr<T>(*ring) : nullptr,
-                             ring_rows, stream);
+                             ring_rows, vec, stream);
   };
   if (st == at::kFloat) run((float*)nullptr);
   else run((__nv_bfloat16*)nullptr);
