@@ -372,6 +372,30 @@ void TargetFeatureCapture::take_into(at::Tensor* out, at::Tensor* ring, const at
   ops::concat_rows(parts(), out, ring, positions);
 }
 
+void TargetFeatureCapture::store_into(at::Tensor ring) {
+  KAKEYA_CHECK(!ring.defined() || (ring.dim() == 2 && ring.size(1) == (int64_t)ids_.size() * target_.config().hidden_size),
+               "target feature capture: a ring of [R, " << ids_.size() * target_.config().hidden_size << "] expected, got "
+                                                         << ring.sizes());
+  ring_ = std::move(ring);
+}
+
+bool TargetFeatureCapture::stores_all() const {
+  if (!ring_.defined()) return false;
+  for (int64_t id : ids_)
+    if (id == target_.config().num_layers - 1) return false;
+  return true;
+}
+
+bool TargetFeatureCapture::store(Tap tap, int64_t layer, TapStore* out) const {
+  if (tap != Tap::LayerOut || !ring_.defined() || layer == target_.config().num_layers - 1) return false;
+  for (size_t i = 0; i < ids_.size(); ++i)
+    if (ids_[i] == layer) {
+      *out = {ring_, (int64_t)i * target_.config().hidden_size};
+      return true;
+    }
+  return false;
+}
+
 void TargetFeatureCapture::clear() {
   for (auto& g : got_) g = at::Tensor();
 }

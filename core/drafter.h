@@ -166,6 +166,12 @@ class TargetFeatureCapture : public TapSubscriber {
   // rows positions [T] mod R if given. Clears what was captured.
   void take_into(at::Tensor* out, at::Tensor* ring, const at::Tensor& positions);
   void clear();  // drops what was captured (a new session)
+  // Store mode: the forward writes each captured layer's rows straight into ring [R, n·H] (row
+  // position mod R, core/taps.h TapStore), except a last-layer id (its feature is final-normed
+  // afterwards). stores_all(): every id is written that way (nothing left for take_into).
+  void store_into(at::Tensor ring);
+  bool stores_all() const;
+  bool store(Tap tap, int64_t layer, TapStore* out) const override;
   const Taps& taps() const { return taps_; }
 
  private:
@@ -174,6 +180,7 @@ class TargetFeatureCapture : public TapSubscriber {
   const Model& target_;
   std::vector<int64_t> ids_;
   std::vector<at::Tensor> got_;  // per id: [B, T, H]
+  at::Tensor ring_;              // store mode: [R, n·H], or undefined
   Taps taps_;
 };
 

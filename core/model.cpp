@@ -292,12 +292,18 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, cfg_.act == Activation::GeluTanh),
                                w.down, w.down_bias);
     const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
+    // A subscriber may want the layer output stored as it is computed (core/taps.h TapStore).
+    TapStore ts;
+    ops::RowCopy store;
+    const bool stored = taps && taps->store(Tap::LayerOut, l, &ts);
+    if (stored) store = {ts.dst, ts.col, positions};
     if (w.layer_scalar.defined()) {
       // Gemma 4: the layer's whole output (residual stream included) ×= layer_scalar, in the model dtype.
       h = (h + (w.post_ffn_norm.defined() ? rms_norm(f, w.post_ffn_norm) : f)) * w.layer_scalar;
       x = rms_norm(h, next_norm);
+      if (stored) ops::copy_rows(h, store);
     } else {
-      std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_);
+      std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_, stored ? &store : nullptr);
     }
     if (taps) {
       const at::Tensor before = h;

@@ -34,12 +34,18 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns
   return w.to(x.scalar_type()) * normed.to(x.scalar_type());
 }
 
+void copy_rows(const at::Tensor& x, const RowCopy& to) {
+  const int64_t H = x.size(-1);
+  to.dst.narrow(1, to.col, H).index_copy_(0, to.positions.remainder(to.dst.size(0)), x.reshape({-1, H}));
+}
+
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
-                                               const at::Tensor& w_next, const NormSpec& ns) {
+                                               const at::Tensor& w_next, const NormSpec& ns, const RowCopy* copy) {
 #ifdef KAKEYA_CUDA
-  if (fused(h) && fused(x)) return cuda::add_rms_norm(h, x, w_post, w_next, ns.eps, ns.unit_offset);
+  if (fused(h) && fused(x)) return cuda::add_rms_norm(h, x, w_post, w_next, ns.eps, ns.unit_offset, copy);
 #endif
   at::Tensor h2 = h + (w_post.defined() ? rms_norm(x, w_post, ns) : x);
+  if (copy) copy_rows(h2, *copy);
   return {h2, rms_norm(h2, w_next, ns)};
 }
 

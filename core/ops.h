@@ -21,10 +21,21 @@ struct NormSpec {
 // x: [..., H]; w: [H] f32 -> [..., H] in x's dtype.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns);
 
+// Rows of a [.., T, H] tensor of one sequence also written into a ring of per-position rows:
+// dst [R, F] (rows contiguous) at row positions[t] mod R, columns col .. col + H - 1.
+struct RowCopy {
+  at::Tensor dst;
+  int64_t col = 0;
+  at::Tensor positions;  // [T] int64
+};
+void copy_rows(const at::Tensor& x, const RowCopy& to);  // x: [.., T, H]
+
 // The residual step: a = w_post defined ? rms_norm(x, w_post) : x; h' = h + a; y = rms_norm(h', w_next).
-// h, x: [..., H]; w_post: [H] f32 or undefined; w_next: [H] f32. Returns {h', y}.
+// h, x: [..., H]; w_post: [H] f32 or undefined; w_next: [H] f32. Returns {h', y}; with `copy`, h'
+// is also written there (copy_rows: on CUDA by the same kernel, no launch of its own).
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
-                                               const at::Tensor& w_next, const NormSpec& ns);
+                                               const at::Tensor& w_next, const NormSpec& ns,
+                                               const RowCopy* copy = nullptr);
 
 // x: [..., K]; w: [N, K]; bias: [N] or undefined -> [..., N]. On CUDA with at most
 // 8 rows (decode, small verify blocks) a bandwidth-bound GEMV kernel, else at::linear.

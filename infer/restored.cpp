@@ -296,7 +296,13 @@ UpkeepBatch Restorer::next_upkeep(int64_t s) {
 void Restorer::upkeep_from(int64_t from) { upkeep_first_.fill_(from); }
 
 void Restorer::stash_step(const at::Tensor& pos) {
-  if (capture_) capture_->take_into(nullptr, feat_.defined() ? &feat_ : nullptr, pos);
+  if (!capture_) return;
+  if (capture_->stores_all()) capture_->clear();  // the forward wrote them (stash_in_forward)
+  else capture_->take_into(nullptr, feat_.defined() ? &feat_ : nullptr, pos);
+}
+
+void Restorer::stash_in_forward() {
+  if (capture_ && feat_.defined()) capture_->store_into(feat_);
 }
 
 void Restorer::stash_features(const at::Tensor& feats, const at::Tensor& pos) {
@@ -832,6 +838,7 @@ RestoredDecoder::RestoredDecoder(const Model& v, const Drafter* d, const FTheta*
   step_ = at::zeros({1}, iopt);
   out_ = at::zeros({capacity}, iopt);
   rest_.start_upkeep(1);
+  rest_.stash_in_forward();
   upkeep_ = std::make_unique<UpkeepRunner>([this](int64_t from) { rest_.upkeep_from(from); }, [this] { rest_.upkeep(); },
                                            v.device().is_cuda());
   loop_.step = [this] { RestoredStep{v_, cache_, rest_, sampler_, cur_, pos_, step_, out_}.run(); };

@@ -179,6 +179,9 @@ class Restorer : public TapSubscriber {
   void upkeep_from(int64_t from);
   void upkeep();
   void stash_step(const at::Tensor& pos);  // the last forward's target features at pos [1]
+  // From now on the verifier's forwards write the target features into the ring themselves
+  // (TargetFeatureCapture::store_into: inside the residual kernel), so stash_step has no work.
+  void stash_in_forward();
   // Target features feats [1, T, n·H] of positions pos [T] (device) into the feature ring
   // (no-op without one): a caller that runs its own forwards (fused blocks) stores them so
   // upkeep() can project the drafter context at restoration time; or it writes them there

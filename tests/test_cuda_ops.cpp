@@ -70,6 +70,32 @@ TEST_P(CudaOps, AddRmsNorm) {
     }
 }
 
+// The residual step that also stores its new residual rows into a ring of per-position rows
+// (the drafter's target features in restored steps): same h', y as without, ring rows at
+// position mod R and columns col.. equal h' rows, every other ring element untouched.
+TEST_P(CudaOps, AddRmsNormCopiesRows) {
+  const int64_t H = 640, T = 3, R = 5, F = 3 * H;
+  auto h = at::randn({1, T, H}).to(dt()), x = at::randn({1, T, H}).to(dt());
+  auto wp = at::randn({H}) * 0.2 + 1, wn = at::randn({H}) * 0.2 + 1;
+  ops::NormSpec ns{1e-6, true};
+  auto pos = at::tensor(std::vector<int64_t>{7, 8, 11}, at::kLong);  // rows 2, 3, 1 of R = 5
+  auto ring_ref = at::randn({R, F}).to(dt());
+  auto ring0 = ring_ref.clone();
+  ops::RowCopy c_ref{ring_ref, H, pos};
+  auto [h_ref, y_ref] = ops::add_rms_norm(h, x, wp, wn, ns, &c_ref);
+  EXPECT_TRUE(ring_ref.narrow(1, H, H).index_select(0, pos.remainder(R)).equal(h_ref.view({T, H})));
+  auto ring = ring0.to(kCuda);
+  ops::RowCopy c{ring, H, pos.to(kCuda)};
+  auto [h_got, y_got] = ops::add_rms_norm(h.to(kCuda), x.to(kCuda), wp.to(kCuda), wn.to(kCuda), ns, &c);
+  auto [h_plain, y_plain] = ops::add_rms_norm(h.to(kCuda), x.to(kCuda), wp.to(kCuda), wn.to(kCuda), ns);
+  EXPECT_TRUE(h_got.equal(h_plain) && y_got.equal(y_plain)) << "the copy changed the step's outputs";
+  expect_close(h_got, h_ref, "h'");
+  EXPECT_TRUE(ring.narrow(1, H, H).index_select(0, pos.remainder(R).to(kCuda)).equal(h_got.view({T, H})));
+  auto untouched = at::ones({R, F}, at::kBool);
+  untouched.narrow(1, H, H).index_fill_(0, pos.remainder(R), false);
+  EXPECT_TRUE(ring.cpu().masked_select(untouched).equal(ring0.masked_select(untouched)));
+}
+
 TEST_P(CudaOps, ActMul) {
   for (int64_t I : {3, 2048, 1001})
     for (bool gelu : {true, false}) {

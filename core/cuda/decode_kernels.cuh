@@ -31,16 +31,19 @@ __device__ __forceinline__ float warp_max(float v) {
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
-// Sum over the block; every thread gets the result. `red` holds >= 32 floats.
-__device__ __forceinline__ float block_sum(float v, float* red) {
+// Sum / max over the block; every thread gets the result. `red` holds >= 32 floats.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-  v = warp_sum(v);
+  v = MAX ? warp_max(v) : warp_sum(v);
   __syncthreads();  // red may still be read by a previous call
   if (lane == 0) red[warp] = v;
   __syncthreads();
-  v = lane < nwarps ? red[lane] : 0.f;
-  return warp_sum(v);
+  v = lane < nwarps ? red[lane] : (MAX ? -INFINITY : 0.f);
+  return MAX ? warp_max(v) : warp_sum(v);
 }
+__device__ __forceinline__ float block_sum(float v, float* red) { return block_reduce<false>(v, red); }
+__device__ __forceinline__ float block_max(float v, float* red) { return block_reduce<true>(v, red); }
 
 // RMSNorm of one value given the row's inverse RMS. Gemma (unit_offset): the
 // weight is 1+w folded in f32 and the product is rounded once; Llama/Qwen round
@@ -89,15 +92,20 @@ void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float 
 //                                              tap subscribers may keep the previous h)
 //   y = rms_norm(h_out)·w_next                 (the next pre-norm)
 // h, x, h_out, y: [rows, H]; w_post (nullable), w_next: [H] f32. Dynamic smem: 2H floats.
+// copy (optional): the new residual's rows also go to copy + (pos[row % T] mod copy_rows) ·
+// copy_stride (a ring of per-position rows, e.g. the drafter's target features, written
+// here instead of by a kernel of its own).
 template <typename T>
 __global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
                                     const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ y, int H,
-                                    float eps, bool unit_offset) {
+                                    float eps, bool unit_offset, T* __restrict__ copy, int64_t copy_stride,
+                                    const int64_t* __restrict__ copy_pos, int64_t copy_rows, int T_len) {
   extern __shared__ float smem[];  // [2H]: x, then the new residual
   float* xs = smem;
   float* hs = smem + H;
   __shared__ float red[32];
   const int64_t base = (int64_t)blockIdx.x * H;
+  T* c = copy ? copy + (copy_pos[blockIdx.x % T_len] % copy_rows) * copy_stride : nullptr;
   // Both rows are read up front so their memory latencies overlap.
   float ss = 0.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
@@ -113,6 +121,7 @@ __global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict
     const float v = rnd<T>(hs[i] + a);
     hs[i] = v;
     h_out[base + i] = to_t<T>(v);
+    if (c) c[i] = to_t<T>(v);
     ss += v * v;
   }
   const float inv = rsqrtf(block_sum(ss, red) / H + eps);
@@ -121,8 +130,10 @@ __global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict
 
 template <typename T>
 void launch_add_rms_norm(const T* h, const T* x, const float* w_post, const float* w_next, T* h_out, T* y, int rows,
-                         int H, float eps, bool unit_offset, cudaStream_t s) {
-  add_rms_norm_kernel<T><<<rows, 256, 2 * H * sizeof(float), s>>>(h, x, w_post, w_next, h_out, y, H, eps, unit_offset);
+                         int H, float eps, bool unit_offset, T* copy, int64_t copy_stride, const int64_t* copy_pos,
+                         int64_t copy_rows, int T_len, cudaStream_t s) {
+  add_rms_norm_kernel<T><<<rows, 256, 2 * H * sizeof(float), s>>>(h, x, w_post, w_next, h_out, y, H, eps, unit_offset,
+                                                                   copy, copy_stride, copy_pos, copy_rows, T_len);
 }
 
 // ---------------------------------------------------------------------------
@@ -294,17 +305,6 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     out[D] = M;
     out[D + 1] = L;
   }
-}
-
-// Max over the block; every thread gets the result. `red` holds >= 32 floats.
-__device__ __forceinline__ float block_max(float v, float* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
-  v = warp_max(v);
-  __syncthreads();  // red may still be read by a previous call
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  v = lane < nwarps ? red[lane] : -INFINITY;
-  return warp_max(v);
 }
 
 // The chunks' (max, sum) pairs are read once, in parallel, and each chunk's weight

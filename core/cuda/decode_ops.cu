@@ -50,7 +50,8 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, boo
 }
 
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in, const at::Tensor& x_in, const at::Tensor& w_post,
-                                               const at::Tensor& w_next, double eps, bool unit_offset) {
+                                               const at::Tensor& w_next, double eps, bool unit_offset,
+                                               const RowCopy* copy) {
   auto h = h_in.contiguous(), x = x_in.contiguous();
   check_act(h, "add_rms_norm h");
   check_act(x, "add_rms_norm x");
@@ -60,14 +61,28 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in, const at:
   if (w_post.defined()) check_w(w_post, H, "add_rms_norm w_post");
   check_w(w_next, H, "add_rms_norm w_next");
   TORCH_CHECK(H * 4 <= 48 * 1024, "add_rms_norm: hidden size ", H, " exceeds the kernel's shared memory");
+  const int64_t T_len = h.dim() >= 2 ? h.size(-2) : 1;
+  if (copy) {
+    const at::Tensor& d = copy->dst;
+    TORCH_CHECK(d.is_cuda() && d.dim() == 2 && d.stride(1) == 1 && d.scalar_type() == h.scalar_type() &&
+                    copy->col >= 0 && copy->col + H <= d.size(1),
+                "add_rms_norm copy: expected a [R, F] ", h.scalar_type(), " CUDA ring with contiguous rows and ", H,
+                " columns from ", copy->col, ", got ", d.sizes(), " ", d.scalar_type());
+    TORCH_CHECK(h.numel() / H == T_len, "add_rms_norm copy: one sequence expected (rows by position), got ", h.sizes());
+    check_cuda(copy->positions, "add_rms_norm copy positions");
+    TORCH_CHECK(copy->positions.scalar_type() == at::kLong && copy->positions.numel() == T_len,
+                "add_rms_norm copy positions: expected [", T_len, "] int64");
+  }
   c10::cuda::CUDAGuard g(h.device());
   auto h2 = at::empty_like(h);  // out of place: tap subscribers may hold the previous residual
   auto y = at::empty_like(h);
   dispatch(h.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
+    T* c = copy ? ptr<T>(copy->dst) + copy->col : nullptr;
     k::launch_add_rms_norm<T>(ptr<T>(h), ptr<T>(x), w_post.defined() ? w_post.data_ptr<float>() : nullptr,
-                              w_next.data_ptr<float>(), ptr<T>(h2), ptr<T>(y), h.numel() / H, H, eps, unit_offset,
-                              at::cuda::getCurrentCUDAStream());
+                              w_next.data_ptr<float>(), ptr<T>(h2), ptr<T>(y), h.numel() / H, H, eps, unit_offset, c,
+                              copy ? copy->dst.stride(0) : 0, copy ? copy->positions.data_ptr<int64_t>() : nullptr,
+                              copy ? copy->dst.size(0) : 1, (int)T_len, at::cuda::getCurrentCUDAStream());
   });
   return {h2, y};
 }

@@ -11,7 +11,8 @@ namespace kakeya::ops::cuda {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset);
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
-                                               const at::Tensor& w_next, double eps, bool unit_offset);
+                                               const at::Tensor& w_next, double eps, bool unit_offset,
+                                               const RowCopy* copy);
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);

@@ -78,22 +78,29 @@ __global__ void argmax_partial_kernel(const T* __restrict__ scores, int V, int c
   }
 }
 
+// Row `row`'s argmax from its chunks' partials (every lane of the warp gets it).
+__device__ __forceinline__ int row_argmax(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
+                                          int row, int lane) {
+  float best = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int c = lane; c < chunks; c += 32) {
+    const float v = pval[row * chunks + c];
+    const int i = pidx[row * chunks + c];
+    if (argmax_beats(v, i, best, bi)) {
+      best = v;
+      bi = i;
+    }
+  }
+  warp_argmax(best, bi);
+  return bi;
+}
+
 __global__ void greedy_accept_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
                                      const int64_t* __restrict__ block, int64_t* __restrict__ report, int Tn) {
   extern __shared__ int64_t post[];  // [Tn]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (int row = warp; row < Tn; row += warps) {
-    float best = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int c = lane; c < chunks; c += 32) {
-      const float v = pval[row * chunks + c];
-      const int i = pidx[row * chunks + c];
-      if (argmax_beats(v, i, best, bi)) {
-        best = v;
-        bi = i;
-      }
-    }
-    warp_argmax(best, bi);
+    const int bi = row_argmax(pval, pidx, chunks, row, lane);
     if (lane == 0) {
       post[row] = bi;
       report[row] = bi;
@@ -113,17 +120,7 @@ __global__ void argmax_final_kernel(const float* __restrict__ pval, const int* _
                                     const int64_t* __restrict__ map, int64_t* __restrict__ out, int rows) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (int row = warp; row < rows; row += warps) {
-    float best = -INFINITY;
-    int bi = 0x7fffffff;
-    for (int c = lane; c < chunks; c += 32) {
-      const float v = pval[row * chunks + c];
-      const int i = pidx[row * chunks + c];
-      if (argmax_beats(v, i, best, bi)) {
-        best = v;
-        bi = i;
-      }
-    }
-    warp_argmax(best, bi);
+    const int bi = row_argmax(pval, pidx, chunks, row, lane);
     if (lane == 0) out[row] = map ? map[bi] : bi;
   }
 }
