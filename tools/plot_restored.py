@@ -13,6 +13,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
+def restore_label(r, alpha=True):  # the restore options a reader needs, not the whole JSON (it overflows the title)
+    label = f'sink {r["sink"]}, window {r["window"]}, full attention {r["full_attn"]}'
+    return label + (f', a = {r["mix_alpha"]}' if alpha else '')
+
+
 def niah(rep, out):
     rungs = rep["rungs"]
     ctx = [r["context"] for r in rungs]
@@ -38,7 +43,7 @@ def niah(rep, out):
     a2.set_xticks(ctx, [f"{c // 1024}k" if c >= 1024 else str(c) for c in ctx])
     a2.set_xlabel("context (tokens)")
     a2.set_ylabel("MiB")
-    a2.set_title(f'K/V memory (restore: {json.dumps(rep["restore"])})', fontsize=8)
+    a2.set_title(f'K/V memory ({restore_label(rep["restore"])})', fontsize=9)
     a2.legend(fontsize=8)
     fig.suptitle(f'kakeya niah on {rep["device"]} ({rep["dtype"]})', fontsize=9)
     fig.tight_layout()
@@ -70,7 +75,7 @@ def sweep(rep, out):
     a3.set_xlabel("alpha")
     a3.set_ylabel("relative error of restored K/V (cache space)")
     a3.legend(fontsize=8)
-    fig.suptitle(f'kakeya sweep-alpha on {rep["device"]}; restore {json.dumps(rep["restore"])}', fontsize=8)
+    fig.suptitle(f'kakeya sweep-alpha on {rep["device"]}; {restore_label(rep["restore"], alpha=False)}', fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
 
