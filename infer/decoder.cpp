@@ -44,6 +44,7 @@ DecodeResult Decoder::run(const std::vector<int64_t>& prompt, const DecodeOption
       d.prefill_seconds = r.prefill_seconds;
       d.decode_seconds = r.decode_seconds;
       d.capture_seconds = r.capture_seconds;
+      d.steady_allocations = r.steady_allocations;
       d.memory = ar_memory_report(v_, capacity_);
       return d;
     }

@@ -413,6 +413,7 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
 #endif
   double* split[3] = {&out.split.draft, &out.split.verify, &out.split.extend};
   int64_t blocks = 0;  // enqueued
+  int64_t allocs0 = -1;  // allocator count before the first replayed block
   // Enqueues the next block into host slot `slot`, whose queries start at s_lo at the earliest
   // (exactly, unless it is enqueued before the previous block's report is read: then the host
   // knows only s_lo = the previous start + 1, and the Restorer was set up for that span).
@@ -441,6 +442,7 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
     if (cuda) {
       auto stream = c10::cuda::getCurrentCUDAStream();
       const bool replay = graphs && m.graphs[0];
+      if (replay && allocs0 < 0) allocs0 = device_allocations(dev);
       auto& ev = m.ev[slot];
       for (int i = 0; i < 3; ++i) {
         if (opt.time_split) ev[i].record(stream);
@@ -518,6 +520,7 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
     }
   }
   m.upkeep.drain();
+  if (allocs0 >= 0) res.steady_allocations = device_allocations(dev) - allocs0;
   res.decode_seconds = seconds_since(t1, dev);
   res.capture_seconds = out.split.capture;
   out.split.blocks = blocks;

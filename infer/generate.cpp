@@ -169,13 +169,16 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
     pending = 0;
   };
   const int64_t batch = opt.stream ? 1 : (opt.stop_ids.empty() ? opt.max_new_tokens : kStopCheckEvery);
+  int64_t allocs0 = -1;  // allocator count before the first replay
   while (!stopped && (int64_t)res.tokens.size() + pending < opt.max_new_tokens) {
     const int64_t p = n_prompt + (int64_t)res.tokens.size() + pending - 1;  // position fed by this step
     if (loop.before) loop.before(p);
     upkeep(p);
 #ifdef KAKEYA_CUDA
-    if (g.step) g.step->replay();
-    else
+    if (g.step) {
+      if (allocs0 < 0) allocs0 = device_allocations(dev);
+      g.step->replay();
+    } else
 #endif
       loop.step();
     cache.advance(1);
@@ -186,6 +189,7 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
   // Batches still running write positions no step of this run reads; the next run must not
   // find them half done.
   if (loop.upkeep) loop.upkeep->drain();
+  if (allocs0 >= 0) res.steady_allocations = device_allocations(dev) - allocs0;
   res.decode_seconds = seconds_since(t1, dev);
 }
 

@@ -37,6 +37,7 @@ struct GenerateResult {
   double decode_seconds = 0;            // from the first to the last generated token
   double capture_seconds = 0;           // CUDA graph capture inside decode_seconds (a decoder's first run only)
   int64_t cache_bytes = 0;
+  int64_t steady_allocations = -1;      // CUDA allocations from the first graph replay to the end (-1: no replay)
   double decode_tokens_per_second() const {
     return tokens.size() > 1 && decode_seconds > 0 ? (tokens.size() - 1) / decode_seconds : 0.0;
   }

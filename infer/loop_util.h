@@ -7,6 +7,8 @@
 #include <vector>
 
 #ifdef KAKEYA_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
 
@@ -20,6 +22,22 @@ inline double seconds_since(Clock::time_point t0, const at::Device& dev) {
   if (dev.is_cuda()) c10::cuda::getCurrentCUDAStream().synchronize();  // SYNC: timing boundary
 #endif
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Allocations the CUDA caching allocator has served on dev so far (-1 off CUDA). Read before
+// the first graph replay of a decode loop and at its end: the difference is what the steady
+// state allocates (nothing, when every part of it replays a graph).
+inline int64_t device_allocations(const at::Device& dev) {
+#ifdef KAKEYA_CUDA
+  if (dev.is_cuda()) {
+    const int idx = dev.has_index() ? dev.index() : c10::cuda::current_device();
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(idx)
+        .allocation[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)]
+        .allocated;
+  }
+#endif
+  (void)dev;
+  return -1;
 }
 
 inline bool is_stop(int64_t tok, const std::vector<int64_t>& stop) {

@@ -880,6 +880,7 @@ DecodeResult RestoredDecoder::run(const std::vector<int64_t>& prompt, const Deco
   res.prefill_seconds = gr.prefill_seconds;
   res.decode_seconds = gr.decode_seconds;
   res.capture_seconds = gr.capture_seconds;
+  res.steady_allocations = gr.steady_allocations;
   const int64_t q = cache_.length() - 1;
   res.attention_fraction_sliding = attention_fraction(cache_, v_.config(), true, q);
   res.attention_fraction_full = attention_fraction(cache_, v_.config(), false, q);

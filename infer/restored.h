@@ -304,6 +304,7 @@ struct DecodeResult {
   double tau() const;                   // fused: mean of `committed` (0 if none)
   int64_t coded_positions = 0;          // --full-attn codec: positions whose full-attention K/V are coded
   int64_t served_positions = 0;         // positions that went through the verifier (prompt + fed tokens)
+  int64_t steady_allocations = -1;      // CUDA allocations from the first graph replay to the end (-1: no replay)
   double decode_tokens_per_second() const {
     return tokens.size() > 1 && decode_seconds > 0 ? (tokens.size() - 1) / decode_seconds : 0.0;
   }

@@ -132,7 +132,8 @@ TEST_F(CudaRestoredF32, KernelDecodesEqualReference) {
 
 // CUDA graphs with restoration batches on a side stream (overlapping the steps / blocks until
 // the first one that reads them waits) decode what eager launches with in-place batches
-// decode, on a decoder kept across prompts (graphs captured once, replayed on the next prompt).
+// decode, on a decoder kept across prompts (graphs captured once, replayed on the next prompt);
+// once its graphs replay, a decode allocates nothing on the device (eager runs do).
 TEST_F(CudaRestoredF32, GraphsWithOverlappedRestorationEqualEagerInPlace) {
   std::vector<int64_t> a(ids_.begin(), ids_.begin() + 120), b(ids_.begin() + 7, ids_.begin() + 90);
   for (DecodeMode mode : {DecodeMode::Restored, DecodeMode::Fused}) {
@@ -152,6 +153,8 @@ TEST_F(CudaRestoredF32, GraphsWithOverlappedRestorationEqualEagerInPlace) {
       EXPECT_EQ(got.tokens, want.tokens);
       EXPECT_EQ(got.restored_positions, want.restored_positions);
       EXPECT_EQ((int64_t)got.tokens.size(), 96);
+      EXPECT_EQ(got.steady_allocations, 0);
+      EXPECT_EQ(want.steady_allocations, -1);
     }
   }
 }

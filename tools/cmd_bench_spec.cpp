@@ -36,6 +36,7 @@ struct ModeStats {
   int64_t committed = 0, blocks = 0;
   FusedTiming split;
   int64_t identical_to_restored = 0, identical_to_ar = 0;
+  int64_t steady_allocs = -1;  // CUDA allocations while replaying graphs, summed over runs (-1: none replayed)
   nlohmann::json memory;
   double tps() const { return decode_s > 0 ? tokens / decode_s : 0.0; }
   double steady_tps() const { return decode_s > capture_s ? tokens / (decode_s - capture_s) : 0.0; }
@@ -218,6 +219,7 @@ void register_bench_spec(CLI::App& bench) {
       acc->tokens += std::max<int64_t>(0, (int64_t)r.tokens.size() - 1);
       acc->decode_s += r.decode_seconds;
       acc->capture_s += r.capture_seconds;
+      if (r.steady_allocations >= 0) acc->steady_allocs = std::max<int64_t>(0, acc->steady_allocs) + r.steady_allocations;
       acc->prefill_s += r.prefill_seconds;
       for (int64_t c : r.committed) acc->committed += c;
       acc->blocks += r.committed.size();
@@ -228,7 +230,7 @@ void register_bench_spec(CLI::App& bench) {
     };
 
     nlohmann::json jsets = nlohmann::json::array();
-    std::string table;
+    std::string table, allocs;  // allocs: per set, the CUDA allocations of each mode's graph replays
     char line[512];
     std::snprintf(line, sizeof line, "%-12s %4s %9s %9s %9s %7s %7s %7s %5s %8s %8s %8s %6s %6s %s\n", "set", "n",
                   "ar tok/s", "rest tok/s", "fused", "f/ar", "f/rest", "f/ar ss", "tau", "draft", "verify", "upkeep",
@@ -285,6 +287,8 @@ void register_bench_spec(CLI::App& bench) {
                     (long long)f.identical_to_restored, (long long)n, (long long)f.identical_to_ar, (long long)n,
                     rec("ar").c_str(), rec("restored").c_str(), rec("fused").c_str());
       table += line;
+      allocs += (allocs.empty() ? "" : "; ") + s.name + ":";
+      for (auto& [m, v] : ms) allocs += " " + m + " " + (v.steady_allocs >= 0 ? std::to_string(v.steady_allocs) : "-");
       nlohmann::json jm;
       for (auto& [m, v] : ms) {
         jm[m] = {{"runs", v.runs},
@@ -294,6 +298,8 @@ void register_bench_spec(CLI::App& bench) {
                  {"decode_tokens_per_second", v.tps()},
                  {"graph_capture_seconds", v.capture_s},
                  {"decode_tokens_per_second_excl_capture", v.steady_tps()},
+                 {"cuda_allocations_in_graph_replays",
+                  v.steady_allocs >= 0 ? nlohmann::json(v.steady_allocs) : nlohmann::json(nullptr)},
                  {"memory_first_prompt", v.memory}};
         if (!s.answers.empty()) jm[m]["recall"] = v.recall / n;
         if (m == "fused") {
@@ -328,6 +334,7 @@ void register_bench_spec(CLI::App& bench) {
     std::printf("draft/verify/upkeep: ms per fused block (upkeep = restoration + drafter context extension); "
                 "=rest/=ar: fused outputs token-identical to restored / ar; ss: steady state, both without their "
                 "one-time CUDA graph capture\n");
+    std::printf("CUDA allocations while replaying graphs (steady state; - = no replay): %s\n", allocs.c_str());
     if (!o->json.empty()) {
       write_json(o->json, {{"bench", "spec"},
                            {"command", command_line()},
