@@ -38,13 +38,7 @@ DecodeResult Decoder::run(const std::vector<int64_t>& prompt, const DecodeOption
   check_positions(v_, prompt.size(), opt.max_new_tokens);
   switch (opt.mode) {
     case DecodeMode::Ar: {
-      auto r = ar_->run(prompt, generate_options(opt));
-      DecodeResult d;
-      d.tokens = std::move(r.tokens);
-      d.prefill_seconds = r.prefill_seconds;
-      d.decode_seconds = r.decode_seconds;
-      d.capture_seconds = r.capture_seconds;
-      d.steady_allocations = r.steady_allocations;
+      DecodeResult d = DecodeResult::from_loop(ar_->run(prompt, generate_options(opt)));
       d.memory = ar_memory_report(v_, capacity_);
       return d;
     }

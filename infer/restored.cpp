@@ -875,12 +875,7 @@ DecodeResult RestoredDecoder::run(const std::vector<int64_t>& prompt, const Deco
   if (!sampler_.greedy()) loop_.graphs.reset();
   GenerateResult gr;
   run_decode_loop(loop_, sampler_.sample(logits.select(1, 0)), cache_, n_prompt, g, t0, dev, gr);
-  DecodeResult res;
-  res.tokens = std::move(gr.tokens);
-  res.prefill_seconds = gr.prefill_seconds;
-  res.decode_seconds = gr.decode_seconds;
-  res.capture_seconds = gr.capture_seconds;
-  res.steady_allocations = gr.steady_allocations;
+  DecodeResult res = DecodeResult::from_loop(std::move(gr));
   const int64_t q = cache_.length() - 1;
   res.attention_fraction_sliding = attention_fraction(cache_, v_.config(), true, q);
   res.attention_fraction_full = attention_fraction(cache_, v_.config(), false, q);
@@ -941,6 +936,16 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
   return memory_lines(p, cfg, elem, o, n);
 }
 
+
+DecodeResult DecodeResult::from_loop(GenerateResult&& r) {
+  DecodeResult d;
+  d.tokens = std::move(r.tokens);
+  d.prefill_seconds = r.prefill_seconds;
+  d.decode_seconds = r.decode_seconds;
+  d.capture_seconds = r.capture_seconds;
+  d.steady_allocations = r.steady_allocations;
+  return d;
+}
 
 double DecodeResult::tau() const {
   int64_t n = 0;

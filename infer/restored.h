@@ -308,6 +308,8 @@ struct DecodeResult {
   double decode_tokens_per_second() const {
     return tokens.size() > 1 && decode_seconds > 0 ? (tokens.size() - 1) / decode_seconds : 0.0;
   }
+  // What a decode loop of infer/generate.h measured (tokens, timings, allocations); the rest default.
+  static DecodeResult from_loop(GenerateResult&& r);
 };
 
 // The incremental restored decoder (DecodeMode::Restored) kept across prompts: its KV cache
