@@ -386,11 +386,12 @@ bool TargetFeatureCapture::stores_all() const {
   return true;
 }
 
-bool TargetFeatureCapture::store(Tap tap, int64_t layer, TapStore* out) const {
+bool TargetFeatureCapture::store(Tap tap, int64_t layer, ops::RowCopy* out) const {
   if (tap != Tap::LayerOut || !ring_.defined() || layer == target_.config().num_layers - 1) return false;
   for (size_t i = 0; i < ids_.size(); ++i)
     if (ids_[i] == layer) {
-      *out = {ring_, (int64_t)i * target_.config().hidden_size};
+      out->dst = ring_;
+      out->col = (int64_t)i * target_.config().hidden_size;
       return true;
     }
   return false;

@@ -167,11 +167,11 @@ class TargetFeatureCapture : public TapSubscriber {
   void take_into(at::Tensor* out, at::Tensor* ring, const at::Tensor& positions);
   void clear();  // drops what was captured (a new session)
   // Store mode: the forward writes each captured layer's rows straight into ring [R, n·H] (row
-  // position mod R, core/taps.h TapStore), except a last-layer id (its feature is final-normed
+  // position mod R, core/taps.h TapSubscriber::store), except a last-layer id (its feature is final-normed
   // afterwards). stores_all(): every id is written that way (nothing left for take_into).
   void store_into(at::Tensor ring);
   bool stores_all() const;
-  bool store(Tap tap, int64_t layer, TapStore* out) const override;
+  bool store(Tap tap, int64_t layer, ops::RowCopy* out) const override;
   const Taps& taps() const { return taps_; }
 
  private:

@@ -292,11 +292,10 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, cfg_.act == Activation::GeluTanh),
                                w.down, w.down_bias);
     const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
-    // A subscriber may want the layer output stored as it is computed (core/taps.h TapStore).
-    TapStore ts;
+    // A subscriber may want the layer output stored as it is computed (core/taps.h).
     ops::RowCopy store;
-    const bool stored = taps && taps->store(Tap::LayerOut, l, &ts);
-    if (stored) store = {ts.dst, ts.col, positions};
+    const bool stored = taps && taps->store(Tap::LayerOut, l, &store);
+    if (stored) store.positions = positions;
     if (w.layer_scalar.defined()) {
       // Gemma 4: the layer's whole output (residual stream included) ×= layer_scalar, in the model dtype.
       h = (h + (w.post_ffn_norm.defined() ? rms_norm(f, w.post_ffn_norm) : f)) * w.layer_scalar;

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/config.h"
+#include "core/ops.h"
 
 namespace kakeya {
 
@@ -29,21 +30,15 @@ struct TapContext {
   const at::Tensor& positions;  // [T] int64 absolute positions of the chunk
 };
 
-// Where a subscriber wants a tapped tensor's rows stored as the forward computes it (a ring of
-// per-position rows: dst [R, F] at row position mod R, columns col ..): the forward writes
-// them there itself (for LayerOut, inside the residual kernel: no launch of its own).
-struct TapStore {
-  at::Tensor dst;
-  int64_t col = 0;
-};
-
 class TapSubscriber {
  public:
   virtual ~TapSubscriber() = default;
   virtual void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) = 0;
   // Asked before `tap` of `layer` is computed (LayerOut only, so far): true to have its rows
-  // stored at `out`. on_tap is still called.
-  virtual bool store(Tap, int64_t layer, TapStore* out) const { return false; }
+  // stored in a ring of per-position rows, out->dst from column out->col (core/ops.h RowCopy;
+  // the forward fills in the positions and writes them itself: for LayerOut inside the
+  // residual kernel, no launch of its own). on_tap is still called.
+  virtual bool store(Tap, int64_t layer, ops::RowCopy* out) const { return false; }
   // Whether on_tap reads or replaces `tap`. The forward runs its fused CUDA kernels, which never
   // materialise some tapped tensors (q/k/v before RoPE), only when no subscriber reads those taps;
   // a subscriber that declares only what it reads keeps the fast path (default: every tap).
@@ -62,7 +57,7 @@ class Taps {
   void cb(Tap tap, const TapContext& ctx, at::Tensor& x) const {
     for (TapSubscriber* s : subs_) s->on_tap(tap, ctx, x);
   }
-  bool store(Tap tap, int64_t layer, TapStore* out) const {  // the first subscriber that asks
+  bool store(Tap tap, int64_t layer, ops::RowCopy* out) const {  // the first subscriber that asks
     for (const TapSubscriber* s : subs_)
       if (s->store(tap, layer, out)) return true;
     return false;

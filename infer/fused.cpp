@@ -414,10 +414,19 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
   double* split[3] = {&out.split.draft, &out.split.verify, &out.split.extend};
   int64_t blocks = 0;  // enqueued
   int64_t allocs0 = -1;  // allocator count before the first replayed block
-  // Enqueues the next block into host slot `slot`, whose queries start at s_lo at the earliest
+  // The host reads each block's report once. On CUDA it keeps one block ahead while the budget
+  // certainly needs it (tokens so far + B < max_new: whatever the oldest block commits), so the
+  // device never waits for the host between blocks; a stop inside the oldest block leaves the
+  // one ahead to finish unread (its tokens are dropped; the timing below waits for it).
+  std::deque<int> pending;  // host slots of enqueued blocks, oldest first
+  int next_slot = 0;
+  // Enqueues the next block into the next host slot; its queries start at s_lo at the earliest
   // (exactly, unless it is enqueued before the previous block's report is read: then the host
   // knows only s_lo = the previous start + 1, and the Restorer was set up for that span).
-  auto enqueue = [&](int64_t s_lo, int slot) {
+  auto enqueue = [&](int64_t s_lo) {
+    const int slot = next_slot;
+    next_slot ^= 1;
+    pending.push_back(slot);
     // Restoration batches the committed positions (< s_lo) now cover, then the wait for those
     // this block's queries may read.
     for (UpkeepBatch b = m.rest.next_upkeep(s_lo); b.from >= 0; b = m.rest.next_upkeep(s_lo)) m.upkeep.run(b.from, b.read_at);
@@ -466,25 +475,11 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
     m.host[slot].copy_(eng.report());
     ++blocks;
   };
-  // The host reads each block's report once. On CUDA it keeps one block ahead while the budget
-  // certainly needs it (tokens so far + B < max_new: whatever the oldest block commits), so the
-  // device never waits for the host between blocks; a stop inside the oldest block leaves the
-  // one ahead to finish unread (its tokens are dropped; the timing below waits for it).
-  std::deque<int> pending;  // slots of enqueued blocks, oldest first
   int64_t s_known = n_prompt + (int64_t)res.tokens.size() - 1;  // start of the oldest pending block (its carried token)
-  int next_slot = 0;
-  if (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) {
-    enqueue(s_known, next_slot);
-    pending.push_back(next_slot);
-    next_slot ^= 1;
-  }
+  if (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) enqueue(s_known);
   while (!pending.empty()) {
     const int64_t g = res.tokens.size();
-    if (m.lookahead && pending.size() == 1 && g + B < opt.max_new_tokens) {
-      enqueue(s_known + 1, next_slot);
-      pending.push_back(next_slot);
-      next_slot ^= 1;
-    }
+    if (m.lookahead && pending.size() == 1 && g + B < opt.max_new_tokens) enqueue(s_known + 1);
     const int slot = pending.front();
     pending.pop_front();
 #ifdef KAKEYA_CUDA
@@ -513,11 +508,7 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
     res.committed.push_back(produced);
     s_known += n;
     if (stopped || (int64_t)res.tokens.size() >= opt.max_new_tokens) break;
-    if (pending.empty()) {
-      enqueue(s_known, next_slot);
-      pending.push_back(next_slot);
-      next_slot ^= 1;
-    }
+    if (pending.empty()) enqueue(s_known);
   }
   m.upkeep.drain();
   if (allocs0 >= 0) res.steady_allocations = device_allocations(dev) - allocs0;

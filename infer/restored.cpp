@@ -425,7 +425,9 @@ at::Tensor Restorer::take_features(int64_t n) {
 
 void Restorer::commit(int64_t p0, int64_t n, DrafterCache* dcache) {
   at::Tensor feats = take_features(n);
-  if (feat_.defined()) stash_features(feats, at::arange(p0, p0 + n, feat_.options().dtype(at::kLong)));
+  // In store mode (stash_in_forward) the forward has written them into the ring already.
+  if (feat_.defined() && !(capture_ && capture_->stores_all()))
+    stash_features(feats, at::arange(p0, p0 + n, feat_.options().dtype(at::kLong)));
   if (dcache) {
     KAKEYA_CHECK(drafter_ && dcache->length() == p0,
                  "restorer: drafter cache at " << dcache->length() << ", committing at " << p0);
