@@ -494,12 +494,15 @@ Drafter Drafter::assemble(const DrafterConfig& cfg, const Model& target, const D
   auto f32 = [&](const at::Tensor& t) { return d.dtype_ == at::kFloat ? t : t.to(at::kFloat); };
   d.hidden_norm32_ = f32(d.hidden_norm_);
   d.norm32_ = f32(d.norm_);
+  d.qkv_all_ = at::empty({cfg.num_layers, cfg.q_dim() + 2 * cfg.kv_dim(), cfg.hidden_size},
+                         at::TensorOptions().dtype(d.dtype_).device(d.device_));
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
     const int64_t qd = cfg.q_dim(), kd = cfg.kv_dim(), I = cfg.intermediate_size;
     DrafterLayer L;
-    L.qkv = at::cat({w.at(p + "self_attn.q_proj.weight"), w.at(p + "self_attn.k_proj.weight"),
-                     w.at(p + "self_attn.v_proj.weight")});
+    L.qkv = d.qkv_all_[l];
+    L.qkv.copy_(at::cat({w.at(p + "self_attn.q_proj.weight"), w.at(p + "self_attn.k_proj.weight"),
+                         w.at(p + "self_attn.v_proj.weight")}));
     L.q_proj = L.qkv.narrow(0, 0, qd);
     L.k_proj = L.qkv.narrow(0, qd, kd);
     L.v_proj = L.qkv.narrow(0, qd + kd, kd);
@@ -668,6 +671,14 @@ std::vector<std::pair<at::Tensor, at::Tensor>> Drafter::context_raw_kv(const at:
     out.push_back({k, v});
   }
   return out;
+}
+
+std::pair<at::Tensor, at::Tensor> Drafter::context_raw_kv_rows(const at::Tensor& c) const {
+  const int64_t B = c.size(0), T = c.size(1), L = cfg_.num_layers, Hkv = cfg_.num_kv_heads, D = cfg_.head_dim;
+  const int64_t qd = cfg_.q_dim(), kd = cfg_.kv_dim();
+  at::Tensor all = at::linear(c, qkv_all_.view({L * (qd + 2 * kd), qkv_all_.size(2)}))  // [B, T, L·(qd + 2kd)]
+                       .view({B, T, L, qd + 2 * kd});
+  return {all.narrow(3, qd, kd).view({B, T, L, Hkv, D}), all.narrow(3, qd + kd, kd).view({B, T, L, Hkv, D})};
 }
 
 std::vector<std::pair<at::Tensor, at::Tensor>> Drafter::context_kv(const at::Tensor& c, const at::Tensor& positions,

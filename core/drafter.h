@@ -94,9 +94,10 @@ struct DrafterConfig {
 // (Qwen3RMSNorm: w · x̂ in the compute dtype).
 // The projections that read the same input are stored concatenated (qkv, gate_up)
 // so the CUDA block path runs one GEMM each; the z-lab tensors are row views into
-// them (no extra bytes; the trainer's in-place updates reach both).
+// them (no extra bytes; the trainer's in-place updates reach both). Every layer's
+// qkv is itself a slice of one tensor (Drafter::context_raw_kv_rows: all layers in one GEMM).
 struct DrafterLayer {
-  at::Tensor qkv;         // [(Hq + 2·Hkv)·D, H]  q_proj; k_proj; v_proj
+  at::Tensor qkv;         // [(Hq + 2·Hkv)·D, H]  q_proj; k_proj; v_proj (slice l of Drafter::qkv_all_)
   at::Tensor kv;          // [2·Hkv·D, H]   k_proj; v_proj: rows of qkv (context K/V in one GEMM)
   at::Tensor gate_up;     // [2·I, H]       gate_proj; up_proj
   at::Tensor q_proj;      // [Hq·D, H]      self_attn.q_proj.weight (view of qkv)
@@ -222,6 +223,11 @@ class Drafter {
   // the drafter context with it: k_norm and RoPE would be computed for nobody.
   std::vector<std::pair<at::Tensor, at::Tensor>> context_raw_kv(const at::Tensor& c, const at::Tensor& positions,
                                                                 const Taps* taps = nullptr) const;
+  // The same raw K/V of every layer from ONE GEMM over all layers' qkv rows (the q rows are
+  // computed and dropped: one launch instead of 2·layers, which is what restoration batches
+  // pay for). c: [B, T, H] -> {K, V}: [B, T, L_d, H_kv, D] strided views of the GEMM output.
+  // No taps, no autograd through the z-lab tensors: inference only (training uses the above).
+  std::pair<at::Tensor, at::Tensor> context_raw_kv_rows(const at::Tensor& c) const;
   // The same K/V written into a context cache at slot = position: k_cache/v_cache per
   // layer [B, H_kv, S, D]; positions [T] < S. On CUDA (batch 1, no subscriber reading
   // KNorm/VNorm) one k|v GEMM and the fused norm + RoPE + store kernel per layer; taps
@@ -310,6 +316,7 @@ class Drafter {
   at::Tensor norm_;         // [H]
   at::Tensor hidden_norm32_, norm32_;  // [H] f32 (see DrafterLayer::q_norm32)
   std::vector<DrafterLayer> layers_;
+  at::Tensor qkv_all_;  // [L_d, (Hq + 2·Hkv)·D, H]: every layer's qkv (DrafterLayer::qkv = qkv_all_[l])
   RopeTable rope_;
   at::Tensor vocab_ids_;  // [K] int64: the draft vocabulary (undefined: the whole vocabulary)
   at::Tensor head_sub_;   // [K, H] the target lm_head's rows of vocab_ids_, in the head's dtype

@@ -88,6 +88,22 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 #endif
 }
 
+RestoreStore::RestoreStore(std::vector<Layer> layers) : layers_(std::move(layers)) {
+#ifdef KAKEYA_CUDA
+  desc_ = cuda::restore_store_descriptors(layers_);
+#else
+  KAKEYA_FAIL("RestoreStore: built without CUDA kernels (KAKEYA_CUDA=OFF)");
+#endif
+}
+
+void RestoreStore::run(const at::Tensor& k_raw, const at::Tensor& v_raw, const at::Tensor& positions) const {
+#ifdef KAKEYA_CUDA
+  cuda::restore_store(desc_, layers_, k_raw, v_raw, positions);
+#else
+  (void)k_raw, (void)v_raw, (void)positions;
+#endif
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
                             const CopyRule& copies) {

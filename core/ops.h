@@ -58,7 +58,7 @@ struct QKRopeArgs {
   at::Tensor q_norm, k_norm;  // [D] f32, or undefined (no q/k norm)
   at::Tensor cos, sin;        // [P, rot] in the activation dtype
   int64_t ring = 0;           // slot = position mod ring (0: the whole cache, S); see KVCache::exact_slots
-  // Storing into a restored region (infer/restored.h, K/V only: num_heads 0): positions < sink
+  // RestoreStore only (storing into a restored region, K/V only: num_heads 0): positions < sink
   // are not computed but copied from sink_k/sink_v (the layer's exact ring, the caches' strides)
   // at slot position mod sink_ring: attention sinks keep their exact K/V. sink 0: none.
   int64_t sink = 0, sink_ring = 0;
@@ -70,6 +70,28 @@ struct QKRopeArgs {
 // The caches may be strided views (rows of D contiguous values), e.g. a restored region.
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
                               at::Tensor& k_cache, at::Tensor& v_cache);
+
+// Restoration's store for several layers in one launch (infer/restored.h): per layer, the
+// K/V-only qk_norm_rope_store into its restored region (k normed + RoPE'd, v raw; positions
+// < sink copied from its exact ring). Layers, buffers and tables are fixed at construction
+// (their addresses go to the device once), so run() is one launch with no host work and CUDA
+// graphs capture it. CUDA builds only; its reference is one qk_norm_rope_store per layer.
+class RestoreStore {
+ public:
+  struct Layer {
+    int64_t k_src = 0, v_src = 0;  // column of the layer's head 0 in the raw k / v rows
+    QKRopeArgs args;               // num_heads 0; k_norm, cos/sin, norm, ring, sink, sink_ring, sink_k/v
+    at::Tensor k_cache, v_cache;   // [1, H_kv, S, D] the restored region (rows contiguous)
+  };
+  // Every layer has the same H_kv, head dim, dtype, norm spec and sink.
+  explicit RestoreStore(std::vector<Layer> layers);
+  // k_raw: [N, Fk], v_raw: [N, Fv] raw rows, contiguous, in the caches' dtype; positions: [N] int64.
+  void run(const at::Tensor& k_raw, const at::Tensor& v_raw, const at::Tensor& positions) const;
+
+ private:
+  std::vector<Layer> layers_;  // keeps alive what the descriptors point to
+  at::Tensor desc_;            // per-layer descriptors on the device (bytes)
+};
 
 // Which copy of a position a query reads on a layer with restoration or coding
 // (core/kv_cache.h): slot s sits either in the restored/coded region (in_restored[s])

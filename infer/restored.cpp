@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <sstream>
+#include <tuple>
 
 #include "core/error.h"
 #include "infer/fused.h"
@@ -217,8 +218,27 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
             (verifier.dtype() == at::kFloat || verifier.dtype() == at::kBFloat16);
   if (kernel_) {
     const FThetaConfig& fc = ftheta->config();
-    for (int64_t l = 0; l < cfg.num_layers; ++l)
-      kernel_ = kernel_ && !fc.v_from_k[l] && fc.kv_dim(l) == fc.kv_dim(0);
+    for (int64_t l : layers_)  // one store launch: equal K/V widths (ops::RestoreStore), a V decoder per layer
+      kernel_ = kernel_ && !fc.v_from_k[l] && cfg.kv_heads(l) == cfg.kv_heads(layers_[0]) &&
+                cfg.layer_head_dim[l] == cfg.layer_head_dim[layers_[0]];
+  }
+  if (kernel_) {
+    // One store launch for every layer the policy covers; sinks leaving the window take their
+    // exact K/V, which the exact ring still holds.
+    const FThetaConfig& fc = ftheta->config();
+    std::vector<ops::RestoreStore::Layer> layers;
+    for (int64_t l : layers_) {
+      ops::RestoreStore::Layer L;
+      L.k_src = fc.k_offset(l);
+      L.v_src = fc.v_offset(l);
+      L.args = verifier.rope_args(l, 0, cache.restored_slots(l));
+      std::tie(L.args.sink_k, L.args.sink_v) = cache.exact_ring(l);
+      L.args.sink = opt.sink;
+      L.args.sink_ring = cache.exact_slots(l);
+      std::tie(L.k_cache, L.v_cache) = cache.restored_region(l);
+      layers.push_back(std::move(L));
+    }
+    store_ = std::make_unique<ops::RestoreStore>(std::move(layers));
   }
 }
 
@@ -247,7 +267,13 @@ void Restorer::prepare(int64_t p0, int64_t t) {
   KAKEYA_CHECK(last < p0, "restorer: chunk of " << t << " tokens at " << p0 << " needs restored K/V of itself");
   const int64_t first = restored_upto_ + 1;
   auto js = at::arange(first, last + 1, at::TensorOptions().dtype(at::kLong).device(model_.device()));
-  restore(js, js.ge(opt_.sink));
+  at::Tensor dk, dv;  // the drafter raw K/V the commits kept
+  if (opt_.needs_ftheta()) {
+    auto dsl = js.remainder(ring_).to(dk_.device());
+    dk = dk_.index_select(0, dsl);
+    dv = dv_.index_select(0, dsl);
+  }
+  restore(js, js.ge(opt_.sink), dk, dv);
   stat_positions_ += std::max<int64_t>(0, last + 1 - std::max(first, opt_.sink));
   restored_upto_ = last;
 }
@@ -311,11 +337,14 @@ void Restorer::stash_features(const at::Tensor& feats, const at::Tensor& pos) {
 
 void Restorer::upkeep() {
   at::Tensor js = upkeep_off_ + upkeep_first_;  // [L]
+  at::Tensor dk, dv;                            // [L, L_d, H_d, D_d] the drafter raw K/V of js
   if (feat_.defined()) {
     at::Tensor f = feat_.index_select(0, js.remainder(ring_)).unsqueeze(0);  // [1, L, n·H]
-    drafter_->context_raw_kv(drafter_->project_context(f), js.to(drafter_->device()), &dtaps_);
+    std::tie(dk, dv) = drafter_->context_raw_kv_rows(drafter_->project_context(f));
+    dk = dk.select(0, 0);
+    dv = dv.select(0, 0);
   }
-  restore(js, js.ge(opt_.sink));
+  restore(js, kernel_ ? at::Tensor() : js.ge(opt_.sink), dk, dv);
 }
 
 void Restorer::reset() {
@@ -330,26 +359,22 @@ void Restorer::prepare_coded(int64_t q) {
   if (coded_) coded_->prepare(q);
 }
 
-void Restorer::restore(const at::Tensor& js, const at::Tensor& counted) {
+void Restorer::restore(const at::Tensor& js, const at::Tensor& counted, const at::Tensor& dk, const at::Tensor& dv) {
+  if (kernel_) {
+    restore_kernel(js, dk, dv);
+    return;
+  }
   const at::Device dev = model_.device();
   const ModelConfig& cfg = model_.config();
   const int64_t N = js.size(0);
   const double a = opt_.mix_alpha;
   auto slot = js.remainder(ring_);
   // Attention sinks keep their exact K/V, which the exact ring still holds (they are leaving the window now).
-  at::Tensor is_sink = opt_.sink > 0 ? js.lt(opt_.sink) : at::Tensor();
-  at::Tensor sink_kv = opt_.sink > 0 ? is_sink.view({1, 1, N, 1}) : at::Tensor();
+  at::Tensor sink_kv = opt_.sink > 0 ? js.lt(opt_.sink).view({1, 1, N, 1}) : at::Tensor();
   at::Tensor weight;  // [N, 1, 1] f64: 1 for positions restored through f_θ for the first time (stats)
   if (opt_.stats) weight = counted.to(at::kDouble).view({N, 1, 1});
-  if (kernel_) {
-    restore_kernel(js, slot);
-    return;
-  }
   std::vector<std::pair<at::Tensor, at::Tensor>> pred;
-  if (opt_.needs_ftheta()) {
-    auto dsl = slot.to(dk_.device());
-    pred = ftheta_->predict(dk_.index_select(0, dsl), dv_.index_select(0, dsl));  // per layer [N, H, D]
-  }
+  if (opt_.needs_ftheta()) pred = ftheta_->predict(dk, dv);  // per layer [N, H, D]
   for (int64_t l : layers_) {
     at::Tensor rk, rv, tk, tv;
     if (opt_.needs_true_raw()) {
@@ -393,24 +418,12 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& counted) {
   if (has_full_) cache_.mark_restored(LayerType::Full, js);
 }
 
-void Restorer::restore_kernel(const at::Tensor& js, const at::Tensor& slot) {
-  const ModelConfig& cfg = model_.config();
-  const int64_t N = js.size(0), L = cfg.num_layers, kvd = cfg.kv_dim(0);
-  auto dsl = slot.to(dk_.device());
-  at::Tensor k = ftheta_->predict_fused(dk_.index_select(0, dsl), false).view({N, L, kvd});  // [N, L, H_kv·D]
-  at::Tensor v = ftheta_->predict_fused(dv_.index_select(0, dsl), true).view({N, L, kvd});   // [N, L, H_kv·D]
-  // [L, N, 2·H_kv·D]: per layer, each position's raw k | v row, as the store kernel reads a K/V-only qkv.
-  at::Tensor kv = at::stack({k.transpose(0, 1), v.transpose(0, 1)}, 2).to(model_.dtype()).view({L, N, 2 * kvd});
-  for (int64_t l : layers_) {
-    ops::QKRopeArgs a = model_.rope_args(l, 0, cache_.restored_slots(l));
-    auto [ek, ev] = cache_.exact_ring(l);
-    a.sink = opt_.sink;  // sinks leaving the window take their exact K/V, which the exact ring still holds
-    a.sink_ring = cache_.exact_slots(l);
-    a.sink_k = ek;
-    a.sink_v = ev;
-    auto [rk, rv] = cache_.restored_region(l);
-    ops::qk_norm_rope_store(kv[l].unsqueeze(0), js, a, rk, rv);
-  }
+void Restorer::restore_kernel(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv) {
+  const FThetaConfig& fc = ftheta_->config();
+  const int64_t N = js.size(0);
+  at::Tensor k = ftheta_->predict_fused(dk, false).to(model_.dtype()).view({N, fc.k_out()});  // [N, Σ_l H_kv·D]
+  at::Tensor v = ftheta_->predict_fused(dv, true).to(model_.dtype()).view({N, fc.v_out()});   // [N, Σ_l H_kv·D]
+  store_->run(k, v, js);
   if (has_sliding_) cache_.mark_restored(LayerType::Sliding, js);
   if (has_full_) cache_.mark_restored(LayerType::Full, js);
 }
@@ -433,8 +446,10 @@ void Restorer::commit(int64_t p0, int64_t n, DrafterCache* dcache) {
                  "restorer: drafter cache at " << dcache->length() << ", committing at " << p0);
     drafter_->extend(*dcache, feats, &dtaps_);
   } else if (opt_.needs_ftheta()) {
-    auto pos = at::arange(p0, p0 + n, at::TensorOptions().dtype(at::kLong).device(drafter_->device()));
-    drafter_->context_raw_kv(drafter_->project_context(feats), pos, &dtaps_);
+    auto slot = at::arange(p0, p0 + n, at::TensorOptions().dtype(at::kLong).device(drafter_->device())).remainder(ring_);
+    auto [dk, dv] = drafter_->context_raw_kv_rows(drafter_->project_context(feats));  // [1, n, L_d, H_d, D_d]
+    dk_.index_copy_(0, slot, dk.select(0, 0));
+    dv_.index_copy_(0, slot, dv.select(0, 0));
   }
 }
 

@@ -215,12 +215,13 @@ class Restorer : public TapSubscriber {
     bool reads(Tap tap) const override { return tap == Tap::KProj || tap == Tap::VProj; }
   };
   // Restores positions js [N] (device); sinks get their exact copy. counted [N] bool:
-  // positions that enter the error statistics (restored through f_θ, first time).
-  void restore(const at::Tensor& js, const at::Tensor& counted);
-  // restore() on CUDA in one pass: f_θ's fused outputs, then per layer one kernel that
-  // k-norms, RoPEs and stores them into the restored region (sinks copied from the exact
-  // ring): what finish_kv + write_restored do, without ~a dozen ops per layer. slot: js mod ring.
-  void restore_kernel(const at::Tensor& js, const at::Tensor& slot);
+  // positions that enter the error statistics (restored through f_θ, first time; undefined
+  // without statistics). dk, dv [N, L_d, H_d, D_d]: the drafter raw K/V of js (undefined at a = 1).
+  void restore(const at::Tensor& js, const at::Tensor& counted, const at::Tensor& dk, const at::Tensor& dv);
+  // restore() on CUDA in two GEMMs per stream and one store launch: f_θ's fused outputs, then
+  // ops::RestoreStore k-norms, RoPEs and stores them into every layer's restored region (sinks
+  // copied from the exact ring): what finish_kv + write_restored do, without ~a dozen ops per layer.
+  void restore_kernel(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv);
   at::Tensor take_features(int64_t n);
   void note_restored(int64_t j);  // every position <= j is restored (or in a batch in flight)
 
@@ -246,6 +247,7 @@ class Restorer : public TapSubscriber {
   int64_t stat_positions_ = 0;
   int64_t restored_upto_ = -1;
   bool kernel_ = false;                          // restore() runs restore_kernel()
+  std::unique_ptr<ops::RestoreStore> store_;     // restore_kernel()'s store (kernel_ only)
 };
 
 struct MemoryLine {

@@ -145,57 +145,103 @@ TEST_P(CudaOps, QkNormRopeStore) {
   }
 }
 
-// K/V-only stores into a restored region (a strided view behind the exact ring of the same
-// buffer), with attention sinks copied from the exact ring instead of computed: what
-// Restorer::restore_kernel asks of the kernel. Reference: norm + RoPE, exact copies for
-// sinks, index_copy_ at ring + position mod rest; the exact ring must stay untouched.
-TEST_P(CudaOps, QkNormRopeStoreRestoredRegionWithSinks) {
-  struct Case { int64_t Hkv, D, ring, rest, sink; };
-  for (auto c : {Case{1, 256, 11, 23, 4}, Case{2, 64, 7, 9, 3}, Case{3, 128, 5, 19, 0}}) {
-    const int64_t B = 2, P = 100;
-    RopeParams rp;
-    rp.theta = 10000;
-    RopeTable rope(rp, c.D, P, dt(), at::kCPU);
-    RopeTable rope_gpu(rp, c.D, P, dt(), kCuda);
-    // Odd positions, some below the sink count, no two on one slot of any region above (mod 9, 19, 23).
+// Restoration's store (ops::RestoreStore): several layers in one launch, each a restored region
+// (a strided view behind the exact ring of its own buffer, with its own ring sizes, norm
+// weights and RoPE table), its raw rows at its own columns of the k/v rows (not in layer
+// order), attention sinks copied from the exact ring instead of computed: what
+// Restorer::restore_kernel asks of it. Reference per layer: norm + RoPE, exact copies for
+// sinks, index_copy_ at ring + position mod rest; the exact rings must stay untouched.
+TEST_P(CudaOps, RestoreStoreLayersWithSinks) {
+  struct Layer { int64_t ring, rest; double partial; int64_t col; };
+  struct Case { int64_t Hkv, D, sink; std::vector<Layer> layers; };
+  for (const auto& c : {Case{1, 256, 4, {{11, 23, 1.0, 2}, {7, 29, 0.25, 0}, {13, 19, 1.0, 1}}},
+                        Case{2, 64, 3, {{7, 9, 1.0, 1}, {5, 11, 1.0, 0}}}, Case{3, 128, 0, {{5, 19, 0.5, 0}}}}) {
+    const int64_t P = 100, kvd = c.Hkv * c.D, NL = (int64_t)c.layers.size();
+    // Odd positions, some below the sink count, no two on one slot of any region above (mod 9 .. 29).
     auto positions = at::tensor(std::vector<int64_t>{2, 0, 13, 5, 1, 30, 8}, at::kLong);
-    const int64_t T = positions.numel();
-    auto kv = at::randn({B, T, 2 * c.Hkv * c.D}).to(dt());
-    auto kw = at::randn({c.D}) * 0.2 + 1;
+    const int64_t N = positions.numel();
+    auto k_raw = at::randn({N, NL * kvd + 3}).to(dt()), v_raw = at::randn({N, NL * kvd + 5}).to(dt());
     ops::NormSpec ns{1e-6, true};
-    auto buf_k = at::randn({B, c.Hkv, c.ring + c.rest, c.D}).to(dt()), buf_v = at::randn_like(buf_k);
-    // Reference.
-    auto k = ops::rms_norm(kv.slice(-1, 0, c.Hkv * c.D).view({B, T, c.Hkv, c.D}), kw, ns);
-    auto k_ref = rope.apply(k, positions).transpose(1, 2);                           // [B, H, T, D]
-    auto v_ref = kv.slice(-1, c.Hkv * c.D).view({B, T, c.Hkv, c.D}).transpose(1, 2);  // [B, H, T, D]
-    auto is_sink = positions.lt(c.sink).view({1, 1, T, 1});
-    auto exact_slot = positions.remainder(c.ring);
-    k_ref = at::where(is_sink, buf_k.index_select(2, exact_slot), k_ref);
-    v_ref = at::where(is_sink, buf_v.index_select(2, exact_slot), v_ref);
-    auto want_k = buf_k.clone(), want_v = buf_v.clone();
-    want_k.index_copy_(2, positions.remainder(c.rest) + c.ring, k_ref);
-    want_v.index_copy_(2, positions.remainder(c.rest) + c.ring, v_ref);
-    // Kernel on views of one device buffer.
-    auto gk = buf_k.to(kCuda), gv = buf_v.to(kCuda);
-    ops::QKRopeArgs a;
-    a.num_kv_heads = c.Hkv;
-    a.head_dim = c.D;
-    a.norm = ns;
-    a.k_norm = kw.to(kCuda);
-    a.cos = rope_gpu.cos();
-    a.sin = rope_gpu.sin();
-    a.ring = c.rest;
-    a.sink = c.sink;
-    a.sink_ring = c.ring;
-    a.sink_k = gk.narrow(2, 0, c.ring);
-    a.sink_v = gv.narrow(2, 0, c.ring);
-    auto rk = gk.narrow(2, c.ring, c.rest), rv = gv.narrow(2, c.ring, c.rest);
-    auto q = ops::qk_norm_rope_store(kv.to(kCuda), positions.to(kCuda), a, rk, rv);
-    EXPECT_EQ(q.numel(), 0);
-    std::string tag = "D=" + std::to_string(c.D) + " Hkv=" + std::to_string(c.Hkv) + " sink=" + std::to_string(c.sink);
-    expect_close(gk, want_k, "k buffer " + tag);
-    expect_close(gv, want_v, "v buffer " + tag);
+    std::vector<ops::RestoreStore::Layer> layers;
+    std::vector<at::Tensor> gks, gvs, want_ks, want_vs;
+    std::vector<RopeTable> ropes;  // the device tables the descriptors point to stay alive
+    for (const auto& L : c.layers) {
+      RopeParams rp;
+      rp.type = L.partial < 1 ? "proportional" : "default";
+      rp.partial_rotary_factor = L.partial;
+      rp.theta = 10000;
+      RopeTable rope(rp, c.D, P, dt(), at::kCPU);
+      ropes.emplace_back(rp, c.D, P, dt(), kCuda);
+      auto kw = at::randn({c.D}) * 0.2 + 1;
+      auto buf_k = at::randn({1, c.Hkv, L.ring + L.rest, c.D}).to(dt()), buf_v = at::randn_like(buf_k);
+      // Reference.
+      const int64_t k0 = L.col * kvd + 1, v0 = L.col * kvd + 2;  // columns off the layer grid
+      auto k = ops::rms_norm(k_raw.slice(-1, k0, k0 + kvd).view({1, N, c.Hkv, c.D}), kw, ns);
+      auto k_ref = rope.apply(k, positions).transpose(1, 2);                                // [1, H, N, D]
+      auto v_ref = v_raw.slice(-1, v0, v0 + kvd).view({1, N, c.Hkv, c.D}).transpose(1, 2);  // [1, H, N, D]
+      auto is_sink = positions.lt(c.sink).view({1, 1, N, 1});
+      auto exact_slot = positions.remainder(L.ring);
+      k_ref = at::where(is_sink, buf_k.index_select(2, exact_slot), k_ref);
+      v_ref = at::where(is_sink, buf_v.index_select(2, exact_slot), v_ref);
+      auto want_k = buf_k.clone(), want_v = buf_v.clone();
+      want_k.index_copy_(2, positions.remainder(L.rest) + L.ring, k_ref);
+      want_v.index_copy_(2, positions.remainder(L.rest) + L.ring, v_ref);
+      want_ks.push_back(want_k);
+      want_vs.push_back(want_v);
+      // The store's view of one device buffer.
+      auto gk = buf_k.to(kCuda), gv = buf_v.to(kCuda);
+      gks.push_back(gk);
+      gvs.push_back(gv);
+      ops::RestoreStore::Layer R;
+      R.k_src = k0;
+      R.v_src = v0;
+      R.args.num_kv_heads = c.Hkv;
+      R.args.head_dim = c.D;
+      R.args.norm = ns;
+      R.args.k_norm = kw.to(kCuda);
+      R.args.cos = ropes.back().cos();
+      R.args.sin = ropes.back().sin();
+      R.args.ring = L.rest;
+      R.args.sink = c.sink;
+      R.args.sink_ring = L.ring;
+      R.args.sink_k = gk.narrow(2, 0, L.ring);
+      R.args.sink_v = gv.narrow(2, 0, L.ring);
+      R.k_cache = gk.narrow(2, L.ring, L.rest);
+      R.v_cache = gv.narrow(2, L.ring, L.rest);
+      layers.push_back(std::move(R));
+    }
+    ops::RestoreStore store(std::move(layers));
+    store.run(k_raw.to(kCuda), v_raw.to(kCuda), positions.to(kCuda));
+    for (int64_t i = 0; i < NL; ++i) {
+      std::string tag = "D=" + std::to_string(c.D) + " Hkv=" + std::to_string(c.Hkv) + " sink=" +
+                        std::to_string(c.sink) + " layer " + std::to_string(i);
+      expect_close(gks[i], want_ks[i], "k buffer " + tag);
+      expect_close(gvs[i], want_vs[i], "v buffer " + tag);
+    }
   }
+}
+
+// Bad input to RestoreStore: layers that disagree, raw rows too narrow -> a clear error.
+TEST_P(CudaOps, RestoreStoreRejectsMismatches) {
+  auto opt = at::TensorOptions().dtype(dt()).device(kCuda);
+  RopeParams rp;
+  rp.theta = 10000;
+  RopeTable rope(rp, 64, 50, dt(), kCuda);
+  auto layer = [&](int64_t Hkv) {
+    ops::RestoreStore::Layer L;
+    L.args.num_kv_heads = Hkv;
+    L.args.head_dim = 64;
+    L.args.cos = rope.cos();
+    L.args.sin = rope.sin();
+    L.k_cache = at::zeros({1, Hkv, 16, 64}, opt);
+    L.v_cache = at::zeros({1, Hkv, 16, 64}, opt);
+    return L;
+  };
+  EXPECT_THROW(ops::RestoreStore({layer(1), layer(2)}), c10::Error);
+  ops::RestoreStore store({layer(1)});
+  auto pos = at::arange(3, at::TensorOptions().dtype(at::kLong).device(kCuda));
+  EXPECT_THROW(store.run(at::zeros({3, 32}, opt), at::zeros({3, 64}, opt), pos), c10::Error);
+  EXPECT_NO_THROW(store.run(at::zeros({3, 64}, opt), at::zeros({3, 64}, opt), pos));
 }
 
 // Reference: softmax attention in f32 over the whole cache with the visibility mask

@@ -137,47 +137,13 @@ void launch_add_rms_norm(const T* h, const T* x, const float* w_post, const floa
 }
 
 // ---------------------------------------------------------------------------
-// q/k head norm + RoPE + K/V cache store, one block per (token, head).
-//   qkv:  [B·T, Hq·D + 2·Hkv·D]  (the fused projection output, row-major)
-//   heads 0..Hq-1 are q heads -> q_out [B·T, Hq, D];
-//   heads Hq..Hq+Hkv-1 are k heads -> k_cache[b, h, slot, :], with v copied to v_cache.
-//   cos, sin: [P, rot] in T (HF casts its tables to the activation dtype).
-//   positions: [T] int64; slot = position mod ring (the cache's exact ring: all S slots on
-//   plain layers, the first `ring` on restored ones; a restored region when the caller passes
-//   its view). k_cache/v_cache element (b, h, slot, i) sits at b·cache_bs + h·cache_hs + slot·D + i.
-//   q_w/k_w: [D] f32 norm weights, nullptr when the family has no q/k norm.
-//   sink_k/sink_v (K/V only, Hq == 0): positions < sink are copied from these buffers (same
-//   strides) at slot position mod sink_ring instead of computed: attention sinks keep their
-//   exact K/V when a restored region takes them in. nullptr/0: none.
-// Threads: one per rotary pair (rot/2), plus pass-through dims past rot.
+// One head of D values (all threads of the block): RMS-normed by w (nullptr: no norm) into
+// xs [D] (rounded to T), then RoPE'd into dst with the table rows c, s of its position
+// (rotary pairs over the first rot dims, the rest passed through).
 template <typename T>
-__global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float* __restrict__ q_w,
-                                          const float* __restrict__ k_w, const T* __restrict__ cos_t,
-                                          const T* __restrict__ sin_t, const int64_t* __restrict__ positions,
-                                          T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
-                                          int T_len, int Hq, int Hkv, int D, int rot, int64_t cache_bs,
-                                          int64_t cache_hs, int ring, const T* __restrict__ sink_k,
-                                          const T* __restrict__ sink_v, int sink, int sink_ring, float eps,
-                                          bool unit_offset) {
-  __shared__ float red[32];
-  extern __shared__ float xs[];  // [D] the normed head, rounded to T
-  const int n = blockIdx.x;      // token row: b·T + t
-  const int head = blockIdx.y;
-  const int t = n % T_len, b = n / T_len;
-  const bool is_q = head < Hq;
-  const int row_w = (Hq + 2 * Hkv) * D;
-  const T* src = qkv + (int64_t)n * row_w + (int64_t)head * D;
-  const int64_t pos = positions[t];
-  if (!is_q && pos < sink) {  // the whole block takes this branch (one position): no barrier is skipped halfway
-    const int64_t base = (int64_t)b * cache_bs + (int64_t)(head - Hq) * cache_hs;
-    const int64_t off = base + (pos % ring) * D, from = base + (pos % sink_ring) * D;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-      k_cache[off + i] = sink_k[from + i];
-      v_cache[off + i] = sink_v[from + i];
-    }
-    return;
-  }
-  const float* w = is_q ? q_w : k_w;
+__device__ __forceinline__ void norm_rope_head(const T* __restrict__ src, const float* __restrict__ w,
+                                               const T* __restrict__ c, const T* __restrict__ s, T* __restrict__ dst,
+                                               int D, int rot, float eps, bool unit_offset, float* xs, float* red) {
   float ss = 0.f;
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     float v = from_t<T>(src[i]);
@@ -190,19 +156,6 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
     xs[i] = w ? rnd<T>(norm_value<T>(v, inv, w[i], unit_offset)) : v;
   }
   __syncthreads();
-  const T* c = cos_t + pos * rot;
-  const T* s = sin_t + pos * rot;
-  T* dst;
-  if (is_q) {
-    dst = q_out + ((int64_t)n * Hq + head) * D;
-  } else {
-    const int hk = head - Hq;
-    const int64_t slot = pos % ring;
-    const int64_t off = (int64_t)b * cache_bs + (int64_t)hk * cache_hs + slot * D;
-    dst = k_cache + off;
-    const T* vsrc = qkv + (int64_t)n * row_w + (int64_t)(Hq + Hkv + hk) * D;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) v_cache[off + i] = vsrc[i];
-  }
   const int half = rot / 2;
   for (int i = threadIdx.x; i < half; i += blockDim.x) {
     // HF: x·cos + rotate_half(x)·sin, rotate_half(x) = [-x2, x1]; each product rounded to T.
@@ -213,16 +166,125 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
   for (int i = rot + threadIdx.x; i < D; i += blockDim.x) dst[i] = to_t<T>(xs[i]);
 }
 
+// One K/V head of the position pos into a cache (all threads of the block). k_cache/v_cache:
+// this (sequence, head)'s rows, slot-major (slot·D + i), slot = pos mod ring. k (raw) is normed
+// by k_w and RoPE'd with the tables cos_t/sin_t [P, rot]; v (raw) is copied. Positions < sink
+// are copied instead from sink_k/sink_v (rows laid out the same, slot = pos mod sink_ring):
+// attention sinks keep their exact K/V when a restored region takes them in. The whole block
+// takes one branch (one position): no barrier is skipped halfway.
+template <typename T>
+__device__ __forceinline__ void store_kv_head(const T* __restrict__ k, const T* __restrict__ v,
+                                              const float* __restrict__ k_w, const T* __restrict__ cos_t,
+                                              const T* __restrict__ sin_t, int64_t pos, T* __restrict__ k_cache,
+                                              T* __restrict__ v_cache, int ring, const T* __restrict__ sink_k,
+                                              const T* __restrict__ sink_v, int sink, int sink_ring, int D, int rot,
+                                              float eps, bool unit_offset, float* xs, float* red) {
+  const int64_t off = (pos % ring) * D;
+  if (pos < sink) {
+    const int64_t from = (pos % sink_ring) * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      k_cache[off + i] = sink_k[from + i];
+      v_cache[off + i] = sink_v[from + i];
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < D; i += blockDim.x) v_cache[off + i] = v[i];
+  norm_rope_head<T>(k, k_w, cos_t + pos * rot, sin_t + pos * rot, k_cache + off, D, rot, eps, unit_offset, xs, red);
+}
+
+// ---------------------------------------------------------------------------
+// q/k head norm + RoPE + K/V cache store, one block per (token, head).
+//   qkv:  [B·T, Hq·D + 2·Hkv·D]  (the fused projection output, row-major)
+//   heads 0..Hq-1 are q heads -> q_out [B·T, Hq, D];
+//   heads Hq..Hq+Hkv-1 are k heads -> k_cache[b, h, slot, :], with v copied to v_cache.
+//   cos, sin: [P, rot] in T (HF casts its tables to the activation dtype).
+//   positions: [T] int64; slot = position mod ring (the cache's exact ring: all S slots on
+//   plain layers, the first `ring` on restored ones; a restored region when the caller passes
+//   its view). k_cache/v_cache element (b, h, slot, i) sits at b·cache_bs + h·cache_hs + slot·D + i.
+//   q_w/k_w: [D] f32 norm weights, nullptr when the family has no q/k norm.
+// Threads: one per rotary pair (rot/2), plus pass-through dims past rot.
+template <typename T>
+__global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float* __restrict__ q_w,
+                                          const float* __restrict__ k_w, const T* __restrict__ cos_t,
+                                          const T* __restrict__ sin_t, const int64_t* __restrict__ positions,
+                                          T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
+                                          int T_len, int Hq, int Hkv, int D, int rot, int64_t cache_bs,
+                                          int64_t cache_hs, int ring, float eps, bool unit_offset) {
+  __shared__ float red[32];
+  extern __shared__ float xs[];  // [D] the normed head, rounded to T
+  const int n = blockIdx.x;      // token row: b·T + t
+  const int head = blockIdx.y;
+  const int t = n % T_len, b = n / T_len;
+  const int row_w = (Hq + 2 * Hkv) * D;
+  const T* src = qkv + (int64_t)n * row_w + (int64_t)head * D;
+  const int64_t pos = positions[t];
+  if (head < Hq) {
+    norm_rope_head<T>(src, q_w, cos_t + pos * rot, sin_t + pos * rot, q_out + ((int64_t)n * Hq + head) * D, D, rot,
+                      eps, unit_offset, xs, red);
+    return;
+  }
+  const int hk = head - Hq;
+  const int64_t base = (int64_t)b * cache_bs + (int64_t)hk * cache_hs;
+  store_kv_head<T>(src, qkv + (int64_t)n * row_w + (int64_t)(Hq + Hkv + hk) * D, k_w, cos_t, sin_t, pos,
+                   k_cache + base, v_cache + base, ring, nullptr, nullptr, 0, 1, D, rot, eps, unit_offset, xs, red);
+}
+
+inline int head_threads(int D) { return D >= 256 ? 128 : (D >= 128 ? 64 : 32); }
+
 template <typename T>
 void launch_qk_norm_rope_store(const T* qkv, const float* q_w, const float* k_w, const T* cos_t, const T* sin_t,
                                const int64_t* positions, T* q_out, T* k_cache, T* v_cache, int B, int T_len, int Hq,
-                               int Hkv, int D, int rot, int64_t cache_bs, int64_t cache_hs, int ring, const T* sink_k,
-                               const T* sink_v, int sink, int sink_ring, float eps, bool unit_offset, cudaStream_t s) {
+                               int Hkv, int D, int rot, int64_t cache_bs, int64_t cache_hs, int ring, float eps,
+                               bool unit_offset, cudaStream_t s) {
   dim3 grid(B * T_len, Hq + Hkv);
-  int threads = D >= 256 ? 128 : (D >= 128 ? 64 : 32);
-  qk_norm_rope_store_kernel<T><<<grid, threads, D * sizeof(float), s>>>(
+  qk_norm_rope_store_kernel<T><<<grid, head_threads(D), D * sizeof(float), s>>>(
       qkv, q_w, k_w, cos_t, sin_t, positions, q_out, k_cache, v_cache, T_len, Hq, Hkv, D, rot, cache_bs, cache_hs, ring,
-      sink_k, sink_v, sink, sink_ring, eps, unit_offset);
+      eps, unit_offset);
+}
+
+// ---------------------------------------------------------------------------
+// Restoration's store into several layers at once (infer/restored.h: one launch per batch
+// instead of one per layer). Per layer (blockIdx.z) a descriptor in device memory, written
+// once (the buffers never move), so a launch needs no host work and graphs capture it.
+struct RestoreLayerDesc {
+  const float* k_w;              // [D] f32 k norm, or nullptr
+  const void* cos;               // [P, rot] T
+  const void* sin;
+  void* k;                       // restored region: element (h, slot, i) at h·head_stride + slot·D + i
+  void* v;
+  const void* sink_k;            // the layer's exact ring, same strides (nullptr: no sinks)
+  const void* sink_v;
+  int64_t head_stride;
+  int64_t k_src, v_src;          // column of this layer's head 0 in the k/v raw rows
+  int ring, sink_ring, rot, pad;
+};
+
+// k_raw/v_raw: [N, row] raw rows (row stride `row`); the head h of layer z at column
+// desc[z].k_src + h·D (v: v_src). positions: [N]. One block per (position, kv head, layer).
+template <typename T>
+__global__ void restore_store_kernel(const T* __restrict__ k_raw, const T* __restrict__ v_raw, int64_t k_row,
+                                     int64_t v_row, const RestoreLayerDesc* __restrict__ desc,
+                                     const int64_t* __restrict__ positions, int D, int sink, float eps,
+                                     bool unit_offset) {
+  __shared__ float red[32];
+  extern __shared__ float xs[];
+  const int n = blockIdx.x, h = blockIdx.y;
+  const RestoreLayerDesc L = desc[blockIdx.z];
+  const int64_t base = (int64_t)h * L.head_stride;
+  store_kv_head<T>(k_raw + (int64_t)n * k_row + L.k_src + (int64_t)h * D,
+                   v_raw + (int64_t)n * v_row + L.v_src + (int64_t)h * D, L.k_w, (const T*)L.cos, (const T*)L.sin,
+                   positions[n], (T*)L.k + base, (T*)L.v + base, L.ring,
+                   L.sink_k ? (const T*)L.sink_k + base : nullptr, L.sink_v ? (const T*)L.sink_v + base : nullptr,
+                   L.sink_k ? sink : 0, L.sink_ring, D, L.rot, eps, unit_offset, xs, red);
+}
+
+template <typename T>
+void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t v_row, const RestoreLayerDesc* desc,
+                          int layers, const int64_t* positions, int N, int Hkv, int D, int sink, float eps,
+                          bool unit_offset, cudaStream_t s) {
+  dim3 grid(N, Hkv, layers);
+  restore_store_kernel<T><<<grid, head_threads(D), D * sizeof(float), s>>>(k_raw, v_raw, k_row, v_row, desc, positions,
+                                                                          D, sink, eps, unit_offset);
 }
 
 // ---------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstring>
+
 #include "core/cuda/decode_kernels.cuh"
 #include "core/cuda/decode_ops.h"
 
@@ -133,16 +135,7 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
               "qk_norm_rope_store: cache / RoPE table dtype must match qkv");
   if (a.q_norm.defined()) check_w(a.q_norm, D, "q_norm");
   if (a.k_norm.defined()) check_w(a.k_norm, D, "k_norm");
-  if (a.sink > 0) {
-    TORCH_CHECK(Hq == 0, "qk_norm_rope_store: sinks are copied on K/V-only stores (num_heads 0), got ", Hq, " q heads");
-    TORCH_CHECK(a.sink_k.defined() && a.sink_v.defined() && a.sink_ring > 0 && a.sink_ring <= a.sink_k.size(2),
-                "qk_norm_rope_store: sink ", a.sink, " needs sink_k/sink_v and a sink ring within them");
-    check_rows(a.sink_k, "sink_k");
-    check_rows(a.sink_v, "sink_v");
-    TORCH_CHECK(a.sink_k.sizes().slice(0, 2) == k_cache.sizes().slice(0, 2) && a.sink_k.sizes() == a.sink_v.sizes() &&
-                    a.sink_k.scalar_type() == k_cache.scalar_type(),
-                "qk_norm_rope_store: sink buffers ", a.sink_k.sizes(), " do not match the cache ", k_cache.sizes());
-  }
+  TORCH_CHECK(a.sink == 0, "qk_norm_rope_store: attention sinks are copied by RestoreStore, not here");
   check_cuda(a.cos, "rope cos");
   check_cuda(a.sin, "rope sin");
   const int64_t rot = a.cos.size(1);
@@ -151,16 +144,103 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   auto q = at::empty({B, T, Hq, D}, qkv.options());
   dispatch(qkv.scalar_type(), [&](auto* tag) {
     using Ty = std::remove_pointer_t<decltype(tag)>;
-    const bool sinks = a.sink > 0;
     k::launch_qk_norm_rope_store<Ty>(ptr<Ty>(qkv), a.q_norm.defined() ? a.q_norm.data_ptr<float>() : nullptr,
                                      a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr, ptr<Ty>(a.cos),
                                      ptr<Ty>(a.sin), positions.data_ptr<int64_t>(), ptr<Ty>(q), ptr<Ty>(k_cache),
                                      ptr<Ty>(v_cache), B, T, Hq, Hkv, D, rot, k_cache.stride(0), k_cache.stride(1), ring,
-                                     sinks ? ptr<Ty>(a.sink_k) : nullptr, sinks ? ptr<Ty>(a.sink_v) : nullptr,
-                                     sinks ? a.sink : 0, sinks ? a.sink_ring : 1, a.norm.eps, a.norm.unit_offset,
-                                     at::cuda::getCurrentCUDAStream());
+                                     a.norm.eps, a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
   });
   return q;
+}
+
+at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& layers) {
+  TORCH_CHECK(!layers.empty() && layers.size() <= 65535, "RestoreStore: ", layers.size(), " layers (1 .. 65535)");
+  const RestoreStore::Layer& first = layers[0];
+  std::vector<k::RestoreLayerDesc> desc;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const RestoreStore::Layer& L = layers[i];
+    const QKRopeArgs& a = L.args;
+    const at::Tensor &kc = L.k_cache, &vc = L.v_cache;
+    TORCH_CHECK(a.num_heads == 0, "RestoreStore layer ", i, ": K/V only (num_heads 0), got ", a.num_heads);
+    TORCH_CHECK(kc.is_cuda() && kc.dim() == 4 && kc.size(0) == 1 && kc.stride(3) == 1 && kc.stride(2) == kc.size(3) &&
+                    vc.sizes() == kc.sizes() && vc.strides() == kc.strides() && vc.scalar_type() == kc.scalar_type(),
+                "RestoreStore layer ", i, ": expected k/v caches [1, H_kv, S, D] with contiguous rows and equal strides, got ",
+                kc.sizes(), " ", kc.strides(), " / ", vc.sizes(), " ", vc.strides());
+    TORCH_CHECK(kc.scalar_type() == at::kBFloat16 || kc.scalar_type() == at::kFloat, "RestoreStore layer ", i,
+                ": bf16 or f32 caches, got ", kc.scalar_type());
+    TORCH_CHECK(kc.size(1) == a.num_kv_heads && kc.size(3) == a.head_dim, "RestoreStore layer ", i, ": caches ",
+                kc.sizes(), " vs ", a.num_kv_heads, " kv heads of ", a.head_dim);
+    TORCH_CHECK(a.num_kv_heads == first.args.num_kv_heads && a.head_dim == first.args.head_dim &&
+                    kc.scalar_type() == first.k_cache.scalar_type() && a.norm.eps == first.args.norm.eps &&
+                    a.norm.unit_offset == first.args.norm.unit_offset && a.sink == first.args.sink,
+                "RestoreStore layer ", i, ": kv heads, head dim, dtype, norm and sink must match layer 0's");
+    const int64_t ring = a.ring > 0 ? a.ring : kc.size(2);
+    TORCH_CHECK(ring <= kc.size(2), "RestoreStore layer ", i, ": ring of ", ring, " slots in a cache of ", kc.size(2));
+    TORCH_CHECK(L.k_src >= 0 && L.v_src >= 0, "RestoreStore layer ", i, ": negative source column");
+    if (a.k_norm.defined()) check_w(a.k_norm, a.head_dim, "RestoreStore k_norm");
+    check_cuda(a.cos, "RestoreStore rope cos");
+    check_cuda(a.sin, "RestoreStore rope sin");
+    TORCH_CHECK(a.cos.scalar_type() == kc.scalar_type() && a.sin.sizes() == a.cos.sizes(), "RestoreStore layer ", i,
+                ": RoPE tables must be ", kc.scalar_type(), " and alike");
+    const int64_t rot = a.cos.size(1);
+    TORCH_CHECK(rot <= a.head_dim && rot % 2 == 0, "RestoreStore layer ", i, ": rotary dim ", rot, " vs head dim ",
+                a.head_dim);
+    if (a.sink > 0) {
+      TORCH_CHECK(a.sink_k.defined() && a.sink_v.defined() && a.sink_ring > 0 && a.sink_ring <= a.sink_k.size(2) &&
+                      a.sink_k.strides() == kc.strides() && a.sink_v.strides() == kc.strides() &&
+                      a.sink_k.sizes().slice(0, 2) == kc.sizes().slice(0, 2) && a.sink_k.sizes() == a.sink_v.sizes() &&
+                      a.sink_k.scalar_type() == kc.scalar_type(),
+                  "RestoreStore layer ", i, ": sink ", a.sink, " needs sink_k/sink_v with the caches' strides and a sink ring within them");
+    }
+    k::RestoreLayerDesc d{};
+    d.k_w = a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr;
+    d.cos = a.cos.data_ptr();
+    d.sin = a.sin.data_ptr();
+    d.k = kc.data_ptr();
+    d.v = vc.data_ptr();
+    d.sink_k = a.sink > 0 ? a.sink_k.data_ptr() : nullptr;
+    d.sink_v = a.sink > 0 ? a.sink_v.data_ptr() : nullptr;
+    d.head_stride = kc.stride(1);
+    d.k_src = L.k_src;
+    d.v_src = L.v_src;
+    d.ring = (int)ring;
+    d.sink_ring = a.sink > 0 ? (int)a.sink_ring : 1;
+    d.rot = (int)rot;
+    desc.push_back(d);
+  }
+  auto host = at::empty({(int64_t)(desc.size() * sizeof(k::RestoreLayerDesc))}, at::kByte);
+  std::memcpy(host.data_ptr(), desc.data(), host.numel());
+  return host.to(first.k_cache.device());
+}
+
+void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer>& layers, const at::Tensor& k_raw,
+                   const at::Tensor& v_raw, const at::Tensor& positions) {
+  const QKRopeArgs& a = layers[0].args;
+  const at::Tensor& kc = layers[0].k_cache;
+  check_cuda(k_raw, "RestoreStore k_raw");
+  check_cuda(v_raw, "RestoreStore v_raw");
+  check_cuda(positions, "RestoreStore positions");
+  const int64_t N = positions.numel(), D = a.head_dim, Hkv = a.num_kv_heads;
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "RestoreStore positions must be int64");
+  TORCH_CHECK(k_raw.dim() == 2 && v_raw.dim() == 2 && k_raw.size(0) == N && v_raw.size(0) == N,
+              "RestoreStore: raw rows [N, F] for ", N, " positions expected, got ", k_raw.sizes(), " / ", v_raw.sizes());
+  TORCH_CHECK(k_raw.scalar_type() == kc.scalar_type() && v_raw.scalar_type() == kc.scalar_type(),
+              "RestoreStore: raw rows must be ", kc.scalar_type(), ", got ", k_raw.scalar_type());
+  for (const auto& L : layers)
+    TORCH_CHECK(L.k_src + Hkv * D <= k_raw.size(1) && L.v_src + Hkv * D <= v_raw.size(1), "RestoreStore: a layer reads columns ",
+                L.k_src, " / ", L.v_src, " + ", Hkv * D, " past the raw rows ", k_raw.sizes(), " / ", v_raw.sizes());
+  for (const auto& L : layers)
+    TORCH_CHECK(N <= (L.args.ring > 0 ? L.args.ring : L.k_cache.size(2)), "RestoreStore: ", N,
+                " positions do not fit a ring of ", L.args.ring);
+  if (N == 0) return;
+  c10::cuda::CUDAGuard g(kc.device());
+  dispatch(kc.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    k::launch_restore_store<T>(ptr<T>(k_raw), ptr<T>(v_raw), k_raw.size(1), v_raw.size(1),
+                               reinterpret_cast<const k::RestoreLayerDesc*>(desc.data_ptr()), (int)layers.size(),
+                               positions.data_ptr<int64_t>(), (int)N, (int)Hkv, (int)D, (int)a.sink, a.norm.eps,
+                               a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
+  });
 }
 
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,

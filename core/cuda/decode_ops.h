@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <utility>
+#include <vector>
 
 #include "core/ops.h"
 
@@ -18,6 +19,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bi
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
                               at::Tensor& k_cache, at::Tensor& v_cache);
+// RestoreStore (core/ops.h): the per-layer descriptors on the device, then one launch per run.
+at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& layers);
+void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer>& layers, const at::Tensor& k_raw,
+                   const at::Tensor& v_raw, const at::Tensor& positions);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
                             const CopyRule& copies);
