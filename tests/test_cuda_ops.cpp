@@ -154,10 +154,11 @@ TEST_P(CudaOps, QkNormRopeStore) {
 TEST_P(CudaOps, RestoreStoreLayersWithSinks) {
   struct Layer { int64_t ring, rest; double partial; int64_t col; };
   struct Case { int64_t Hkv, D, sink; std::vector<Layer> layers; };
-  for (const auto& c : {Case{1, 256, 4, {{11, 23, 1.0, 2}, {7, 29, 0.25, 0}, {13, 19, 1.0, 1}}},
-                        Case{2, 64, 3, {{7, 9, 1.0, 1}, {5, 11, 1.0, 0}}}, Case{3, 128, 0, {{5, 19, 0.5, 0}}}}) {
+  for (const auto& c : {Case{1, 256, 4, {{11, 23, 1.0, 2}, {7, 16, 0.25, 0}, {13, 19, 1.0, 1}}},
+                        Case{2, 64, 3, {{7, 9, 1.0, 1}, {5, 21, 1.0, 0}}}, Case{3, 128, 0, {{5, 19, 0.5, 0}}}}) {
     const int64_t P = 100, kvd = c.Hkv * c.D, NL = (int64_t)c.layers.size();
-    // Odd positions, some below the sink count, no two on one slot of any region above (mod 9 .. 29).
+    // Odd positions, some below the sink count, no two on one slot of any restored region above
+    // (mod 9, 16, 19, 21, 23) and none of the sinks on one exact-ring slot (mod 5, 7, 11, 13).
     auto positions = at::tensor(std::vector<int64_t>{2, 0, 13, 5, 1, 30, 8}, at::kLong);
     const int64_t N = positions.numel();
     auto k_raw = at::randn({N, NL * kvd + 3}).to(dt()), v_raw = at::randn({N, NL * kvd + 5}).to(dt());
