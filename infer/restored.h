@@ -9,8 +9,9 @@
 //   restored K/V  otherwise:
 //       j <  sink: the exact K/V of j (attention sinks are never approximated)
 //       j >= sink: finish_kv(a · true_raw(j) + (1 - a) · f_θ(drafter_raw(j)))
-// where drafter_raw(j) = the drafter's raw context K/V at j (Tap::KProj/VProj of
-// Drafter::context_kv on the verifier's hidden states at j, which are themselves
+// where drafter_raw(j) = the drafter's raw context K/V at j (what Tap::KProj/VProj of
+// Drafter::context_kv see, computed for all drafter layers in one GEMM by
+// Drafter::context_raw_kv_rows, on the verifier's hidden states at j, which are themselves
 // computed under these rules), true_raw(j) = the verifier's own raw K/V at j
 // (Tap::KProj/VProj), a = --mix-alpha (0: pure f_θ), and finish_kv = the
 // verifier's own k_norm/v_norm + RoPE (Model::finish_kv). Full-attention layers
