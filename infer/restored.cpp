@@ -273,7 +273,7 @@ void Restorer::prepare(int64_t p0, int64_t t) {
     dk = dk_.index_select(0, dsl);
     dv = dv_.index_select(0, dsl);
   }
-  restore(js, js.ge(opt_.sink), dk, dv);
+  restore(js, dk, dv);
   stat_positions_ += std::max<int64_t>(0, last + 1 - std::max(first, opt_.sink));
   restored_upto_ = last;
 }
@@ -344,7 +344,7 @@ void Restorer::upkeep() {
     dk = dk.select(0, 0);
     dv = dv.select(0, 0);
   }
-  restore(js, kernel_ ? at::Tensor() : js.ge(opt_.sink), dk, dv);
+  restore(js, dk, dv);
 }
 
 void Restorer::reset() {
@@ -359,7 +359,7 @@ void Restorer::prepare_coded(int64_t q) {
   if (coded_) coded_->prepare(q);
 }
 
-void Restorer::restore(const at::Tensor& js, const at::Tensor& counted, const at::Tensor& dk, const at::Tensor& dv) {
+void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv) {
   if (kernel_) {
     restore_kernel(js, dk, dv);
     return;
@@ -371,8 +371,8 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& counted, const at
   auto slot = js.remainder(ring_);
   // Attention sinks keep their exact K/V, which the exact ring still holds (they are leaving the window now).
   at::Tensor sink_kv = opt_.sink > 0 ? js.lt(opt_.sink).view({1, 1, N, 1}) : at::Tensor();
-  at::Tensor weight;  // [N, 1, 1] f64: 1 for positions restored through f_θ for the first time (stats)
-  if (opt_.stats) weight = counted.to(at::kDouble).view({N, 1, 1});
+  at::Tensor weight;  // [N, 1, 1] f64: 1 for positions restored through f_θ (not sinks): what the statistics count
+  if (opt_.stats) weight = js.ge(opt_.sink).to(at::kDouble).view({N, 1, 1});
   std::vector<std::pair<at::Tensor, at::Tensor>> pred;
   if (opt_.needs_ftheta()) pred = ftheta_->predict(dk, dv);  // per layer [N, H, D]
   for (int64_t l : layers_) {

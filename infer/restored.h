@@ -215,10 +215,9 @@ class Restorer : public TapSubscriber {
     // The raw K/V only: Drafter::store_context keeps its fused kernel.
     bool reads(Tap tap) const override { return tap == Tap::KProj || tap == Tap::VProj; }
   };
-  // Restores positions js [N] (device); sinks get their exact copy. counted [N] bool:
-  // positions that enter the error statistics (restored through f_θ, first time; undefined
-  // without statistics). dk, dv [N, L_d, H_d, D_d]: the drafter raw K/V of js (undefined at a = 1).
-  void restore(const at::Tensor& js, const at::Tensor& counted, const at::Tensor& dk, const at::Tensor& dv);
+  // Restores positions js [N] (device, each restored once); sinks get their exact copy and stay
+  // out of the error statistics. dk, dv [N, L_d, H_d, D_d]: the drafter raw K/V of js (undefined at a = 1).
+  void restore(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv);
   // restore() on CUDA in two GEMMs per stream and one store launch: f_θ's fused outputs, then
   // ops::RestoreStore k-norms, RoPEs and stores them into every layer's restored region (sinks
   // copied from the exact ring): what finish_kv + write_restored do, without ~a dozen ops per layer.

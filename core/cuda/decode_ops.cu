@@ -26,6 +26,26 @@ void check_w(const at::Tensor& w, int64_t n, const char* name) {
   TORCH_CHECK(w.numel() == n, name, ": expected ", n, " values, got ", w.numel());
 }
 
+// A K/V cache (or a view of one: a restored region, an exact ring): [B, H_kv, S, D] on CUDA,
+// rows of D contiguous values, any batch/head strides, the same as `like`'s.
+void check_cache_rows(const at::Tensor& c, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(c.is_cuda(), name, ": expected a CUDA tensor, got ", c.device());
+  TORCH_CHECK(c.dim() == 4 && c.stride(3) == 1 && c.stride(2) == c.size(3) && c.strides() == like.strides(), name,
+              ": expected [B, H_kv, S, D] with contiguous rows and K's strides, got sizes ", c.sizes(), " strides ",
+              c.strides());
+}
+// RoPE tables [P, rot] on CUDA in dtype dt, rot even and <= the head dim D. Returns rot.
+int64_t check_rope(const QKRopeArgs& a, at::ScalarType dt, int64_t D, const char* who) {
+  check_cuda(a.cos, "rope cos");
+  check_cuda(a.sin, "rope sin");
+  TORCH_CHECK(a.cos.scalar_type() == dt && a.sin.scalar_type() == dt && a.sin.sizes() == a.cos.sizes(), who,
+              ": RoPE tables must be ", dt, " and alike, got ", a.cos.scalar_type(), " ", a.cos.sizes(), " / ",
+              a.sin.scalar_type(), " ", a.sin.sizes());
+  const int64_t rot = a.cos.size(1);
+  TORCH_CHECK(rot <= D && rot % 2 == 0, who, ": rotary dim ", rot, " vs head dim ", D);
+  return rot;
+}
+
 // Calls f with a typed null pointer selecting float or __nv_bfloat16.
 template <typename F>
 void dispatch(at::ScalarType st, F&& f) {
@@ -111,16 +131,8 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   auto qkv = qkv_in.contiguous();
   check_act(qkv, "qk_norm_rope_store qkv");
   check_cuda(positions, "qk_norm_rope_store positions");
-  // The caches may be views (a restored region of a layer's buffer): rows of D contiguous
-  // values, any batch/head strides, the same for K and V.
-  auto check_rows = [&](const at::Tensor& c, const char* name) {
-    TORCH_CHECK(c.is_cuda(), name, ": expected a CUDA tensor, got ", c.device());
-    TORCH_CHECK(c.dim() == 4 && c.stride(3) == 1 && c.stride(2) == c.size(3) && c.strides() == k_cache.strides(),
-                name, ": expected [B, H_kv, S, D] with contiguous rows and K's strides, got sizes ", c.sizes(),
-                " strides ", c.strides());
-  };
-  check_rows(k_cache, "k_cache");
-  check_rows(v_cache, "v_cache");
+  check_cache_rows(k_cache, k_cache, "k_cache");
+  check_cache_rows(v_cache, k_cache, "v_cache");
   TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
   const int64_t B = qkv.size(0), T = qkv.size(1), Hq = a.num_heads, Hkv = a.num_kv_heads, D = a.head_dim;
   TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) == (Hq + 2 * Hkv) * D, "qkv: expected [B, T, ", (Hq + 2 * Hkv) * D,
@@ -131,15 +143,11 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   const int64_t ring = a.ring > 0 ? a.ring : k_cache.size(2);
   TORCH_CHECK(ring <= k_cache.size(2), "qk_norm_rope_store: ring of ", ring, " slots in a cache of ", k_cache.size(2));
   TORCH_CHECK(T <= ring, "qk_norm_rope_store: chunk of ", T, " tokens does not fit a ring of ", ring);
-  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && a.cos.scalar_type() == qkv.scalar_type(),
-              "qk_norm_rope_store: cache / RoPE table dtype must match qkv");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type(), "qk_norm_rope_store: cache dtype must match qkv");
   if (a.q_norm.defined()) check_w(a.q_norm, D, "q_norm");
   if (a.k_norm.defined()) check_w(a.k_norm, D, "k_norm");
   TORCH_CHECK(a.sink == 0, "qk_norm_rope_store: attention sinks are copied by RestoreStore, not here");
-  check_cuda(a.cos, "rope cos");
-  check_cuda(a.sin, "rope sin");
-  const int64_t rot = a.cos.size(1);
-  TORCH_CHECK(rot <= D && rot % 2 == 0, "rope: rotary dim ", rot, " vs head dim ", D);
+  const int64_t rot = check_rope(a, qkv.scalar_type(), D, "qk_norm_rope_store");
   c10::cuda::CUDAGuard g(qkv.device());
   auto q = at::empty({B, T, Hq, D}, qkv.options());
   dispatch(qkv.scalar_type(), [&](auto* tag) {
@@ -162,14 +170,14 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
     const QKRopeArgs& a = L.args;
     const at::Tensor &kc = L.k_cache, &vc = L.v_cache;
     TORCH_CHECK(a.num_heads == 0, "RestoreStore layer ", i, ": K/V only (num_heads 0), got ", a.num_heads);
-    TORCH_CHECK(kc.is_cuda() && kc.dim() == 4 && kc.size(0) == 1 && kc.stride(3) == 1 && kc.stride(2) == kc.size(3) &&
-                    vc.sizes() == kc.sizes() && vc.strides() == kc.strides() && vc.scalar_type() == kc.scalar_type(),
-                "RestoreStore layer ", i, ": expected k/v caches [1, H_kv, S, D] with contiguous rows and equal strides, got ",
-                kc.sizes(), " ", kc.strides(), " / ", vc.sizes(), " ", vc.strides());
+    check_cache_rows(kc, kc, "RestoreStore k_cache");
+    check_cache_rows(vc, kc, "RestoreStore v_cache");
     TORCH_CHECK(kc.scalar_type() == at::kBFloat16 || kc.scalar_type() == at::kFloat, "RestoreStore layer ", i,
                 ": bf16 or f32 caches, got ", kc.scalar_type());
-    TORCH_CHECK(kc.size(1) == a.num_kv_heads && kc.size(3) == a.head_dim, "RestoreStore layer ", i, ": caches ",
-                kc.sizes(), " vs ", a.num_kv_heads, " kv heads of ", a.head_dim);
+    TORCH_CHECK(kc.size(0) == 1 && kc.size(1) == a.num_kv_heads && kc.size(3) == a.head_dim && vc.sizes() == kc.sizes() &&
+                    vc.scalar_type() == kc.scalar_type(),
+                "RestoreStore layer ", i, ": k/v caches ", kc.sizes(), " / ", vc.sizes(), " vs [1, ", a.num_kv_heads,
+                ", S, ", a.head_dim, "]");
     TORCH_CHECK(a.num_kv_heads == first.args.num_kv_heads && a.head_dim == first.args.head_dim &&
                     kc.scalar_type() == first.k_cache.scalar_type() && a.norm.eps == first.args.norm.eps &&
                     a.norm.unit_offset == first.args.norm.unit_offset && a.sink == first.args.sink,
@@ -178,19 +186,16 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
     TORCH_CHECK(ring <= kc.size(2), "RestoreStore layer ", i, ": ring of ", ring, " slots in a cache of ", kc.size(2));
     TORCH_CHECK(L.k_src >= 0 && L.v_src >= 0, "RestoreStore layer ", i, ": negative source column");
     if (a.k_norm.defined()) check_w(a.k_norm, a.head_dim, "RestoreStore k_norm");
-    check_cuda(a.cos, "RestoreStore rope cos");
-    check_cuda(a.sin, "RestoreStore rope sin");
-    TORCH_CHECK(a.cos.scalar_type() == kc.scalar_type() && a.sin.sizes() == a.cos.sizes(), "RestoreStore layer ", i,
-                ": RoPE tables must be ", kc.scalar_type(), " and alike");
-    const int64_t rot = a.cos.size(1);
-    TORCH_CHECK(rot <= a.head_dim && rot % 2 == 0, "RestoreStore layer ", i, ": rotary dim ", rot, " vs head dim ",
-                a.head_dim);
+    const int64_t rot = check_rope(a, kc.scalar_type(), a.head_dim, "RestoreStore");
     if (a.sink > 0) {
-      TORCH_CHECK(a.sink_k.defined() && a.sink_v.defined() && a.sink_ring > 0 && a.sink_ring <= a.sink_k.size(2) &&
-                      a.sink_k.strides() == kc.strides() && a.sink_v.strides() == kc.strides() &&
-                      a.sink_k.sizes().slice(0, 2) == kc.sizes().slice(0, 2) && a.sink_k.sizes() == a.sink_v.sizes() &&
-                      a.sink_k.scalar_type() == kc.scalar_type(),
-                  "RestoreStore layer ", i, ": sink ", a.sink, " needs sink_k/sink_v with the caches' strides and a sink ring within them");
+      TORCH_CHECK(a.sink_k.defined() && a.sink_v.defined(), "RestoreStore layer ", i, ": sink ", a.sink,
+                  " needs sink_k/sink_v");
+      check_cache_rows(a.sink_k, kc, "RestoreStore sink_k");
+      check_cache_rows(a.sink_v, kc, "RestoreStore sink_v");
+      TORCH_CHECK(a.sink_ring > 0 && a.sink_ring <= a.sink_k.size(2) && a.sink_k.sizes().slice(0, 2) == kc.sizes().slice(0, 2) &&
+                      a.sink_k.sizes() == a.sink_v.sizes() && a.sink_k.scalar_type() == kc.scalar_type(),
+                  "RestoreStore layer ", i, ": sink buffers ", a.sink_k.sizes(), " / ring ", a.sink_ring,
+                  " do not match the cache ", kc.sizes());
     }
     k::RestoreLayerDesc d{};
     d.k_w = a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr;
