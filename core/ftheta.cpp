@@ -31,6 +31,16 @@ const char* kPath[2] = {"k", "v"};
 
 }  // namespace
 
+const char* ftheta_input_name(FThetaInput i) {
+  return i == FThetaInput::TargetFeatures ? "target_features" : "drafter_kv";
+}
+
+FThetaInput parse_ftheta_input(const std::string& name) {
+  if (name == "drafter_kv") return FThetaInput::DrafterKV;
+  if (name == "target_features") return FThetaInput::TargetFeatures;
+  KAKEYA_FAIL("f_theta input '" << name << "': expected drafter_kv or target_features");
+}
+
 std::string config_fingerprint(const ModelConfig& verifier) { return fnv1a64(verifier.summary().dump()); }
 
 std::string config_fingerprint(const DrafterConfig& drafter) {
@@ -66,13 +76,19 @@ int64_t FThetaConfig::v_offset(int64_t l) const {
   return n;
 }
 
-FThetaConfig FThetaConfig::for_pair(const ModelConfig& verifier, const DrafterConfig& drafter, int64_t rank) {
+FThetaConfig FThetaConfig::for_pair(const ModelConfig& verifier, const DrafterConfig& drafter, int64_t rank,
+                                    FThetaInput input) {
   KAKEYA_CHECK(rank > 0, "f_theta: rank expected > 0, got " << rank);
   FThetaConfig c;
   c.rank = rank;
+  c.input = input;
   c.drafter_layers = drafter.num_layers;
   c.drafter_kv_heads = drafter.num_kv_heads;
   c.drafter_head_dim = drafter.head_dim;
+  if (input == FThetaInput::TargetFeatures) {
+    c.feature_layers = drafter.target_layer_ids;
+    c.hidden = verifier.hidden_size;
+  }
   for (int64_t l = 0; l < verifier.num_layers; ++l) {
     c.kv_heads.push_back(verifier.kv_heads(l));
     c.head_dim.push_back(verifier.layer_head_dim[l]);
@@ -91,10 +107,17 @@ json FThetaConfig::to_json() const {
                       {"head_dim", head_dim[l]},
                       {"layer_type", layer_type_name(layer_types[l])},
                       {"v_from_k", (bool)v_from_k[l]}});
+  json in = {{"kind", ftheta_input_name(input)}};
+  if (input == FThetaInput::TargetFeatures) {
+    in["layers"] = feature_layers;
+    in["hidden"] = hidden;
+  }
   return {{"format", kFThetaFormat},
           {"rank", rank},
+          {"input", in},
           {"drafter", {{"layers", drafter_layers}, {"kv_heads", drafter_kv_heads}, {"head_dim", drafter_head_dim}}},
           {"verifier_layers", layers},
+          {"restore_layers", restore_layers_measured ? json(restore_layers) : json(nullptr)},
           {"verifier_fingerprint", verifier_fingerprint},
           {"drafter_fingerprint", drafter_fingerprint},
           {"provenance", provenance}};
@@ -143,6 +166,38 @@ FThetaConfig FThetaConfig::from_json(const json& j, const std::string& file) {
     KAKEYA_CHECK(vk.is_boolean(), file << ": field '" << w << ".v_from_k' expected true/false, got " << vk.dump());
     c.v_from_k.push_back(vk.get<bool>());
   }
+  // Configs written before the input choice existed read the drafter's raw K/V.
+  if (j.contains("input")) {
+    const json& in = j.at("input");
+    KAKEYA_CHECK(in.is_object() && in.contains("kind") && in.at("kind").is_string(),
+                 file << ": field 'input' expected {\"kind\": \"drafter_kv\" | \"target_features\", ...}, got "
+                      << in.dump());
+    const std::string kind = in.at("kind").get<std::string>();
+    KAKEYA_CHECK(kind == "drafter_kv" || kind == "target_features",
+                 file << ": field 'input.kind' is '" << kind << "', expected drafter_kv or target_features");
+    c.input = parse_ftheta_input(kind);
+    if (c.input == FThetaInput::TargetFeatures) {
+      const json& fl = field(in, "layers", "input.layers");
+      KAKEYA_CHECK(fl.is_array() && !fl.empty(), file << ": field 'input.layers' expected a non-empty array of layer ids, got "
+                                                      << fl.dump());
+      for (const json& x : fl) {
+        KAKEYA_CHECK(x.is_number_integer() && x.get<int64_t>() >= 0,
+                     file << ": field 'input.layers' expected layer ids >= 0, got " << x.dump());
+        c.feature_layers.push_back(x.get<int64_t>());
+      }
+      c.hidden = positive(in, "hidden", "input.hidden");
+    }
+  }
+  if (j.contains("restore_layers") && !j.at("restore_layers").is_null()) {
+    const json& rl = j.at("restore_layers");
+    c.restore_layers_measured = true;
+    KAKEYA_CHECK(rl.is_array(), file << ": field 'restore_layers' expected an array of layer ids, got " << rl.dump());
+    for (const json& x : rl) {
+      KAKEYA_CHECK(x.is_number_integer() && x.get<int64_t>() >= 0 && x.get<int64_t>() < c.num_layers(),
+                   file << ": field 'restore_layers' expected layer ids in [0, " << c.num_layers() << "), got " << x.dump());
+      c.restore_layers.push_back(x.get<int64_t>());
+    }
+  }
   c.verifier_fingerprint = str(j, "verifier_fingerprint");
   c.drafter_fingerprint = str(j, "drafter_fingerprint");
   if (j.contains("provenance")) c.provenance = j.at("provenance");
@@ -174,6 +229,13 @@ void FThetaConfig::check(const ModelConfig& verifier, const DrafterConfig& draft
                file << ": field 'drafter' is " << drafter_layers << " layers × " << drafter_kv_heads << " KV heads × head_dim "
                     << drafter_head_dim << ", the drafter (" << drafter.origin << ") has " << drafter.num_layers << " × "
                     << drafter.num_kv_heads << " × " << drafter.head_dim);
+  if (input == FThetaInput::TargetFeatures) {
+    KAKEYA_CHECK(feature_layers == drafter.target_layer_ids,
+                 file << ": field 'input.layers' is " << json(feature_layers).dump() << ", the drafter (" << drafter.origin
+                      << ") reads target layers " << json(drafter.target_layer_ids).dump());
+    KAKEYA_CHECK(hidden == verifier.hidden_size, file << ": field 'input.hidden' is " << hidden
+                                                      << ", the verifier's hidden size is " << verifier.hidden_size);
+  }
   const std::string vf = config_fingerprint(verifier), df = config_fingerprint(drafter);
   KAKEYA_CHECK(verifier_fingerprint == vf, file << ": field 'verifier_fingerprint' is " << verifier_fingerprint
                                                 << ", the verifier's config gives " << vf
@@ -292,25 +354,43 @@ std::vector<std::pair<std::string, at::Tensor>> FTheta::named_parameters() const
   return out;
 }
 
-at::Tensor FTheta::predict_fused(const at::Tensor& x, bool v_path) const {
+at::Tensor FTheta::input_rows(const at::Tensor& x, bool v_path) const {
   const auto& c = cfg_;
   const int64_t nd = x.dim();
+  const auto wt = enc_w_[v_path ? 1 : 0].scalar_type();
+  if (c.reads_features()) {
+    const int64_t n = (int64_t)c.feature_layers.size();
+    KAKEYA_CHECK(nd >= 1 && x.size(nd - 1) == n * c.hidden,
+                 "f_theta: target-feature input has shape " << x.sizes() << ", expected [..., " << n * c.hidden << "] ("
+                                                            << n << " layers x hidden " << c.hidden << ")");
+    // Per layer x / rms(x) in f32: the scale Gemma's input norm removes, so K and V of a layer fed
+    // by a tapped output are linear in the row.
+    auto shape = x.sizes().vec();
+    shape.back() = n;
+    shape.push_back(c.hidden);
+    at::Tensor h = x.to(at::kFloat).view(shape);                         // [..., n, H]
+    h = h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + 1e-6);
+    return h.flatten(nd - 1).to(wt);                                     // [..., n·H]
+  }
   KAKEYA_CHECK(nd >= 3 && x.size(nd - 3) == c.drafter_layers && x.size(nd - 2) == c.drafter_kv_heads &&
                    x.size(nd - 1) == c.drafter_head_dim,
                "f_theta: drafter " << kPath[v_path] << " input has shape " << x.sizes() << ", expected [..., "
                                    << c.drafter_layers << ", " << c.drafter_kv_heads << ", " << c.drafter_head_dim
                                    << "] (drafter layers, KV heads, head dim)");
-  const int p = v_path ? 1 : 0;
   // Per position, the drafter layers' K (resp. V) concatenated: layer-major, then head, then dim.
-  at::Tensor flat = x.to(enc_w_[p].scalar_type()).flatten(nd - 3);  // [..., in]
-  at::Tensor z = at::linear(flat, enc_w_[p], enc_b_[p]);            // [..., r]
-  return at::linear(z, dec_w_[p], dec_b_[p]);                       // [..., k_out | v_out]
+  return x.to(wt).flatten(nd - 3);  // [..., in]
 }
 
-std::vector<std::pair<at::Tensor, at::Tensor>> FTheta::predict(const at::Tensor& dk, const at::Tensor& dv) const {
+at::Tensor FTheta::predict_fused(const at::Tensor& x, bool v_path) const {
+  const int p = v_path ? 1 : 0;
+  at::Tensor z = at::linear(input_rows(x, v_path), enc_w_[p], enc_b_[p]);  // [..., r]
+  return at::linear(z, dec_w_[p], dec_b_[p]);                              // [..., k_out | v_out]
+}
+
+std::vector<std::pair<at::Tensor, at::Tensor>> FTheta::predict(const at::Tensor& xk, const at::Tensor& xv) const {
   const auto& c = cfg_;
-  at::Tensor yk = predict_fused(dk, false);
-  at::Tensor yv = c.v_out() > 0 ? predict_fused(dv, true) : at::Tensor();
+  at::Tensor yk = predict_fused(xk, false);
+  at::Tensor yv = c.v_out() > 0 ? predict_fused(xv, true) : at::Tensor();
   auto lead = yk.sizes().slice(0, yk.dim() - 1).vec();  // [...]
   std::vector<std::pair<at::Tensor, at::Tensor>> out;
   for (int64_t l = 0; l < c.num_layers(); ++l) {

@@ -122,13 +122,17 @@ at::Tensor KVCache::visible(int64_t layer, const at::Tensor& q_pos) const {
   } else {
     recent = (q_pos.unsqueeze(1) - s.pos.unsqueeze(0)).lt(s.window);
   }
-  return m.logical_and(recent.ne(s.in_restored.unsqueeze(0)));
+  m = m.logical_and(recent.ne(s.in_restored.unsqueeze(0)));
+  if (!opt_.restore.drops(layer)) return m;
+  // A dropping layer sees only the sinks of its restored region.
+  auto dropped = s.in_restored.logical_and(s.pos.ge(opt_.restore.sink));  // [S]
+  return m.logical_and(dropped.logical_not().unsqueeze(0));
 }
 
 ops::CopyRule KVCache::copy_rule(int64_t layer) const {
   const TypeState& s = state(layer);
   if (!s.policy) return {};
-  return {s.in_restored, s.window, s.coded ? s.block : 0};
+  return {s.in_restored, s.window, s.coded ? s.block : 0, opt_.restore.drops(layer) ? opt_.restore.sink : -1};
 }
 
 void KVCache::mark(const at::Tensor& positions) {

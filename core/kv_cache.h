@@ -53,7 +53,13 @@ struct RestorePolicy {
   bool linear = false;    // one slot per position in both regions, no rings (reference decoders)
   int64_t full_coded_block = 0;  // > 0: full-attention layers stored through a codec in blocks of this
                                  // many tokens (exclusive with `full`)
+  // Per layer (empty: none): a covered layer that drops its restored positions — its restored
+  // region shows only the sinks (positions < sink), so it attends sinks + the exact window
+  // (evict-only on that layer). Restoration still writes the region; the mask hides it.
+  std::vector<bool> drop;
+  int64_t sink = 0;
   bool enabled() const { return window > 0; }
+  bool drops(int64_t layer) const { return layer < (int64_t)drop.size() && drop[layer]; }
 };
 
 struct KVCacheOptions {

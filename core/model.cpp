@@ -229,11 +229,18 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   // The kernel re-reads K/V per query: right for a few queries; prefill chunks take SDPA.
   constexpr int64_t kAttnKernelMaxQueries = 32;
   const bool attn_kernel = cuda_fused && T <= kAttnKernelMaxQueries;
-  at::Tensor mask_full, mask_sliding;  // [T, S] bool
-  if (first_full >= 0 && !attn_kernel) mask_full = cache.visible(first_full, positions);
-  if (first_sliding >= 0 && (sliding_concat || !attn_kernel))
-    mask_sliding = sliding_concat ? causal_visible(at::cat({old_sliding_pos, positions}), positions, cfg_.sliding_window)
-                                  : cache.visible(first_sliding, positions);
+  // Layers that drop their restored positions (RestorePolicy::drop) see fewer slots: one mask
+  // per (layer type, drop) pair, built from the first such layer.
+  at::Tensor mask[2][2];  // [full|sliding][keeps|drops]: [T, S] bool
+  if (!attn_kernel || sliding_concat) {
+    for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+      const bool sl = cfg_.is_sliding(l), dr = cache.options().restore.drops(l);
+      at::Tensor& m = mask[sl][dr];
+      if (m.defined()) continue;
+      if (sl && sliding_concat) m = causal_visible(at::cat({old_sliding_pos, positions}), positions, cfg_.sliding_window);
+      else if (!attn_kernel) m = cache.visible(l, positions);
+    }
+  }
 
   at::Tensor h = embed(ids);                         // [B, T, hidden]
   at::Tensor x = rms_norm(h, layers_[0].attn_norm);  // later layers get theirs from the fused residual step
@@ -276,14 +283,15 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
 
     at::Tensor attn;  // [B, T, Hq·D]
     if (!write_first) {
-      attn = attention(l, q, at::cat({cache.keys(l), kc}, 2), at::cat({cache.values(l), vc}, 2), mask_sliding);
+      attn = attention(l, q, at::cat({cache.keys(l), kc}, 2), at::cat({cache.values(l), vc}, 2),
+                       mask[1][cache.options().restore.drops(l)]);
       cache.write(l, kc, vc, positions);
     } else if (attn_kernel) {
       attn = ops::decode_attention(q, cache.keys(l), cache.values(l), cache.slot_positions(l), positions,
                                    sliding ? cfg_.sliding_window : 0, cfg_.attn_scale,
                                    cfg_.attn_logit_softcap.value_or(0.0), cache.copy_rule(l));
     } else {
-      attn = attention(l, q, cache.keys(l), cache.values(l), sliding ? mask_sliding : mask_full);
+      attn = attention(l, q, cache.keys(l), cache.values(l), mask[sliding][cache.options().restore.drops(l)]);
     }
     at::Tensor a = ops::linear(attn, w.o, w.o_bias);  // [B, T, hidden]
     tap(Tap::AttnOut, a);

@@ -104,6 +104,7 @@ struct CopyRule {
   at::Tensor in_restored;  // [S] bool, or undefined
   int64_t window = 0;
   int64_t block = 0;
+  int64_t keep_below = -1;  // >= 0: restored-region slots holding positions >= this are hidden (a dropping layer)
 };
 
 // Attention of T queries per sequence over a cache whose slots carry absolute

@@ -66,6 +66,7 @@ struct CaptureSequence {
   std::vector<at::Tensor> o;      // per verifier layer [T, hidden]      attention output after o_proj
   at::Tensor dk;                  // [T, L_d, H_d, D_d] drafter context K after k_proj (raw)
   at::Tensor dv;                  // [T, L_d, H_d, D_d] drafter context V after v_proj (raw)
+  at::Tensor feats;               // [T, n·H] target features the drafter reads (capture_sequence only; not stored)
   int64_t length() const { return tokens.defined() ? tokens.size(0) : 0; }
 };
 
@@ -162,8 +163,10 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
                           const std::string& drafter_dir, const std::vector<CapturePrompt>& prompts,
                           const CaptureOptions& opt, const std::function<void(const CaptureProgress&)>& progress = {});
 
-// The tensors of one sequence as the taps see them (model dtype, CPU), without
-// writing: what run_capture stores (tests compare with their own tap subscriber).
-CaptureSequence capture_sequence(const Model& verifier, const Drafter& drafter, const std::vector<int64_t>& tokens);
+// The tensors of one sequence as the taps see them (model dtype; on the host, or on the
+// model's device when on_device), without writing: what run_capture stores (tests compare
+// with their own tap subscriber), plus the target features (online f_θ training).
+CaptureSequence capture_sequence(const Model& verifier, const Drafter& drafter, const std::vector<int64_t>& tokens,
+                                 bool on_device = false);
 
 }  // namespace kakeya::data

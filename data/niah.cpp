@@ -88,6 +88,22 @@ ChatFormat detect_chat_format(const Tokenizer& tok) {
   return ChatFormat::None;
 }
 
+std::string chat_user_open(ChatFormat f) {
+  switch (f) {
+    case ChatFormat::Gemma: return "<start_of_turn>user\n";
+    case ChatFormat::ChatML: return "<|im_start|>user\n";
+    default: return "";
+  }
+}
+
+std::string chat_user_close(ChatFormat f) {
+  switch (f) {
+    case ChatFormat::Gemma: return "<end_of_turn>\n<start_of_turn>model\n";
+    case ChatFormat::ChatML: return "<|im_end|>\n<|im_start|>assistant\n";
+    default: return "\n";
+  }
+}
+
 std::string default_haystack_file(NiahSplit s, const std::string& source_dir) {
   return source_dir + (s == NiahSplit::Train ? "/calib.txt" : "/eval.txt");
 }
@@ -134,12 +150,8 @@ NiahSample make_niah(const Tokenizer& tok, const NiahOptions& opt) {
   // Fixed pieces.
   std::vector<int64_t> head, tail;
   if (tok.bos_id() >= 0) head.push_back(tok.bos_id());
-  const std::string user_open = opt.chat == ChatFormat::Gemma    ? "<start_of_turn>user\n"
-                                : opt.chat == ChatFormat::ChatML ? "<|im_start|>user\n"
-                                                                 : "";
-  const std::string user_close = opt.chat == ChatFormat::Gemma    ? "<end_of_turn>\n<start_of_turn>model\n"
-                                 : opt.chat == ChatFormat::ChatML ? "<|im_end|>\n<|im_start|>assistant\n"
-                                                                  : "\n";
+  const std::string user_open = chat_user_open(opt.chat);
+  const std::string user_close = chat_user_close(opt.chat);
   append(head, enc(tok, user_open + "Read the text below and remember the special magic numbers hidden in it.\n\n"));
   const std::string all_keys = join_keys(out.keys);
   std::string question = n == 1 ? "\nQuestion: What is the special magic number for " + all_keys + "?"

@@ -44,6 +44,10 @@ ChatFormat parse_chat_format(const std::string& name);  // also "auto" is not ac
 // Gemma when the tokenizer has <start_of_turn> and <end_of_turn> tokens, ChatML
 // when it has <|im_start|> and <|im_end|>, None otherwise.
 ChatFormat detect_chat_format(const Tokenizer& tok);
+// The user turn around a prompt's text: opened before it, closed after it up to the
+// start of the model's turn ("\n" for None).
+std::string chat_user_open(ChatFormat f);
+std::string chat_user_close(ChatFormat f);
 
 struct NiahOptions {
   NiahSplit split = NiahSplit::Eval;

@@ -281,8 +281,10 @@ class Engine {
   std::vector<at::Tensor> ck_, cv_;  // per drafter layer [1, H_kv, cap, D]: the drafter's context cache
 };
 
-KVCacheOptions fused_cache_options(const Model& v, const RestoreOptions& o, int64_t capacity, int64_t B) {
+KVCacheOptions fused_cache_options(const Model& v, const FTheta* f, const RestoreOptions& o, int64_t capacity,
+                                   int64_t B) {
   KVCacheOptions co;
+  set_dropped_layers(co.restore, v.config(), f, o);
   co.capacity = capacity;
   co.rollback = B;  // a block's rejected tail sits in the exact ring until the next block overwrites it
   co.dtype = v.dtype();
@@ -320,7 +322,7 @@ struct FusedDecoder::Impl {
   Impl(const Model& v_, const Drafter& d_, const FTheta* f_, const RestoreOptions& ro_, const FusedOptions& o,
        int64_t B_, int64_t capacity_)
       : v(v_), d(d_), f(f_), ro(ro_), opt(o), B(B_), capacity(capacity_),
-        cache(v.config(), fused_cache_options(v, ro, capacity + B, B)),
+        cache(v.config(), fused_cache_options(v, f_, ro, capacity + B, B)),
         rest(v, ro.needs_ftheta() ? &d : nullptr, f, ro, cache),
         eng(v, d, rest, cache, B, capacity + B, o.sampling),
         upkeep([this](int64_t from) { rest.upkeep_from(from); }, [this] { rest.upkeep(); }, v.device().is_cuda()) {

@@ -72,7 +72,8 @@ FullAttn parse_full_attn(const std::string& s) {
 
 nlohmann::json RestoreOptions::to_json() const {
   nlohmann::json j{{"sink", sink},        {"window", window},          {"full_attn", full_attn_name(full_attn)},
-                   {"mix_alpha", mix_alpha}, {"chunk", resolved_chunk()}, {"stats", stats}};
+                   {"mix_alpha", mix_alpha}, {"chunk", resolved_chunk()}, {"stats", stats},
+                   {"layers", layers}};
   if (full_attn == FullAttn::Codec && codec) j["codec"] = codec->options().describe();
   return j;
 }
@@ -132,6 +133,7 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
                             << drafter->config().max_position_embeddings);
   }
   if (ftheta && drafter) ftheta->config().check(cfg, drafter->config(), ftheta_origin);
+  resolve_restore_layers(cfg, ftheta, o);  // a bad --restore-layers list fails here, before anything runs
 }
 
 // ---------------------------------------------------------------- RestoreStats
@@ -166,6 +168,51 @@ nlohmann::json RestoreStats::to_json() const {
   return j;
 }
 
+std::vector<bool> resolve_restore_layers(const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o) {
+  std::vector<bool> covered(cfg.num_layers), out(cfg.num_layers, false);
+  for (int64_t l = 0; l < cfg.num_layers; ++l)
+    covered[l] = cfg.is_sliding(l) || o.full_attn == FullAttn::Restored;
+  std::vector<int64_t> list;
+  if (o.layers == "all" || (o.layers == "auto" && (!f || !f->config().restore_layers_measured))) {
+    out = covered;
+    return out;
+  }
+  if (o.layers == "none") return out;
+  if (o.layers == "auto") {
+    list = f->config().restore_layers;
+  } else {
+    std::stringstream ss(o.layers);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      size_t used = 0;
+      long long v = -1;
+      try {
+        v = std::stoll(item, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      KAKEYA_CHECK(!item.empty() && used == item.size(),
+                   "--restore-layers '" << o.layers << "': expected auto, all, none or a comma-separated list of layer ids");
+      list.push_back(v);
+    }
+  }
+  for (int64_t l : list) {
+    KAKEYA_CHECK(l >= 0 && l < cfg.num_layers,
+                 "--restore-layers: layer " << l << " is outside the verifier's " << cfg.num_layers << " layers");
+    KAKEYA_CHECK(covered[l], "--restore-layers: layer " << l << " is a full-attention layer, which --full-attn "
+                                                        << full_attn_name(o.full_attn) << " keeps exact");
+    out[l] = true;
+  }
+  return out;
+}
+
+void set_dropped_layers(RestorePolicy& p, const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o) {
+  const std::vector<bool> keep = resolve_restore_layers(cfg, f, o);
+  p.drop.assign(cfg.num_layers, false);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) p.drop[l] = !keep[l];
+  p.sink = o.sink;
+}
+
 // ---------------------------------------------------------------- Restorer
 
 Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& opt,
@@ -197,7 +244,12 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
       tv_[l] = at::zeros({ring_, cfg.kv_heads(l), cfg.layer_head_dim[l]}, fopt);
     }
   }
-  if (opt.needs_ftheta()) {
+  features_in_ = opt.needs_ftheta() && ftheta->config().reads_features();
+  if (features_in_) {
+    // f_θ reads the target features themselves: the commits keep them in the feature ring.
+    const int64_t F = drafter->config().num_features() * cfg.hidden_size;
+    feat_ = at::zeros({ring_, F}, at::TensorOptions().dtype(verifier.dtype()).device(dev));
+  } else if (opt.needs_ftheta()) {
     const auto& dc = drafter->config();
     auto dopt = at::TensorOptions().dtype(drafter->dtype()).device(drafter->device());
     dk_ = at::zeros({ring_, dc.num_layers, dc.num_kv_heads, dc.head_dim}, dopt);
@@ -267,8 +319,10 @@ void Restorer::prepare(int64_t p0, int64_t t) {
   KAKEYA_CHECK(last < p0, "restorer: chunk of " << t << " tokens at " << p0 << " needs restored K/V of itself");
   const int64_t first = restored_upto_ + 1;
   auto js = at::arange(first, last + 1, at::TensorOptions().dtype(at::kLong).device(model_.device()));
-  at::Tensor dk, dv;  // the drafter raw K/V the commits kept
-  if (opt_.needs_ftheta()) {
+  at::Tensor dk, dv;  // f_θ's inputs the commits kept: the drafter raw K/V, or the target features (both)
+  if (features_in_) {
+    dk = dv = feat_.index_select(0, js.remainder(ring_));
+  } else if (opt_.needs_ftheta()) {
     auto dsl = js.remainder(ring_).to(dk_.device());
     dk = dk_.index_select(0, dsl);
     dv = dv_.index_select(0, dsl);
@@ -338,7 +392,9 @@ void Restorer::stash_features(const at::Tensor& feats, const at::Tensor& pos) {
 void Restorer::upkeep() {
   at::Tensor js = upkeep_off_ + upkeep_first_;  // [L]
   at::Tensor dk, dv;                            // [L, L_d, H_d, D_d] the drafter raw K/V of js
-  if (feat_.defined()) {
+  if (features_in_) {
+    dk = dv = feat_.index_select(0, js.remainder(ring_));  // [L, n·H] f_θ reads the features
+  } else if (feat_.defined()) {
     at::Tensor f = feat_.index_select(0, js.remainder(ring_)).unsqueeze(0);  // [1, L, n·H]
     std::tie(dk, dv) = drafter_->context_raw_kv_rows(drafter_->project_context(f));
     dk = dk.select(0, 0);
@@ -362,6 +418,18 @@ void Restorer::prepare_coded(int64_t q) {
 void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv) {
   if (kernel_) {
     restore_kernel(js, dk, dv);
+    return;
+  }
+  if (!opt_.needs_ftheta() && !opt_.needs_true_raw()) {
+    // Evict-only: every covered layer drops its restored positions (the cache's mask shows only
+    // the sinks there), so the region gets the exact copies the ring still holds: sinks for real,
+    // the rest never read.
+    for (int64_t l : layers_) {
+      auto [ek, ev] = cache_.exact_kv(l, js);
+      cache_.write_restored(l, ek, ev, js);
+    }
+    if (has_sliding_) cache_.mark_restored(LayerType::Sliding, js);
+    if (has_full_) cache_.mark_restored(LayerType::Full, js);
     return;
   }
   const at::Device dev = model_.device();
@@ -445,7 +513,7 @@ void Restorer::commit(int64_t p0, int64_t n, DrafterCache* dcache) {
     KAKEYA_CHECK(drafter_ && dcache->length() == p0,
                  "restorer: drafter cache at " << dcache->length() << ", committing at " << p0);
     drafter_->extend(*dcache, feats, &dtaps_);
-  } else if (opt_.needs_ftheta()) {
+  } else if (opt_.needs_ftheta() && !features_in_) {
     auto slot = at::arange(p0, p0 + n, at::TensorOptions().dtype(at::kLong).device(drafter_->device())).remainder(ring_);
     auto [dk, dv] = drafter_->context_raw_kv_rows(drafter_->project_context(feats));  // [1, n, L_d, H_d, D_d]
     dk_.index_copy_(0, slot, dk.select(0, 0));
@@ -725,8 +793,10 @@ double attention_fraction(const KVCache& cache, const ModelConfig& cfg, bool sli
   return (double)once / span;
 }
 
-KVCacheOptions restored_cache_options(const Model& v, const RestoreOptions& o, int64_t capacity, bool linear) {
+KVCacheOptions restored_cache_options(const Model& v, const FTheta* f, const RestoreOptions& o, int64_t capacity,
+                                      bool linear) {
   KVCacheOptions co;
+  set_dropped_layers(co.restore, v.config(), f, o);
   co.capacity = capacity;
   co.rollback = 0;
   co.dtype = v.dtype();
@@ -815,7 +885,7 @@ DecodeResult decode_reforward(const Model& v, const Drafter* dr, const FTheta* f
   while (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) {
     // The whole prefix again, from an empty cache with one slot per position.
     const int64_t n = seq.size();
-    KVCache cache(v.config(), restored_cache_options(v, ro, n, true));
+    KVCache cache(v.config(), restored_cache_options(v, ft, ro, n, true));
     Restorer rest(v, dr, ft, ro, cache);
     auto ids = at::tensor(seq, at::kLong).view({1, n}).to(dev);
     auto logits = run_chunks(v, cache, rest, ids, 0, chunk, true);
@@ -847,7 +917,7 @@ MemoryReport ar_memory_report(const Model& v, int64_t capacity) { return ar_memo
 
 RestoredDecoder::RestoredDecoder(const Model& v, const Drafter* d, const FTheta* f, const DecodeOptions& opt,
                                  int64_t capacity)
-    : v_(v), d_(d), f_(f), opt_(opt), cache_(v.config(), restored_cache_options(v, opt.restore, capacity, false)),
+    : v_(v), d_(d), f_(f), opt_(opt), cache_(v.config(), restored_cache_options(v, f, opt.restore, capacity, false)),
       rest_(v, d, f, opt.restore, cache_), sampler_(opt.sampling, v.device()) {
   auto iopt = at::TensorOptions().dtype(at::kLong).device(v.device());
   cur_ = at::zeros({1, 1}, iopt);
@@ -980,7 +1050,7 @@ ScoreResult score_restored(const Model& v, const Drafter* dr, const FTheta* ft, 
   KAKEYA_CHECK(ids.size() >= 2, "score: need at least 2 tokens, got " << ids.size());
   validate_restore(v, dr, ft, ro, ids.size(), 1);
   const int64_t n = ids.size(), chunk = ro.resolved_chunk();
-  KVCache cache(v.config(), restored_cache_options(v, ro, n, false));
+  KVCache cache(v.config(), restored_cache_options(v, ft, ro, n, false));
   Restorer rest(v, dr, ft, ro, cache);
   auto w = at::tensor(ids, at::kLong).view({1, n}).to(v.device());
   auto iopt = at::TensorOptions().dtype(at::kLong).device(v.device());

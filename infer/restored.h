@@ -84,9 +84,16 @@ struct RestoreOptions {
   bool kernels = true;       // CUDA: restore through the fused store kernel where it applies (false: reference ops)
   bool stats = false;        // relative error of restored vs true K/V (keeps true raw K/V too)
   const KVCodec* codec = nullptr;  // FullAttn::Codec: full-attention history stored through it (blocks of its block size)
+  // Which of the covered layers read their restored positions (beyond the sinks); the others drop
+  // them (evict-only on that layer: sinks + the exact window, nothing older). "auto": the layers
+  // f_θ's config lists as measured better than eviction (every covered layer when it lists none),
+  // "all", "none" (evict-only everywhere: the StreamingLLM baseline, needs no f_θ), or a
+  // comma-separated list of verifier layers. resolve_restore_layers() turns it into a per-layer mask.
+  std::string layers = "auto";
   int64_t resolved_chunk() const { return chunk > 0 ? chunk : window; }
   bool needs_true_raw() const { return mix_alpha > 0.0 || stats; }
-  bool needs_ftheta() const { return mix_alpha < 1.0; }
+  bool evict_only() const { return layers == "none"; }
+  bool needs_ftheta() const { return mix_alpha < 1.0 && !evict_only(); }
   nlohmann::json to_json() const;
 };
 
@@ -97,6 +104,12 @@ struct RestoreOptions {
 // drafter/f_θ, an f_θ for another verifier/drafter pair.
 void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& opt,
                       int64_t n_prompt, int64_t max_new_tokens, const std::string& ftheta_origin = "f_theta");
+
+// RestoreOptions::layers per verifier layer: true where the layer reads its restored positions
+// (false on layers the policy does not cover). Throws naming --restore-layers on a bad list.
+std::vector<bool> resolve_restore_layers(const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o);
+// The cache policy's per-layer drop mask (covered layers that do not restore) and sink.
+void set_dropped_layers(RestorePolicy& p, const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o);
 
 // Relative error of restored vs true K/V, accumulated over every restored
 // (position, layer), split by layer type and stream: sqrt(Σ‖r - t‖² / Σ‖t‖²),
@@ -247,6 +260,7 @@ class Restorer : public TapSubscriber {
   int64_t stat_positions_ = 0;
   int64_t restored_upto_ = -1;
   bool kernel_ = false;                          // restore() runs restore_kernel()
+  bool features_in_ = false;                     // f_θ reads the target features (feat_) instead of dk_/dv_
   std::unique_ptr<ops::RestoreStore> store_;     // restore_kernel()'s store (kernel_ only)
 };
 

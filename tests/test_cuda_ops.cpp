@@ -254,12 +254,14 @@ TEST_P(CudaOps, DecodeAttention) {
     int64_t T;            // queries per sequence (1: a decode step; more: verify / drafter blocks)
     bool shared_qpos;     // one q_pos for all T queries (drafter blocks)
     int64_t rwin, block;  // copy rule: 0 = plain layer; block > 0 = coded layer
+    int64_t keep_below = -1;  // copy rule: a layer that drops restored positions >= this
   };
   for (auto c : {Case{4, 1, 256, 300, 0, 0.0, 1, false, 0, 0}, Case{6, 2, 64, 37, 16, 0.0, 1, false, 0, 0},
                  Case{8, 8, 128, 129, 0, 30.0, 1, false, 0, 0}, Case{4, 2, 512, 700, 100, 0.0, 1, false, 0, 0},
                  Case{4, 1, 256, 333, 0, 0.0, 16, false, 0, 0}, Case{8, 1, 64, 201, 0, 0.0, 13, true, 0, 0},
                  Case{4, 1, 256, 399, 512, 0.0, 16, false, 64, 0}, Case{6, 3, 128, 250, 0, 0.0, 7, false, 40, 0},
-                 Case{4, 2, 64, 517, 0, 0.0, 5, false, 70, 64}, Case{4, 1, 256, 130, 0, 0.0, 1, false, 64, 0}}) {
+                 Case{4, 2, 64, 517, 0, 0.0, 5, false, 70, 64}, Case{4, 1, 256, 130, 0, 0.0, 1, false, 64, 0},
+                 Case{4, 1, 256, 399, 512, 0.0, 3, false, 64, 0, 9}, Case{6, 3, 128, 250, 0, 0.0, 1, false, 40, 0, 77}}) {
     const int64_t B = 2, T = c.T;
     auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
     auto k = at::randn({B, c.Hkv, c.S, c.D}).to(dt()), v = at::randn({B, c.Hkv, c.S, c.D}).to(dt());
@@ -270,7 +272,7 @@ TEST_P(CudaOps, DecodeAttention) {
     ops::CopyRule rule;
     if (c.rwin > 0) {
       // A random split of the slots into exact ring and restored/coded region.
-      rule = {at::rand({c.S}).lt(0.5), c.rwin, c.block};
+      rule = {at::rand({c.S}).lt(0.5), c.rwin, c.block, c.keep_below};
     }
     const double scale = 1.0 / std::sqrt((double)c.D);
     auto sp = slot_pos.unsqueeze(0), qp = q_pos.expand({T}).unsqueeze(1);  // [1, S], [T, 1]
@@ -280,6 +282,8 @@ TEST_P(CudaOps, DecodeAttention) {
       at::Tensor recent = c.block > 0 ? sp.ge((qp - (c.rwin - 1)).clamp_min(0).div(c.block, "floor") * c.block)
                                       : (qp - sp).lt(c.rwin);
       mask = mask.logical_and(recent.ne(rule.in_restored.unsqueeze(0)));
+      if (c.keep_below >= 0)
+        mask = mask.logical_and(rule.in_restored.logical_and(slot_pos.ge(c.keep_below)).logical_not().unsqueeze(0));
     }
     const int64_t G = c.Hq / c.Hkv;
     auto qf = q.to(at::kFloat).permute({0, 2, 1, 3}).reshape({B, c.Hkv, G, T, c.D});
@@ -298,7 +302,8 @@ TEST_P(CudaOps, DecodeAttention) {
                                      c.window, scale, c.softcap, gpu_rule);
     expect_close(got, ref,
                  "decode_attention D=" + std::to_string(c.D) + " S=" + std::to_string(c.S) + " T=" + std::to_string(T) +
-                     " rwin=" + std::to_string(c.rwin) + " block=" + std::to_string(c.block));
+                     " rwin=" + std::to_string(c.rwin) + " block=" + std::to_string(c.block) +
+                     " keep_below=" + std::to_string(c.keep_below));
   }
 }
 

@@ -68,6 +68,8 @@ void register_capture(CLI::App& app);        // cmd_capture.cpp (built where HDF
 void register_train_ftheta(CLI::App& app);   // cmd_train_ftheta.cpp (reads captures: HDF5 too)
 void register_decode(CLI::App& app);         // cmd_decode.cpp
 void register_niah(CLI::App& app);           // cmd_niah.cpp
+void register_eval_long(CLI::App& app);      // cmd_eval_long.cpp
+void register_ftheta_layers(CLI::App& app);  // cmd_ftheta_layers.cpp
 void register_sweep_alpha(CLI::App& app);    // cmd_niah.cpp
 
 }  // namespace kakeya::cli

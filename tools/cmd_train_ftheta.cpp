@@ -1,5 +1,6 @@
-// kakeya train-ftheta: train f_θ (drafter raw K/V -> verifier raw K/V) on a
-// capture directory made by `kakeya capture` (train/ftheta_train.h).
+// kakeya train-ftheta: train f_θ (drafter raw K/V or target features -> verifier raw K/V) on a
+// capture directory made by `kakeya capture` (--data), or online on a text corpus with the
+// verifier in the loop (--online DIR, train/ftheta_online.h) (train/ftheta_train.h).
 //   SAVE/checkpoint.safetensors   resumable training state (--resume continues it)
 //   SAVE/f_theta_config.json + f_theta.safetensors   the trained f_θ (written when training ends)
 //   SAVE/report.json              options, loss components over time, held-out evaluations
@@ -14,6 +15,7 @@
 #include "core/ftheta.h"
 #include "data/capture.h"
 #include "tools/cli_common.h"
+#include "train/ftheta_online.h"
 #include "train/ftheta_train.h"
 
 namespace kakeya::cli {
@@ -59,21 +61,64 @@ std::vector<int64_t> parse_layers(const std::string& spec, const ModelConfig& mc
   return out;
 }
 
+// Resume, train, report, save, plot: the same for captured and online data.
+template <typename Opts>
+void finish_training(FThetaTrainer& tr, FTheta& f, const Opts& opt, at::Device dev, const json& data) {
+  const auto* o = &opt;
+  if (o->resume && !tr.resume()) std::fprintf(stderr, "[train-ftheta] --resume: no checkpoint yet, starting fresh\n");
+  std::fprintf(stderr, "[train-ftheta] f_theta rank %lld (%s input), %lld parameters, loss %s, %s\n",
+               (long long)f.config().rank, ftheta_input_name(f.config().input), (long long)f.num_parameters(),
+               o->loss.c_str(), device_description(dev).c_str());
+  const bool done = tr.run();
+  json report = tr.report();
+  report["command"] = command_line();
+  report["device"] = device_description(dev);
+  report["data"] = data;
+  write_json(o->save + "/report.json", report);
+  if (!done) {
+    std::fprintf(stderr, "[train-ftheta] stopped at step %lld; rerun with --resume\n", (long long)tr.step());
+    return;
+  }
+  f.save(o->save);
+  if (report.contains("reduction_factor"))
+    std::fprintf(stderr, "[train-ftheta] held-out loss %.4g -> %.4g (reduction %.2fx); f_theta in %s\n",
+                 report["heldout_loss_initial"].get<double>(), report["heldout_loss_final"].get<double>(),
+                 report["reduction_factor"].get<double>(), o->save.c_str());
+  if (!o->plot_python.empty()) {
+    const std::string cmd = o->plot_python + " tools/plot_ftheta_loss.py '" + o->save + "/report.json' '" + o->save +
+                            "/loss.png'";
+    if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "[train-ftheta] plot failed (%s)\n", cmd.c_str());
+  }
+}
+
 }  // namespace
 
 void register_train_ftheta(CLI::App& app) {
   struct Opts {
-    std::string data, verifier = "checkpoints/models/gemma3-270m", drafter, save, init_from, loss = "attn_distill_hybrid";
-    std::string layers = "all", plot_python = "python3";
-    int64_t rank = 256, heldout = 4;
+    std::string data, online, verifier = "checkpoints/models/gemma3-270m", drafter, save, init_from,
+        loss = "attn_distill_hybrid";
+    std::string layers = "all", plot_python = "python3", input = "drafter_kv";
+    int64_t rank = 256, heldout = 4, synthetic_every = 8, max_train_tokens = 0;
     bool resume = false;
     FThetaTrainOptions t;
     DeviceFlags df;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("train-ftheta",
-                               "Train f_theta (drafter K/V -> verifier K/V) on a `kakeya capture` directory");
-  c->add_option("--data", o->data, "capture directory (capture.json + shards)")->required();
+                               "Train f_theta (drafter K/V or target features -> verifier K/V) on a capture or online");
+  auto* data_opt = c->add_option("--data", o->data, "capture directory (capture.json + shards)");
+  c->add_option("--online", o->online,
+                "corpus directory (train.txt + heldout.txt, tools/ftheta_corpus.py): sequences of --max-len tokens "
+                "made by the verifier in the loop")
+      ->excludes(data_opt);
+  c->add_option("--input", o->input, "f_theta input: drafter_kv | target_features (ignored with --init-from)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"drafter_kv", "target_features"}));
+  c->add_option("--synthetic-every", o->synthetic_every,
+                "--online: every n-th training sequence is a synthetic long-context task (train split; 0: none)")
+      ->capture_default_str();
+  c->add_option("--max-train-tokens", o->max_train_tokens, "--online: cap on the corpus text tokens (0: all)")
+      ->capture_default_str();
   c->add_option("--verifier", o->verifier, "verifier HF model directory (the capture's)")->capture_default_str();
   c->add_option("--drafter", o->drafter, "drafter directory (the capture's)")->required();
   c->add_option("--save", o->save, "output directory (checkpoint, f_theta, report)")->required();
@@ -96,7 +141,8 @@ void register_train_ftheta(CLI::App& app) {
   c->add_option("--warmup", o->t.warmup_steps, "linear warmup steps")->capture_default_str();
   c->add_option("--weight-decay", o->t.adamw.weight_decay, "AdamW decoupled decay (matrices)")->capture_default_str();
   c->add_option("--grad-clip", o->t.adamw.grad_clip, "global gradient-norm clip")->capture_default_str();
-  c->add_option("--heldout", o->heldout, "held-out sequences (the capture's last ones)")->capture_default_str();
+  c->add_option("--heldout", o->heldout, "held-out sequences (the capture's last ones; --online: heldout.txt's first)")
+      ->capture_default_str();
   c->add_option("--eval-every", o->t.eval_every, "held-out evaluation period in steps (0: start and end)")->capture_default_str();
   c->add_option("--seed", o->t.seed, "initialisation and batch-order seed")->capture_default_str();
   c->add_option("--deadline", o->t.deadline, "unix time: checkpoint and stop before it (rerun with --resume)");
@@ -106,14 +152,20 @@ void register_train_ftheta(CLI::App& app) {
   c->add_option("--plot-python", o->plot_python, "python with matplotlib for SAVE/loss.png ('' to skip)")->capture_default_str();
   o->df.add(c);
   c->callback([o] {
+    KAKEYA_CHECK(!o->data.empty() || !o->online.empty(), "train-ftheta: pass --data CAPTURE_DIR or --online CORPUS_DIR");
     const DeviceFlags df = training_device_flags(o->df, "train-ftheta");
     const at::Device dev = df.torch_device();
-    data::CaptureReader reader(o->data);
-    reader.check_models(o->verifier, o->drafter);  // refuses data captured from other models
+    std::unique_ptr<data::CaptureReader> reader;
+    if (!o->data.empty()) {
+      reader = std::make_unique<data::CaptureReader>(o->data);
+      reader->check_models(o->verifier, o->drafter);  // refuses data captured from other models
+    }
     int64_t max_pos = o->t.max_len + 1;
     Model verifier = load_model(o->verifier, df, max_pos);
     DrafterConfig dcfg = DrafterConfig::from_file(o->drafter + "/config.json");
     dcfg.check_target(verifier.config());
+    KAKEYA_CHECK(!reader || o->input == "drafter_kv",
+                 "train-ftheta: --input target_features needs --online (a capture stores the drafter's K/V, not the features)");
     o->t.loss.type = parse_ftheta_loss(o->loss);
     o->t.loss.layers = parse_layers(o->layers, verifier.config());
 
@@ -122,57 +174,68 @@ void register_train_ftheta(CLI::App& app) {
       f = FTheta::load(o->init_from, at::kFloat, dev);
       f.config().check(verifier.config(), dcfg, o->init_from + "/f_theta_config.json");
     } else {
-      f = FTheta::random(FThetaConfig::for_pair(verifier.config(), dcfg, o->rank), o->t.seed, at::kFloat, dev);
+      f = FTheta::random(FThetaConfig::for_pair(verifier.config(), dcfg, o->rank, parse_ftheta_input(o->input)),
+                         o->t.seed, at::kFloat, dev);
     }
+    fs::make_dirs(o->save);
+    const std::string ckpt = o->save + "/checkpoint.safetensors";
+    KAKEYA_CHECK(o->resume || !fs::exists(ckpt),
+                 ckpt << " exists: pass --resume to continue it, or choose another --save");
+    if (!o->online.empty()) {
+      // Online: the verifier (and the drafter, bound to it) make every sequence in the loop.
+      Tokenizer tok = load_tokenizer(o->verifier);
+      Drafter drafter = Drafter::load(o->drafter, verifier);
+      OnlineCorpusOptions co;
+      co.dir = o->online;
+      co.seq_len = o->t.max_len;
+      co.heldout = o->heldout;
+      co.synthetic_every = o->synthetic_every;
+      co.max_train_tokens = o->max_train_tokens;
+      co.seed = o->t.seed;
+      std::fprintf(stderr, "[train-ftheta] packing %s into sequences of %lld tokens\n", o->online.c_str(),
+                   (long long)co.seq_len);
+      OnlineCorpus corpus = load_online_corpus(tok, co);
+      std::fprintf(stderr, "[train-ftheta] %lld text + %lld synthetic training sequences, %lld held out\n",
+                   (long long)corpus.text.size(), (long long)(corpus.n_train - (int64_t)corpus.text.size()),
+                   (long long)corpus.heldout.size());
+      f.mutable_config().provenance = {{"online", corpus.describe},
+                                       {"options", o->t.to_json()},
+                                       {"init_from", o->init_from},
+                                       {"command", command_line()}};
+      std::vector<FThetaSequence> heldout;
+      for (const auto& ids : corpus.heldout) heldout.push_back(online_sequence(verifier, drafter, f.config(), ids));
+      auto source = [&](int64_t i) {
+        return online_sequence(verifier, drafter, f.config(), online_tokens(tok, corpus, co, i));
+      };
+      FThetaTrainer tr(verifier, f, source, corpus.n_train, std::move(heldout), o->t, ckpt);
+      finish_training(tr, f, *o, dev, {{"online", corpus.describe}});
+      return;
+    }
+    data::CaptureReader& rd = *reader;
     f.mutable_config().provenance = {{"capture", o->data},
-                                     {"capture_models", {{"verifier", reader.manifest().value("verifier", json())},
-                                                         {"drafter", reader.manifest().value("drafter", json())}}},
+                                     {"capture_models", {{"verifier", rd.manifest().value("verifier", json())},
+                                                         {"drafter", rd.manifest().value("drafter", json())}}},
                                      {"options", o->t.to_json()},
                                      {"init_from", o->init_from},
                                      {"command", command_line()}};
 
-    const int64_t n = reader.size();
+    const int64_t n = rd.size();
     KAKEYA_CHECK(n > o->heldout && o->heldout > 0,
                  o->data << ": " << n << " complete sequences; need more than --heldout " << o->heldout << " (>0)");
     std::vector<FThetaSequence> train, heldout;
     Progress prog("[train-ftheta] reading capture", n, "seq");
     for (int64_t i = 0; i < n; ++i) {
-      auto cs = reader.read(i, at::kFloat, at::kCPU);
+      auto cs = rd.read(i, at::kFloat, at::kCPU);
       (i < n - o->heldout ? train : heldout)
           .push_back(to_training(cs, f.config(), o->t.max_len, o->data + " sequence " + std::to_string(i)));
       prog.update(i + 1);
     }
     prog.finish();
 
-    fs::make_dirs(o->save);
-    const std::string ckpt = o->save + "/checkpoint.safetensors";
-    KAKEYA_CHECK(o->resume || !fs::exists(ckpt),
-                 ckpt << " exists: pass --resume to continue it, or choose another --save");
     FThetaTrainer tr(verifier, f, std::move(train), std::move(heldout), o->t, ckpt);
-    if (o->resume && !tr.resume()) std::fprintf(stderr, "[train-ftheta] --resume: no checkpoint yet, starting fresh\n");
-    std::fprintf(stderr, "[train-ftheta] f_theta rank %lld, %lld parameters, loss %s, %s\n", (long long)f.config().rank,
-                 (long long)f.num_parameters(), o->loss.c_str(), device_description(dev).c_str());
-    const bool done = tr.run();
-    json report = tr.report();
-    report["command"] = command_line();
-    report["device"] = device_description(dev);
-    report["capture"] = o->data;
-    write_json(o->save + "/report.json", report);
-    if (!done) {
-      std::fprintf(stderr, "[train-ftheta] stopped at step %lld; rerun with --resume\n", (long long)tr.step());
-      return;
-    }
-    f.save(o->save);
-    if (report.contains("reduction_factor"))
-      std::fprintf(stderr, "[train-ftheta] held-out loss %.4g -> %.4g (reduction %.2fx); f_theta in %s\n",
-                   report["heldout_loss_initial"].get<double>(), report["heldout_loss_final"].get<double>(),
-                   report["reduction_factor"].get<double>(), o->save.c_str());
-    if (!o->plot_python.empty()) {
-      const std::string cmd = o->plot_python + " tools/plot_ftheta_loss.py '" + o->save + "/report.json' '" + o->save +
-                              "/loss.png'";
-      if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "[train-ftheta] plot failed (%s)\n", cmd.c_str());
-    }
+    finish_training(tr, f, *o, dev, {{"capture", o->data}});
   });
 }
 
 }  // namespace kakeya::cli
+

@@ -23,6 +23,8 @@ int main(int argc, char** argv) {
   kakeya::cli::register_decode(app);
   kakeya::cli::register_niah(app);
   kakeya::cli::register_sweep_alpha(app);
+  kakeya::cli::register_eval_long(app);
+  kakeya::cli::register_ftheta_layers(app);
 #ifdef KAKEYA_HAVE_CAPTURE
   kakeya::cli::register_capture(app);
   kakeya::cli::register_train_ftheta(app);

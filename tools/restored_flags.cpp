@@ -19,6 +19,9 @@ void RestoreFlags::add(CLI::App* c, bool with_alpha) {
   c->add_option("--full-attn", full_attn, "full-attention layers: exact | restored | codec")
       ->capture_default_str()
       ->check(CLI::IsMember({"exact", "restored", "codec"}));
+  c->add_option("--restore-layers", layers,
+                "layers that read restored positions: auto (f_θ's measured list) | all | none (evict-only) | L1,L2,...")
+      ->capture_default_str();
   if (with_alpha)
     c->add_option("--mix-alpha", mix_alpha,
                   "research mode: restored raw K/V = a·true + (1-a)·f_θ (a > 0 keeps the true K/V)")
@@ -34,6 +37,7 @@ RestoreOptions RestoreFlags::options(const KVCodec* c) const {
   o.chunk = chunk;
   o.full_attn = parse_full_attn(full_attn);
   o.mix_alpha = mix_alpha;
+  o.layers = layers;
   return o;
 }
 

@@ -26,6 +26,7 @@ struct RestoreFlags {
   std::string codec;  // --full-attn codec: codec spec; empty: the bundle's release recipe
   int64_t sink = 4, window = 64, chunk = 0;
   std::string full_attn = "exact";
+  std::string layers = "auto";  // --restore-layers (RestoreOptions::layers)
   double mix_alpha = 0.0;
   DeviceFlags df;
   void add(CLI::App* app, bool with_alpha = true);

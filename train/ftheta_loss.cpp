@@ -163,7 +163,8 @@ FThetaLossResult ftheta_kv_loss(const Model& verifier, const std::vector<std::pa
 }
 
 FThetaLossResult ftheta_loss(const Model& verifier, const FTheta& f, const FThetaBatch& b, const FThetaLossOptions& opt) {
-  return ftheta_kv_loss(verifier, f.predict(b.dk, b.dv), b, opt);
+  return ftheta_kv_loss(verifier, f.config().reads_features() ? f.predict(b.feats, b.feats) : f.predict(b.dk, b.dv), b,
+                        opt);
 }
 
 }  // namespace kakeya::train

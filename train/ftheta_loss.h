@@ -67,7 +67,8 @@ struct FThetaLossOptions {
 // Tensors on the model's device; float tensors in any float dtype.
 struct FThetaBatch {
   at::Tensor positions;          // [T] int64 absolute positions
-  at::Tensor dk, dv;             // [B, T, L_d, H_d, D_d] drafter raw context K/V
+  at::Tensor dk, dv;             // [B, T, L_d, H_d, D_d] drafter raw context K/V (f_θ input drafter_kv)
+  at::Tensor feats;              // [B, T, n·H] target features (f_θ input target_features)
   std::vector<at::Tensor> q;     // per verifier layer [B, T, H_q, D_l] raw query (attention losses only)
   std::vector<at::Tensor> k, v;  // per verifier layer [B, T, H_kv_l, D_l] raw K/V
   std::vector<at::Tensor> o;     // per verifier layer [B, T, hidden] attention output after o_proj (attention losses only)

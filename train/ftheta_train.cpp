@@ -88,12 +88,17 @@ FThetaBatch make_ftheta_batch(const std::vector<const FThetaSequence*>& seqs, in
     std::vector<at::Tensor> parts;
     for (const auto* s : seqs) parts.push_back(get(*s).narrow(0, 0, T));
     at::Tensor t = at::stack(parts);  // [B, T, ...]
-    return device.is_cuda() ? t.pin_memory().to(device, at::kFloat, /*non_blocking=*/true) : t.to(device, at::kFloat);
+    // Online sequences are already on the device; captured ones come from host memory.
+    return device.is_cuda() && !t.is_cuda() ? t.pin_memory().to(device, at::kFloat, /*non_blocking=*/true)
+                                            : t.to(device, at::kFloat);
   };
   FThetaBatch b;
   b.positions = at::arange(T, at::TensorOptions().dtype(at::kLong).device(device));
-  b.dk = stack([](const FThetaSequence& s) { return s.dk; });
-  b.dv = stack([](const FThetaSequence& s) { return s.dv; });
+  if (seqs[0]->dk.defined()) {
+    b.dk = stack([](const FThetaSequence& s) { return s.dk; });
+    b.dv = stack([](const FThetaSequence& s) { return s.dv; });
+  }
+  if (seqs[0]->feats.defined()) b.feats = stack([](const FThetaSequence& s) { return s.feats; });
   const size_t L = seqs[0]->k.size();
   for (size_t l = 0; l < L; ++l) {
     b.k.push_back(stack([l](const FThetaSequence& s) { return s.k[l]; }));
@@ -125,15 +130,28 @@ FThetaTrainer::FThetaTrainer(const Model& verifier, FTheta& f, std::vector<FThet
                              std::vector<FThetaSequence> heldout, const FThetaTrainOptions& opt, std::string checkpoint)
     : verifier_(verifier), f_(f), train_(std::move(train)), heldout_(std::move(heldout)), opt_(opt),
       ckpt_(std::move(checkpoint)) {
+  init(!train_.empty());
+}
+
+FThetaTrainer::FThetaTrainer(const Model& verifier, FTheta& f, FThetaSequenceSource source, int64_t n_train,
+                             std::vector<FThetaSequence> heldout, const FThetaTrainOptions& opt, std::string checkpoint)
+    : verifier_(verifier), f_(f), heldout_(std::move(heldout)), source_(std::move(source)), n_train_(n_train),
+      opt_(opt), ckpt_(std::move(checkpoint)) {
+  init(source_ && n_train_ > 0);
+}
+
+void FThetaTrainer::init(bool has_train) {
+  const FTheta& f = f_;
+  const FThetaTrainOptions& opt = opt_;
   KAKEYA_CHECK(f.dtype() == at::kFloat, "train-ftheta: f_theta must hold f32 parameters while training");
-  KAKEYA_CHECK(verifier.dtype() == at::kFloat, "train-ftheta: the verifier must be loaded in f32 (autocast does bf16)");
-  KAKEYA_CHECK(!train_.empty(), "train-ftheta: no training sequences");
+  KAKEYA_CHECK(verifier_.dtype() == at::kFloat, "train-ftheta: the verifier must be loaded in f32 (autocast does bf16)");
+  KAKEYA_CHECK(has_train, "train-ftheta: no training sequences");
   KAKEYA_CHECK(!heldout_.empty(), "train-ftheta: no held-out sequences");
   KAKEYA_CHECK(opt.steps > 0 && opt.batch > 0 && opt.max_len > 0 && opt.lr > 0 && opt.warmup_steps >= 0,
                "train-ftheta: steps, batch, max-len and lr must be positive, warmup >= 0");
   KAKEYA_CHECK(opt.lr_schedule == "const" || opt.lr_schedule == "cosine",
                "train-ftheta: --lr-schedule '" << opt.lr_schedule << "' (expected const or cosine)");
-  named_ = f.named_parameters();
+  named_ = f_.named_parameters();
   for (auto& [name, p] : named_) {
     p.requires_grad_(true);
     params_.push_back(p);
@@ -154,9 +172,17 @@ double FThetaTrainer::lr_at(int64_t step) const {
 FThetaBatch FThetaTrainer::sample(int64_t step) const {
   std::mt19937_64 rng(opt_.seed * 1000003ull + (uint64_t)step);  // a step's batch depends on (seed, step) only
   std::vector<const FThetaSequence*> pick;
+  std::vector<FThetaSequence> made;  // online: this batch's sequences
+  made.reserve(opt_.batch);
   int64_t T = opt_.max_len;
   for (int64_t i = 0; i < opt_.batch; ++i) {
-    const FThetaSequence* s = &train_[rng() % train_.size()];
+    const FThetaSequence* s = nullptr;
+    if (source_) {
+      made.push_back(source_((int64_t)(rng() % (uint64_t)n_train_)));
+      s = &made.back();
+    } else {
+      s = &train_[rng() % train_.size()];
+    }
     pick.push_back(s);
     T = std::min(T, s->length());
   }
@@ -299,6 +325,7 @@ FThetaStepResult FThetaTrainer::step_on(const FThetaBatch& b, double lr) {
       g->in.positions = copy(b.positions);
       g->in.dk = copy(b.dk);
       g->in.dv = copy(b.dv);
+      g->in.feats = copy(b.feats);
       for (const auto& t : b.q) g->in.q.push_back(copy(t));
       for (const auto& t : b.k) g->in.k.push_back(copy(t));
       for (const auto& t : b.v) g->in.v.push_back(copy(t));
@@ -320,8 +347,11 @@ FThetaStepResult FThetaTrainer::step_on(const FThetaBatch& b, double lr) {
       it = graphs_.emplace(T, std::move(g)).first;
     }
     FThetaStepGraph& g = *it->second;
-    g.in.dk.copy_(b.dk);
-    g.in.dv.copy_(b.dv);
+    if (b.dk.defined()) {
+      g.in.dk.copy_(b.dk);
+      g.in.dv.copy_(b.dv);
+    }
+    if (b.feats.defined()) g.in.feats.copy_(b.feats);
     for (size_t l = 0; l < b.k.size(); ++l) {
       if (l < b.q.size()) g.in.q[l].copy_(b.q[l]);
       g.in.k[l].copy_(b.k[l]);

@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -61,12 +62,17 @@ struct FThetaTrainOptions {
 
 // One training sequence in memory (CPU, bf16 floats).
 struct FThetaSequence {
-  at::Tensor dk, dv;               // [T, L_d, H_d, D_d]
+  at::Tensor dk, dv;               // [T, L_d, H_d, D_d] (f_θ input drafter_kv; else undefined)
+  at::Tensor feats;                // [T, n·H] target features (f_θ input target_features; else undefined)
   std::vector<at::Tensor> q;       // per verifier layer [T, H_q, D]
   std::vector<at::Tensor> k, v;    // per verifier layer [T, H_kv, D]
   std::vector<at::Tensor> o;       // per verifier layer [T, hidden]
-  int64_t length() const { return dk.size(0); }
+  int64_t length() const { return k.at(0).size(0); }
 };
+
+// Online training data (`train-ftheta --online`): sequence i of the training stream, made when a
+// batch asks for it (the verifier runs in the loop). The same index always gives the same sequence.
+using FThetaSequenceSource = std::function<FThetaSequence(int64_t index)>;
 
 // Stacks sequences (prefixes of length T) into a batch on `device` (floats f32).
 FThetaBatch make_ftheta_batch(const std::vector<const FThetaSequence*>& seqs, int64_t T, at::Device device);
@@ -93,6 +99,9 @@ class FThetaTrainer {
   FThetaTrainer(const FThetaTrainer&) = delete;  // graphs_ capture this trainer's tensors
   FThetaTrainer(const Model& verifier, FTheta& f, std::vector<FThetaSequence> train, std::vector<FThetaSequence> heldout,
                 const FThetaTrainOptions& opt, std::string checkpoint);
+  // Online: n_train training sequences made on demand by `source` (held-out ones kept in memory).
+  FThetaTrainer(const Model& verifier, FTheta& f, FThetaSequenceSource source, int64_t n_train,
+                std::vector<FThetaSequence> heldout, const FThetaTrainOptions& opt, std::string checkpoint);
   ~FThetaTrainer();
   bool resume();                   // from the checkpoint if it exists; refuses another f_θ config or options
   bool run();                      // until `steps` or the deadline; true when finished
@@ -106,6 +115,7 @@ class FThetaTrainer {
   nlohmann::json report() const;   // options, logs, evaluations, reduction factor
 
  private:
+  void init(bool has_train);  // checks and optimiser state, shared by both constructors
   FThetaBatch sample(int64_t step) const;
   bool graphed() const;  // step_on replays CUDA graphs
   // Loss, backward and the finite flag ([] bool on the device) of one step: the part a graph replays.
@@ -115,6 +125,8 @@ class FThetaTrainer {
   const Model& verifier_;
   FTheta& f_;
   std::vector<FThetaSequence> train_, heldout_;
+  FThetaSequenceSource source_;  // online: makes training sequence i (train_ stays empty)
+  int64_t n_train_ = 0;
   FThetaTrainOptions opt_;
   std::string ckpt_;
   std::vector<std::pair<std::string, at::Tensor>> named_;

@@ -299,7 +299,8 @@ void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t
 // Visibility: 0 <= p <= q_pos[t] and (window == 0 or q_pos[t] - p < window), and
 // where in_restored != nullptr (restored / coded layers, core/kv_cache.h) the slot's
 // region must match whether p is recent for the query: q - p < rwin (rblock == 0),
-// or p >= floor(max(q - rwin + 1, 0) / rblock) · rblock (coded layers).
+// or p >= floor(max(q - rwin + 1, 0) / rblock) · rblock (coded layers); a restored-region
+// slot with p >= keep_below (>= 0: a layer that drops its restored positions) is hidden.
 constexpr int kAttnWarps = 8;
 constexpr int kAttnChunk = 64;  // keys per block: 8 per warp keeps each warp's serial chain short
 
@@ -307,8 +308,8 @@ template <typename T, int VPL>  // VPL: values per lane = D / 32
 __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            const int64_t* __restrict__ slot_pos, const int64_t* __restrict__ q_pos,
                                            int qstride, const bool* __restrict__ in_restored, int rwin, int rblock,
-                                           float* __restrict__ partial, int Tq, int Hq, int Hkv, int S, int window,
-                                           float scale, float softcap) {
+                                           int64_t keep_below, float* __restrict__ partial, int Tq, int Hq, int Hkv,
+                                           int S, int window, float scale, float softcap) {
   constexpr int D = VPL * 32;
   const int chunk = blockIdx.x, bh = blockIdx.y, nchunks = gridDim.x;  // bh: row (b, t, hq) of q
   const int b = bh / (Tq * Hq), t = (bh / Hq) % Tq, hq = bh % Hq, hk = hq / (Hq / Hkv);
@@ -334,6 +335,7 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     if (in_restored) {
       const bool recent = rblock > 0 ? p >= below : qp - p < rwin;
       if (recent == restored_slot) continue;  // the other region holds this query's copy
+      if (restored_slot && keep_below >= 0 && p >= keep_below) continue;  // dropped on this layer
     }
     float sdot = 0.f;
     const T* kr = kb + (int64_t)j * D + lane * VPL;
@@ -403,17 +405,17 @@ inline int decode_attn_chunks(int S) { return (S + kAttnChunk - 1) / kAttnChunk;
 // Returns false if D is not one of the supported head dims (64, 128, 256, 512).
 template <typename T>
 bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, const int64_t* q_pos,
-                             int qstride, const bool* in_restored, int rwin, int rblock, float* partial, T* out, int B,
-                             int Tq, int Hq, int Hkv, int S, int D, int window, float scale, float softcap,
-                             cudaStream_t s) {
+                             int qstride, const bool* in_restored, int rwin, int rblock, int64_t keep_below,
+                             float* partial, T* out, int B, int Tq, int Hq, int Hkv, int S, int D, int window, float scale,
+                             float softcap, cudaStream_t s) {
   const int nchunks = decode_attn_chunks(S);
   dim3 grid(nchunks, B * Tq * Hq);
   const int threads = kAttnWarps * 32;
 #define KAKEYA_ATTN_CASE(DIM, VPL)                                                                                  \
   case DIM:                                                                                                          \
     decode_attn_partial_kernel<T, VPL><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, qstride, in_restored, rwin, \
-                                                                 rblock, partial, Tq, Hq, Hkv, S, window, scale,      \
-                                                                 softcap);                                            \
+                                                                 rblock, keep_below, partial, Tq, Hq, Hkv, S, window, \
+                                                                 scale, softcap);                                     \
     break;
   switch (D) {
     KAKEYA_ATTN_CASE(64, 2) KAKEYA_ATTN_CASE(128, 4) KAKEYA_ATTN_CASE(256, 8) KAKEYA_ATTN_CASE(512, 16)

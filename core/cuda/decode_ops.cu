@@ -284,7 +284,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     using T_ = std::remove_pointer_t<decltype(tag)>;
     ok = k::launch_decode_attention<T_>(ptr<T_>(q), ptr<T_>(k), ptr<T_>(v), slot_pos.data_ptr<int64_t>(),
                                         q_pos.data_ptr<int64_t>(), q_pos.numel() == 1 ? 0 : 1, in_restored,
-                                        (int)copies.window, (int)copies.block, partial.data_ptr<float>(), ptr<T_>(out),
+                                        (int)copies.window, (int)copies.block,
+                                        in_restored ? copies.keep_below : (int64_t)-1, partial.data_ptr<float>(), ptr<T_>(out),
                                         B, T, Hq, Hkv, S, D, window, scale, softcap, at::cuda::getCurrentCUDAStream());
   });
   TORCH_CHECK(ok, "decode_attention: head dim ", D, " not supported (64, 128, 256, 512)");

@@ -1,0 +1,117 @@
+// Long-context evaluation suite run side by side over decoder configs (`kakeya eval-long`):
+// the synthetic tasks of data/longeval.h (NIAH variants, variable tracking, common/frequent
+// words) at a ladder of contexts, scored on greedy answers, plus teacher-forced perplexity of
+// the last tokens of held-out documents at each context.
+//
+// Every config sees exactly the same prompts (one plan, same seeds) and keeps ONE Decoder
+// (infer/decoder.h) for the whole run, so its caches and CUDA graphs are built once. The run
+// goes context by context (ascending), and within a context one prompt (or document) at a
+// time through every config, so a run stopped at its deadline has the same cells done for
+// every config: a partial report still compares like with like.
+#pragma once
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/codec.h"
+#include "core/drafter.h"
+#include "core/ftheta.h"
+#include "core/model.h"
+#include "core/tokenizer.h"
+#include "data/longeval.h"
+#include "infer/restored.h"
+
+namespace kakeya {
+
+struct LongEvalConfig {
+  std::string name;                  // the spec as written ("restored:64"): the config's key in reports
+  DecodeMode mode = DecodeMode::Ar;  // Ar (the full-KV oracle) or Restored
+  RestoreOptions restore;            // Restored only
+  bool oracle() const { return mode == DecodeMode::Ar; }
+};
+
+// Config specs, W = the exact window (a positive integer); the rest of the restore options
+// come from `base` (sink, chunk, full_attn, mix_alpha, layers):
+//   oracle            DecodeMode::Ar, full KV
+//   evict:W           restored mode with layers "none": sinks + the window, older positions dropped
+//   restored:W        restored mode, layers as in base (the caller's default, "auto")
+//   restored-all:W    restored mode, every covered layer reads its restored positions
+//   restored-codec:W  restored:W with full-attention layers stored through the KV codec
+// Errors name the bad spec and list the forms.
+LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOptions& base);
+// A comma-separated list of specs; names must be unique.
+std::vector<LongEvalConfig> parse_long_eval_configs(const std::string& specs, const RestoreOptions& base);
+
+struct LongEvalOptions {
+  std::vector<std::string> tasks;    // data::long_task_names() entries
+  std::vector<int64_t> contexts;     // prompt lengths in tokens; the run goes through them ascending
+  int64_t samples = 3;               // prompts per (task, context): seeds seed .. seed + samples - 1
+  uint64_t seed = 0;
+  data::ChatFormat chat = data::ChatFormat::None;
+  std::string source_dir;            // the tasks' text sources; empty: data::LongTaskOptions' default
+  int64_t ppl_docs = 4;              // held-out documents scored per context (0: no perplexity)
+  int64_t ppl_tail = 512;            // scored tokens: the last ones of each context-long document prefix
+  std::string ppl_dir = "data/longeval/docs";  // *.txt, taken in name order
+  // The run stops before a prompt (or document) whose estimated time would pass it (the rate so
+  // far times its tokens), and reports what is done with "partial": true.
+  std::optional<std::chrono::steady_clock::time_point> deadline;
+};
+
+struct LongEvalDoc {
+  std::string path;
+  std::vector<int64_t> ids;  // BOS (when the model has one) + the document's first tokens: the longest context's length
+};
+
+// Everything the configs share, made before any model runs: the prompts and the documents.
+struct LongEvalPlan {
+  std::vector<int64_t> contexts;  // ascending, unique
+  // samples[t][c][s]: task t (LongEvalOptions::tasks order), context contexts[c], sample s.
+  std::vector<std::vector<std::vector<data::LongSample>>> samples;
+  std::vector<LongEvalDoc> docs;
+  int64_t decode_capacity = 0;    // the longest prompt + its new tokens (every config's Decoder capacity)
+  int64_t positions = 0;          // RoPE positions the run needs: decode_capacity, or a scored document + 1
+};
+
+// Checks the options (tasks, contexts within the model's max_position_embeddings, samples,
+// ppl_tail shorter than every context, enough documents long enough) before building
+// anything, then builds every prompt and tokenizes the documents. Throws naming what is wrong.
+LongEvalPlan plan_long_eval(const Tokenizer& tok, const ModelConfig& cfg, const LongEvalOptions& opt);
+
+// Progress in tokens through the verifier (prompts + their new-token budgets, scored
+// documents), summed over configs.
+using LongEvalProgress = std::function<void(int64_t done, int64_t total)>;
+
+// Runs every config over `plan` (plan_long_eval of the same options). drafter/ftheta: needed by configs that read restored
+// positions (not by the oracle or evict:W); codec: by restored-codec:W. Before any decoding:
+// the plan fits the model's RoPE table, config names are unique, and validate_restore accepts
+// every restored config at every prompt. Decoding is greedy up to the sample's max_new_tokens,
+// stopping at the model's EOS ids and <end_of_turn> when the tokenizer has it.
+// Report: {"configs": [{"name", "mode", "restore", "tasks": {task: {context: {"score", "ci95",
+// "n", "per_sample"}}}, "ppl": {context: {"nll", "ppl", "ci95_nll", "n", "per_doc"}},
+// "seconds", "summary"}], "tasks", "contexts", "samples", "oracle", "ppl_docs", "ppl_tail",
+// "prompts" (per task and context: each prompt's seed, length, budget and answers), "partial"}; the summary: mean score, per task family, and vs the oracle (the first
+// config in Ar mode, if any) the score difference in points and the perplexity ratio.
+nlohmann::json run_long_eval(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const KVCodec* codec,
+                             const Tokenizer& tok, const std::vector<LongEvalConfig>& configs,
+                             const LongEvalOptions& opt, const LongEvalPlan& plan, const LongEvalProgress& progress = {});
+// plan_long_eval with the verifier's config, then the run above.
+nlohmann::json run_long_eval(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const KVCodec* codec,
+                             const Tokenizer& tok, const std::vector<LongEvalConfig>& configs,
+                             const LongEvalOptions& opt, const LongEvalProgress& progress = {});
+
+// 95% interval of a mean score in [0, 1]: Wilson when every score is 0 or 1 (or there is a single
+// score, whose sample deviation is undefined), else the normal approximation with the sample
+// standard deviation, clipped to [0, 1].
+std::pair<double, double> score_ci95(const std::vector<double>& scores);
+// mean ± 1.96·sd/√n (sample sd); NaN at both ends below 2 values (the report writes null).
+std::pair<double, double> mean_ci95(const std::vector<double>& x);
+// The family a task belongs to in summaries: the name up to its first '_' ("niah_multikey" -> "niah").
+std::string long_task_family(const std::string& task);
+
+}  // namespace kakeya

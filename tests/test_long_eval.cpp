@@ -1,0 +1,191 @@
+// The long-context suite (infer/long_eval.h) on the real default model (Gemma 3 270M, CPU f32)
+// with the shipped drafter and f_θ: one smoke run at 1k over oracle, evict:64 and restored:64
+// (two single-answer NIAH tasks, one sample, one document with 128 scored tokens) whose report
+// has every cell, the same prompts for every config and an evict-only perplexity that differs
+// from the oracle's; a run past its deadline reports partial; bad input fails before anything
+// decodes, naming what is wrong; the interval helpers on known values.
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <cmath>
+#include <string>
+
+#include "core/drafter.h"
+#include "core/error.h"
+#include "core/ftheta.h"
+#include "core/model.h"
+#include "data/longeval.h"
+#include "infer/long_eval.h"
+#include "tests/test_util.h"
+
+using namespace kakeya;
+using test::expect_error;
+
+namespace {
+
+// RoPE for 2048 positions: the 1k prompts + their answers and a 1k document + 1, with room to
+// spare; 4096 is the context the RoPE check refuses.
+const Model& model() {
+  static Model m = [] {
+    ModelOptions mo;
+    mo.max_positions = 2048;
+    return Model::load(test::real_model_dir(), mo);
+  }();
+  return m;
+}
+const Tokenizer& tokenizer() { return test::real_tokenizer(); }
+const Drafter& drafter() {
+  static Drafter d = Drafter::load(test::shipped_dir("drafter"), model());
+  return d;
+}
+const FTheta& ftheta() {
+  static FTheta f = FTheta::load(test::shipped_dir("ftheta"), at::kFloat, at::kCPU);
+  return f;
+}
+
+// Short answers (7 digits, one key of several): generation stays a few tokens long on the CPU.
+LongEvalOptions options() {
+  const std::string src = test::env_or_fail("KAKEYA_SOURCE_DIR");
+  LongEvalOptions o;
+  o.tasks = {"niah_single_digits", "niah_multikey"};
+  o.contexts = {1024};
+  o.samples = 1;
+  o.seed = 3;
+  o.chat = data::detect_chat_format(tokenizer());
+  o.source_dir = src + "/data";
+  o.ppl_docs = 1;
+  o.ppl_tail = 128;
+  o.ppl_dir = src + "/data/longeval/docs";
+  return o;
+}
+
+std::vector<LongEvalConfig> configs(const std::string& specs = "oracle,evict:64,restored:64") {
+  return parse_long_eval_configs(specs, RestoreOptions{});
+}
+
+nlohmann::json run(const LongEvalOptions& o, const std::vector<LongEvalConfig>& c) {
+  return run_long_eval(model(), &drafter(), &ftheta(), nullptr, tokenizer(), c, o);
+}
+
+}  // namespace
+
+TEST(LongEval, SmokeAt1kOracleEvictRestored) {
+  const auto o = options();
+  const auto rep = run(o, configs());
+  ASSERT_EQ(rep["configs"].size(), 3u);
+  EXPECT_FALSE(rep["partial"].get<bool>());
+  EXPECT_EQ(rep["oracle"], "oracle");
+  EXPECT_EQ(rep["contexts"], nlohmann::json({1024}));
+  const auto& oracle = rep["configs"][0];
+  EXPECT_EQ(oracle["mode"], "ar");
+  EXPECT_TRUE(oracle["restore"].is_null());
+  EXPECT_EQ(rep["configs"][1]["restore"]["layers"], "none");
+  EXPECT_EQ(rep["configs"][2]["restore"]["layers"], "auto");
+  for (const auto& cfg : rep["configs"]) {
+    SCOPED_TRACE(cfg["name"].get<std::string>());
+    for (const auto& task : o.tasks) {
+      SCOPED_TRACE(task);
+      ASSERT_TRUE(cfg["tasks"].contains(task) && cfg["tasks"][task].contains("1024")) << cfg["tasks"].dump();
+      const auto& cell = cfg["tasks"][task]["1024"];
+      const double s = cell["score"];
+      EXPECT_GE(s, 0.0);
+      EXPECT_LE(s, 1.0);
+      EXPECT_EQ(cell["n"], 1);
+      EXPECT_LE(cell["ci95"][0].get<double>(), s);
+      EXPECT_GE(cell["ci95"][1].get<double>(), s);
+      ASSERT_EQ(cell["per_sample"].size(), 1u);
+      // Every config answered the same prompt.
+      EXPECT_EQ(cell["per_sample"][0]["seed"], oracle["tasks"][task]["1024"]["per_sample"][0]["seed"]);
+      EXPECT_EQ(cell["per_sample"][0]["seed"], rep["prompts"][task]["1024"][0]["seed"]);
+    }
+    ASSERT_TRUE(cfg["ppl"].contains("1024")) << cfg["ppl"].dump();
+    const auto& p = cfg["ppl"]["1024"];
+    EXPECT_EQ(p["n"], 1);
+    ASSERT_EQ(p["per_doc"].size(), 1u);
+    EXPECT_TRUE(std::isfinite(p["ppl"].get<double>()));
+    EXPECT_NEAR(std::exp(p["nll"].get<double>()), p["ppl"].get<double>(), 1e-9);
+    EXPECT_TRUE(p["ci95_nll"].is_null());  // one document: no spread to measure
+    EXPECT_GT(cfg["seconds"].get<double>(), 0.0);
+    EXPECT_FALSE(cfg["summary"]["mean_score"].is_null());
+    EXPECT_TRUE(cfg["summary"]["families"].contains("niah"));
+  }
+  const double oracle_nll = oracle["ppl"]["1024"]["nll"];
+  EXPECT_GT(std::exp(oracle_nll), 1.0);
+  // Evict-only drops every position between the sinks and the window on sliding layers.
+  EXPECT_GT(std::abs(rep["configs"][1]["ppl"]["1024"]["nll"].get<double>() - oracle_nll), 1e-4);
+  for (int k : {1, 2}) {
+    const auto& vs = rep["configs"][k]["summary"]["vs_oracle"];
+    EXPECT_EQ(vs["config"], "oracle");
+    for (const auto& task : o.tasks) EXPECT_TRUE(vs["delta_pp"][task].contains("1024")) << vs.dump();
+    EXPECT_TRUE(vs["ppl_ratio"].contains("1024"));
+  }
+  EXPECT_FALSE(oracle["summary"].contains("vs_oracle"));
+}
+
+// A deadline already passed: nothing runs, and the report says so (every config still listed).
+TEST(LongEval, DeadlinePassedReportsPartial) {
+  auto o = options();
+  o.ppl_docs = 0;
+  o.deadline = std::chrono::steady_clock::now() - std::chrono::seconds(1);
+  const auto rep = run(o, configs("oracle,evict:64"));
+  EXPECT_TRUE(rep["partial"].get<bool>());
+  ASSERT_EQ(rep["configs"].size(), 2u);
+  for (const auto& cfg : rep["configs"]) EXPECT_TRUE(cfg["tasks"].empty()) << cfg["tasks"].dump();
+}
+
+TEST(LongEval, BadInput) {
+  auto o = options();
+  o.tasks = {"niah_single_digits", "niah_bogus"};
+  expect_error([&] { run(o, configs()); }, "niah_bogus");
+  o = options();
+  o.contexts = {1024, 1000000};
+  expect_error([&] { run(o, configs()); },
+               "limit of " + std::to_string(model().config().max_position_embeddings) + " positions");
+  o = options();
+  o.ppl_docs = 0;
+  o.contexts = {4096};
+  expect_error([&] { run(o, configs()); }, "RoPE table of 2048");
+  o = options();
+  o.ppl_tail = 1024;
+  expect_error([&] { run(o, configs()); }, "--ppl-tail 1024");
+  o = options();
+  o.ppl_docs = 0;
+  expect_error([&] { run(o, configs("oracle,restored-codec:64")); }, "config 'restored-codec:64'");
+  for (const char* bad : {"restored:x", "restored:0", "stream:64", "evict", "oracle,oracle"})
+    expect_error([&] { configs(bad); }, "--configs");
+  expect_error([&] { configs("restored:x"); }, "'restored:x'");
+  expect_error([&] { configs("stream:64"); }, "evict:W");
+}
+
+TEST(LongEval, ConfigSpecs) {
+  RestoreOptions base;
+  base.sink = 2;
+  base.layers = "3,5";
+  const auto c = parse_long_eval_configs("oracle,evict:32,restored:48,restored-all:16,restored-codec:64", base);
+  ASSERT_EQ(c.size(), 5u);
+  EXPECT_TRUE(c[0].oracle());
+  EXPECT_EQ(c[1].mode, DecodeMode::Restored);
+  EXPECT_EQ(c[1].restore.window, 32);
+  EXPECT_EQ(c[1].restore.layers, "none");
+  EXPECT_EQ(c[1].restore.sink, 2);
+  EXPECT_EQ(c[2].restore.layers, "3,5");
+  EXPECT_EQ(c[3].restore.layers, "all");
+  EXPECT_EQ(c[4].restore.full_attn, FullAttn::Codec);
+  EXPECT_EQ(c[4].name, "restored-codec:64");
+}
+
+TEST(LongEval, Intervals) {
+  // Wilson for 0/1 scores: 3 of 3 -> [0.4385, 1].
+  auto w = score_ci95({1, 1, 1});
+  EXPECT_NEAR(w.first, 0.43850, 1e-4);
+  EXPECT_NEAR(w.second, 1.0, 1e-12);
+  // Fractional scores: the normal approximation, mean 0.5 ± 1.96·sd/√2 with sd = √0.125.
+  auto n = score_ci95({0.25, 0.75});
+  EXPECT_NEAR(n.first, 0.5 - 1.96 * std::sqrt(0.125) / std::sqrt(2.0), 1e-12);
+  EXPECT_NEAR(n.second, 0.5 + 1.96 * std::sqrt(0.125) / std::sqrt(2.0), 1e-12);
+  auto m = mean_ci95({2.0, 4.0});
+  EXPECT_NEAR(m.first, 3.0 - 1.96 * std::sqrt(2.0) / std::sqrt(2.0), 1e-12);
+  EXPECT_TRUE(std::isnan(mean_ci95({2.0}).first));
+  EXPECT_EQ(long_task_family("niah_multikey"), "niah");
+  EXPECT_EQ(long_task_family("vt"), "vt");
+}

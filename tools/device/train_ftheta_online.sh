@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# f_θ trained online on the GPU machine (issue: restoration that holds on data it never saw):
+#   1. the training corpus, built there from its own Python installation (tools/ftheta_corpus.py:
+#      code, prose, structured text; train/heldout split by source file; data/longeval excluded),
+#   2. `kakeya train-ftheta --online` (the verifier in the loop; every SYNTH-th sequence a
+#      synthetic long-context task of the train split), resumable: the same command again
+#      continues $RUN/save/checkpoint.safetensors,
+#   3. `kakeya ftheta-layers` on held-out corpus text: restore only the layers that beat evict-only.
+# Env: MODEL (/tmp/models/gemma3-270m), DRAFTER (checkpoints/gemma3-270m/drafter), RUN (/tmp/ftheta-online),
+#      INPUT (target_features), RANK (256), STEPS (3000), BATCH (8), MAX_LEN (1024), LR (1e-3), SYNTH (8),
+#      BUDGET (seconds for this call, 540), OUT (/tmp/ftheta-online-out).
+# Writes to $OUT when finished: report.json, loss.png, layers.json, train.log, ftheta/ (bf16).
+set -euo pipefail
+T0=$(date +%s)
+MODEL=${MODEL:-/tmp/models/gemma3-270m}
+DRAFTER=${DRAFTER:-checkpoints/gemma3-270m/drafter}
+RUN=${RUN:-/tmp/ftheta-online}
+INPUT=${INPUT:-target_features}; RANK=${RANK:-256}; STEPS=${STEPS:-3000}; BATCH=${BATCH:-8}
+MAX_LEN=${MAX_LEN:-1024}; LR=${LR:-1e-3}; SYNTH=${SYNTH:-8}; BUDGET=${BUDGET:-540}
+OUT=${OUT:-/tmp/ftheta-online-out}
+mkdir -p "$OUT" "$RUN"
+if [ ! -f build-cuda/build.ninja ]; then
+  TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+  cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON -DKAKEYA_TESTS=OFF \
+    -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" > /tmp/fto-cmake.log 2>&1 || { tail -30 /tmp/fto-cmake.log; exit 1; }
+fi
+cmake --build build-cuda -j 16 --target kakeya > /tmp/fto-build.log 2>&1 || { tail -50 /tmp/fto-build.log; exit 1; }
+echo "[ftheta-online] kakeya built at +$(( $(date +%s) - T0 ))s"
+[ -f "$RUN/corpus/train.txt" ] || python3 tools/ftheta_corpus.py --out "$RUN/corpus" --tokenizer "$MODEL/tokenizer.json" 2>&1 | tail -6
+echo "[ftheta-online] corpus ready at +$(( $(date +%s) - T0 ))s"
+# Leave room for the layer selection (~60 s) and the copies.
+build-cuda/kakeya train-ftheta --device cuda --online "$RUN/corpus" --input "$INPUT" --verifier "$MODEL" \
+  --drafter "$DRAFTER" --save "$RUN/save" --resume --loss attn_distill_hybrid --rank "$RANK" --steps "$STEPS" \
+  --batch "$BATCH" --max-len "$MAX_LEN" --lr "$LR" --lr-schedule cosine --warmup 200 --heldout 8 --eval-every 500 \
+  --synthetic-every "$SYNTH" --deadline $((T0 + BUDGET - 100)) 2>&1 | tr '\r' '\n' | tee -a "$RUN/train.log" \
+  | grep -v "^\[train-ftheta\] step" | tail -12
+grep "^\[train-ftheta\] step" "$RUN/train.log" | tail -1
+if [ ! -f "$RUN/save/f_theta.safetensors" ]; then
+  echo "[ftheta-online] not finished: run the same command again to resume"
+  exit 0
+fi
+build-cuda/kakeya ftheta-layers --device cuda --verifier "$MODEL" --drafter "$DRAFTER" --ftheta "$RUN/save" \
+  --text "$RUN/corpus/heldout.txt" --seqs 8 --seq-len 2048 --save "$RUN/selected" 2>&1 | tr '\r' '\n' | tail -20
+mkdir -p "$OUT/ftheta"
+cp "$RUN/save/report.json" "$RUN/train.log" "$RUN/selected/layers.json" "$OUT/"
+cp "$RUN/corpus/manifest.json" "$OUT/corpus_manifest.json"
+[ -f "$RUN/save/loss.png" ] && cp "$RUN/save/loss.png" "$OUT/"
+cp "$RUN/selected/f_theta_config.json" "$RUN/selected/f_theta.safetensors" "$OUT/ftheta/"
+echo "[ftheta-online] done at +$(( $(date +%s) - T0 ))s"
