@@ -134,6 +134,8 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
   }
   if (ftheta && drafter) ftheta->config().check(cfg, drafter->config(), ftheta_origin);
   resolve_restore_layers(cfg, ftheta, o);  // a bad --restore-layers list fails here, before anything runs
+  KAKEYA_CHECK(!(o.stats && o.evict_only()),
+               "decode: --stats with --restore-layers none: nothing is restored, so there is no error to measure");
 }
 
 // ---------------------------------------------------------------- RestoreStats
@@ -209,7 +211,10 @@ std::vector<bool> resolve_restore_layers(const ModelConfig& cfg, const FTheta* f
 void set_dropped_layers(RestorePolicy& p, const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o) {
   const std::vector<bool> keep = resolve_restore_layers(cfg, f, o);
   p.drop.assign(cfg.num_layers, false);
-  for (int64_t l = 0; l < cfg.num_layers; ++l) p.drop[l] = !keep[l];
+  // Only layers restoration covers drop anything: coded full-attention layers use the same
+  // region machinery for their coded history, which every query must keep reading.
+  for (int64_t l = 0; l < cfg.num_layers; ++l)
+    p.drop[l] = !keep[l] && (cfg.is_sliding(l) || o.full_attn == FullAttn::Restored);
   p.sink = o.sink;
 }
 

@@ -251,6 +251,52 @@ TEST(FTheta, MismatchedConfigRefused) {
   EXPECT_THROW(FThetaConfig::from_json(bad, "f.json"), Error);
 }
 
+// The target-features input: config round trip (input, measured restore layers), configs written
+// before it read as the drafter's K/V, and a drafter reading other layers is refused by field.
+TEST(FTheta, TargetFeatureInputConfig) {
+  const std::string dir = test::fixtures_dir("ftheta") + "/gemma3";
+  ModelConfig v = ModelConfig::from_file(dir + "/config.json");
+  DrafterConfig d = tiny_drafter();
+  FThetaConfig c = FThetaConfig::for_pair(v, d, 4, FThetaInput::TargetFeatures);
+  EXPECT_EQ(c.in_features(), (int64_t)d.target_layer_ids.size() * v.hidden_size);
+  EXPECT_NO_THROW(c.check(v, d, "f.json"));
+  json j = c.to_json();
+  EXPECT_TRUE(j["restore_layers"].is_null());
+  FThetaConfig r = FThetaConfig::from_json(j, "f.json");
+  EXPECT_TRUE(r.reads_features());
+  EXPECT_EQ(r.feature_layers, d.target_layer_ids);
+  EXPECT_FALSE(r.restore_layers_measured);
+  c.restore_layers = {0, 2};
+  c.restore_layers_measured = true;
+  r = FThetaConfig::from_json(c.to_json(), "f.json");
+  EXPECT_TRUE(r.restore_layers_measured);
+  EXPECT_EQ(r.restore_layers, (std::vector<int64_t>{0, 2}));
+  c.restore_layers.clear();  // measured: no layer helps
+  r = FThetaConfig::from_json(c.to_json(), "f.json");
+  EXPECT_TRUE(r.restore_layers_measured);
+  EXPECT_TRUE(r.restore_layers.empty());
+  json legacy = FThetaConfig::for_pair(v, d, 4).to_json();
+  legacy.erase("input");
+  legacy.erase("restore_layers");
+  r = FThetaConfig::from_json(legacy, "f.json");
+  EXPECT_FALSE(r.reads_features());
+  EXPECT_FALSE(r.restore_layers_measured);
+  json bad = j;
+  bad["input"]["kind"] = "hidden";
+  test::expect_error([&] { FThetaConfig::from_json(bad, "f.json"); }, "input.kind");
+  bad = j;
+  bad["restore_layers"] = json::array({99});
+  test::expect_error([&] { FThetaConfig::from_json(bad, "f.json"); }, "restore_layers");
+  DrafterConfig d2 = d;
+  d2.target_layer_ids = {0, 1};
+  test::expect_error([&] { c.check(v, d2, "f.json"); }, "input.layers");
+  // predict reads [..., n·H] rows for both paths.
+  FTheta f = FTheta::random(c, 2, at::kFloat, at::kCPU);
+  auto out = f.predict(at::randn({3, c.in_features()}), at::randn({3, c.in_features()}));
+  EXPECT_EQ(out[0].first.sizes(), at::IntArrayRef({3, v.kv_heads(0), v.layer_head_dim[0]}));
+  test::expect_error([&] { f.predict(at::randn({3, 7}), at::randn({3, 7})); }, "target-feature input");
+}
+
 // ---------------------------------------------------------------------------
 // Trainer (tiny random Gemma 3 of the fixture; its two captured sequences)
 
@@ -334,6 +380,27 @@ TEST(FThetaTrain, KilledAndResumedEqualsUninterrupted) {
   } catch (const Error& err) {
     EXPECT_NE(std::string(err.what()).find("f_theta config differs"), std::string::npos) << err.what();
   }
+}
+
+// Online training (sequences made on demand by a source) draws the same batches as training
+// on the same sequences in memory: the same weights after the same steps.
+TEST(FThetaTrain, OnlineSourceEqualsInMemory) {
+  TrainFixture t = train_fixture();
+  FThetaTrainOptions o = small_options();
+  o.steps = 5;
+  FTheta a = FTheta::random(t.fc, 4, at::kFloat, at::kCPU), b = FTheta::random(t.fc, 4, at::kFloat, at::kCPU);
+  FThetaTrainer ta(t.m, a, t.seqs, {t.seqs[1]}, o, temp_dir("mem") + "/ckpt.safetensors");
+  int64_t made = 0;
+  auto src = [&](int64_t i) {
+    ++made;
+    return t.seqs.at(i);
+  };
+  FThetaTrainer tb(t.m, b, src, (int64_t)t.seqs.size(), {t.seqs[1]}, o, temp_dir("online") + "/ckpt.safetensors");
+  ASSERT_TRUE(ta.run());
+  ASSERT_TRUE(tb.run());
+  EXPECT_EQ(made, o.steps * o.batch);
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(at::equal(pa[i].second, pb[i].second)) << pa[i].first;
 }
 
 TEST(FThetaTrain, HybridReducesHeldOutLoss) {

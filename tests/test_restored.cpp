@@ -10,10 +10,15 @@
 //   - --full-attn codec (the shipped bundle's release recipe, small blocks so that
 //     positions get coded): close to --full-attn exact, incremental = reforward, its
 //     measured bytes = restored_memory_plan, and the plan at 8k within 1/5 of full KV;
+//   - evict-only (--restore-layers none: sinks + the exact window) ignores f_θ entirely,
+//     equals its reforward reference, and loses against the full cache; a layer list
+//     restores exactly those layers; an f_θ reading the target features restores
+//     incrementally as its reforward reference does;
 //   - bad input fails with a clear error.
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <string>
 
@@ -192,6 +197,94 @@ TEST(Restored, ScoreThroughRestoredCache) {
   EXPECT_EQ(st.rel(true, false, false), 0.0);   // full-attention layers exact: nothing restored there
 }
 
+// Evict-only drops every restored position: what f_θ would predict cannot matter, and
+// it is not the full cache.
+TEST(Restored, EvictOnlyIgnoresFThetaAndDropsOldPositions) {
+  RestoreOptions ro;
+  ro.sink = 4;
+  ro.window = 8;
+  ro.layers = "none";
+  auto other = FTheta::random(ftheta().config(), 99, at::kFloat, at::kCPU);
+  auto a = score_restored(model(), &drafter(), &ftheta(), prompt(), ro);
+  auto b = score_restored(model(), &drafter(), &other, prompt(), ro);
+  auto c = score_restored(model(), nullptr, nullptr, prompt(), ro);  // needs neither
+  ASSERT_EQ(a.logprobs.size(), b.logprobs.size());
+  for (size_t i = 0; i < a.logprobs.size(); ++i) {
+    EXPECT_EQ(a.logprobs[i], b.logprobs[i]) << i;
+    EXPECT_EQ(a.logprobs[i], c.logprobs[i]) << i;
+  }
+  auto ar = score(model(), prompt(), ScoreOptions{});
+  double diff = 0;
+  for (size_t i = 0; i < a.logprobs.size(); ++i) diff = std::max(diff, std::abs(a.logprobs[i] - ar.logprobs[i]));
+  EXPECT_GT(diff, 1e-3);  // positions older than the window are gone
+  // The first sink + window tokens see everything either way.
+  for (size_t i = 0; i + 1 < 12; ++i) EXPECT_NEAR(a.logprobs[i], ar.logprobs[i], 1e-4) << i;
+  // The incremental decoder and its reforward reference agree on it.
+  auto o = options(DecodeMode::Restored, 0.0, 5);
+  o.restore.layers = "none";
+  auto inc = decode(model(), nullptr, nullptr, prompt(), o);
+  o.mode = DecodeMode::RestoredReforward;
+  auto ref = decode(model(), nullptr, nullptr, prompt(), o);
+  EXPECT_EQ(inc.tokens, ref.tokens);
+}
+
+// --restore-layers L1,L2: exactly those layers read restored positions; a = 1 on a layer set
+// is exact there and evicted elsewhere, so it lies between evict-only and the full cache.
+TEST(Restored, LayerListRestoresOnlyThoseLayers) {
+  const ModelConfig& cfg = model().config();
+  RestoreOptions ro;
+  ro.sink = 4;
+  ro.window = 8;
+  ro.layers = "1,3";
+  auto mask = resolve_restore_layers(cfg, &ftheta(), ro);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) EXPECT_EQ(mask[l], l == 1 || l == 3) << l;
+  ro.layers = "all";
+  mask = resolve_restore_layers(cfg, &ftheta(), ro);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) EXPECT_EQ(mask[l], cfg.is_sliding(l)) << l;
+  // "auto" reads f_θ's measured list; unmeasured means every covered layer.
+  FTheta measured = FTheta::random(ftheta().config(), 5, at::kFloat, at::kCPU);
+  measured.mutable_config().restore_layers = {2};
+  measured.mutable_config().restore_layers_measured = true;
+  ro.layers = "auto";
+  mask = resolve_restore_layers(cfg, &measured, ro);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) EXPECT_EQ(mask[l], l == 2) << l;
+  measured.mutable_config().restore_layers = {};
+  EXPECT_EQ(resolve_restore_layers(cfg, &measured, ro), std::vector<bool>(cfg.num_layers, false));
+
+  ro.mix_alpha = 1.0;
+  auto nll = [&](const std::string& layers) {
+    ro.layers = layers;
+    return score_restored(model(), nullptr, nullptr, prompt(), ro).mean_nll();
+  };
+  const double none = nll("none"), some = nll("0,1,2,3,4,6,7,8"), all = nll("all");
+  const double ar = score(model(), prompt(), ScoreOptions{}).mean_nll();
+  EXPECT_NEAR(all, ar, 1e-4);
+  EXPECT_NE(some, none);
+  EXPECT_NE(some, all);
+  std::printf("mean NLL: evict-only %.4f, exact on 8 layers %.4f, exact on all %.4f, ar %.4f\n", none, some, all, ar);
+}
+
+// An f_θ that reads the target features: the incremental decoder restores what the reforward
+// reference does, and the prediction is f_θ of the RMS-normalised features.
+TEST(Restored, TargetFeatureInputIncrementalEqualsReforward) {
+  auto fc = FThetaConfig::for_pair(model().config(), drafter().config(), 32, FThetaInput::TargetFeatures);
+  ASSERT_EQ(fc.in_features(), (int64_t)drafter().config().target_layer_ids.size() * model().config().hidden_size);
+  auto f = FTheta::random(fc, 7, at::kFloat, at::kCPU);
+  auto inc = decode(model(), &drafter(), &f, prompt(), options(DecodeMode::Restored, 0.0, 5));
+  auto ref = decode(model(), &drafter(), &f, prompt(), options(DecodeMode::RestoredReforward, 0.0, 5));
+  EXPECT_EQ(inc.tokens, ref.tokens);
+  EXPECT_NE(inc.tokens, std::vector<int64_t>(ar_tokens().begin(), ar_tokens().begin() + 5));
+  // input_rows: each layer's row divided by its RMS (a scale of a row does not change it).
+  const int64_t n = (int64_t)fc.feature_layers.size(), H = fc.hidden;
+  auto x = at::randn({3, n * H});
+  auto scaled = x.clone();
+  scaled.narrow(1, H, H).mul_(7.5);
+  auto want = x.view({3, n, H});
+  want = (want / (want.pow(2).mean(-1, true) + 1e-6).sqrt()).view({3, n * H});
+  EXPECT_TRUE(at::allclose(f.input_rows(x, false), want, 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(f.predict_fused(x, true), f.predict_fused(scaled, true), 1e-4, 1e-5));
+}
+
 TEST(Restored, MixAlphaOneHasZeroErrorAndKeepsTrueKv) {
   auto o = options(DecodeMode::Restored, 1.0, 4);
   o.restore.stats = true;
@@ -360,6 +453,14 @@ TEST(Restored, BadInput) {
   o.restore.chunk = 0;
   o.restore.mix_alpha = 1.5;
   expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--mix-alpha");
+  o.restore.mix_alpha = 0.0;
+  for (const char* bad : {"5", "40", "1,x", "sliding"}) {  // layer 5 is a full-attention layer
+    o.restore.layers = bad;
+    expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--restore-layers");
+  }
+  o.restore.layers = "none";
+  o.restore.stats = true;
+  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--stats");
 }
 
 }  // namespace

@@ -31,6 +31,12 @@ its fitted values (targets weighted per layer by 1/rms, so that the subspace min
 the sum of per-layer relative errors, the reported metric). Evaluation text is of
 kinds the fit never saw (default: the GPL-3 text and apt's Debian changelog).
 
+Also: "dirfit" (K cache space) fits the K path to the per-layer unit-RMS direction of K
+(k_norm discards the scale, so this is the best linear fit for cache space); "non-exact"
+averages only the sliding layers whose input is NOT a target-layer output (on layers
+2,5,9,13,16 raw K/V are exactly linear in input d); a rank sweep (--sweep-ranks) gives
+the target-PCA floor and the d ridge map at other bottleneck widths.
+
 Reference rows: "mean" predicts the fit-data mean; "shipped f_θ" is
 checkpoints/gemma3-270m/ftheta on input a; "pca256 of target" is the error of the
 best rank-256 reconstruction of the TRUE targets (fit-data basis, same weighting): the
@@ -41,7 +47,9 @@ state before layer l (prev; exact where l-1 is a target layer) or at/after it (n
   .venv/bin/python tools/ftheta_capacity.py \
       --json bench/results/2026-11-25-ftheta-capacity-cpu.json
 
-(~6-8 minutes on a 2-core CPU with the defaults: 24 x 1024 fit tokens, 8 x 1024 eval.)
+(444 s on the 2-core dev CPU with the defaults: 24 x 1024 fit tokens, 8 x 1024 eval, one
+torch thread; --rf-dim 0 drops option e and ~100 s. More threads only help on an idle
+machine: MKL's LAPACK spins under contention, so qr/eigh always run single-threaded.)
 """
 import argparse, glob, gzip, json, math, os, subprocess, sys, time
 from pathlib import Path
@@ -252,6 +260,13 @@ def top_subspace(apply, m, r, iters=10, over=64, seed=0):
     return Q @ U[:, -r:].float()
 
 
+def eig_desc(M):
+    """All eigenvectors of a PSD M, by decreasing eigenvalue (f32 eigh, one thread)."""
+    with one_thread():
+        ev, U = torch.linalg.eigh(M.float())
+    return U.flip(1)
+
+
 def gram_op(G):
     """apply for M = GᵀG."""
     return lambda Q: G.T @ (G @ Q)
@@ -271,8 +286,11 @@ def main():
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--skip", type=int, default=4, help="positions < skip are left out (sinks)")
     ap.add_argument("--rank", type=int, default=256)
+    ap.add_argument("--sweep-ranks", default="64,128,512,1024",
+                    help="extra bottleneck ranks for the target-PCA floor and the --sweep-inputs ridge maps")
+    ap.add_argument("--sweep-inputs", default="d", help="comma-separated inputs among b,c,d,e to rank-sweep")
     ap.add_argument("--val-seqs", type=int, default=2, help="per fit source, sequences held out to choose lambda")
-    ap.add_argument("--alphas", default="1e-5,1e-3,1e-2,1e-1,1")
+    ap.add_argument("--alphas", default="1e-4,1e-2,1e-1,1")
     ap.add_argument("--rf-dim", type=int, default=1024, help="random gelu features of option e (0: no option e)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
@@ -303,6 +321,9 @@ def main():
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     dr = Drafter(a.drafter)
     tids = dr.tids
+    # sliding layers whose input is NOT a target-layer output (layer l-1 not a target layer):
+    # on the others, raw K/V are exactly linear in the RMS-normalised target features (input d)
+    nonexact = [l for l in sliding if (l - 1) not in tids]
     print(f"fit {len(fit_seqs)} x {a.seq_len} tokens ({int(is_val.sum())} for lambda), eval {len(eval_seqs)} x {a.seq_len}",
           file=sys.stderr)
     Hf, Kf, Vf = capture(model, fit_seqs, tids, a.skip)
@@ -324,7 +345,9 @@ def main():
         kr, vr = layer_rel(Kp, Ke, L, D), layer_rel(Vp, Ve, L, D)
         kc = layer_rel(k_cache(model, Kp, L, D), Ke_c, L, D)
         sm = lambda x: sum(x[i] for i in sliding) / len(sliding)
+        sn = lambda x: sum(x[i] for i in nonexact) / len(nonexact)
         r = {"k_raw": sm(kr), "v_raw": sm(vr), "k_cache": sm(kc), "v_cache": sm(vr),
+             "k_raw_nonexact": sn(kr), "v_raw_nonexact": sn(vr),
              "per_layer": {"k_raw": kr, "v_raw": vr, "k_cache": kc}}
         if val is not None:
             r["val_same_kinds"] = val
@@ -337,11 +360,34 @@ def main():
     # ---- references -------------------------------------------------------------------
     mu = Yf.mean(0)
     record("mean", mu[:LD].expand_as(Ke), mu[LD:].expand_as(Ve))
-    Yc = (Yf - mu) * s
-    P = [top_subspace(gram_op(Yc[:, :LD]), LD, a.rank, iters=6), top_subspace(gram_op(Yc[:, LD:]), LD, a.rank, iters=6)]
-    del Yc
-    Kp = mu[:LD] + (((Ke - mu[:LD]) * s[:LD]) @ P[0] @ P[0].T) / s[:LD]
-    Vp = mu[LD:] + (((Ve - mu[LD:]) * s[LD:]) @ P[1] @ P[1].T) / s[LD:]
+    ranks = sorted(set([int(r) for r in a.sweep_ranks.split(",") if r] + [a.rank]))
+    sweep = {"ranks": ranks}
+
+    def rank_sweep(name, U, centred_eval, base):
+        """U [2][LD, LD] eigenvectors (desc) per path; centred_eval [2] weighted centred predictions."""
+        out = {}
+        for r in ranks:
+            e = {}
+            for pi, (key, true) in enumerate((("k_raw", Ke), ("v_raw", Ve))):
+                sl = slice(pi * LD, (pi + 1) * LD)
+                pred = base[pi] + (centred_eval[pi] @ U[pi][:, :r]) @ U[pi][:, :r].T / s[sl]
+                e[key] = sum(layer_rel(pred, true, L, D)[i] for i in sliding) / len(sliding)
+            out[str(r)] = e
+        sweep[name] = out
+        print(f"  rank sweep {name}: " + "  ".join(f"{r}: {v['k_raw']:.3f}/{v['v_raw']:.3f}" for r, v in out.items()),
+              file=sys.stderr)
+
+    # best rank-r reconstruction of the true targets: PCA of the weighted, centred fit targets
+    U = []
+    for sl in (slice(0, LD), slice(LD, 2 * LD)):
+        Yc = (Yf[:, sl] - mu[sl]) * s[sl]
+        U.append(eig_desc(Yc.T @ Yc))
+        del Yc
+    ce = [(Ke - mu[:LD]) * s[:LD], (Ve - mu[LD:]) * s[LD:]]
+    rank_sweep("target pca (floor)", U, ce, [mu[:LD], mu[LD:]])
+    Kp = mu[:LD] + (ce[0] @ U[0][:, :a.rank]) @ U[0][:, :a.rank].T / s[:LD]
+    Vp = mu[LD:] + (ce[1] @ U[1][:, :a.rank]) @ U[1][:, :a.rank].T / s[LD:]
+    del U, ce
     record(f"pca{a.rank} of target (floor)", Kp, Vp)
     # verifier's own projection of the nearest target-layer hidden state
     He_b = He.view(He.shape[0], len(tids), -1)
@@ -425,6 +471,19 @@ def main():
                     dirp["full"] = chunked_mm(Ze, W) + b
                     Pr = top_subspace(gram_op(R @ W), LD, a.rank, seed=3)
                     dirp["r"] = b + (dirp["full"] - b) @ Pr @ Pr.T
+            if fkey in a.sweep_inputs.split(","):
+                # the same ridge map at every rank of the sweep (fitted-value PCA, as for rank 256)
+                U, ce, base = [], [], []
+                for pi, p in enumerate(pth):
+                    pc = torch.arange(pi * LD, (pi + 1) * LD)
+                    W, b = st.solve([chosen[p]], cols=pc)[chosen[p]]
+                    G = R @ (W * s[paths[p]])
+                    U.append(eig_desc(G.T @ G))
+                    ce.append(chunked_mm(Ze, W) * s[paths[p]])
+                    base.append(b + mu[paths[p]])
+                    del G
+                rank_sweep(f"{opt} ridge", U, ce, base)
+                del U, ce
             del Z, Ze, st, R
         extra = {"description": desc, "in_dims": dims, "lambda": chosen}
         kdir = lambda P: sum(layer_rel(k_cache(model, P, L, D), Ke_c, L, D)[i] for i in sliding) / len(sliding)
@@ -437,12 +496,18 @@ def main():
     print(f"\nrelative MSE on held-out eval text, mean over {len(sliding)} sliding layers "
           f"(positions >= {a.skip}; V cache = V raw)")
     print("K cache dirfit: the K path fitted to the unit-RMS direction of K instead of raw K, through k_norm")
-    print(f"{'predictor':34s} {'K raw':>6s} {'V raw':>6s} {'K cache':>7s} {'dirfit':>6s}  lambda K/V  val(same kinds) K/V")
+    print(f"non-exact: the {len(nonexact)} sliding layers whose input is not a target-layer output {nonexact}")
+    print(f"{'predictor':34s} {'K raw':>6s} {'V raw':>6s} {'K cache':>7s} {'dirfit':>6s}  non-exact K/V"
+          f"  lambda K/V  val(same kinds) K/V")
     for name, r in results.items():
         v = r.get("val_same_kinds")
         vs = f"  {r['lambda']['K']:.0e}/{r['lambda']['V']:.0e}  {v['K']:.3f}/{v['V']:.3f}" if v else ""
         dfit = f"{r['k_cache_dirfit']:6.3f}" if "k_cache_dirfit" in r else " " * 6
-        print(f"{name:34s} {r['k_raw']:6.3f} {r['v_raw']:6.3f} {r['k_cache']:7.3f} {dfit}{vs}")
+        print(f"{name:34s} {r['k_raw']:6.3f} {r['v_raw']:6.3f} {r['k_cache']:7.3f} {dfit}"
+              f"  {r['k_raw_nonexact']:.3f}/{r['v_raw_nonexact']:.3f}{vs}")
+    print("\nrank sweep (sliding-layer mean K/V raw rel MSE by bottleneck rank):")
+    for name in [k for k in sweep if k != "ranks"]:
+        print(f"  {name:20s} " + "  ".join(f"r{r}: {v['k_raw']:.3f}/{v['v_raw']:.3f}" for r, v in sweep[name].items()))
     m, f = results["mean"], results[f"pca{a.rank} of target (floor)"]
     kept = {"K": 1 - f["k_raw"] / m["k_raw"], "V": 1 - f["v_raw"] / m["v_raw"]}
     print(f"rank-{a.rank} bottleneck keeps {kept['K']:.1%} (K) / {kept['V']:.1%} (V) of the eval targets' "
@@ -461,9 +526,11 @@ def main():
     print(f"\nwall {wall:.0f}s (capture {t_cap:.0f}s)")
     if a.json:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", os.path.relpath(__file__, ROOT)], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
         out = {
             "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
-            "commit": commit, "device": "CPU", "dtype": "f32", "threads": a.threads,
+            "commit": commit, "tool_differs_from_commit": bool(dirty), "device": "CPU", "dtype": "f32", "threads": a.threads,
             "model": os.path.relpath(a.model, ROOT), "drafter": os.path.relpath(a.drafter, ROOT),
             "data": {"fit": fit_desc, "eval": eval_desc, "seq_len": a.seq_len, "bos_prepended": True,
                      "fit_rows": Hf.shape[0], "eval_rows": He.shape[0], "positions_from": a.skip,
@@ -473,7 +540,7 @@ def main():
             "metric": "relative MSE sum||pred-true||^2/sum||true||^2 per layer; summary = mean over sliding "
                       "layers; raw = k_proj/v_proj outputs, cache = K after k_norm (V has no norm)",
             "rank": a.rank, "alphas": alphas, "sliding_layers": sliding, "target_layer_ids": tids,
-            "rank_variance_kept": kept, "results": results, "wall_s": round(wall, 1),
+            "nonexact_sliding_layers": nonexact, "rank_variance_kept": kept, "rank_sweep": sweep, "results": results, "wall_s": round(wall, 1),
         }
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         with open(a.json, "w") as f:
