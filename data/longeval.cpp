@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "data/prompt_util.h"
 
 namespace kakeya::data {
 
@@ -242,26 +243,8 @@ const std::vector<std::string>& split_words(LongSplit s) {
   return halves[s == LongSplit::Eval ? 0 : 1];
 }
 
-// splitmix64, as data/niah.cpp (std distributions differ between standard libraries).
-struct Rng {
-  uint64_t s;
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  uint64_t below(uint64_t n) { return next() % n; }
-  template <class T>
-  void shuffle(std::vector<T>& v) {
-    for (size_t i = v.size(); i > 1; --i) std::swap(v[i - 1], v[below(i)]);
-  }
-};
-
-std::vector<int64_t> enc(const Tokenizer& tok, const std::string& s) {
-  auto ids = tok.encode(s, false);
-  return std::vector<int64_t>(ids.begin(), ids.end());
-}
+using Rng = SplitMix64;
+constexpr auto enc = encode_piece;
 
 void append(std::vector<int64_t>& dst, const std::vector<int64_t>& src) {
   dst.insert(dst.end(), src.begin(), src.end());

@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "data/prompt_util.h"
 
 namespace kakeya::data {
 
@@ -35,22 +36,8 @@ const char* const kNouns[] = {
 constexpr int kNumAdjectives = sizeof(kAdjectives) / sizeof(kAdjectives[0]);
 constexpr int kNumNouns = sizeof(kNouns) / sizeof(kNouns[0]);
 
-// splitmix64: a portable generator (std distributions differ between standard libraries).
-struct Rng {
-  uint64_t s;
-  uint64_t next() {
-    uint64_t z = (s += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  uint64_t below(uint64_t n) { return next() % n; }
-};
-
-std::vector<int64_t> enc(const Tokenizer& tok, const std::string& s) {
-  auto ids = tok.encode(s, false);
-  return std::vector<int64_t>(ids.begin(), ids.end());
-}
+using Rng = SplitMix64;
+constexpr auto enc = encode_piece;
 
 void append(std::vector<int64_t>& dst, const std::vector<int64_t>& src) { dst.insert(dst.end(), src.begin(), src.end()); }
 
