@@ -7,6 +7,7 @@
 #   3. decode sessions: ar vs restored (--full-attn exact and codec), memory tables
 #   4. a short NIAH ladder (512, 1k) against the full-KV oracle
 #   5. an alpha sweep (3 alphas)
+#   6. the held-out long-context suite at 1k: full-KV oracle vs evict-only vs restored (kakeya eval-long)
 # then a summary table (printed and $OUT/summary.md) and the plots ($OUT/*.png).
 # Budget: < 30 minutes on an idle 2-core CPU after the downloads (the total is printed).
 # Env: BUILD (build), OUT ($BUILD/demo), PY (.venv/bin/python).
@@ -91,6 +92,11 @@ job niah $K niah "${R[@]}" --full-attn codec --contexts 512,1024 --depths 0.25,0
 job sweep_alpha $K sweep-alpha "${R[@]}" --alphas 0,0.5,1 --contexts 512 --depths 0.5 --samples 1 \
   --max-new-tokens 12 --ppl-text data/codec/eval.txt --ppl-tokens 384 --json "$OUT/sweep.json" \
   --plot "$OUT/sweep.png" --python "$PY"
+
+# 6. Held-out suite (data/longeval: sources no training saw) at 1k: does restoring beat dropping?
+job eval_long $K eval-long "${R[@]}" --configs oracle,evict:64,restored:64 --tasks niah_single_digits,niah_multikey \
+  --contexts 1024 --samples 1 --ppl-docs 2 --ppl-tail 256 --json "$OUT/eval_long.json" --plot "$OUT/eval_long.png" \
+  --python "$PY"
 
 TOTAL=$(( $(date +%s) - T_START ))
 printf 'total\t%s\n' "$TOTAL" >> "$OUT/times.tsv"
