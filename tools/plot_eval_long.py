@@ -10,7 +10,7 @@ OUT-ppl.png  perplexity of the held-out documents' last tokens against the conte
              to the oracle's, one line per config (the plain perplexity when there is no
              oracle). Skipped when the report has no perplexity.
 """
-import json, math, sys
+import json, math, sys, textwrap
 
 import matplotlib
 matplotlib.use("Agg")
@@ -64,7 +64,9 @@ def heatmaps(rep, out):
         ax.set_yticks(range(len(tasks)), tasks if i_ax % cols == 0 else [], fontsize=8)  # rows line up across panels
         ax.set_xlabel("context (tokens)")
         mean = cfg.get("summary", {}).get("mean_score")
-        ax.set_title(config_title(cfg) + (f"\nmean {mean:.3f}" if mean is not None else ""), fontsize=8)
+        # Panels are narrow at few contexts: the name on its own line, the options wrapped under it.
+        title = textwrap.fill(config_title(cfg), width=max(18, 9 * len(contexts)))
+        ax.set_title(title + (f"\nmean {mean:.3f}" if mean is not None else ""), fontsize=8)
     fig.colorbar(im, ax=axes.ravel().tolist(), shrink=0.8, label="score (second line: Δ vs oracle, points)")
     fig.suptitle(f'kakeya eval-long on {rep.get("device", "?")} ({rep.get("dtype", "?")}), {rep["samples"]} sample(s) '
                  f'per cell{" — PARTIAL (deadline)" if rep.get("partial") else ""}', fontsize=9)
