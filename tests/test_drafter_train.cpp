@@ -18,6 +18,7 @@
 #include "core/model.h"
 #include "tests/drafter_test_util.h"
 #include "tests/test_util.h"
+#include "tests/train_test_util.h"
 #include "train/drafter_data.h"
 #include "train/drafter_train.h"
 
@@ -25,14 +26,6 @@ using namespace kakeya;
 using namespace kakeya::train;
 
 namespace {
-
-std::string case_dir(const std::string& name) { return test::fixtures_dir("drafter") + "/" + name; }
-
-std::unique_ptr<Model> load_target(const std::string& name) {
-  ModelOptions mo;
-  mo.max_positions = 64;
-  return std::make_unique<Model>(Model::load(case_dir(name) + "/target", mo));
-}
 
 std::string temp_path(const std::string& tag) {
   return fs::temp_dir() + "/kakeya_drafter_train_" + tag + "_" + std::to_string(::getpid()) + ".safetensors";
@@ -43,9 +36,9 @@ class TrainServe : public ::testing::TestWithParam<std::string> {};
 // Block n of the training forward (context < anchor, itself only) gives the
 // logits Drafter::draft gives after the cache was extended to the anchor.
 TEST_P(TrainServe, BlockLogitsEqualDraftAfterExtend) {
-  auto target = load_target(GetParam());
-  auto drafter = Drafter::load(case_dir(GetParam()) + "/drafter", *target);
-  auto ids = TensorStore::open_file(case_dir(GetParam()) + "/expected.safetensors").get("ids");  // [20]
+  auto target = test::load_drafter_target(GetParam());
+  auto drafter = Drafter::load(test::drafter_case_dir(GetParam()) + "/drafter", *target);
+  auto ids = TensorStore::open_file(test::drafter_case_dir(GetParam()) + "/expected.safetensors").get("ids");  // [20]
   const int64_t B = drafter.config().block_size;
   auto tokens = ids.unsqueeze(0);                            // [1, S]
   auto A = at::tensor(std::vector<int64_t>{3, 9, 12, 14}, at::kLong).unsqueeze(0);  // [1, 4]
@@ -67,52 +60,11 @@ TEST_P(TrainServe, BlockLogitsEqualDraftAfterExtend) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, TrainServe, ::testing::Values("qwen3", "gemma3", "qwen3_causal"));
 
-// Greedy continuations of the tiny Qwen3 target and a small fresh drafter.
-struct Setup {
-  std::unique_ptr<Model> target;
-  Sequences seqs;
-  DrafterConfig cfg;
-};
-
-Setup setup() {
-  Setup s;
-  s.target = load_target("qwen3");
-  std::mt19937_64 rng(3);
-  std::vector<std::vector<int64_t>> prompts;
-  for (int i = 0; i < 24; ++i) {
-    std::vector<int64_t> p;
-    for (int t = 0; t < 6; ++t) p.push_back((int64_t)(rng() % 100));
-    prompts.push_back(p);
-  }
-  s.seqs = generate_continuations(*s.target, prompts, 26, 8, {}, "test");
-  s.cfg = DrafterConfig::for_target(s.target->config(), 2, 4, 2, 16, 64, 4, 100);
-  return s;
-}
-
-// A random drafter of the setup's config in f32 (training runs in f32).
-Drafter random_drafter(const Setup& s, uint64_t seed) {
-  DrafterOptions dopt;
-  dopt.dtype = at::kFloat;
-  return Drafter::random(s.cfg, *s.target, seed, dopt);
-}
-
-TrainOptions small_options(int64_t steps) {
-  TrainOptions o;
-  o.batch = 8;
-  o.anchors = 6;
-  o.steps = steps;
-  o.warmup_steps = 10;
-  o.lr = 3e-3;
-  o.log_seconds = 1e9;         // progress only at the end
-  o.checkpoint_seconds = 1e9;  // checkpoints only at exit
-  return o;
-}
-
 TEST(DrafterTrain, LossFallsAndAcceptanceRises) {
-  auto s = setup();
-  auto drafter = random_drafter(s, 0);
+  auto s = test::drafter_fixture();
+  auto drafter = test::random_drafter(s, 0);
   const std::string ckpt = temp_path("fall");
-  DrafterTrainer t(*s.target, drafter, {s.seqs}, small_options(200), ckpt);
+  DrafterTrainer t(*s.target, drafter, {s.seqs}, test::drafter_small_options(200), ckpt);
   auto before = t.evaluate(s.seqs, 3, 99);
   EXPECT_TRUE(t.run());
   auto after = t.evaluate(s.seqs, 3, 99);
@@ -123,22 +75,22 @@ TEST(DrafterTrain, LossFallsAndAcceptanceRises) {
 }
 
 TEST(DrafterTrain, ResumedRunEqualsUninterruptedRun) {
-  auto s = setup();
+  auto s = test::drafter_fixture();
   const std::string ck1 = temp_path("straight"), ck2 = temp_path("resumed");
-  auto straight = random_drafter(s, 5);
-  DrafterTrainer a(*s.target, straight, {s.seqs}, small_options(12), ck1);
+  auto straight = test::random_drafter(s, 5);
+  DrafterTrainer a(*s.target, straight, {s.seqs}, test::drafter_small_options(12), ck1);
   EXPECT_TRUE(a.run());
 
-  auto first = random_drafter(s, 5);
-  auto o = small_options(12);
+  auto first = test::random_drafter(s, 5);
+  auto o = test::drafter_small_options(12);
   o.max_steps_this_run = 5;
   {
     DrafterTrainer b1(*s.target, first, {s.seqs}, o, ck2);
     EXPECT_FALSE(b1.run());
     EXPECT_EQ(b1.state().step, 5);
   }
-  auto second = random_drafter(s, 77);  // other weights: the checkpoint must restore them
-  DrafterTrainer b2(*s.target, second, {s.seqs}, small_options(12), ck2);
+  auto second = test::random_drafter(s, 77);  // other weights: the checkpoint must restore them
+  DrafterTrainer b2(*s.target, second, {s.seqs}, test::drafter_small_options(12), ck2);
   ASSERT_TRUE(b2.resume());
   EXPECT_EQ(b2.state().step, 5);
   EXPECT_TRUE(b2.run());
@@ -150,12 +102,12 @@ TEST(DrafterTrain, ResumedRunEqualsUninterruptedRun) {
 }
 
 TEST(DrafterTrain, CheckpointOfAnotherConfigIsRefused) {
-  auto s = setup();
+  auto s = test::drafter_fixture();
   DrafterOptions dopt;
   dopt.dtype = at::kFloat;
   const std::string ck = temp_path("other");
-  auto d1 = random_drafter(s, 0);
-  auto o = small_options(3);
+  auto d1 = test::random_drafter(s, 0);
+  auto o = test::drafter_small_options(3);
   DrafterTrainer t1(*s.target, d1, {s.seqs}, o, ck);
   t1.run();
   auto other = DrafterConfig::for_target(s.target->config(), 2, 4, 2, 16, 96, 4, 100);  // wider MLP
@@ -191,14 +143,14 @@ std::vector<std::pair<std::string, at::Tensor>> snapshot(const Drafter& d) {
 // bits (k/v are rows of the qkv tensor whose q rows do train), every other tensor
 // trains, and the raw context K/V of real features are bitwise what they were.
 TEST(DrafterTrain, FreezeContextKeepsContextKVBitwise) {
-  auto s = setup();
-  auto drafter = random_drafter(s, 11);
+  auto s = test::drafter_fixture();
+  auto drafter = test::random_drafter(s, 11);
   auto feats = test::target_features(*s.target, drafter, s.seqs.tokens.slice(0, 0, 1));  // [1, S, n·H]
   const auto before = snapshot(drafter);
   const auto kv_before = raw_context_kv(drafter, feats);
 
   const std::string ck = temp_path("freeze");
-  auto o = small_options(8);
+  auto o = test::drafter_small_options(8);
   o.freeze_context = true;
   DrafterTrainer t(*s.target, drafter, {s.seqs}, o, ck);
   EXPECT_TRUE(t.run());
@@ -236,41 +188,41 @@ TEST(DrafterTrain, FreezeContextKeepsContextKVBitwise) {
 // A checkpoint records freeze_context; resuming with the other setting, or with
 // another init drafter under it, is refused naming the file.
 TEST(DrafterTrain, FreezeContextMustMatchOnResume) {
-  auto s = setup();
+  auto s = test::drafter_fixture();
   const std::string ck_frozen = temp_path("frozen"), ck_free = temp_path("free");
-  auto o = small_options(6);
+  auto o = test::drafter_small_options(6);
   o.max_steps_this_run = 3;
   auto of = o;
   of.freeze_context = true;
   {
-    auto d = random_drafter(s, 2);
+    auto d = test::random_drafter(s, 2);
     DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_frozen);
     EXPECT_FALSE(t.run());
   }
   {
-    auto d = random_drafter(s, 2);
+    auto d = test::random_drafter(s, 2);
     DrafterTrainer t(*s.target, d, {s.seqs}, o, ck_free);
     EXPECT_FALSE(t.run());
   }
   {
-    auto d = random_drafter(s, 2);
+    auto d = test::random_drafter(s, 2);
     DrafterTrainer t(*s.target, d, {s.seqs}, o, ck_frozen);
     test::expect_error([&] { t.resume(); }, ck_frozen + ": the checkpoint was written with freeze_context=true, "
                                             "this run has freeze_context=false");
   }
   {
-    auto d = random_drafter(s, 2);
+    auto d = test::random_drafter(s, 2);
     DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_free);
     test::expect_error([&] { t.resume(); }, ck_free + ": the checkpoint was written with freeze_context=false, "
                                           "this run has freeze_context=true");
   }
   {
-    auto d = random_drafter(s, 3);  // another init: other frozen weights
+    auto d = test::random_drafter(s, 3);  // another init: other frozen weights
     DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_frozen);
     test::expect_error([&] { t.resume(); }, ck_frozen + ": frozen tensor 'fc.weight' differs");
   }
   {
-    auto d = random_drafter(s, 2);  // same init, same flag: resumes and finishes
+    auto d = test::random_drafter(s, 2);  // same init, same flag: resumes and finishes
     const auto init = snapshot(d);
     DrafterTrainer t(*s.target, d, {s.seqs}, of, ck_frozen);
     ASSERT_TRUE(t.resume());

@@ -19,6 +19,7 @@
 #include "core/model.h"
 #include "core/safetensors.h"
 #include "tests/test_util.h"
+#include "tests/train_test_util.h"
 #include "train/ftheta_loss.h"
 #include "train/ftheta_train.h"
 
@@ -27,22 +28,6 @@ using namespace kakeya::train;
 using json = nlohmann::json;
 
 namespace {
-
-// The fixture's drafter side: 2 layers × 3 KV heads × head dim 5, f_θ rank 7.
-DrafterConfig tiny_drafter() {
-  DrafterConfig d;
-  d.hidden_size = 48;
-  d.intermediate_size = 64;
-  d.num_layers = 2;
-  d.num_heads = 3;
-  d.num_kv_heads = 3;
-  d.head_dim = 5;
-  d.layer_types = {LayerType::Full, LayerType::Full};
-  d.target_layer_ids = {1, 3};
-  d.mask_token_id = 0;
-  d.origin = "tiny drafter";
-  return d;
-}
 
 std::string temp_dir(const std::string& tag) {
   std::string d = fs::temp_dir() + "/kakeya_test_ftheta_" + tag + "_" + std::to_string(getpid());
@@ -65,7 +50,7 @@ TEST_P(FThetaLossTest, ValuesStatsAndGradientsMatchPyTorch) {
   Model m = Model::load(dir);
   TensorStore st = TensorStore::open_file(dir + "/data.safetensors");
   const int64_t L = m.config().num_layers;
-  FThetaConfig fc = FThetaConfig::for_pair(m.config(), tiny_drafter(), 7);
+  FThetaConfig fc = FThetaConfig::for_pair(m.config(), test::tiny_drafter(), 7);
   FTheta f = FTheta::random(fc, 0, at::kFloat, at::kCPU);
   for (auto& [name, p] : f.named_parameters()) {
     p.copy_(st.get("param." + name));
@@ -205,7 +190,7 @@ TEST(FTheta, SaveLoadRoundTripAnyDtype) {
 TEST(FTheta, MismatchedConfigRefused) {
   const std::string dir = test::fixtures_dir("ftheta") + "/gemma3";
   ModelConfig v = ModelConfig::from_file(dir + "/config.json");
-  DrafterConfig d = tiny_drafter();
+  DrafterConfig d = test::tiny_drafter();
   FThetaConfig c = FThetaConfig::for_pair(v, d, 4);
   EXPECT_NO_THROW(c.check(v, d, "f.json"));
   auto expect_error = [&](const ModelConfig& vv, const DrafterConfig& dd, const std::string& needle) {
@@ -256,7 +241,7 @@ TEST(FTheta, MismatchedConfigRefused) {
 TEST(FTheta, TargetFeatureInputConfig) {
   const std::string dir = test::fixtures_dir("ftheta") + "/gemma3";
   ModelConfig v = ModelConfig::from_file(dir + "/config.json");
-  DrafterConfig d = tiny_drafter();
+  DrafterConfig d = test::tiny_drafter();
   FThetaConfig c = FThetaConfig::for_pair(v, d, 4, FThetaInput::TargetFeatures);
   EXPECT_EQ(c.in_features(), (int64_t)d.target_layer_ids.size() * v.hidden_size);
   EXPECT_NO_THROW(c.check(v, d, "f.json"));
@@ -300,55 +285,14 @@ TEST(FTheta, TargetFeatureInputConfig) {
 // ---------------------------------------------------------------------------
 // Trainer (tiny random Gemma 3 of the fixture; its two captured sequences)
 
-struct TrainFixture {
-  Model m;
-  std::vector<FThetaSequence> seqs;
-  FThetaConfig fc;
-};
-
-TrainFixture train_fixture() {
-  const std::string dir = test::fixtures_dir("ftheta") + "/gemma3";
-  TrainFixture t{Model::load(dir), {}, {}};
-  TensorStore st = TensorStore::open_file(dir + "/data.safetensors");
-  for (int64_t b = 0; b < 2; ++b) {
-    FThetaSequence s;
-    s.dk = st.get("dk")[b].to(at::kBFloat16);
-    s.dv = st.get("dv")[b].to(at::kBFloat16);
-    for (int64_t l = 0; l < t.m.config().num_layers; ++l) {
-      const std::string n = std::to_string(l);
-      s.q.push_back(st.get("q." + n)[b].to(at::kBFloat16));
-      s.k.push_back(st.get("k." + n)[b].to(at::kBFloat16));
-      s.v.push_back(st.get("v." + n)[b].to(at::kBFloat16));
-      s.o.push_back(st.get("o." + n)[b].to(at::kBFloat16));
-    }
-    t.seqs.push_back(s);
-  }
-  t.fc = FThetaConfig::for_pair(t.m.config(), tiny_drafter(), 6);
-  return t;
-}
-
-FThetaTrainOptions small_options() {
-  FThetaTrainOptions o;
-  o.steps = 8;
-  o.batch = 2;
-  o.max_len = 19;
-  o.lr = 3e-3;
-  o.warmup_steps = 2;
-  o.eval_every = 3;
-  o.loss.layout = {2, 3};
-  o.log_seconds = 0;
-  o.checkpoint_seconds = 1e9;
-  return o;
-}
-
 TEST(FThetaTrain, KilledAndResumedEqualsUninterrupted) {
-  TrainFixture t = train_fixture();
+  test::FThetaFixture t = test::ftheta_fixture();
   const std::string dir = temp_dir("resume");
   FTheta a = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
-  FThetaTrainer ta(t.m, a, t.seqs, {t.seqs[1]}, small_options(), dir + "/a.safetensors");
+  FThetaTrainer ta(t.m, a, t.seqs, {t.seqs[1]}, test::ftheta_small_options(), dir + "/a.safetensors");
   EXPECT_TRUE(ta.run());
 
-  FThetaTrainOptions o = small_options();
+  FThetaTrainOptions o = test::ftheta_small_options();
   o.max_steps_this_run = 5;  // "killed" after step 5 (its checkpoint is the last thing it wrote)
   {
     FTheta b = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
@@ -367,13 +311,13 @@ TEST(FThetaTrain, KilledAndResumedEqualsUninterrupted) {
   EXPECT_EQ(ta.report()["evals"].size(), 4u);  // start, steps 3, 6, 8
 
   // A resume with other options or another f_θ config is refused.
-  FThetaTrainOptions o2 = small_options();
+  FThetaTrainOptions o2 = test::ftheta_small_options();
   o2.lr = 1e-2;
   FTheta d = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
   FThetaTrainer td(t.m, d, t.seqs, {t.seqs[1]}, o2, dir + "/b.safetensors");
   EXPECT_THROW(td.resume(), Error);
-  FTheta e = FTheta::random(FThetaConfig::for_pair(t.m.config(), tiny_drafter(), 4), 5, at::kFloat, at::kCPU);
-  FThetaTrainer te(t.m, e, t.seqs, {t.seqs[1]}, small_options(), dir + "/b.safetensors");
+  FTheta e = FTheta::random(FThetaConfig::for_pair(t.m.config(), test::tiny_drafter(), 4), 5, at::kFloat, at::kCPU);
+  FThetaTrainer te(t.m, e, t.seqs, {t.seqs[1]}, test::ftheta_small_options(), dir + "/b.safetensors");
   try {
     te.resume();
     FAIL() << "no error";
@@ -385,8 +329,8 @@ TEST(FThetaTrain, KilledAndResumedEqualsUninterrupted) {
 // Online training (sequences made on demand by a source) draws the same batches as training
 // on the same sequences in memory: the same weights after the same steps.
 TEST(FThetaTrain, OnlineSourceEqualsInMemory) {
-  TrainFixture t = train_fixture();
-  FThetaTrainOptions o = small_options();
+  test::FThetaFixture t = test::ftheta_fixture();
+  FThetaTrainOptions o = test::ftheta_small_options();
   o.steps = 5;
   FTheta a = FTheta::random(t.fc, 4, at::kFloat, at::kCPU), b = FTheta::random(t.fc, 4, at::kFloat, at::kCPU);
   FThetaTrainer ta(t.m, a, t.seqs, {t.seqs[1]}, o, temp_dir("mem") + "/ckpt.safetensors");
@@ -404,9 +348,9 @@ TEST(FThetaTrain, OnlineSourceEqualsInMemory) {
 }
 
 TEST(FThetaTrain, HybridReducesHeldOutLoss) {
-  TrainFixture t = train_fixture();
+  test::FThetaFixture t = test::ftheta_fixture();
   FTheta f = FTheta::random(t.fc, 1, at::kFloat, at::kCPU);
-  FThetaTrainOptions o = small_options();
+  FThetaTrainOptions o = test::ftheta_small_options();
   o.steps = 60;
   o.lr = 2e-2;
   o.eval_every = 0;
@@ -421,12 +365,12 @@ TEST(FThetaTrain, HybridReducesHeldOutLoss) {
 }
 
 TEST(FThetaTrain, NonFiniteLossHaltsNamingStepAndLayer) {
-  TrainFixture t = train_fixture();
+  test::FThetaFixture t = test::ftheta_fixture();
   // A NaN in one captured output of layer 3 poisons that layer's attention term only.
   t.seqs[0].o[3][7][0] = NAN;
   t.seqs[1].o[3][7][0] = NAN;
   FTheta f = FTheta::random(t.fc, 1, at::kFloat, at::kCPU);
-  FThetaTrainOptions o = small_options();
+  FThetaTrainOptions o = test::ftheta_small_options();
   o.eval_every = 0;
   FThetaTrainer tr(t.m, f, t.seqs, {t.seqs[0]}, o, temp_dir("nan") + "/ck.safetensors");
   auto before = f.named_parameters()[0].second.clone();
@@ -447,10 +391,10 @@ TEST(FThetaTrain, NonFiniteLossHaltsNamingStepAndLayer) {
 // EFBIG, as they would with ENOSPC): the save fails naming the file, no temp file is left, and the
 // last complete checkpoint is untouched, so --resume continues from it.
 TEST(FThetaTrain, DiskFullKeepsTheLastCheckpoint) {
-  TrainFixture t = train_fixture();
+  test::FThetaFixture t = test::ftheta_fixture();
   const std::string dir = temp_dir("diskfull");
   const std::string ck = dir + "/ck.safetensors";
-  FThetaTrainOptions o = small_options();
+  FThetaTrainOptions o = test::ftheta_small_options();
   o.max_steps_this_run = 3;
   FTheta a = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
   {

@@ -71,5 +71,6 @@ void register_niah(CLI::App& app);           // cmd_niah.cpp
 void register_eval_long(CLI::App& app);      // cmd_eval_long.cpp
 void register_ftheta_layers(CLI::App& app);  // cmd_ftheta_layers.cpp
 void register_sweep_alpha(CLI::App& app);    // cmd_niah.cpp
+void register_launch(CLI::App& app);         // cmd_launch.cpp: data-parallel ranks
 
 }  // namespace kakeya::cli

@@ -7,6 +7,11 @@
 //              OUT/drafter/manifest.json (command, commit, data, τ)
 // Every stage is idempotent, so rerunning the same command resumes where a
 // deadline (--deadline) stopped the last one.
+// Under `kakeya launch --nproc N` (train/dist.h): rank r continues its slice of every prompt
+// list (rank 0 joins the slices), every rank trains on its rows of each batch, and rank 0
+// alone writes the report, exports and evaluates.
+#include <unistd.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -18,6 +23,7 @@
 #include "core/error.h"
 #include "core/fs.h"
 #include "train/drafter_data.h"
+#include "train/dist.h"
 #include "train/drafter_train.h"
 #include "tools/cli_common.h"
 
@@ -111,6 +117,8 @@ void register_train_drafter(CLI::App& app) {
     const double t_start = now_unix();
     // TF32 for the f32 drafter's matmuls on CUDA (the target runs in bf16 anyway).
     at::globalContext().setAllowTF32CuBLAS(true);
+    const Dist dist(dist_env_from_environment(), o->df.torch_device());  // on CUDA: picks the rank's GPU
+    const bool root = dist.is_root();
     auto tok = load_tokenizer(o->model);
     const int64_t S = o->prompt_len + o->gen_len;
     auto target = load_model(o->model, o->df, std::max(S, o->prompt_len + o->eval_max_new) + o->block_size + 8);
@@ -171,9 +179,15 @@ void register_train_drafter(CLI::App& app) {
         std::map<std::string, std::string> md{{"domain", dn}, {"model", o->model}, {"gen_len", std::to_string(o->gen_len)}};
         for (auto& [split, prompts] : {std::make_pair(std::string("train"), &train_prompts),
                                       std::make_pair(std::string("heldout"), &heldout_prompts)}) {
-          auto s = generate_continuations(target, *prompts, o->gen_len, o->gen_batch, tcfg.eos_token_ids,
-                                          dn + " " + split);
-          save_sequences(data_dir + "/" + dn + "_" + split + ".safetensors", s, md);
+          // Data-parallel: rank r continues prompts [r·n/N, (r+1)·n/N); rank 0 joins the parts below.
+          const int64_t n = (int64_t)prompts->size(), lo = n * dist.rank() / dist.world(),
+                        hi = n * (dist.rank() + 1) / dist.world();
+          KAKEYA_CHECK(hi > lo, "train-drafter: " << n << " " << dn << " " << split << " prompts for " << dist.world()
+                                                  << " ranks (each rank needs at least one)");
+          std::vector<std::vector<int64_t>> mine(prompts->begin() + lo, prompts->begin() + hi);
+          auto s = generate_continuations(target, mine, o->gen_len, o->gen_batch, tcfg.eos_token_ids, dn + " " + split);
+          const std::string path = data_dir + "/" + dn + "_" + split + ".safetensors";
+          save_sequences(dist.world() > 1 ? path + ".rank" + std::to_string(dist.rank()) : path, s, md);
         }
         data_manifest["domains"][dn] = {{"sources", d == Domain::Code ? o->code : o->prose},
                                         {"files", files.size()},
@@ -185,7 +199,20 @@ void register_train_drafter(CLI::App& app) {
                                         {"heldout_prompts", heldout_prompts.size()},
                                         {"heldout_file_list", file_list(files, true)}};
       }
-      write_json(manifest_path, data_manifest);  // last: its presence means the cache is complete
+      dist.barrier("every rank's continuations written");
+      if (dist.world() > 1 && root)
+        for (const char* dn : {"code", "prose"})
+          for (const char* split : {"train", "heldout"}) {
+            const std::string path = data_dir + "/" + dn + "_" + split + ".safetensors";
+            std::vector<Sequences> parts;
+            std::map<std::string, std::string> md;
+            for (int r = 0; r < dist.world(); ++r)
+              parts.push_back(load_sequences(path + ".rank" + std::to_string(r), &md));
+            save_sequences(path, concat_sequences(parts), md);
+            for (int r = 0; r < dist.world(); ++r) ::unlink((path + ".rank" + std::to_string(r)).c_str());
+          }
+      if (root) write_json(manifest_path, data_manifest);  // last: its presence means the cache is complete
+      dist.barrier("the joined continuations written");
     }
     for (const char* dn : {"code", "prose"})
       for (const char* split : {"train", "heldout"}) {
@@ -236,11 +263,13 @@ void register_train_drafter(CLI::App& app) {
       for (int64_t id : drafter.config().target_layer_ids) std::fprintf(stderr, " %lld", (long long)id);
       std::fprintf(stderr, ", mask %lld, input scale %.4f\n", (long long)mask, drafter.config().input_embedding_scale);
       DrafterTrainer trainer(target, drafter, {seqs["code_train"], seqs["prose_train"]}, o->t, ckpt);
+      trainer.distribute(dist);
       if (o->t.freeze_context)
         std::fprintf(stderr, "[train] --freeze-context: fc, hidden_norm, k_proj, v_proj frozen (%.2fM), %.2fM trained\n",
                      trainer.frozen_parameters() / 1e6, trainer.trainable_parameters() / 1e6);
       trainer.resume();
       const bool done = trainer.run();
+      if (!root) return;  // rank 0 reports, exports and evaluates
       const auto& st = trainer.state();
       json log = json::array();
       for (const auto& p : st.log)
@@ -286,6 +315,7 @@ void register_train_drafter(CLI::App& app) {
     }
 
     // ---- 4. eval: τ with the exported (bf16) drafter, as users will load it ----
+    if (!root) return;
     if (o->t.deadline > 0 && now_unix() + o->eval_seconds > o->t.deadline) {
       std::fprintf(stderr, "[train-drafter] evaluation deferred (deadline in %.0fs): rerun the same command\n",
                    o->t.deadline - now_unix());

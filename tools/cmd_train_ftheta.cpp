@@ -6,8 +6,12 @@
 //   SAVE/report.json              options, loss components over time, held-out evaluations
 //                                 (per layer and per layer type), reduction factor
 //   SAVE/loss.png                 curves (tools/plot_ftheta_loss.py, when --plot-python works)
+// Under `kakeya launch --nproc N` it trains data-parallel (train/dist.h): each rank makes (online)
+// or reads (capture) only the sequences of its rows of each batch; rank 0 writes SAVE.
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <memory>
 
 #include "core/drafter.h"
 #include "core/error.h"
@@ -15,6 +19,7 @@
 #include "core/ftheta.h"
 #include "data/capture.h"
 #include "tools/cli_common.h"
+#include "train/dist.h"
 #include "train/ftheta_online.h"
 #include "train/ftheta_train.h"
 
@@ -62,17 +67,24 @@ std::vector<int64_t> parse_layers(const std::string& spec, const ModelConfig& mc
 }
 
 // Resume, train, report, save, plot: the same for captured and online data.
+// Data-parallel: every rank trains, rank 0 alone writes SAVE.
 template <typename Opts>
-void finish_training(FThetaTrainer& tr, FTheta& f, const Opts& opt, at::Device dev, const json& data) {
+void finish_training(FThetaTrainer& tr, FTheta& f, const Opts& opt, const Dist& dist, const json& data) {
   const auto* o = &opt;
-  if (o->resume && !tr.resume()) std::fprintf(stderr, "[train-ftheta] --resume: no checkpoint yet, starting fresh\n");
-  std::fprintf(stderr, "[train-ftheta] f_theta rank %lld (%s input), %lld parameters, loss %s, %s\n",
-               (long long)f.config().rank, ftheta_input_name(f.config().input), (long long)f.num_parameters(),
-               o->loss.c_str(), device_description(dev).c_str());
+  tr.distribute(dist);
+  const bool root = dist.is_root();
+  if (o->resume && !tr.resume() && root)
+    std::fprintf(stderr, "[train-ftheta] --resume: no checkpoint yet, starting fresh\n");
+  if (root)
+    std::fprintf(stderr, "[train-ftheta] f_theta rank %lld (%s input), %lld parameters, loss %s, %s, %d rank(s)%s\n",
+                 (long long)f.config().rank, ftheta_input_name(f.config().input), (long long)f.num_parameters(),
+                 o->loss.c_str(), device_description(dist.device()).c_str(), dist.world(),
+                 dist.backend() == "none" ? "" : (" (" + dist.backend() + ")").c_str());
   const bool done = tr.run();
+  if (!root) return;
   json report = tr.report();
   report["command"] = command_line();
-  report["device"] = device_description(dev);
+  report["device"] = device_description(dist.device());
   report["data"] = data;
   write_json(o->save + "/report.json", report);
   if (!done) {
@@ -154,7 +166,9 @@ void register_train_ftheta(CLI::App& app) {
   c->callback([o] {
     KAKEYA_CHECK(!o->data.empty() || !o->online.empty(), "train-ftheta: pass --data CAPTURE_DIR or --online CORPUS_DIR");
     const DeviceFlags df = training_device_flags(o->df, "train-ftheta");
-    const at::Device dev = df.torch_device();
+    // Under `kakeya launch`: join the ranks first (on CUDA this picks the rank's GPU).
+    const Dist dist(dist_env_from_environment(), df.torch_device());
+    const at::Device dev = dist.device();
     std::unique_ptr<data::CaptureReader> reader;
     if (!o->data.empty()) {
       reader = std::make_unique<data::CaptureReader>(o->data);
@@ -208,7 +222,7 @@ void register_train_ftheta(CLI::App& app) {
         return online_sequence(verifier, drafter, f.config(), online_tokens(tok, corpus, co, i));
       };
       FThetaTrainer tr(verifier, f, source, corpus.n_train, std::move(heldout), o->t, ckpt);
-      finish_training(tr, f, *o, dev, {{"online", corpus.describe}});
+      finish_training(tr, f, *o, dist, {{"online", corpus.describe}});
       return;
     }
     data::CaptureReader& rd = *reader;
@@ -222,18 +236,32 @@ void register_train_ftheta(CLI::App& app) {
     const int64_t n = rd.size();
     KAKEYA_CHECK(n > o->heldout && o->heldout > 0,
                  o->data << ": " << n << " complete sequences; need more than --heldout " << o->heldout << " (>0)");
+    auto read = [&](int64_t i) {
+      return to_training(rd.read(i, at::kFloat, at::kCPU), f.config(), o->t.max_len,
+                         o->data + " sequence " + std::to_string(i));
+    };
     std::vector<FThetaSequence> train, heldout;
-    Progress prog("[train-ftheta] reading capture", n, "seq");
-    for (int64_t i = 0; i < n; ++i) {
-      auto cs = rd.read(i, at::kFloat, at::kCPU);
-      (i < n - o->heldout ? train : heldout)
-          .push_back(to_training(cs, f.config(), o->t.max_len, o->data + " sequence " + std::to_string(i)));
+    for (int64_t i = n - o->heldout; i < n; ++i) heldout.push_back(read(i));
+    if (dist.world() > 1) {
+      // Data-parallel: a rank reads a training sequence the first time one of its rows draws it.
+      auto cache = std::make_shared<std::map<int64_t, FThetaSequence>>();
+      auto source = [&, cache](int64_t i) {
+        auto it = cache->find(i);
+        return it != cache->end() ? it->second : cache->emplace(i, read(i)).first->second;
+      };
+      FThetaTrainer tr(verifier, f, source, n - o->heldout, std::move(heldout), o->t, ckpt);
+      finish_training(tr, f, *o, dist, {{"capture", o->data}});
+      return;
+    }
+    Progress prog("[train-ftheta] reading capture", n - o->heldout, "seq");
+    for (int64_t i = 0; i < n - o->heldout; ++i) {
+      train.push_back(read(i));
       prog.update(i + 1);
     }
     prog.finish();
 
     FThetaTrainer tr(verifier, f, std::move(train), std::move(heldout), o->t, ckpt);
-    finish_training(tr, f, *o, dev, {{"capture", o->data}});
+    finish_training(tr, f, *o, dist, {{"capture", o->data}});
   });
 }
 

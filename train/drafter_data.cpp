@@ -254,6 +254,18 @@ Sequences generate_continuations(const Model& target, const std::vector<std::vec
   return {tokens, lengths, P};
 }
 
+Sequences concat_sequences(const std::vector<Sequences>& parts) {
+  KAKEYA_CHECK(!parts.empty(), "concat_sequences: no parts");
+  std::vector<at::Tensor> tokens, lengths;
+  for (const auto& p : parts) {
+    KAKEYA_CHECK(p.prompt_len == parts[0].prompt_len && p.tokens.size(1) == parts[0].tokens.size(1),
+                 "concat_sequences: parts differ in prompt length or width");
+    tokens.push_back(p.tokens);
+    lengths.push_back(p.lengths);
+  }
+  return {at::cat(tokens), at::cat(lengths), parts[0].prompt_len};
+}
+
 void save_sequences(const std::string& path, const Sequences& s, const std::map<std::string, std::string>& metadata) {
   auto md = metadata;
   md["prompt_len"] = std::to_string(s.prompt_len);

@@ -75,6 +75,8 @@ Sequences generate_continuations(const Model& target, const std::vector<std::vec
                                  int64_t gen_len, int64_t batch, const std::vector<int64_t>& stop_ids,
                                  const std::string& label);
 
+// The rows of several sets in order (same prompt length and width; data-parallel parts).
+Sequences concat_sequences(const std::vector<Sequences>& parts);
 void save_sequences(const std::string& path, const Sequences& s, const std::map<std::string, std::string>& metadata);
 // Throws naming the file on a missing or malformed cache.
 Sequences load_sequences(const std::string& path, std::map<std::string, std::string>* metadata = nullptr);

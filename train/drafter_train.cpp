@@ -48,6 +48,15 @@ DrafterTrainer::DrafterTrainer(const Model& target, Drafter& drafter, std::vecto
   pos_weights_ = at::exp(-at::arange(0, B - 1, at::kFloat) / opt.gamma).to(drafter.device());  // [B-1]
 }
 
+void DrafterTrainer::distribute(const Dist& dist) {
+  dist_ = &dist;
+  dist.share(opt_.batch, "--batch");  // refuses a batch that does not split before anything runs
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> start;
+  for (auto& [name, p] : params_) start.push_back(p.detach());
+  dist.broadcast(start, "the starting drafter weights");
+}
+
 bool is_context_parameter(const std::string& name) {
   auto ends = [&](const std::string& suf) {
     return name.size() >= suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
@@ -100,7 +109,14 @@ DrafterTrainer::Batch DrafterTrainer::sample(const std::vector<const Sequences*>
       for (int64_t k = 1; k < Bk; ++k) va[b][n][k - 1] = real && a + k < L;
     }
   }
-  return {tokens, anchors, valid};
+  const double weight = (pos_weights_.cpu().view({1, 1, Bk - 1}) * valid.to(at::kFloat)).sum().item<double>();
+  const double blocks = valid.select(2, 0).sum().item<double>();
+  return {tokens, anchors, valid, std::max(weight, 1e-6), std::max(blocks, 1.0)};
+}
+
+DrafterTrainer::Batch DrafterTrainer::rows(const Batch& b, int64_t begin, int64_t end) const {
+  return {b.tokens.slice(0, begin, end), b.anchors.slice(0, begin, end), b.valid.slice(0, begin, end), b.weight_total,
+          b.blocks_total};
 }
 
 at::Tensor block_hidden(const Model& target, const Drafter& drafter, const at::Tensor& tokens, const at::Tensor& A) {
@@ -182,14 +198,14 @@ std::pair<at::Tensor, at::Tensor> DrafterTrainer::loss(const Batch& batch) const
 
   at::Tensor logits = drafter_.logits(h.reshape({-1, H}));                     // [M, V] f32
   at::Tensor ce = at::cross_entropy_loss(logits, labels.reshape({-1}), {}, at::Reduction::None);  // [M]
-  at::Tensor loss = (ce.view_as(w) * w).sum() / w.sum().clamp_min(1e-6);
+  at::Tensor loss = (ce.view_as(w) * w).sum() / batch.weight_total;  // this batch's share of the drawn batch's loss
 
   at::Tensor metrics;  // [3] f32: loss, top-1 accuracy at k = 1, acceptance length
   {
     at::NoGradGuard no_grad;
     at::Tensor correct = logits.argmax(-1).view_as(labels).eq(labels).logical_and(valid);  // [Bs, N, B-1]
     at::Tensor real = valid.select(2, 0).to(at::kFloat);                                    // [Bs, N]
-    at::Tensor denom = real.sum().clamp_min(1.0);
+    const double denom = batch.blocks_total;
     at::Tensor acc1 = correct.select(2, 0).to(at::kFloat).sum() / denom;
     // Greedy verification accepts the leading correct drafts and adds the target's own token.
     at::Tensor lead = correct.to(at::kLong).cumprod(2).sum(2).to(at::kFloat) + 1.0;        // [Bs, N]
@@ -218,6 +234,7 @@ void DrafterTrainer::step_optimizer(double lr, at::Tensor& grad_norm) {
 }
 
 void DrafterTrainer::save_checkpoint() const {
+  if (dist_ && !dist_->is_root()) return;  // every rank holds the same state: rank 0 writes it
   std::map<std::string, at::Tensor> t;
   for (size_t i = 0; i < params_.size(); ++i) {
     const std::string& n = params_[i].first;
@@ -274,7 +291,8 @@ bool DrafterTrainer::resume() {
   st_.log.clear();
   for (const auto& p : s["log"])
     st_.log.push_back({p[0].get<int64_t>(), p[1], p[2], p[3], p[4], p[5], p[6]});
-  std::fprintf(stderr, "[train] resumed %s at step %lld/%lld (%.0fs trained)\n", ckpt_.c_str(), (long long)st_.step,
+  if (!dist_ || dist_->is_root())
+    std::fprintf(stderr, "[train] resumed %s at step %lld/%lld (%.0fs trained)\n", ckpt_.c_str(), (long long)st_.step,
                (long long)st_.total_steps, st_.train_seconds);
   return true;
 }
@@ -290,18 +308,35 @@ bool DrafterTrainer::run() {
   at::Tensor acc = at::zeros({3}, at::TensorOptions().dtype(at::kFloat).device(drafter_.device()));  // summed metrics
   at::Tensor gsum = at::zeros({}, acc.options());
   int64_t acc_n = 0;
+  const bool root = !dist_ || dist_->is_root();
   while (!st_.finished()) {
     // Stop early enough to write the checkpoint before the deadline (a few steps of margin).
-    if (opt_.deadline > 0 && now_unix() + std::max(20.0, 5 * st_.step_seconds) > opt_.deadline) {
-      std::fprintf(stderr, "\n[train] deadline: stopping at step %lld/%lld; rerun the same command to resume\n",
+    bool stop = opt_.deadline > 0 && now_unix() + std::max(20.0, 5 * st_.step_seconds) > opt_.deadline;
+    // Every rank stops at the same step (clocks differ a little): one flag when a deadline is set.
+    if (dist_ && opt_.deadline > 0) stop = dist_->any(stop, "the deadline check at step " + std::to_string(st_.step));
+    if (stop) {
+      if (root)
+        std::fprintf(stderr, "\n[train] deadline: stopping at step %lld/%lld; rerun the same command to resume\n",
                    (long long)st_.step, (long long)st_.total_steps);
       break;
     }
     if (opt_.max_steps_this_run > 0 && st_.step - first_step >= opt_.max_steps_this_run) break;
     const double lr = lr_at(st_.step);
     Batch b = sample(pool, opt_.seed * 1000003ull + (uint64_t)st_.step);  // a step's batch depends on (seed, step) only
+    if (dist_) {
+      const auto [lo, hi] = dist_->share(opt_.batch, "--batch");
+      b = rows(b, lo, hi);
+    }
     auto [loss, metrics] = this->loss(b);
     loss.backward();
+    if (dist_) {
+      // One all-reduce per step: the gradients and the metrics (each rank's share of the batch's).
+      std::vector<at::Tensor> parts;
+      for (auto& [name, p] : params_)
+        if (p.grad().defined()) parts.push_back(p.grad());
+      parts.push_back(metrics);
+      dist_->all_reduce_sum(parts, "gradients at step " + std::to_string(st_.step + 1));
+    }
     at::Tensor gnorm;
     step_optimizer(lr, gnorm);
     acc += metrics;
@@ -322,7 +357,9 @@ bool DrafterTrainer::run() {
         (void)acc.sum().item<float>();  // SYNC: end of the timed steps
         st_.step_seconds = seconds_since(t_calib) / (double)(opt_.calibration_steps - 2);
         st_.total_steps = std::max<int64_t>(st_.step + 1, (int64_t)(opt_.train_seconds / st_.step_seconds));
-        std::fprintf(stderr, "[train] %.1f ms/step: %lld steps fit the %.0fs budget\n", 1e3 * st_.step_seconds,
+        if (dist_) st_.total_steps = dist_->all_reduce_min(st_.total_steps, "the timed schedule");  // one schedule
+        if (root)
+          std::fprintf(stderr, "[train] %.1f ms/step: %lld steps fit the %.0fs budget\n", 1e3 * st_.step_seconds,
                      (long long)st_.total_steps, opt_.train_seconds);
       }
     }
@@ -336,7 +373,8 @@ bool DrafterTrainer::run() {
       const double eta = st_.total_steps > 0 ? (st_.total_steps - st_.step) / std::max(rate, 1e-9) : 0.0;
       LogPoint p{st_.step, m[0].item<double>(), m[1].item<double>(), m[2].item<double>(), lr, g, st_.train_seconds};
       st_.log.push_back(p);
-      std::fprintf(stderr, "[train] step %lld/%lld  loss %.4f  acc@1 %.3f  accept %.2f  lr %.2e  |g| %.2f  %.2f step/s  ETA %.0fs\n",
+      if (root)
+        std::fprintf(stderr, "[train] step %lld/%lld  loss %.4f  acc@1 %.3f  accept %.2f  lr %.2e  |g| %.2f  %.2f step/s  ETA %.0fs\n",
                    (long long)st_.step, (long long)st_.total_steps, p.loss, p.acc1, p.accept_len, lr, g, rate, eta);
       acc.zero_();
       gsum.zero_();

@@ -9,6 +9,10 @@
 // stays frozen too, so its raw context K/V — what a trained f_θ reads — do not move.
 // The step count can be derived from a time budget (--train-seconds): the first
 // steps are timed, then the schedule is fixed and stored in the checkpoint.
+// Data-parallel (distribute(), train/dist.h): every rank draws the step's global batch and
+// computes its rows; the loss is normalised by the whole batch's weight, so the ranks' losses
+// sum to the one-process loss and the summed gradients are its gradients. Rank 0 writes the
+// checkpoint and prints; a timed schedule takes the shortest of the ranks' step counts.
 #pragma once
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -20,6 +24,7 @@
 #include "core/drafter.h"
 #include "core/model.h"
 #include "train/drafter_data.h"
+#include "train/dist.h"
 
 namespace kakeya::train {
 
@@ -91,6 +96,9 @@ class DrafterTrainer {
   // Resumes from the checkpoint if it exists (same drafter config and freeze_context
   // required; with freeze_context its frozen tensors must equal the drafter's bitwise).
   bool resume();
+  // Train as one rank of `dist` (before resume/run): rank 0's starting weights go to every
+  // rank; --batch must be a multiple of the number of ranks.
+  void distribute(const Dist& dist);
   // Runs until the schedule ends or the deadline nears; checkpoints on the way and at the end.
   // Returns true when training is finished.
   bool run();
@@ -106,8 +114,12 @@ class DrafterTrainer {
     at::Tensor tokens;   // [Bs, S] int64
     at::Tensor anchors;  // [Bs, N] int64
     at::Tensor valid;    // [Bs, N, B-1] bool: label exists and anchor is real
+    // Over the whole drawn batch (all ranks' rows): the loss weight and the real blocks, the
+    // denominators of the loss and the metrics.
+    double weight_total = 0, blocks_total = 0;
   };
   Batch sample(const std::vector<const Sequences*>& pool, uint64_t seed) const;
+  Batch rows(const Batch& b, int64_t begin, int64_t end) const;  // a rank's rows, the totals kept
   // Loss (scalar, with graph when grad is enabled) and detached metrics for one batch.
   std::pair<at::Tensor, at::Tensor> loss(const Batch& b) const;  // {loss [], metrics [3] = (loss, acc1, accept_len)}
   double lr_at(int64_t step) const;
@@ -123,6 +135,7 @@ class DrafterTrainer {
   std::vector<at::Tensor> m_, v_;   // AdamW moments, like params_
   at::Tensor pos_weights_;          // [B-1] f32: exp(-(k-1)/γ)
   TrainState st_;
+  const Dist* dist_ = nullptr;      // data-parallel rank (distribute()); null: one process
 };
 
 // Held-out τ: speculative decoding of each prompt (max_new tokens, greedy),

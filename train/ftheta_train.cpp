@@ -171,21 +171,29 @@ double FThetaTrainer::lr_at(int64_t step) const {
 
 FThetaBatch FThetaTrainer::sample(int64_t step) const {
   std::mt19937_64 rng(opt_.seed * 1000003ull + (uint64_t)step);  // a step's batch depends on (seed, step) only
+  // Data-parallel: this rank's rows [lo, hi) of the global batch; every draw is still made,
+  // so the rows are the ones a single process would put there.
+  const auto [lo, hi] = dist_ ? dist_->share(opt_.batch, "--batch") : std::pair<int64_t, int64_t>{0, opt_.batch};
   std::vector<const FThetaSequence*> pick;
-  std::vector<FThetaSequence> made;  // online: this batch's sequences
+  std::vector<FThetaSequence> made;  // online: this rank's sequences of the batch
   made.reserve(opt_.batch);
   int64_t T = opt_.max_len;
   for (int64_t i = 0; i < opt_.batch; ++i) {
+    const uint64_t draw = rng();
+    const bool mine = i >= lo && i < hi;
     const FThetaSequence* s = nullptr;
     if (source_) {
-      made.push_back(source_((int64_t)(rng() % (uint64_t)n_train_)));
+      if (!mine) continue;  // another rank makes it
+      made.push_back(source_((int64_t)(draw % (uint64_t)n_train_)));
       s = &made.back();
     } else {
-      s = &train_[rng() % train_.size()];
+      s = &train_[draw % train_.size()];
     }
-    pick.push_back(s);
-    T = std::min(T, s->length());
+    T = std::min(T, s->length());  // in memory: the whole batch's lengths are known here
+    if (mine) pick.push_back(s);
   }
+  // Online: the other rows were made elsewhere; the batch is cropped to the shortest of all.
+  if (source_ && dist_) T = dist_->all_reduce_min(T, "batch length at step " + std::to_string(step));
   if (graphed() && T >= 128) T -= T % 128;  // a few batch lengths: one captured graph each
   return make_ftheta_batch(pick, T, f_.device());
 }
@@ -196,19 +204,54 @@ FThetaEval FThetaTrainer::evaluate() const {
   FThetaEval e;
   e.step = step_;
   at::Tensor loss_sum = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(f_.device()));
-  at::Tensor stats_sum;
-  for (const auto& s : heldout_) {
+  at::Tensor stats_sum = at::zeros({verifier_.config().num_layers, kNumStats}, loss_sum.options());
+  // Data-parallel: held-out sequence i is evaluated by rank i mod N; the sums are all-reduced.
+  const int world = dist_ ? dist_->world() : 1, rank = dist_ ? dist_->rank() : 0;
+  for (size_t i = rank; i < heldout_.size(); i += world) {
+    const FThetaSequence& s = heldout_[i];
     FThetaBatch b = make_ftheta_batch({&s}, std::min(opt_.max_len, s.length()), f_.device());
     FThetaLossResult r = ftheta_loss(verifier_, f_, b, opt_.loss);
     loss_sum += r.loss;
-    stats_sum = stats_sum.defined() ? stats_sum + r.stats : r.stats;
+    stats_sum += r.stats;
+  }
+  if (dist_) {
+    std::vector<at::Tensor> sums{loss_sum, stats_sum};
+    dist_->all_reduce_sum(sums, "held-out evaluation at step " + std::to_string(step_));
   }
   e.loss = loss_sum.item<double>() / heldout_.size();  // SYNC: once per evaluation
   e.stats = (stats_sum / (double)heldout_.size()).cpu();
   return e;
 }
 
+void FThetaTrainer::distribute(const Dist& dist) {
+  dist_ = &dist;
+  dist.share(opt_.batch, "--batch");  // refuses a batch that does not split before anything runs
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> start;
+  for (auto& p : params_) start.push_back(p.detach());
+  dist.broadcast(start, "the starting f_theta weights");
+}
+
+void FThetaTrainer::reduce_step(FThetaStepResult& r, at::Tensor& finite) const {
+  // One all-reduce per step: gradients (of each rank's share of the loss), loss and statistics
+  // (already divided by N) and the count of ranks whose step was not finite.
+  std::vector<at::Tensor> parts;
+  for (const auto& p : params_)
+    if (p.grad().defined()) parts.push_back(p.grad());
+  const double share = 1.0 / dist_->world();
+  at::Tensor loss = (r.loss * share).reshape({1}), stats = r.stats * share;
+  at::Tensor bad = finite.logical_not().to(at::kFloat).reshape({1});
+  parts.push_back(loss);
+  parts.push_back(stats);
+  parts.push_back(bad);
+  dist_->all_reduce_sum(parts, "gradients at step " + std::to_string(step_ + 1));
+  r.loss = loss.squeeze(0);
+  r.stats = stats;
+  finite = bad.squeeze(0).eq(0);
+}
+
 void FThetaTrainer::save_checkpoint() const {
+  if (dist_ && !dist_->is_root()) return;  // every rank holds the same state: rank 0 writes it
   std::map<std::string, at::Tensor> t;
   for (size_t i = 0; i < named_.size(); ++i) {
     const std::string& n = named_[i].first;
@@ -253,8 +296,9 @@ bool FThetaTrainer::resume() {
   train_seconds_ = s["train_seconds"];
   log_ = s["log"];
   evals_ = s["evals"];
-  std::fprintf(stderr, "[train-ftheta] resumed %s at step %lld/%lld\n", ckpt_.c_str(), (long long)step_,
-               (long long)opt_.steps);
+  if (!dist_ || dist_->is_root())
+    std::fprintf(stderr, "[train-ftheta] resumed %s at step %lld/%lld\n", ckpt_.c_str(), (long long)step_,
+                 (long long)opt_.steps);
   return true;
 }
 
@@ -287,7 +331,8 @@ FThetaStepResult FThetaTrainer::forward_backward(const FThetaBatch& b, at::Tenso
     AutocastGuard ac(opt_.autocast && f_.device().is_cuda());
     r = ftheta_loss(verifier_, f_, b, opt_.loss);
   }
-  r.loss.backward();
+  // Data-parallel: each rank's gradient is of its share of the global mean (they sum to it).
+  (dist_ ? r.loss * (1.0 / dist_->world()) : r.loss).backward();
   at::Tensor gsq = at::zeros({}, r.loss.options());
   for (auto& p : params_)
     if (p.grad().defined()) gsq = gsq + p.grad().pow(2).sum();
@@ -367,6 +412,7 @@ FThetaStepResult FThetaTrainer::step_on(const FThetaBatch& b, double lr) {
   {
     r = forward_backward(b, finite);
   }
+  if (dist_) reduce_step(r, finite);
   // Halt on NaN/Inf before the update touches the weights (the last checkpoint stays good).
   if (!finite.item<bool>()) fail_non_finite(r);  // SYNC: one flag per step
   r.grad_norm = adamw_step(params_, m_, v_, step_ + 1, lr, opt_.adamw);
@@ -385,9 +431,14 @@ bool FThetaTrainer::run() {
   at::Tensor stats_acc, loss_acc, g_acc;
   int64_t acc_n = 0;
   double step_seconds = 0;
+  const bool root = !dist_ || dist_->is_root();
   while (step_ < opt_.steps) {
-    if (opt_.deadline > 0 && now_unix() + std::max(20.0, 5 * step_seconds) > opt_.deadline) {
-      std::fprintf(stderr, "\n[train-ftheta] deadline: stopping at step %lld/%lld; rerun with --resume\n",
+    bool stop = opt_.deadline > 0 && now_unix() + std::max(20.0, 5 * step_seconds) > opt_.deadline;
+    // Every rank stops at the same step (clocks differ a little): one flag when a deadline is set.
+    if (dist_ && opt_.deadline > 0) stop = dist_->any(stop, "the deadline check at step " + std::to_string(step_));
+    if (stop) {
+      if (root)
+        std::fprintf(stderr, "\n[train-ftheta] deadline: stopping at step %lld/%lld; rerun with --resume\n",
                    (long long)step_, (long long)opt_.steps);
       break;
     }
@@ -410,7 +461,8 @@ bool FThetaTrainer::run() {
       log_.push_back({{"step", step_}, {"loss", loss}, {"lr", lr}, {"grad_norm", g}, {"seconds", train_seconds_},
                       {"terms", terms}});
       const double rate = (step_ - first_step) / std::max(1e-9, el);
-      std::fprintf(stderr,
+      if (root)
+        std::fprintf(stderr,
                    "[train-ftheta] step %lld/%lld  loss %.4g  attn %.3g  kDir %.3g  vDir %.3g  kMag %.3g  vMag %.3g  "
                    "lr %.2e  |g| %.3g  %.2f step/s  ETA %.0fs\n",
                    (long long)step_, (long long)opt_.steps, loss, terms["attn"].get<double>(), terms["k_dir"].get<double>(),
@@ -421,7 +473,7 @@ bool FThetaTrainer::run() {
     }
     if (last || (opt_.eval_every > 0 && step_ % opt_.eval_every == 0)) {
       FThetaEval e = evaluate();
-      std::fprintf(stderr, "[train-ftheta] held-out at step %lld: loss %.4g\n", (long long)step_, e.loss);
+      if (root) std::fprintf(stderr, "[train-ftheta] held-out at step %lld: loss %.4g\n", (long long)step_, e.loss);
       evals_.push_back(e.to_json(mc));
     }
     if (seconds_since(t_ckpt) >= opt_.checkpoint_seconds) {
@@ -441,6 +493,7 @@ json FThetaTrainer::report() const {
          {"f_theta_parameters", f_.num_parameters()},
          {"train_sequences", train_.size()},
          {"heldout_sequences", heldout_.size()},
+         {"ranks", dist_ ? dist_->world() : 1},
          {"steps_done", step_},
          {"train_seconds", train_seconds_},
          {"log", log_},

@@ -19,6 +19,12 @@
 // Checkpoint (one safetensors file, replaced atomically): parameters, AdamW
 // moments, the f_θ config and the state (step, logs, evaluations); a resumed
 // run ends with the same weights as an uninterrupted one.
+//
+// Data-parallel (distribute(), train/dist.h): every rank draws the step's global batch and
+// computes its rows of it (online: makes only those sequences); gradients, loss and
+// statistics are summed over ranks before the update; held-out sequences are split over
+// ranks. N ranks at --batch B end with the weights of one process at --batch B (up to the
+// order of floating-point sums). Rank 0 alone writes the checkpoint and prints.
 #pragma once
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -32,6 +38,7 @@
 
 #include "core/ftheta.h"
 #include "core/model.h"
+#include "train/dist.h"
 #include "train/ftheta_loss.h"
 #include "train/train_util.h"
 
@@ -103,6 +110,9 @@ class FThetaTrainer {
   FThetaTrainer(const Model& verifier, FTheta& f, FThetaSequenceSource source, int64_t n_train,
                 std::vector<FThetaSequence> heldout, const FThetaTrainOptions& opt, std::string checkpoint);
   ~FThetaTrainer();
+  // Train as one rank of `dist` (before resume/run): rank 0's starting weights go to every rank.
+  // --batch must be a multiple of the number of ranks.
+  void distribute(const Dist& dist);
   bool resume();                   // from the checkpoint if it exists; refuses another f_θ config or options
   bool run();                      // until `steps` or the deadline; true when finished
   void save_checkpoint() const;
@@ -121,6 +131,8 @@ class FThetaTrainer {
   // Loss, backward and the finite flag ([] bool on the device) of one step: the part a graph replays.
   FThetaStepResult forward_backward(const FThetaBatch& b, at::Tensor& finite);
   [[noreturn]] void fail_non_finite(const FThetaStepResult& r) const;
+  // Data-parallel: sums gradients, loss, statistics and the non-finite flag over ranks.
+  void reduce_step(FThetaStepResult& r, at::Tensor& finite) const;
 
   const Model& verifier_;
   FTheta& f_;
@@ -136,6 +148,7 @@ class FThetaTrainer {
   nlohmann::json log_ = nlohmann::json::array();    // {step, loss, lr, grad_norm, seconds, terms{...}}
   nlohmann::json evals_ = nlohmann::json::array();  // FThetaEval::to_json
   std::map<int64_t, std::unique_ptr<FThetaStepGraph>> graphs_;  // by batch length T
+  const Dist* dist_ = nullptr;  // data-parallel rank (distribute()); null: one process
 };
 
 }  // namespace kakeya::train

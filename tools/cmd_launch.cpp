@@ -1,0 +1,44 @@
+// kakeya launch: a training subcommand as N data-parallel ranks on this host (train/launch.h).
+//   kakeya launch --nproc 2 -- train-ftheta --online corpus --drafter d --save out --batch 8
+// Ranks use Gloo on the CPU and NCCL on CUDA (rank r on GPU r modulo the GPUs present);
+// --backend gloo lets several ranks share one GPU.
+#include <unistd.h>
+
+#include <climits>
+#include <cstdio>
+
+#include "core/error.h"
+#include "tools/cli_common.h"
+#include "train/launch.h"
+
+namespace kakeya::cli {
+
+void register_launch(CLI::App& app) {
+  auto o = std::make_shared<train::LaunchOptions>();
+  auto* c = app.add_subcommand("launch", "Run train-ftheta or train-drafter as N data-parallel ranks (c10d)");
+  c->add_option("--nproc", o->nproc, "number of ranks (processes) on this host")->capture_default_str();
+  c->add_option("--port", o->port, "rendezvous store port (0: a free one)")->capture_default_str();
+  c->add_option("--timeout", o->timeout_s, "seconds a rank waits for the others in a collective")->capture_default_str();
+  c->add_option("--backend", o->backend, "auto (NCCL on CUDA, Gloo on CPU) | gloo | nccl")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
+  c->add_option("--grace", o->grace_s, "after a rank fails, seconds before the others are terminated")
+      ->capture_default_str();
+  c->prefix_command();  // everything after the options (or after --) is the subcommand
+  c->footer("Example: kakeya launch --nproc 2 -- train-ftheta --online CORPUS --drafter D --save OUT --batch 8");
+  c->callback([o, c] {
+    std::vector<std::string> cmd = c->remaining();
+    if (!cmd.empty() && cmd[0] == "--") cmd.erase(cmd.begin());
+    KAKEYA_CHECK(!cmd.empty(), "launch: no subcommand (kakeya launch --nproc N -- train-ftheta ...)");
+    KAKEYA_CHECK(cmd[0] == "train-ftheta" || cmd[0] == "train-drafter",
+                 "launch: '" << cmd[0] << "' does not train data-parallel (expected train-ftheta or train-drafter)");
+    char exe[PATH_MAX] = {0};
+    const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+    KAKEYA_CHECK(n > 0, "launch: cannot find this executable (/proc/self/exe)");
+    cmd.insert(cmd.begin(), std::string(exe, n));
+    const train::LaunchResult r = train::launch(*o, cmd);
+    KAKEYA_CHECK(r.exit_code == 0, "launch: " << r.failure);
+  });
+}
+
+}  // namespace kakeya::cli
