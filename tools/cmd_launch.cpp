@@ -15,6 +15,7 @@ namespace kakeya::cli {
 
 void register_launch(CLI::App& app) {
   auto o = std::make_shared<train::LaunchOptions>();
+  auto cmd = std::make_shared<std::vector<std::string>>();
   auto* c = app.add_subcommand("launch", "Run train-ftheta or train-drafter as N data-parallel ranks (c10d)");
   c->add_option("--nproc", o->nproc, "number of ranks (processes) on this host")->capture_default_str();
   c->add_option("--port", o->port, "rendezvous store port (0: a free one)")->capture_default_str();
@@ -24,19 +25,20 @@ void register_launch(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "gloo", "nccl"}));
   c->add_option("--grace", o->grace_s, "after a rank fails, seconds before the others are terminated")
       ->capture_default_str();
-  c->prefix_command();  // everything after the options (or after --) is the subcommand
+  c->add_option("command", *cmd, "the subcommand and its flags (after --)");
+  c->prefix_command();  // without --: everything from the subcommand's name on is left unparsed
   c->footer("Example: kakeya launch --nproc 2 -- train-ftheta --online CORPUS --drafter D --save OUT --batch 8");
-  c->callback([o, c] {
-    std::vector<std::string> cmd = c->remaining();
-    if (!cmd.empty() && cmd[0] == "--") cmd.erase(cmd.begin());
-    KAKEYA_CHECK(!cmd.empty(), "launch: no subcommand (kakeya launch --nproc N -- train-ftheta ...)");
-    KAKEYA_CHECK(cmd[0] == "train-ftheta" || cmd[0] == "train-drafter",
-                 "launch: '" << cmd[0] << "' does not train data-parallel (expected train-ftheta or train-drafter)");
+  c->callback([o, c, cmd] {
+    std::vector<std::string> argv = *cmd;
+    for (const auto& a : c->remaining()) argv.push_back(a);
+    KAKEYA_CHECK(!argv.empty(), "launch: no subcommand (kakeya launch --nproc N -- train-ftheta ...)");
+    KAKEYA_CHECK(argv[0] == "train-ftheta" || argv[0] == "train-drafter",
+                 "launch: '" << argv[0] << "' does not train data-parallel (expected train-ftheta or train-drafter)");
     char exe[PATH_MAX] = {0};
     const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
     KAKEYA_CHECK(n > 0, "launch: cannot find this executable (/proc/self/exe)");
-    cmd.insert(cmd.begin(), std::string(exe, n));
-    const train::LaunchResult r = train::launch(*o, cmd);
+    argv.insert(argv.begin(), std::string(exe, n));
+    const train::LaunchResult r = train::launch(*o, argv);
     KAKEYA_CHECK(r.exit_code == 0, "launch: " << r.failure);
   });
 }

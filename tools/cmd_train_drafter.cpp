@@ -125,7 +125,8 @@ void register_train_drafter(CLI::App& app) {
     const auto& tcfg = target.config();
     const int64_t bos = tcfg.bos_token_id >= 0 ? tcfg.bos_token_id : tok.bos_id();
     KAKEYA_CHECK(bos >= 0, "train-drafter: the target has no BOS token to start prompts with");
-    std::fprintf(stderr, "[train-drafter] target %s (%lld layers, hidden %lld) on %s %s\n", o->model.c_str(),
+    if (root)
+      std::fprintf(stderr, "[train-drafter] target %s (%lld layers, hidden %lld) on %s %s\n", o->model.c_str(),
                  (long long)tcfg.num_layers, (long long)tcfg.hidden_size, o->df.device.c_str(),
                  c10::toString(target.dtype()));
 
@@ -290,6 +291,7 @@ void register_train_drafter(CLI::App& app) {
                          {"seed", o->t.seed},
                          {"init", o->init},
                          {"freeze_context", o->t.freeze_context},
+                         {"ranks", dist.world()},
                          {"parameters", drafter.num_parameters()},
                          {"trainable_parameters", trainer.trainable_parameters()},
                          {"finished", done},
