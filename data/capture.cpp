@@ -560,6 +560,9 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
   KAKEYA_CHECK(opt.seqs_per_shard > 0, "capture: seqs_per_shard expected > 0, got " << opt.seqs_per_shard);
   KAKEYA_CHECK(opt.deflate >= 0 && opt.deflate <= 9, "capture: deflate level expected 0..9, got " << opt.deflate);
   KAKEYA_CHECK(!prompts.empty(), "capture: no prompts");
+  KAKEYA_CHECK(opt.world >= 1 && opt.rank >= 0 && opt.rank < opt.world,
+               "capture: rank " << opt.rank << " of " << opt.world << " (expected 0 <= rank < world)");
+  const bool sharded = opt.world > 1;
   const at::ScalarType store = opt.store_dtype.value_or(verifier.dtype());
   KAKEYA_CHECK(store == at::kFloat || store == at::kBFloat16,
                "capture: store dtype must be float32 or bfloat16, got " << c10::toString(store));
@@ -627,14 +630,32 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
                                   << ", now " << at_path(json{{"identity", identity}}, d).dump()
                                   << "); use another --out or remove it");
     // Complete shards whose files are still there, in order; the first gap ends the resume.
-    for (const auto& sh : old.at("shards")) {
+    // (Several ranks look at the shard files themselves, below.)
+    for (const auto& sh : sharded ? json::array() : old.at("shards")) {
       if (!fs::exists(opt.out_dir + "/" + sh.at("file").get<std::string>())) break;
       shards.push_back(sh);
       rep.resumed_sequences += sh.at("count").get<int64_t>();
     }
   }
-  for (const auto& name : list_dir(opt.out_dir))  // leftovers of a killed run: never taken for complete
-    if (name.rfind("shard-", 0) == 0 && ends_with(name, ".h5.tmp")) ::unlink((opt.out_dir + "/" + name).c_str());
+  const int64_t num_shards = (N + opt.seqs_per_shard - 1) / opt.seqs_per_shard;
+  auto mine = [&](int64_t s) { return s % opt.world == opt.rank; };
+  // Leftovers of a killed run are never taken for complete; with several ranks, only this
+  // rank's (another rank may be writing its own right now).
+  for (int64_t s = 0; s < num_shards; ++s) {
+    const std::string tmp = opt.out_dir + "/" + shard_name(s) + ".tmp";
+    if (mine(s) && fs::exists(tmp)) ::unlink(tmp.c_str());
+  }
+  // Several ranks: shard s is complete when its file is there and carries this identity.
+  const std::string manifest_attr = json{{"format", kCaptureFormat}, {"identity", identity}}.dump();
+  auto complete_shard = [&](int64_t s) -> std::optional<json> {
+    const std::string path = opt.out_dir + "/" + shard_name(s);
+    if (!fs::exists(path)) return std::nullopt;
+    H5 f(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), H5Fclose);
+    if (!f.ok() || read_string_attr(f.get(), "manifest", path) != manifest_attr) return std::nullopt;
+    json sh = json::parse(read_string_attr(f.get(), "shard", path));
+    sh["bytes"] = file_bytes(path);
+    return sh;
+  };
 
   auto write_manifest = [&](bool complete) {
     int64_t seqs = 0, toks = 0, bytes = 0;
@@ -654,17 +675,26 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
            {"writer", {{"deflate", opt.deflate}, {"shuffle", opt.deflate > 0}, {"command_line", opt.command_line}}}};
     fs::write_atomic(mpath, m.dump(2) + "\n");
   };
-  const int64_t num_shards = (N + opt.seqs_per_shard - 1) / opt.seqs_per_shard;
-  write_manifest((int64_t)shards.size() == num_shards);
+  if (!sharded) write_manifest((int64_t)shards.size() == num_shards);
 
   const at::Device dev = verifier.device();
   const double t_start = now_seconds(dev);
   CaptureProgress pr;
   pr.total_seqs = N;
+  if (sharded) {  // this rank's share; its complete shards count as resumed
+    pr.total_seqs = 0;
+    for (int64_t s = 0; s < num_shards; ++s)
+      if (mine(s)) {
+        const int64_t count = std::min(N, (s + 1) * opt.seqs_per_shard) - s * opt.seqs_per_shard;
+        pr.total_seqs += count;
+        if (complete_shard(s)) rep.resumed_sequences += count;
+      }
+  }
   pr.done_seqs = rep.resumed_sequences;
   int64_t benched = 0;
   if (progress) progress(pr);  // before any work: what is left
   for (int64_t s = (int64_t)shards.size(); s < num_shards; ++s) {
+    if (sharded && (!mine(s) || complete_shard(s))) continue;
     const std::string name = shard_name(s);
     const std::string path = opt.out_dir + "/" + name, tmp = path + ".tmp";
     const int64_t first = s * opt.seqs_per_shard, last = std::min(N, first + opt.seqs_per_shard);
@@ -759,7 +789,17 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
       ::unlink(tmp.c_str());  // a partial shard is never left looking usable (and frees the disk)
       throw;
     }
-    write_manifest(s + 1 == num_shards);
+    if (!sharded) write_manifest(s + 1 == num_shards);
+  }
+  if (sharded) {
+    // The manifest only once every rank's shards are on disk (whichever rank sees that writes it).
+    json all = json::array();
+    for (int64_t s = 0; s < num_shards; ++s)
+      if (auto sh = complete_shard(s)) all.push_back(*sh);
+    if ((int64_t)all.size() == num_shards) {
+      shards = all;
+      write_manifest(true);
+    }
   }
   rep.seconds = now_seconds(dev) - t_start;
   return rep;

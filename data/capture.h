@@ -19,6 +19,11 @@
 // Resume: a rerun with the same models, inputs and options skips the complete
 // shards (the prompt list is deterministic) and rewrites the shard it was in;
 // anything else in the manifest differing is an error naming the field.
+// Data-parallel (`kakeya launch --nproc N -- capture`, rank/world in the options): rank r
+// writes shards s ≡ r (mod N), skipping those whose file is already there with this
+// identity (so a run resumes on any number of ranks); no rank writes the manifest while
+// shards are missing, and the rank that finds every shard on disk when it finishes writes
+// the complete one. No collective is involved: ranks may finish minutes apart.
 #pragma once
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -128,6 +133,7 @@ struct CaptureOptions {
   // of the manifest identity, so a resume with other inputs is refused.
   nlohmann::json inputs = nlohmann::json::object();
   std::string command_line;             // recorded in the manifest
+  int rank = 0, world = 1;              // data-parallel: this rank's shards are s ≡ rank (mod world)
 };
 
 struct CaptureProgress {

@@ -253,6 +253,53 @@ TEST(Capture, ResumeAfterKillEqualsUninterrupted) {
   remove_all(killed);
 }
 
+// Data-parallel capture: ranks write shards s ≡ rank (mod world); no manifest while a shard is
+// missing; the rank that completes the set writes it; the result reads like a one-process capture.
+// A rank killed mid-shard is resumed by a run with another number of ranks.
+TEST(Capture, ShardedByRankEqualsOneProcess) {
+  Models m;
+  auto ps = prompts(5);  // options(): 2 sequences per shard -> shards 0, 1, 2
+  const std::string full = temp_dir("one"), split = temp_dir("split");
+  remove_all(full);
+  remove_all(split);
+  run_capture(*m.verifier, verifier_dir(), *m.drafter, drafter_dir(), ps, options(full));
+  auto rank = [&](int r, int world) {
+    CaptureOptions o = options(split);
+    o.rank = r;
+    o.world = world;
+    return o;
+  };
+  struct Killed {};
+  // Rank 1 of 2 writes shard 1 only; killed in its only shard first, so nothing is left of it.
+  EXPECT_THROW(run_capture(*m.verifier, verifier_dir(), *m.drafter, drafter_dir(), ps, rank(1, 2),
+                           [](const CaptureProgress& p) {
+                             if (p.done_seqs == 1) throw Killed{};
+                           }),
+               Killed);
+  EXPECT_FALSE(fs::exists(split + "/shard-00001.h5"));
+  auto r0 = run_capture(*m.verifier, verifier_dir(), *m.drafter, drafter_dir(), ps, rank(0, 2));
+  EXPECT_TRUE(fs::exists(split + "/shard-00000.h5"));
+  EXPECT_TRUE(fs::exists(split + "/shard-00002.h5"));
+  EXPECT_FALSE(fs::exists(split + "/capture.json")) << "a manifest while shard 1 is missing";
+  EXPECT_EQ(r0.sequences, 0);
+  // Resumed on 3 ranks: rank 1 of 3 owns shard 1 and completes the set.
+  for (int r : {0, 2}) {
+    auto rr = run_capture(*m.verifier, verifier_dir(), *m.drafter, drafter_dir(), ps, rank(r, 3));
+    EXPECT_EQ(rr.resumed_sequences, r == 0 ? 2 : 1) << "rank " << r << " of 3 finds its shard done";
+  }
+  EXPECT_FALSE(fs::exists(split + "/capture.json"));
+  auto r1 = run_capture(*m.verifier, verifier_dir(), *m.drafter, drafter_dir(), ps, rank(1, 3));
+  EXPECT_EQ(r1.sequences, 5);
+  CaptureReader a(full), b(split);
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_TRUE(b.complete());
+  for (int64_t i = 0; i < a.size(); ++i) expect_equal(a.read(i), b.read(i), "sequence " + std::to_string(i));
+  test::expect_error([&] { run_capture(*m.verifier, verifier_dir(), *m.drafter, drafter_dir(), ps, rank(3, 3)); },
+               "rank 3 of 3");
+  remove_all(full);
+  remove_all(split);
+}
+
 // Resuming with other inputs or another drafter, or training on data captured
 // from another model, is refused with an error naming the field.
 TEST(Capture, MismatchesAreRefused) {

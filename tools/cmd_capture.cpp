@@ -12,6 +12,7 @@
 #include "data/capture.h"
 #include "data/niah.h"
 #include "tools/cli_common.h"
+#include "train/dist.h"
 
 namespace kakeya::cli {
 
@@ -103,6 +104,8 @@ void register_capture(CLI::App& app) {
     KAKEYA_CHECK(o->niah_min > 0 && o->niah_min <= o->niah_max,
                  "capture: --niah-min-tokens " << o->niah_min << " / --niah-max-tokens " << o->niah_max
                                                << ": expected 0 < min <= max");
+    // Under `kakeya launch`: rank r captures shards s ≡ r (mod N) on its own GPU (data/capture.h).
+    const train::Dist dist(train::dist_env_from_environment(), o->df.torch_device());
     auto tok = load_tokenizer(o->verifier);
     nlohmann::json inputs = nlohmann::json::object();
     std::vector<data::CapturePrompt> corpus, niah;
@@ -176,7 +179,10 @@ void register_capture(CLI::App& app) {
     co.bench_seqs = o->bench_seqs;
     co.inputs = inputs;
     co.command_line = command_line();
-    std::fprintf(stderr, "[capture] %zu prompts (%zu corpus, %zu niah), gen-len %lld, -> %s\n", prompts.size(),
+    co.rank = dist.rank();
+    co.world = dist.world();
+    if (dist.is_root())
+      std::fprintf(stderr, "[capture] %zu prompts (%zu corpus, %zu niah), gen-len %lld, -> %s\n", prompts.size(),
                  corpus.size(), niah.size(), (long long)o->gen_len, o->out.c_str());
     std::unique_ptr<Progress> bar;
     auto rep = data::run_capture(model, o->verifier, drafter, o->drafter, prompts, co,
@@ -190,6 +196,11 @@ void register_capture(CLI::App& app) {
                                    bar->update(p.done_tokens);
                                  });
     if (bar) bar->finish();
+    if (rep.sequences == 0 && dist.world() > 1) {  // another rank completes the set and writes the manifest
+      std::fprintf(stderr, "[capture] rank %d of %d: its shards are done (%.1fs)\n", dist.rank(), dist.world(),
+                   rep.seconds);
+      return;
+    }
     std::fprintf(stderr,
                  "[capture] %lld sequences, %lld tokens, %.1f MB in %s (%lld resumed); this run %.1fs\n"
                  "[capture] cost: capture %.3fs vs verifier alone %.3fs on %lld seq: ratio %.2f "

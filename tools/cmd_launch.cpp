@@ -1,4 +1,4 @@
-// kakeya launch: a training subcommand as N data-parallel ranks on this host (train/launch.h).
+// kakeya launch: a training subcommand (or capture) as N data-parallel ranks on this host (train/launch.h).
 //   kakeya launch --nproc 2 -- train-ftheta --online corpus --drafter d --save out --batch 8
 // Ranks use Gloo on the CPU and NCCL on CUDA (rank r on GPU r modulo the GPUs present);
 // --backend gloo lets several ranks share one GPU.
@@ -16,7 +16,7 @@ namespace kakeya::cli {
 void register_launch(CLI::App& app) {
   auto o = std::make_shared<train::LaunchOptions>();
   auto cmd = std::make_shared<std::vector<std::string>>();
-  auto* c = app.add_subcommand("launch", "Run train-ftheta or train-drafter as N data-parallel ranks (c10d)");
+  auto* c = app.add_subcommand("launch", "Run train-ftheta, train-drafter or capture as N data-parallel ranks (c10d)");
   c->add_option("--nproc", o->nproc, "number of ranks (processes) on this host")->capture_default_str();
   c->add_option("--port", o->port, "rendezvous store port (0: a free one)")->capture_default_str();
   c->add_option("--timeout", o->timeout_s, "seconds a rank waits for the others in a collective")->capture_default_str();
@@ -32,8 +32,8 @@ void register_launch(CLI::App& app) {
     std::vector<std::string> argv = *cmd;
     for (const auto& a : c->remaining()) argv.push_back(a);
     KAKEYA_CHECK(!argv.empty(), "launch: no subcommand (kakeya launch --nproc N -- train-ftheta ...)");
-    KAKEYA_CHECK(argv[0] == "train-ftheta" || argv[0] == "train-drafter",
-                 "launch: '" << argv[0] << "' does not train data-parallel (expected train-ftheta or train-drafter)");
+    KAKEYA_CHECK(argv[0] == "train-ftheta" || argv[0] == "train-drafter" || argv[0] == "capture",
+                 "launch: '" << argv[0] << "' does not run data-parallel (expected train-ftheta, train-drafter or capture)");
     char exe[PATH_MAX] = {0};
     const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
     KAKEYA_CHECK(n > 0, "launch: cannot find this executable (/proc/self/exe)");
