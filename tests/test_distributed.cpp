@@ -6,7 +6,10 @@
 //   - a rank killed mid-run: the other exits non-zero by itself, well within the timeout, with
 //     an error naming the killed rank; the launcher reports it;
 //   - bad input (a batch that does not split, malformed launcher variables) is refused by name.
+#include <arpa/inet.h>
 #include <ftw.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -123,23 +126,47 @@ int run_worker(const std::string& what) {
 
 // ---------------------------------------------------------------- the tests
 
-LaunchResult launch_workers(const std::string& what, const std::string& dir, int nproc, int64_t batch, int64_t steps,
-                            int64_t stop_after, double timeout_s = 60, double grace_s = 60) {
-  ::setenv("KAKEYA_TEST_WORKER", what.c_str(), 1);
-  ::setenv("KAKEYA_TEST_DIR", dir.c_str(), 1);
-  ::setenv("KAKEYA_TEST_BATCH", std::to_string(batch).c_str(), 1);
-  ::setenv("KAKEYA_TEST_STEPS", std::to_string(steps).c_str(), 1);
-  ::setenv("KAKEYA_TEST_STOP_AFTER", std::to_string(stop_after).c_str(), 1);
+// What the ranks run, through the environment they inherit (set before any launcher thread starts).
+struct WorkerEnv {
+  WorkerEnv(const std::string& what, const std::string& dir, int64_t batch, int64_t steps, int64_t stop_after) {
+    ::setenv("KAKEYA_TEST_WORKER", what.c_str(), 1);
+    ::setenv("KAKEYA_TEST_DIR", dir.c_str(), 1);
+    ::setenv("KAKEYA_TEST_BATCH", std::to_string(batch).c_str(), 1);
+    ::setenv("KAKEYA_TEST_STEPS", std::to_string(steps).c_str(), 1);
+    ::setenv("KAKEYA_TEST_STOP_AFTER", std::to_string(stop_after).c_str(), 1);
+  }
+  ~WorkerEnv() {
+    for (const char* v : {"KAKEYA_TEST_WORKER", "KAKEYA_TEST_DIR", "KAKEYA_TEST_BATCH", "KAKEYA_TEST_STEPS",
+                          "KAKEYA_TEST_STOP_AFTER"})
+      ::unsetenv(v);
+  }
+};
+
+LaunchOptions gloo_launch(int nproc, double timeout_s = 60, double grace_s = 60) {
   LaunchOptions lo;
   lo.nproc = nproc;
   lo.timeout_s = timeout_s;
   lo.grace_s = grace_s;
   lo.backend = "gloo";
-  LaunchResult r = launch(lo, {self_exe()});
-  for (const char* v : {"KAKEYA_TEST_WORKER", "KAKEYA_TEST_DIR", "KAKEYA_TEST_BATCH", "KAKEYA_TEST_STEPS",
-                        "KAKEYA_TEST_STOP_AFTER"})
-    ::unsetenv(v);
-  return r;
+  return lo;
+}
+
+LaunchResult launch_workers(const std::string& what, const std::string& dir, int nproc, int64_t batch, int64_t steps,
+                            int64_t stop_after, double timeout_s = 60, double grace_s = 60) {
+  WorkerEnv env(what, dir, batch, steps, stop_after);
+  return launch(gloo_launch(nproc, timeout_s, grace_s), {self_exe()});
+}
+
+// A TCP port nothing listens on right now (the kernel's pick for a socket bound to port 0).
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t n = sizeof a;
+  if (fd < 0 || ::bind(fd, (sockaddr*)&a, sizeof a) != 0 || ::getsockname(fd, (sockaddr*)&a, &n) != 0) return 0;
+  ::close(fd);
+  return ntohs(a.sin_port);
 }
 
 std::string rank_stderr(const std::string& dir, int rank) { return slurp(dir + "/stderr." + std::to_string(rank)); }
@@ -215,6 +242,40 @@ TEST(Distributed, DrafterTwoRanksEqualOneProcess) {
   LaunchResult r = launch_workers("drafter", dir, 2, 8, 6, 0);
   ASSERT_EQ(r.exit_code, 0) << r.failure << "\n" << rank_stderr(dir, 0) << rank_stderr(dir, 1);
   expect_same_weights(one, dir + "/ck.safetensors", init, "drafter: 2 ranks vs 1 process");
+}
+
+// Two launchers, as on two hosts (here both on the loopback): node 0 hosts the store, each
+// starts one rank; the job equals one process at the same global batch.
+TEST(Distributed, TwoNodesEqualOneProcess) {
+  const TempDir tmp("nodes");
+  const std::string& dir = tmp.path;
+  auto t = test::ftheta_fixture();
+  const std::string one = dir + "/one.safetensors";
+  FTheta a = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
+  const Weights init = snapshot(a.named_parameters());
+  FThetaTrainer ta(t.m, a, t.seqs, {t.seqs[1]}, ftheta_options(4, 5, 0), one);
+  EXPECT_TRUE(ta.run());
+  const int port = free_port();
+  ASSERT_GT(port, 0);
+  WorkerEnv env("ftheta", dir, 4, 5, 0);
+  auto node = [&](int k) {
+    LaunchOptions lo = gloo_launch(1);
+    lo.nnodes = 2;
+    lo.node_rank = k;
+    lo.port = port;
+    return std::async(std::launch::async, [lo] { return launch(lo, {self_exe()}); });
+  };
+  auto n0 = node(0), n1 = node(1);
+  LaunchResult r0 = n0.get(), r1 = n1.get();
+  ASSERT_EQ(r0.exit_code, 0) << r0.failure << "\n" << rank_stderr(dir, 0) << rank_stderr(dir, 1);
+  ASSERT_EQ(r1.exit_code, 0) << r1.failure << "\n" << rank_stderr(dir, 0) << rank_stderr(dir, 1);
+  expect_same_weights(one, dir + "/ck.safetensors", init, "2 nodes x 1 rank vs 1 process");
+  LaunchOptions bad = gloo_launch(1);
+  bad.nnodes = 2;
+  test::expect_error([&] { launch(bad, {self_exe()}); }, "give every node the same --port");
+  bad.port = port;
+  bad.node_rank = 2;
+  test::expect_error([&] { launch(bad, {self_exe()}); }, "--node-rank 2: expected 0 .. 1");
 }
 
 TEST(Distributed, KilledRankIsNamedByTheOtherWithinTheTimeout) {

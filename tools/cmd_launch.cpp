@@ -1,7 +1,8 @@
 // kakeya launch: a training subcommand (or capture) as N data-parallel ranks on this host (train/launch.h).
 //   kakeya launch --nproc 2 -- train-ftheta --online corpus --drafter d --save out --batch 8
 // Ranks use Gloo on the CPU and NCCL on CUDA (rank r on GPU r modulo the GPUs present);
-// --backend gloo lets several ranks share one GPU.
+// --backend gloo lets several ranks share one GPU. Several hosts: one launcher per host with
+// the same --nnodes, --master-addr and --port, and --node-rank 0 .. nnodes-1.
 #include <unistd.h>
 
 #include <climits>
@@ -18,7 +19,10 @@ void register_launch(CLI::App& app) {
   auto cmd = std::make_shared<std::vector<std::string>>();
   auto* c = app.add_subcommand("launch", "Run train-ftheta, train-drafter or capture as N data-parallel ranks (c10d)");
   c->add_option("--nproc", o->nproc, "number of ranks (processes) on this host")->capture_default_str();
-  c->add_option("--port", o->port, "rendezvous store port (0: a free one)")->capture_default_str();
+  c->add_option("--nnodes", o->nnodes, "hosts in the job (one launcher per host)")->capture_default_str();
+  c->add_option("--node-rank", o->node_rank, "this host's index (0 hosts the rendezvous store)")->capture_default_str();
+  c->add_option("--master-addr", o->master_addr, "node 0's address (several nodes)")->capture_default_str();
+  c->add_option("--port", o->port, "rendezvous store port (0: a free one; the same on every node)")->capture_default_str();
   c->add_option("--timeout", o->timeout_s, "seconds a rank waits for the others in a collective")->capture_default_str();
   c->add_option("--backend", o->backend, "auto (NCCL on CUDA, Gloo on CPU) | gloo | nccl")
       ->capture_default_str()

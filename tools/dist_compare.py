@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""Compares data-parallel f_θ runs of tools/device/train_dist.sh with the one-process run.
+"""The scaling table of data-parallel runs (tools/device/train_dist.sh) against the one-process run.
 
-Per run (RUN/<name>/report.json, f_theta.safetensors written by `kakeya train-ftheta`): ranks,
-steps, training seconds, steps/s and sequences/s, the ratio to the single run, final held-out
-loss, and the largest relative difference of any f_θ tensor from the single run's. Writes JSON.
+Per run: ranks, global batch, steps, training seconds, steps/s and sequences/s, the sequences/s ratio
+to the first run (equal per-GPU batch on N GPUs: the scaling figure), the final held-out loss and, for
+runs at the baseline's global batch, how far the trained weights are from the baseline's (per tensor:
+max |w - w0| / max |w0| and ||w - w0|| / ||w0||, the largest over tensors).
+  --kind ftheta   RUN/<name>/report.json + checkpoint.safetensors (kakeya train-ftheta --save)
+  --kind drafter  RUN/<name>/report.json + train/checkpoint.safetensors (kakeya train-drafter --out)
 """
 import argparse
 import json
@@ -13,41 +16,57 @@ import time
 from safetensors.torch import load_file
 
 
+def load_run(d, kind):
+    rep = json.load(open(os.path.join(d, "report.json")))
+    if kind == "ftheta":
+        ck = os.path.join(d, "checkpoint.safetensors")
+        row = {"ranks": rep.get("ranks", 1), "batch": rep["options"]["batch"], "steps": rep["steps_done"],
+               "train_seconds": rep["train_seconds"], "heldout_loss_final": rep.get("heldout_loss_final")}
+    else:
+        ck = os.path.join(d, "train", "checkpoint.safetensors")
+        tr = rep["train"]
+        ho = rep.get("heldout_teacher_forced", {})
+        row = {"ranks": tr.get("ranks", 1), "batch": tr["batch"], "steps": tr["steps"], "train_seconds": tr["seconds"],
+               "heldout_loss_final": {k: v["loss"] for k, v in ho.items()}}
+    row["command"] = rep.get("train_command", rep.get("command"))
+    w = {k: v for k, v in load_file(ck).items() if k.startswith("param/")}
+    return row, w
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--run", required=True, help="directory holding one sub-directory per run")
-    ap.add_argument("--names", nargs="+", required=True, help="runs; the first is the baseline")
+    ap.add_argument("--names", nargs="+", required=True, help="runs; the first is the one-process baseline")
+    ap.add_argument("--kind", choices=["ftheta", "drafter"], required=True)
     ap.add_argument("--commit", default="unknown")
     ap.add_argument("--gpus", type=int, default=1)
-    ap.add_argument("--out", required=True)
     ap.add_argument("--note", default="")
+    ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    rows, base_rate, base_w = [], None, None
+    rows, base = [], None
     for name in a.names:
-        d = os.path.join(a.run, name)
-        rep = json.load(open(os.path.join(d, "report.json")))
-        w = load_file(os.path.join(d, "f_theta.safetensors"))
-        steps, secs = rep["steps_done"], rep["train_seconds"]
-        batch = rep["options"]["batch"]
-        rate = steps / secs
-        if base_rate is None:
-            base_rate, base_w = rate, w
-        # Per tensor: max |w - w_single| / max |w_single| (the largest over tensors), and the L2 norm
-        # of the difference over the L2 norm of the tensor.
-        diff = max(float((w[k].double() - base_w[k].double()).abs().max() / base_w[k].double().abs().max().clamp_min(1e-12))
-                   for k in base_w)
-        l2 = max(float((w[k].double() - base_w[k].double()).norm() / base_w[k].double().norm().clamp_min(1e-12))
-                 for k in base_w)
-        rows.append({"name": name, "ranks": rep.get("ranks", 1), "steps": steps, "train_seconds": secs,
-                     "steps_per_second": rate, "sequences_per_second": rate * batch,
-                     "speed_vs_single": rate / base_rate, "heldout_loss_final": rep.get("heldout_loss_final"),
-                     "max_rel_weight_diff_vs_single": diff, "l2_rel_weight_diff_vs_single": l2,
-                     "command": rep["command"]})
-        print(f"{name:8s} ranks {rows[-1]['ranks']}  {steps} steps in {secs:7.1f} s  {rate:6.3f} step/s "
-              f"({rate * batch:6.1f} seq/s, {rate / base_rate:5.2f}x single)  held-out {rows[-1]['heldout_loss_final']:.4f}  "
-              f"weight diff vs single: max {diff:.2e}, L2 {l2:.2e}")
-    out = {"what": "data-parallel train-ftheta (online, target features, rank 256): one process vs kakeya launch",
-           "note": a.note, "commit": a.commit, "gpus": a.gpus, "date": time.strftime("%Y-%m-%d"),
+        row, w = load_run(os.path.join(a.run, name), a.kind)
+        row["name"] = name
+        row["steps_per_second"] = row["steps"] / row["train_seconds"]
+        row["sequences_per_second"] = row["steps_per_second"] * row["batch"]
+        if base is None:
+            base = (row, w)
+        row["sequences_per_second_vs_single"] = row["sequences_per_second"] / base[0]["sequences_per_second"]
+        if row["batch"] == base[0]["batch"]:
+            w0 = base[1]
+            row["max_rel_weight_diff_vs_single"] = max(
+                float((w[k].double() - w0[k].double()).abs().max() / w0[k].double().abs().max().clamp_min(1e-12))
+                for k in w0)
+            row["l2_rel_weight_diff_vs_single"] = max(
+                float((w[k].double() - w0[k].double()).norm() / w0[k].double().norm().clamp_min(1e-12)) for k in w0)
+        rows.append(row)
+        diff = (f"weights vs single: max {row['max_rel_weight_diff_vs_single']:.2e}, L2 {row['l2_rel_weight_diff_vs_single']:.2e}"
+                if "l2_rel_weight_diff_vs_single" in row else "(other global batch)")
+        print(f"{a.kind:7s} {name:12s} ranks {row['ranks']}  batch {row['batch']:3d}  {row['steps']} steps in "
+              f"{row['train_seconds']:7.1f} s  {row['steps_per_second']:6.3f} step/s  {row['sequences_per_second']:7.1f} seq/s "
+              f"({row['sequences_per_second_vs_single']:5.2f}x single)  {diff}")
+    out = {"what": f"data-parallel {a.kind} training: one process vs kakeya launch", "kind": a.kind, "note": a.note,
+           "commit": a.commit, "gpus": a.gpus, "date": time.strftime("%Y-%m-%d"),
            "command": "tools/device/train_dist.sh", "runs": rows}
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)

@@ -26,6 +26,7 @@ volatile std::sig_atomic_t g_signal = 0;
 void on_signal(int s) { g_signal = s; }
 
 std::string describe(int status) {
+  if (status == -1) return "ended with an unknown status";
   if (WIFEXITED(status)) return "exited with status " + std::to_string(WEXITSTATUS(status));
   if (WIFSIGNALED(status))
     return "was killed by signal " + std::to_string(WTERMSIG(status)) + " (" + strsignal(WTERMSIG(status)) + ")";
@@ -49,20 +50,29 @@ LaunchResult launch(const LaunchOptions& opt, const std::vector<std::string>& ar
   KAKEYA_CHECK(opt.timeout_s > 0, "launch --timeout " << opt.timeout_s << ": expected seconds > 0");
   KAKEYA_CHECK(!argv.empty(), "launch: no command to run (kakeya launch --nproc N -- train-ftheta ...)");
   KAKEYA_CHECK(::access(argv[0].c_str(), X_OK) == 0, "launch: " << argv[0] << " is not an executable file");
+  KAKEYA_CHECK(opt.nnodes >= 1 && opt.node_rank >= 0 && opt.node_rank < opt.nnodes,
+               "launch --node-rank " << opt.node_rank << ": expected 0 .. " << opt.nnodes - 1 << " (--nnodes "
+                                     << opt.nnodes << ")");
+  KAKEYA_CHECK(opt.nnodes == 1 || opt.port > 0,
+               "launch --nnodes " << opt.nnodes << ": give every node the same --port (node 0 hosts the store there)");
 
+  const bool host = opt.node_rank == 0;
   c10::intrusive_ptr<c10d::TCPStore> store;
   try {
     c10d::TCPStoreOptions so;
     so.port = (uint16_t)opt.port;
-    so.isServer = true;
+    so.isServer = host;
     so.waitWorkers = false;
     so.timeout = std::chrono::milliseconds((int64_t)(opt.timeout_s * 1000));
-    store = c10::make_intrusive<c10d::TCPStore>("127.0.0.1", so);
+    store = c10::make_intrusive<c10d::TCPStore>(host ? "127.0.0.1" : opt.master_addr, so);
   } catch (const std::exception& e) {
-    KAKEYA_FAIL("launch: cannot host the rendezvous store on port " << opt.port << " (--port): " << e.what());
+    if (host) KAKEYA_FAIL("launch: cannot host the rendezvous store on port " << opt.port << " (--port): " << e.what());
+    KAKEYA_FAIL("launch --node-rank " << opt.node_rank << ": cannot reach node 0's store at " << opt.master_addr << ":"
+                                      << opt.port << " (--master-addr, --port): " << e.what());
   }
   DistEnv env;
-  env.world = opt.nproc;
+  env.world = opt.nproc * opt.nnodes;
+  env.addr = opt.nnodes > 1 ? opt.master_addr : "127.0.0.1";
   env.port = store->getPort();
   env.timeout_s = opt.timeout_s;
   env.backend = opt.backend;
@@ -83,7 +93,8 @@ LaunchResult launch(const LaunchOptions& opt, const std::vector<std::string>& ar
   g_signal = 0;
   std::vector<pid_t> pids;
   for (int r = 0; r < opt.nproc; ++r) {
-    env.rank = env.local_rank = r;
+    env.rank = opt.node_rank * opt.nproc + r;
+    env.local_rank = r;
     std::vector<std::string> vars = base;
     for (auto& v : dist_env_variables(env)) vars.push_back(v);
     std::vector<char*> envp;
@@ -99,7 +110,7 @@ LaunchResult launch(const LaunchOptions& opt, const std::vector<std::string>& ar
       KAKEYA_FAIL("launch: cannot start rank " << r << " (" << argv[0] << "): " << std::strerror(rc));
     }
     pids.push_back(pid);
-    std::fprintf(stderr, "[launch] rank %d of %d: pid %d (store port %d)\n", r, opt.nproc, (int)pid, env.port);
+    std::fprintf(stderr, "[launch] rank %d of %d: pid %d (store port %d)\n", env.rank, env.world, (int)pid, env.port);
   }
 
   // Supervise: reap ranks as they end; after the first abnormal exit, give the others the
@@ -115,15 +126,19 @@ LaunchResult launch(const LaunchOptions& opt, const std::vector<std::string>& ar
   };
   while (left > 0) {
     int status = 0;
-    const pid_t p = ::waitpid(-1, &status, WNOHANG);
-    if (p > 0) {
-      int r = 0;
-      while (r < (int)pids.size() && pids[r] != p) ++r;
-      if (r == (int)pids.size()) continue;
+    // Only this launcher's ranks: waitpid(-1) would reap other children of the process.
+    pid_t p = 0;
+    int r = 0;
+    for (; r < (int)pids.size(); ++r)
+      if (running[r] && (p = ::waitpid(pids[r], &status, WNOHANG)) != 0) break;
+    if (p != 0) {
+      if (p < 0) status = -1;  // no longer our child (reaped by someone else): its status is unknown
+      p = pids[r];
       running[r] = false;
       --left;
       if (status == 0) continue;
-      const std::string what = "rank " + std::to_string(r) + " (pid " + std::to_string(p) + ") " + describe(status);
+      const int global = opt.node_rank * opt.nproc + r;
+      const std::string what = "rank " + std::to_string(global) + " (pid " + std::to_string(p) + ") " + describe(status);
       if (failed) {
         std::fprintf(stderr, "[launch] %s\n", what.c_str());
         continue;
@@ -132,7 +147,8 @@ LaunchResult launch(const LaunchOptions& opt, const std::vector<std::string>& ar
       result.exit_code = exit_code(status);
       result.failure = what;
       try {
-        store->set(kDistFailedKey, std::vector<uint8_t>(what.begin(), what.end()));
+        // The first failure of the whole job stays (another node's launcher may have recorded one).
+        store->compareSet(kDistFailedKey, {}, std::vector<uint8_t>(what.begin(), what.end()));
       } catch (const std::exception&) {
         // The store is this process's own server; if even that fails, stderr still says it.
       }
@@ -161,7 +177,20 @@ LaunchResult launch(const LaunchOptions& opt, const std::vector<std::string>& ar
   }
   std::signal(SIGINT, prev_int);
   std::signal(SIGTERM, prev_term);
-  if (result.exit_code == 0) std::fprintf(stderr, "[launch] all %d ranks finished\n", opt.nproc);
+  // Several nodes: the store lives in node 0's launcher, and other nodes' ranks may still need it.
+  if (opt.nnodes > 1) {
+    try {
+      store->add("kakeya/nodes_done", 1);
+      if (host) {
+        const double until = seconds() + opt.timeout_s;
+        while (store->add("kakeya/nodes_done", 0) < opt.nnodes && seconds() < until)
+          std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      }
+    } catch (const std::exception&) {
+      // Node 0's store is gone: nothing left to wait for.
+    }
+  }
+  if (result.exit_code == 0) std::fprintf(stderr, "[launch] all %d ranks of this node finished\n", opt.nproc);
   return result;
 }
 
