@@ -313,6 +313,7 @@ bool DrafterTrainer::run() {
     // Stop early enough to write the checkpoint before the deadline (a few steps of margin).
     bool stop = opt_.deadline > 0 && now_unix() + std::max(20.0, 5 * st_.step_seconds) > opt_.deadline;
     // Every rank stops at the same step (clocks differ a little): one flag when a deadline is set.
+    // SYNC: the flag is read on the host (a tiny all-reduce per step, only with a deadline).
     if (dist_ && opt_.deadline > 0) stop = dist_->any(stop, "the deadline check at step " + std::to_string(st_.step));
     if (stop) {
       if (root)

@@ -193,6 +193,7 @@ FThetaBatch FThetaTrainer::sample(int64_t step) const {
     if (mine) pick.push_back(s);
   }
   // Online: the other rows were made elsewhere; the batch is cropped to the shortest of all.
+  // SYNC: the length is needed on the host to crop (online batches wait on the verifier anyway).
   if (source_ && dist_) T = dist_->all_reduce_min(T, "batch length at step " + std::to_string(step));
   if (graphed() && T >= 128) T -= T % 128;  // a few batch lengths: one captured graph each
   return make_ftheta_batch(pick, T, f_.device());
@@ -435,6 +436,7 @@ bool FThetaTrainer::run() {
   while (step_ < opt_.steps) {
     bool stop = opt_.deadline > 0 && now_unix() + std::max(20.0, 5 * step_seconds) > opt_.deadline;
     // Every rank stops at the same step (clocks differ a little): one flag when a deadline is set.
+    // SYNC: the flag is read on the host (a tiny all-reduce per step, only with a deadline).
     if (dist_ && opt_.deadline > 0) stop = dist_->any(stop, "the deadline check at step " + std::to_string(step_));
     if (stop) {
       if (root)
