@@ -197,15 +197,26 @@ Weights snapshot(const Weights& named) {
   return out;
 }
 
+// The one-process f_θ run the ranks are compared with (the workers' init seed for rank 0).
+struct OneProcessFTheta {
+  test::FThetaFixture t = test::ftheta_fixture();
+  FTheta f = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
+  Weights init = snapshot(f.named_parameters());
+  std::string path;
+  FThetaTrainer tr;
+  OneProcessFTheta(const std::string& dir, const FThetaTrainOptions& o)
+      : path(dir + "/one.safetensors"), tr(t.m, f, t.seqs, {t.seqs[1]}, o, path) {}
+};
+
 TEST(Distributed, FThetaTwoRanksEqualOneProcessAndResumeOnOne) {
   const TempDir tmp("ftheta");
   const std::string& dir = tmp.path;
-  auto t = test::ftheta_fixture();
   // One process: 10 steps at batch 4, checkpointed at step 6 on the way.
-  const std::string one = dir + "/one.safetensors";
-  FTheta a = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
-  const Weights init = snapshot(a.named_parameters());
-  FThetaTrainer ta(t.m, a, t.seqs, {t.seqs[1]}, ftheta_options(4, 10, 6), one);
+  OneProcessFTheta base(dir, ftheta_options(4, 10, 6));
+  auto& t = base.t;
+  const std::string& one = base.path;
+  const Weights& init = base.init;
+  FThetaTrainer& ta = base.tr;
   EXPECT_FALSE(ta.run());
   // Two ranks: the same 6 steps (each rank 2 rows of every batch).
   LaunchResult r = launch_workers("ftheta", dir, 2, 4, 10, 6);
@@ -249,12 +260,8 @@ TEST(Distributed, DrafterTwoRanksEqualOneProcess) {
 TEST(Distributed, TwoNodesEqualOneProcess) {
   const TempDir tmp("nodes");
   const std::string& dir = tmp.path;
-  auto t = test::ftheta_fixture();
-  const std::string one = dir + "/one.safetensors";
-  FTheta a = FTheta::random(t.fc, 5, at::kFloat, at::kCPU);
-  const Weights init = snapshot(a.named_parameters());
-  FThetaTrainer ta(t.m, a, t.seqs, {t.seqs[1]}, ftheta_options(4, 5, 0), one);
-  EXPECT_TRUE(ta.run());
+  OneProcessFTheta base(dir, ftheta_options(4, 5, 0));
+  EXPECT_TRUE(base.tr.run());
   const int port = free_port();
   ASSERT_GT(port, 0);
   WorkerEnv env("ftheta", dir, 4, 5, 0);
@@ -269,7 +276,7 @@ TEST(Distributed, TwoNodesEqualOneProcess) {
   LaunchResult r0 = n0.get(), r1 = n1.get();
   ASSERT_EQ(r0.exit_code, 0) << r0.failure << "\n" << rank_stderr(dir, 0) << rank_stderr(dir, 1);
   ASSERT_EQ(r1.exit_code, 0) << r1.failure << "\n" << rank_stderr(dir, 0) << rank_stderr(dir, 1);
-  expect_same_weights(one, dir + "/ck.safetensors", init, "2 nodes x 1 rank vs 1 process");
+  expect_same_weights(base.path, dir + "/ck.safetensors", base.init, "2 nodes x 1 rank vs 1 process");
   LaunchOptions bad = gloo_launch(1);
   bad.nnodes = 2;
   test::expect_error([&] { launch(bad, {self_exe()}); }, "give every node the same --port");
