@@ -681,20 +681,22 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
   const double t_start = now_seconds(dev);
   CaptureProgress pr;
   pr.total_seqs = N;
+  std::vector<bool> todo(num_shards, true);  // several ranks: this rank's shards not yet on disk
   if (sharded) {  // this rank's share; its complete shards count as resumed
     pr.total_seqs = 0;
-    for (int64_t s = 0; s < num_shards; ++s)
-      if (mine(s)) {
-        const int64_t count = std::min(N, (s + 1) * opt.seqs_per_shard) - s * opt.seqs_per_shard;
-        pr.total_seqs += count;
-        if (complete_shard(s)) rep.resumed_sequences += count;
-      }
+    for (int64_t s = 0; s < num_shards; ++s) {
+      todo[s] = mine(s) && !complete_shard(s);
+      if (!mine(s)) continue;
+      const int64_t count = std::min(N, (s + 1) * opt.seqs_per_shard) - s * opt.seqs_per_shard;
+      pr.total_seqs += count;
+      if (!todo[s]) rep.resumed_sequences += count;
+    }
   }
   pr.done_seqs = rep.resumed_sequences;
   int64_t benched = 0;
   if (progress) progress(pr);  // before any work: what is left
   for (int64_t s = (int64_t)shards.size(); s < num_shards; ++s) {
-    if (sharded && (!mine(s) || complete_shard(s))) continue;
+    if (!todo[s]) continue;
     const std::string name = shard_name(s);
     const std::string path = opt.out_dir + "/" + name, tmp = path + ".tmp";
     const int64_t first = s * opt.seqs_per_shard, last = std::min(N, first + opt.seqs_per_shard);

@@ -81,8 +81,6 @@ struct Dist::Impl {
   c10::intrusive_ptr<c10d::Backend> group;
 };
 
-Dist::Dist() = default;
-
 Dist::Dist(const DistEnv& env, at::Device device) : env_(env), device_(device) {
   // A single process not started by the launcher has no store: nothing to join. Under the
   // launcher even one rank builds its group, so the NCCL/Gloo path runs with one GPU.
@@ -98,11 +96,13 @@ Dist::Dist(const DistEnv& env, at::Device device) : env_(env), device_(device) {
     KAKEYA_FAIL("rank " << env.rank << ": --device cuda in a build without CUDA");
 #endif
   }
-  backend_ = env.backend == "auto" ? (device_.is_cuda() ? "nccl" : "gloo") : env.backend;
-#ifndef KAKEYA_DIST_NCCL
-  if (env.backend == "auto") backend_ = "gloo";
-  KAKEYA_CHECK(backend_ != "nccl", "KAKEYA_DIST_BACKEND=nccl (launch --backend): this build has no NCCL");
+#ifdef KAKEYA_DIST_NCCL
+  const bool have_nccl = true;
+#else
+  const bool have_nccl = false;
 #endif
+  backend_ = env.backend == "auto" ? (device_.is_cuda() && have_nccl ? "nccl" : "gloo") : env.backend;
+  KAKEYA_CHECK(backend_ != "nccl" || have_nccl, "KAKEYA_DIST_BACKEND=nccl (launch --backend): this build has no NCCL");
   KAKEYA_CHECK(backend_ != "nccl" || device_.is_cuda(),
                "KAKEYA_DIST_BACKEND=nccl (launch --backend) needs --device cuda; use gloo on the CPU");
   const auto timeout = std::chrono::milliseconds((int64_t)(env.timeout_s * 1000));

@@ -39,9 +39,9 @@ std::vector<std::string> dist_env_variables(const DistEnv& env);
 
 class Dist {
  public:
-  Dist();  // one process: every collective is the identity
   // Joins the launcher's store and builds the process group for tensors on `device`. On CUDA
   // the rank's GPU becomes current (local_rank modulo the GPUs present) before anything else.
+  // Without a launcher (no store port in `env`): one process, every collective the identity.
   Dist(const DistEnv& env, at::Device device);
   ~Dist();
   Dist(const Dist&) = delete;
@@ -49,7 +49,6 @@ class Dist {
 
   int rank() const { return env_.rank; }
   int world() const { return env_.world; }
-  bool enabled() const { return env_.world > 1; }
   bool is_root() const { return env_.rank == 0; }
   const std::string& backend() const { return backend_; }  // "none" | "gloo" | "nccl"
   at::Device device() const { return device_; }  // this rank's device (cuda:i on CUDA)

@@ -45,7 +45,8 @@ DrafterTrainer::DrafterTrainer(const Model& target, Drafter& drafter, std::vecto
   }
   const int64_t B = drafter.config().block_size;
   // w_k = exp(-(k-1)/γ), k = 1 .. B-1: early positions decide the acceptance length.
-  pos_weights_ = at::exp(-at::arange(0, B - 1, at::kFloat) / opt.gamma).to(drafter.device());  // [B-1]
+  pos_weights_host_ = at::exp(-at::arange(0, B - 1, at::kFloat) / opt.gamma);  // [B-1]
+  pos_weights_ = pos_weights_host_.to(drafter.device());
 }
 
 void DrafterTrainer::distribute(const Dist& dist) {
@@ -109,7 +110,7 @@ DrafterTrainer::Batch DrafterTrainer::sample(const std::vector<const Sequences*>
       for (int64_t k = 1; k < Bk; ++k) va[b][n][k - 1] = real && a + k < L;
     }
   }
-  const double weight = (pos_weights_.cpu().view({1, 1, Bk - 1}) * valid.to(at::kFloat)).sum().item<double>();
+  const double weight = (pos_weights_host_.view({1, 1, Bk - 1}) * valid.to(at::kFloat)).sum().item<double>();
   const double blocks = valid.select(2, 0).sum().item<double>();
   return {tokens, anchors, valid, std::max(weight, 1e-6), std::max(blocks, 1.0)};
 }

@@ -133,7 +133,8 @@ class DrafterTrainer {
   std::vector<std::pair<std::string, at::Tensor>> params_;  // trained (requires grad)
   std::vector<std::pair<std::string, at::Tensor>> frozen_;  // freeze_context: checkpointed, never updated
   std::vector<at::Tensor> m_, v_;   // AdamW moments, like params_
-  at::Tensor pos_weights_;          // [B-1] f32: exp(-(k-1)/γ)
+  at::Tensor pos_weights_host_;     // [B-1] f32 CPU: exp(-(k-1)/γ) (batch totals, no device read)
+  at::Tensor pos_weights_;          // [B-1] f32: the same on the drafter's device
   TrainState st_;
   const Dist* dist_ = nullptr;      // data-parallel rank (distribute()); null: one process
 };

@@ -77,13 +77,16 @@ LaunchResult launch(const LaunchOptions& opt, const std::vector<std::string>& ar
   env.timeout_s = opt.timeout_s;
   env.backend = opt.backend;
 
-  // The ranks inherit this environment minus any launcher variables of an enclosing launch.
+  // The ranks inherit this environment minus the launcher's own variables (an enclosing
+  // launch's values must not leak into these ranks).
+  std::vector<std::string> ours;
+  for (const auto& v : dist_env_variables(env)) ours.push_back(v.substr(0, v.find('=') + 1));  // "NAME="
   std::vector<std::string> base;
-  for (char** e = environ; *e; ++e)
-    if (std::strncmp(*e, "KAKEYA_RANK=", 12) && std::strncmp(*e, "KAKEYA_WORLD_SIZE=", 18) &&
-        std::strncmp(*e, "KAKEYA_LOCAL_RANK=", 18) && std::strncmp(*e, "KAKEYA_MASTER_", 14) &&
-        std::strncmp(*e, "KAKEYA_DIST_", 12))
-      base.push_back(*e);
+  for (char** e = environ; *e; ++e) {
+    bool mine = false;
+    for (const auto& name : ours) mine = mine || std::strncmp(*e, name.c_str(), name.size()) == 0;
+    if (!mine) base.push_back(*e);
+  }
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
