@@ -4,10 +4,10 @@
 #include <cmath>
 
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/lloyd_max.h"
-#include "core/rope.h"
-#include "core/safetensors.h"
+#include "core/io/fs.h"
+#include "calib/codec/lloyd_max.h"
+#include "core/model/rope.h"
+#include "core/io/safetensors.h"
 
 namespace kakeya::calib {
 

@@ -1,6 +1,6 @@
 // Calibration jobs for the KV codec: Σ_q (query second moments per layer and KV
 // head), PCA bases and Lloyd-Max codebooks fitted to the codec's own residuals.
-// Everything is captured through forward taps (core/taps.h), never a forked
+// Everything is captured through forward taps (core/model/taps.h), never a forked
 // forward: Tap::QNorm gives pre-RoPE queries after q_norm, Tap::KNorm and
 // Tap::VNorm the pre-RoPE K (after k_norm) and V, i.e. exactly what the codec
 // sees in codec-eval (which captures K/V through the same taps and re-applies
@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "core/calib_bundle.h"
-#include "core/codec.h"
-#include "core/model.h"
-#include "core/taps.h"
+#include "calib/codec/calib_bundle.h"
+#include "calib/codec/codec.h"
+#include "core/model/model.h"
+#include "core/model/taps.h"
 
 namespace kakeya::calib {
 

@@ -19,9 +19,9 @@
 #include <string>
 #include <vector>
 
-#include "core/calib_bundle.h"
-#include "core/codec.h"
-#include "core/model.h"
+#include "calib/codec/calib_bundle.h"
+#include "calib/codec/codec.h"
+#include "core/model/model.h"
 
 namespace kakeya::calib {
 

@@ -16,7 +16,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "core/fs.h"
+#include "core/io/fs.h"
 #include "infer/generate.h"
 
 #ifdef KAKEYA_CUDA
@@ -716,7 +716,7 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
         const double t0 = now_seconds(dev);
         std::vector<int64_t> seq = p.ids;
         if (opt.gen_len > 0) {
-          GenerateOptions g;
+          DecodeOptions g;
           g.max_new_tokens = opt.gen_len;
           g.stop_ids = opt.stop_ids;
           g.stream = false;

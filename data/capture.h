@@ -35,9 +35,9 @@
 #include <string>
 #include <vector>
 
-#include "core/config.h"
-#include "core/drafter.h"
-#include "core/model.h"
+#include "core/model/config.h"
+#include "core/model/drafter.h"
+#include "core/model/model.h"
 
 namespace kakeya::data {
 

@@ -3,8 +3,8 @@
 #include <ATen/ATen.h>
 
 #include "core/error.h"
-#include "core/kv_cache.h"
-#include "core/taps.h"
+#include "core/model/kv_cache.h"
+#include "core/model/taps.h"
 #include "data/capture.h"
 
 namespace kakeya::data {

@@ -54,7 +54,7 @@
 #include <string>
 #include <vector>
 
-#include "core/tokenizer.h"
+#include "core/io/tokenizer.h"
 #include "data/niah.h"
 
 namespace kakeya::data {

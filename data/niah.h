@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-#include "core/tokenizer.h"
+#include "core/io/tokenizer.h"
 
 namespace kakeya::data {
 

@@ -5,7 +5,7 @@
 #include <utility>
 #include <vector>
 
-#include "core/tokenizer.h"
+#include "core/io/tokenizer.h"
 
 namespace kakeya::data {
 

@@ -1,6 +1,9 @@
 #include "infer/decoder.h"
 
 #include "core/error.h"
+#include "infer/fused.h"
+#include "infer/generate.h"
+#include "infer/restored.h"
 
 namespace kakeya {
 namespace {
@@ -17,40 +20,36 @@ void check_positions(const Model& v, int64_t n_prompt, int64_t max_new) {
 
 }  // namespace
 
-Decoder::Decoder(const Model& v, const Drafter* d, const FTheta* f, const DecodeOptions& opt, int64_t capacity)
-    : v_(v), d_(d), f_(f), opt_(opt), capacity_(capacity) {
-  switch (opt.mode) {
-    case DecodeMode::Ar: ar_ = std::make_unique<ArDecoder>(v, capacity, generate_options(opt)); break;
-    case DecodeMode::Restored: restored_ = std::make_unique<RestoredDecoder>(v, d, f, opt, capacity); break;
-    case DecodeMode::Fused:
-      KAKEYA_CHECK(d, "fused: --mode fused drafts with the drafter: give --drafter DIR");
-      fused_ = std::make_unique<FusedDecoder>(v, *d, f, opt.restore, fused_options(opt), capacity);
-      break;
-    case DecodeMode::RestoredReforward: break;  // keeps nothing between tokens, let alone prompts
-  }
+void Decoder::check_call(const char* who, int64_t n_tokens, const DecodeOptions& opt, bool fresh) const {
+  KAKEYA_CHECK(n_tokens > 0, who << ": no tokens to feed (the tokenizer produced none)");
+  KAKEYA_CHECK(opt.max_new_tokens > 0, who << ": --max-new-tokens expected > 0, got " << opt.max_new_tokens);
+  KAKEYA_CHECK(fresh || extends(), who << ": keeps nothing between calls: start a new conversation (run)");
+  const int64_t held = fresh ? 0 : length();
+  KAKEYA_CHECK(held + n_tokens + opt.max_new_tokens <= capacity(),
+               who << ": " << held << " positions held + " << n_tokens << " new + " << opt.max_new_tokens
+                   << " to generate exceed the " << capacity() << " positions this decoder was built for");
+  KAKEYA_CHECK(opt.mode == opt_.mode,
+               who << ": built for --mode " << decode_mode_name(opt_.mode) << ", asked for " << decode_mode_name(opt.mode));
+  const auto &a = opt_.sampling, &b = opt.sampling;
+  KAKEYA_CHECK(a.temperature == b.temperature && a.top_p == b.top_p && opt_.cuda_graph == opt.cuda_graph,
+               who << ": sampling / cuda_graph options differ from the ones this decoder was built with "
+                      "(its graphs depend on them): build another decoder");
+  KAKEYA_CHECK(opt.block_size == opt_.block_size,
+               who << ": built for blocks of " << opt_.block_size << " (--block-size), asked for " << opt.block_size);
+  KAKEYA_CHECK(opt.mode == DecodeMode::Ar || opt.restore.to_json() == opt_.restore.to_json(),
+               who << ": restore options " << opt.restore.to_json().dump() << " differ from the ones it was built with "
+                   << opt_.restore.to_json().dump());
 }
 
-Decoder::~Decoder() = default;
-
-DecodeResult Decoder::run(const std::vector<int64_t>& prompt, const DecodeOptions& opt) {
-  KAKEYA_CHECK(opt.mode == opt_.mode, "decoder: built for --mode " << decode_mode_name(opt_.mode) << ", asked for "
-                                                                   << decode_mode_name(opt.mode));
-  check_positions(v_, prompt.size(), opt.max_new_tokens);
+std::unique_ptr<Decoder> make_decoder(const Model& v, const Drafter* d, const FTheta* f, const DecodeOptions& opt,
+                                      int64_t capacity) {
   switch (opt.mode) {
-    case DecodeMode::Ar: {
-      DecodeResult d = DecodeResult::from_loop(ar_->run(prompt, generate_options(opt)));
-      d.memory = ar_memory_report(v_, capacity_);
-      return d;
-    }
-    case DecodeMode::Restored: return restored_->run(prompt, opt);
-    case DecodeMode::Fused: {
-      auto r = fused_->run(prompt, fused_options(opt));
-      split_ = r.split;
-      return std::move(r.decode);
-    }
-    case DecodeMode::RestoredReforward:
-      validate_restore(v_, d_, f_, opt.restore, prompt.size(), opt.max_new_tokens);
-      return decode_reforward(v_, d_, f_, prompt, opt);
+    case DecodeMode::Ar: return std::make_unique<ArDecoder>(v, capacity, opt);
+    case DecodeMode::Restored: return std::make_unique<RestoredDecoder>(v, d, f, opt, capacity);
+    case DecodeMode::RestoredReforward: return std::make_unique<ReforwardDecoder>(v, d, f, opt, capacity);
+    case DecodeMode::Fused:
+      KAKEYA_CHECK(d, "fused: --mode fused drafts with the drafter: give --drafter DIR");
+      return std::make_unique<FusedDecoder>(v, *d, f, opt, capacity);
   }
   KAKEYA_FAIL("decoder: unknown mode");
 }
@@ -69,8 +68,8 @@ void decode_checks(const Model& v, const Drafter* d, const FTheta* f, const std:
 DecodeResult decode(const Model& v, const Drafter* d, const FTheta* f, const std::vector<int64_t>& prompt,
                     const DecodeOptions& opt) {
   decode_checks(v, d, f, prompt, opt);  // bad input is refused before anything is allocated for it
-  Decoder dec(v, d, f, opt, (int64_t)prompt.size() + opt.max_new_tokens);
-  return dec.run(prompt, opt);
+  auto dec = make_decoder(v, d, f, opt, (int64_t)prompt.size() + opt.max_new_tokens);
+  return dec->run(prompt, opt);
 }
 
 }  // namespace kakeya

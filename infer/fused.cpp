@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "core/ops.h"
+#include "core/kernels/ops.h"
 #include "infer/loop_util.h"
 
 #ifdef KAKEYA_CUDA
@@ -18,31 +18,6 @@
 #endif
 
 namespace kakeya {
-
-FusedTiming& FusedTiming::operator+=(const FusedTiming& o) {
-  draft += o.draft;
-  verify += o.verify;
-  extend += o.extend;
-  restore += o.restore;
-  restore_overlapped = restore_overlapped || o.restore_overlapped;
-  capture += o.capture;
-  blocks += o.blocks;
-  return *this;
-}
-
-nlohmann::json FusedTiming::to_json() const {
-  auto per = [&](double s) { return blocks > 0 ? 1e3 * s / blocks : 0.0; };
-  return {{"blocks", blocks},
-          {"draft_seconds", draft},
-          {"verify_seconds", verify},
-          {"restore_seconds", restore},
-          {"restore_overlapped", restore_overlapped},
-          {"extend_seconds", extend},
-          {"upkeep_seconds", upkeep()},
-          {"capture_seconds", capture},
-          {"ms_per_block", {{"draft", per(draft)}, {"verify", per(verify)}, {"upkeep", per(upkeep())},
-                            {"restore", per(restore)}, {"extend", per(extend)}}}};
-}
 
 std::vector<std::string> validate_fused(const Model& v, const Drafter* d, const FTheta* f, const RestoreOptions& ro,
                                         int64_t n_prompt, int64_t max_new, int64_t block_size) {
@@ -304,7 +279,6 @@ struct FusedDecoder::Impl {
   const Drafter& d;
   const FTheta* f;
   RestoreOptions ro;
-  FusedOptions opt;  // what the graphs depend on: block size, sampling, cuda_graph
   int64_t B, capacity;
   bool lookahead = false;  // the host keeps one block enqueued ahead of the one it reads
   KVCache cache;
@@ -319,9 +293,9 @@ struct FusedDecoder::Impl {
   std::vector<c10::cuda::CUDAEvent> done;           // per slot: the report has reached the host buffer
 #endif
 
-  Impl(const Model& v_, const Drafter& d_, const FTheta* f_, const RestoreOptions& ro_, const FusedOptions& o,
+  Impl(const Model& v_, const Drafter& d_, const FTheta* f_, const RestoreOptions& ro_, const DecodeOptions& o,
        int64_t B_, int64_t capacity_)
-      : v(v_), d(d_), f(f_), ro(ro_), opt(o), B(B_), capacity(capacity_),
+      : v(v_), d(d_), f(f_), ro(ro_), B(B_), capacity(capacity_),
         cache(v.config(), fused_cache_options(v, f_, ro, capacity + B, B)),
         rest(v, ro.needs_ftheta() ? &d : nullptr, f, ro, cache),
         eng(v, d, rest, cache, B, capacity + B, o.sampling),
@@ -343,8 +317,10 @@ struct FusedDecoder::Impl {
   }
 };
 
-FusedDecoder::FusedDecoder(const Model& v, const Drafter& d, const FTheta* f, const RestoreOptions& ro,
-                           const FusedOptions& opt, int64_t capacity) {
+FusedDecoder::FusedDecoder(const Model& v, const Drafter& d, const FTheta* f, const DecodeOptions& opt,
+                           int64_t capacity)
+    : Decoder(opt) {
+  const RestoreOptions& ro = opt.restore;
   KAKEYA_CHECK(&d.target() == &v,
                "fused: the drafter is bound to another target model (a drafter drafts for the verifier it was "
                "loaded with: load it against this verifier)");
@@ -357,23 +333,15 @@ FusedDecoder::~FusedDecoder() = default;
 
 int64_t FusedDecoder::block_size() const { return impl_->B; }
 
-FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOptions& opt) {
+DecodeResult FusedDecoder::feed(const std::vector<int64_t>& prompt, const DecodeOptions& opt, bool fresh) {
+  check_call("fused decoder", prompt.size(), opt, fresh);
   Impl& m = *impl_;
-  FusedResult out;
+  DecodeResult out;
   out.warnings = validate_fused(m.v, &m.d, m.f, m.ro, prompt.size(), opt.max_new_tokens, opt.block_size);
   for (const auto& w : out.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
   const int64_t B = m.B;
   KAKEYA_CHECK((opt.block_size > 0 ? opt.block_size : m.d.config().block_size) == B,
                "fused decoder: built for blocks of " << B << ", asked for " << opt.block_size);
-  {
-    GenerateOptions built, asked;
-    built.sampling = m.opt.sampling;
-    built.cuda_graph = m.opt.cuda_graph;
-    asked.sampling = opt.sampling;
-    asked.cuda_graph = opt.cuda_graph;
-    asked.max_new_tokens = opt.max_new_tokens;
-    check_run_fits("fused decoder", m.capacity, prompt.size(), built, asked);
-  }
   out.block_size = B;
   const at::Device dev = m.v.device();
   const int64_t n_prompt = prompt.size(), chunk = m.ro.resolved_chunk();
@@ -382,7 +350,7 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
   m.eng.sampler().reset(opt.sampling.seed);
   m.upkeep.set_timing(opt.time_split);
   Engine& eng = m.eng;
-  DecodeResult& res = out.decode;
+  DecodeResult& res = out;
   res.tokens.reserve(opt.max_new_tokens + B);
   res.committed.reserve(opt.max_new_tokens);
 
@@ -400,7 +368,7 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
   int64_t tok = first.item<int64_t>();  // SYNC: stream the first token / check for a stop
   res.tokens.push_back(tok);
   if (opt.on_token) opt.on_token(tok);
-  bool stopped = is_stop(tok, opt.stop_ids);
+  bool stopped = is_stop(tok, opt.stop_ids) || (opt.should_stop && opt.should_stop());
   auto t1 = Clock::now();
 
 #ifdef KAKEYA_CUDA
@@ -496,18 +464,7 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
     m.cache.advance(n);
     // Commit within the budget and up to a stop; the device state has moved on by n, which
     // only matters if the loop continued (it does not when produced < n).
-    int64_t produced = std::min<int64_t>(n, opt.max_new_tokens - g);
-    for (int64_t i = 0; i < produced; ++i)
-      if (is_stop(r[i], opt.stop_ids)) {
-        produced = i + 1;
-        stopped = true;
-        break;
-      }
-    for (int64_t i = 0; i < produced; ++i) {
-      res.tokens.push_back(r[i]);
-      if (opt.on_token) opt.on_token(r[i]);
-    }
-    res.committed.push_back(produced);
+    commit_tokens(r, n, opt, res, stopped);
     s_known += n;
     if (stopped || (int64_t)res.tokens.size() >= opt.max_new_tokens) break;
     if (pending.empty()) enqueue(s_known);
@@ -520,36 +477,28 @@ FusedResult FusedDecoder::run(const std::vector<int64_t>& prompt, const FusedOpt
   out.split.restore = m.upkeep.take_seconds();
   out.split.restore_overlapped = m.upkeep.captured() && out.cuda_graph;
   res.restored_positions = std::max<int64_t>(0, m.rest.restored_upto() + 1);
-  res.memory = restored_memory_report(m.v, &m.d, m.f, m.cache, m.rest, m.ro, m.capacity);
-  bool drafter_weights = false;
-  for (auto& l : res.memory.kv)
-    if (l.name == "drafter context cache") {
-      l.bytes = eng.context_bytes();
-      l.note = std::to_string(m.capacity + B) + " positions (its full-attention layers read every committed position)";
-      l.grows = true;
-    }
-  for (const auto& l : res.memory.weights) drafter_weights |= l.name == "drafter weights";
-  if (!drafter_weights)
-    res.memory.weights.push_back({"drafter weights", m.d.weight_bytes(), "embedding and lm_head shared with the verifier"});
+  res.memory = memory();
   return out;
 }
 
-FusedResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, const RestoreOptions& ro,
-                           const std::vector<int64_t>& prompt, const FusedOptions& opt) {
-  validate_fused(v, &d, f, ro, prompt.size(), opt.max_new_tokens, opt.block_size);  // before anything is allocated
-  FusedDecoder dec(v, d, f, ro, opt, (int64_t)prompt.size() + opt.max_new_tokens);
-  return dec.run(prompt, opt);
+MemoryReport FusedDecoder::memory() const {
+  const Impl& m = *impl_;
+  MemoryReport mem = restored_memory_report(m.v, &m.d, m.f, m.cache, m.rest, m.ro, m.capacity);
+  mem.set({MemoryPart::DrafterContext, "drafter context cache", m.eng.context_bytes(),
+           std::to_string(m.capacity + m.B) + " positions (its full-attention layers read every committed position)",
+           true});
+  if (!mem.find(MemoryPart::DrafterWeights))
+    mem.add({MemoryPart::DrafterWeights, "drafter weights", m.d.weight_bytes(), "embedding and lm_head shared with the verifier"});
+  return mem;
 }
 
-FusedOptions fused_options(const DecodeOptions& opt) {
-  FusedOptions fo;
-  fo.max_new_tokens = opt.max_new_tokens;
-  fo.block_size = opt.block_size;
-  fo.stop_ids = opt.stop_ids;
-  fo.on_token = opt.on_token;
-  fo.cuda_graph = opt.cuda_graph;
-  fo.sampling = opt.sampling;
-  return fo;
+int64_t FusedDecoder::capacity() const { return impl_->capacity; }
+
+DecodeResult fused_generate(const Model& v, const Drafter& d, const FTheta* f, const std::vector<int64_t>& prompt,
+                            const DecodeOptions& opt) {
+  validate_fused(v, &d, f, opt.restore, prompt.size(), opt.max_new_tokens, opt.block_size);  // before anything is allocated
+  FusedDecoder dec(v, d, f, opt, (int64_t)prompt.size() + opt.max_new_tokens);
+  return dec.run(prompt, opt);
 }
 
 }  // namespace kakeya

@@ -42,7 +42,7 @@
 // token for token (and `ar` when a = 1), up to floating-point ties between a B-token
 // and a 1-token forward. The drafter only changes how many tokens a forward commits.
 //
-// Sampling (temperature > 0; top-p as core/sampling.h): speculative rejection sampling.
+// Sampling (temperature > 0; top-p as core/model/sampling.h): speculative rejection sampling.
 // Drafts are sampled from the drafter's distributions q_i; draft i is accepted with
 // probability min(1, p_i(d_i) / q_i(d_i)) (p_i: the verifier's, same temperature and
 // top-p), the first rejected position takes a token from norm(max(0, p_i - q_i)), a
@@ -59,72 +59,43 @@
 #include <string>
 #include <vector>
 
-#include "core/drafter.h"
-#include "core/ftheta.h"
-#include "core/model.h"
-#include "core/sampling.h"
-#include "infer/restored.h"
+#include "core/model/drafter.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
+#include "core/model/sampling.h"
+#include "infer/decoder.h"
+#include "infer/restorer.h"
 
 namespace kakeya {
 
-struct FusedOptions {
-  int64_t max_new_tokens = 64;
-  int64_t block_size = 0;               // B: tokens per verify forward; 0 = the drafter's block_size
-  std::vector<int64_t> stop_ids;        // generation ends after emitting one of these
-  std::function<void(int64_t)> on_token;  // committed tokens, after each block's one sync
-  bool cuda_graph = true;               // CUDA: capture the parts once, replay per block
-  bool time_split = true;               // per-part times (CUDA events: no extra sync)
-  SamplingOptions sampling;             // temperature 0: greedy (lossless); > 0: rejection sampling
-};
 
-// Seconds summed over blocks (the prefill and the first token excluded).
-struct FusedTiming {
-  double draft = 0, verify = 0, extend = 0;
-  // Restoration batches (device time). On CUDA with graphs they run on a side stream next to
-  // the blocks (restore_overlapped): not on the critical path, so not part of upkeep().
-  double restore = 0;
-  bool restore_overlapped = false;
-  double capture = 0;  // CUDA graph capture (host wall time, inside the decode time; a decoder's first run)
-  int64_t blocks = 0;
-  // Cache upkeep on the critical path: the drafter context extension (+ restoration when in place).
-  double upkeep() const { return extend + (restore_overlapped ? 0.0 : restore); }
-  FusedTiming& operator+=(const FusedTiming& o);
-  nlohmann::json to_json() const;
-};
-
-struct FusedResult {
-  DecodeResult decode;                  // tokens, timings, memory, committed (τ = decode.tau())
-  FusedTiming split;
-  int64_t block_size = 0;
-  bool cuda_graph = false;              // the blocks replayed CUDA graphs
-  std::vector<std::string> warnings;    // e.g. a block larger than the drafter was trained for
-};
-
-// The fused decoder kept across prompts: the verifier's restored cache, the Restorer, the
-// drafter's context cache and the block buffers for `capacity` positions (prompt + new tokens
-// of the longest run; the block margin is added inside), and on CUDA the graphs of the three
-// parts and of a restoration batch, captured by the first greedy run and replayed by every
-// later one. drafter: required, bound to `verifier`; ftheta: required when mix_alpha < 1.
-// The restore options, block size, sampling and cuda_graph are fixed at construction.
-class FusedDecoder {
+// The fused decoder: the verifier's restored cache, the Restorer, the drafter's context cache
+// and the block buffers for `capacity` positions (the block margin is added inside), and on
+// CUDA the graphs of the three parts and of a restoration batch, captured by the first greedy
+// run and replayed by every later one. drafter: required, bound to `verifier`; ftheta:
+// required when mix_alpha < 1. Every call starts over (extends() is false: a continued
+// conversation is fed again from its start).
+class FusedDecoder : public Decoder {
  public:
-  FusedDecoder(const Model& verifier, const Drafter& drafter, const FTheta* ftheta, const RestoreOptions& ro,
-               const FusedOptions& opt, int64_t capacity);
-  ~FusedDecoder();
-  FusedDecoder(const FusedDecoder&) = delete;
-  FusedDecoder& operator=(const FusedDecoder&) = delete;
-  // Throws on bad input (validate_fused) or options this decoder was not built for.
-  FusedResult run(const std::vector<int64_t>& prompt, const FusedOptions& opt);
+  FusedDecoder(const Model& verifier, const Drafter& drafter, const FTheta* ftheta, const DecodeOptions& opt,
+               int64_t capacity);
+  ~FusedDecoder() override;
+  bool extends() const override { return false; }
+  int64_t capacity() const override;
+  int64_t length() const override { return 0; }
+  MemoryReport memory() const override;
   int64_t block_size() const;
 
  private:
+  // Throws on bad input (validate_fused) or options this decoder was not built for.
+  DecodeResult feed(const std::vector<int64_t>& prompt, const DecodeOptions& opt, bool fresh) override;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
 
-// One fused decode session: a FusedDecoder used once.
-FusedResult fused_generate(const Model& verifier, const Drafter& drafter, const FTheta* ftheta,
-                           const RestoreOptions& ro, const std::vector<int64_t>& prompt, const FusedOptions& opt);
+// One fused decode session: a FusedDecoder used once (opt.restore: the restoration rules).
+DecodeResult fused_generate(const Model& verifier, const Drafter& drafter, const FTheta* ftheta,
+                            const std::vector<int64_t>& prompt, const DecodeOptions& opt);
 
 // The checks fused_generate runs before anything else: validate_restore's, plus the
 // drafter (present, bound to this verifier), the block size (>= 2, <= window: a block's
@@ -134,9 +105,6 @@ FusedResult fused_generate(const Model& verifier, const Drafter& drafter, const 
 std::vector<std::string> validate_fused(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
                                         const RestoreOptions& ro, int64_t n_prompt, int64_t max_new_tokens,
                                         int64_t block_size);
-
-// DecodeOptions (infer/decoder.h's DecodeMode::Fused) -> FusedOptions.
-FusedOptions fused_options(const DecodeOptions& opt);
 
 // Positions a session needs in the verifier's RoPE table beyond prompt + new tokens (the
 // last block's draft positions): tools add it when they size the model's table.

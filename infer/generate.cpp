@@ -22,19 +22,6 @@ struct LoopGraphs {
 struct LoopGraphs {};
 #endif
 
-void check_run_fits(const char* who, int64_t capacity, int64_t n_prompt, const GenerateOptions& built,
-                    const GenerateOptions& run) {
-  KAKEYA_CHECK(n_prompt > 0, who << ": empty prompt (the tokenizer produced no tokens)");
-  KAKEYA_CHECK(run.max_new_tokens > 0, who << ": --max-new-tokens expected > 0, got " << run.max_new_tokens);
-  KAKEYA_CHECK(n_prompt + run.max_new_tokens <= capacity,
-               who << ": prompt (" << n_prompt << ") + new tokens (" << run.max_new_tokens << ") exceed the "
-                   << capacity << " positions this decoder was built for");
-  const auto &a = built.sampling, &b = run.sampling;
-  KAKEYA_CHECK(a.temperature == b.temperature && a.top_p == b.top_p && built.cuda_graph == run.cuda_graph,
-               who << ": sampling / cuda_graph options differ from the ones this decoder was built with "
-                      "(its graphs depend on them): build another decoder");
-}
-
 namespace {
 
 // One decode step with static buffers: reads token `cur` at position `pos`,
@@ -75,8 +62,9 @@ KVCacheOptions ar_cache_options(const Model& model, int64_t capacity) {
 
 }  // namespace
 
-ArDecoder::ArDecoder(const Model& model, int64_t capacity, const GenerateOptions& opt)
-    : model_(model), opt_(opt), cache_(model.config(), ar_cache_options(model, capacity)), sampler_(opt.sampling, model.device()) {
+ArDecoder::ArDecoder(const Model& model, int64_t capacity, const DecodeOptions& opt)
+    : Decoder(opt), model_(model), cache_(model.config(), ar_cache_options(model, capacity)),
+      sampler_(opt.sampling, model.device()) {
   auto iopt = at::TensorOptions().dtype(at::kLong).device(model.device());
   cur_ = at::zeros({1, 1}, iopt);
   pos_ = at::zeros({1}, iopt);
@@ -88,36 +76,39 @@ ArDecoder::ArDecoder(const Model& model, int64_t capacity, const GenerateOptions
   loop_.out = out_;
 }
 
-GenerateResult ArDecoder::run(const std::vector<int64_t>& prompt, const GenerateOptions& opt) {
-  const int64_t n_prompt = prompt.size();
-  check_run_fits("generate", capacity(), n_prompt, opt_, opt);
+DecodeResult ArDecoder::feed(const std::vector<int64_t>& tokens, const DecodeOptions& opt, bool fresh) {
+  check_call("generate", tokens.size(), opt, fresh);
   const at::Device dev = model_.device();
-  cache_.clear();
+  if (fresh) cache_.clear();
+  const int64_t n_fed = cache_.length() + (int64_t)tokens.size();
   sampler_.reset(opt.sampling.seed);
-  GenerateResult res;
+  DecodeResult res;
   auto t0 = Clock::now();
-  auto ids = at::tensor(prompt, at::kLong).view({1, n_prompt}).to(dev);
+  auto ids = at::tensor(tokens, at::kLong).view({1, (int64_t)tokens.size()}).to(dev);
   ForwardOptions fo;
   fo.last_logits_only = true;
   auto logits = model_.forward(ids, cache_, fo);
-  pos_.fill_(n_prompt);
+  pos_.fill_(n_fed);
   step_.zero_();
   // Sampling draws through the graph's captured generator offsets: recapture per run (greedy reuses).
   if (!sampler_.greedy()) loop_.graphs.reset();
-  run_decode_loop(loop_, sampler_.sample(logits.select(1, 0)), cache_, n_prompt, opt, t0, dev, res);
-  res.cache_bytes = cache_.bytes();
+  run_decode_loop(loop_, sampler_.sample(logits.select(1, 0)), cache_, n_fed, opt, t0, dev, res);
+  res.served_positions = cache_.length();
+  res.memory = memory();
   return res;
 }
 
-GenerateResult generate(const Model& model, const std::vector<int64_t>& prompt, const GenerateOptions& opt) {
+MemoryReport ArDecoder::memory() const { return ar_memory_report(model_, capacity()); }
+
+DecodeResult generate(const Model& model, const std::vector<int64_t>& prompt, const DecodeOptions& opt) {
   KAKEYA_CHECK(!prompt.empty(), "generate: empty prompt (the tokenizer produced no tokens)");
   KAKEYA_CHECK(opt.max_new_tokens > 0, "generate: --max-new-tokens expected > 0, got " << opt.max_new_tokens);
   ArDecoder d(model, (int64_t)prompt.size() + opt.max_new_tokens, opt);
   return d.run(prompt, opt);
 }
 
-void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, int64_t n_prompt,
-                     const GenerateOptions& opt, Clock::time_point t0, const at::Device& dev, GenerateResult& res) {
+void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, int64_t n_fed,
+                     const DecodeOptions& opt, Clock::time_point t0, const at::Device& dev, DecodeResult& res) {
   loop.out.index_copy_(0, loop.step_idx, first);
   loop.cur.copy_(first.view({1, 1}));
   loop.step_idx.add_(1);
@@ -128,7 +119,7 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
   res.tokens.push_back(tok);
   if (opt.on_token) opt.on_token(tok);
   auto t1 = Clock::now();
-  bool stopped = is_stop(tok, opt.stop_ids);
+  bool stopped = is_stop(tok, opt.stop_ids) || (opt.should_stop && opt.should_stop());
   if (!loop.graphs) loop.graphs = std::make_shared<LoopGraphs>();
 
 #ifdef KAKEYA_CUDA
@@ -164,14 +155,14 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
     for (int64_t i = 0; i < pending && !stopped; ++i) {
       res.tokens.push_back(t[i]);
       if (opt.on_token) opt.on_token(t[i]);
-      stopped = is_stop(t[i], opt.stop_ids);  // later tokens of the batch are dropped
+      stopped = is_stop(t[i], opt.stop_ids) || (opt.should_stop && opt.should_stop());  // later tokens of the batch are dropped
     }
     pending = 0;
   };
-  const int64_t batch = opt.stream ? 1 : (opt.stop_ids.empty() ? opt.max_new_tokens : kStopCheckEvery);
+  const int64_t batch = opt.reads_each_token() ? 1 : (opt.stop_ids.empty() ? opt.max_new_tokens : kStopCheckEvery);
   int64_t allocs0 = -1;  // allocator count before the first replay
   while (!stopped && (int64_t)res.tokens.size() + pending < opt.max_new_tokens) {
-    const int64_t p = n_prompt + (int64_t)res.tokens.size() + pending - 1;  // position fed by this step
+    const int64_t p = n_fed + (int64_t)res.tokens.size() + pending - 1;  // position fed by this step
     if (loop.before) loop.before(p);
     upkeep(p);
 #ifdef KAKEYA_CUDA

@@ -2,48 +2,24 @@
 // compared with): prefill, then one token per forward. On CUDA the decode step
 // is captured once as a CUDA graph that also feeds its own output back, so the
 // steady state launches one graph per token and syncs only to stream text. An
-// ArDecoder keeps its cache, buffers and graph across prompts.
+// ArDecoder keeps its cache, buffers and graph across calls (infer/decoder.h).
 #pragma once
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <vector>
 
-#include "core/kv_cache.h"
-#include "core/model.h"
-#include "core/sampling.h"
+#include "core/model/kv_cache.h"
+#include "core/model/model.h"
+#include "core/model/sampling.h"
+#include "infer/decoder.h"
 #include "infer/loop_util.h"
 #include "infer/upkeep.h"
 
 namespace kakeya {
 
-// Without streaming, stop tokens are looked for every this many steps: the steps after a
-// stop inside a batch are wasted work, but none of them waits on the host.
-constexpr int64_t kStopCheckEvery = 8;
-
-struct GenerateOptions {
-  int64_t max_new_tokens = 64;
-  SamplingOptions sampling;
-  std::vector<int64_t> stop_ids;        // generation ends after emitting one of these
-  bool cuda_graph = true;               // CUDA only
-  bool stream = true;                   // call on_token per token (one host sync each); otherwise
-                                        // stops are checked every kStopCheckEvery steps (one sync each)
-  std::function<void(int64_t)> on_token;
-};
-
-struct GenerateResult {
-  std::vector<int64_t> tokens;          // generated ids (prompt excluded)
-  double prefill_seconds = 0;
-  double decode_seconds = 0;            // from the first to the last generated token
-  double capture_seconds = 0;           // CUDA graph capture inside decode_seconds (a decoder's first run only)
-  int64_t cache_bytes = 0;
-  int64_t steady_allocations = -1;      // CUDA allocations from the first graph replay to the end (-1: no replay)
-  double decode_tokens_per_second() const {
-    return tokens.size() > 1 && decode_seconds > 0 ? (tokens.size() - 1) / decode_seconds : 0.0;
-  }
-};
-
-GenerateResult generate(const Model& model, const std::vector<int64_t>& prompt, const GenerateOptions& opt);
+// One AR decode (opt.mode is not read): an ArDecoder for prompt + new tokens, used once.
+DecodeResult generate(const Model& model, const std::vector<int64_t>& prompt, const DecodeOptions& opt);
 
 // The CUDA graph of a DecodeLoop's step, kept with the loop's static buffers by a decoder
 // that runs many prompts, so capture happens once (a server captures once). Opaque outside
@@ -69,37 +45,30 @@ struct DecodeLoop {
   UpkeepRunner* upkeep = nullptr;
   std::shared_ptr<LoopGraphs> graphs;  // captured by the first run_decode_loop, replayed by later ones
 };
-// From the token sampled after the prefill (`first`: [1] int64) to max_new_tokens or a
-// stop: streams tokens (opt.stream) or reads them once at the end, advances `cache` per step.
+// From the token sampled after the prefill (`first`: [1] int64; n_fed positions went through
+// the verifier before it) to max_new_tokens, a stop token or opt.should_stop: streams tokens
+// (opt.reads_each_token) or reads them in batches, advances `cache` per step.
 // Fills res.tokens, res.prefill_seconds (from t0 to the first token), res.decode_seconds and
 // res.capture_seconds (0 when loop.graphs came captured).
-void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, int64_t n_prompt,
-                     const GenerateOptions& opt, Clock::time_point t0, const at::Device& dev, GenerateResult& res);
+void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, int64_t n_fed,
+                     const DecodeOptions& opt, Clock::time_point t0, const at::Device& dev, DecodeResult& res);
 
-// The AR decoder kept across prompts: a KV cache for `capacity` positions (prompt + new
-// tokens of the longest run), the step's static buffers and, on CUDA, its graph, captured by
-// the first greedy run and replayed by every later one. generate() is one used once.
-// Sampling (temperature > 0) and cuda_graph are fixed at construction; run() checks them.
-class ArDecoder {
+// The AR decoder: a KV cache for `capacity` positions, the step's static buffers and, on CUDA,
+// its graph, captured by the first greedy run and replayed by every later one.
+class ArDecoder : public Decoder {
  public:
-  ArDecoder(const Model& model, int64_t capacity, const GenerateOptions& opt);
-  ArDecoder(const ArDecoder&) = delete;  // the loop's functions hold `this`
-  ArDecoder& operator=(const ArDecoder&) = delete;
-  GenerateResult run(const std::vector<int64_t>& prompt, const GenerateOptions& opt);
-  int64_t capacity() const { return cache_.capacity(); }
+  ArDecoder(const Model& model, int64_t capacity, const DecodeOptions& opt);
+  int64_t capacity() const override { return cache_.capacity(); }
+  int64_t length() const override { return cache_.length(); }
+  MemoryReport memory() const override;
 
  private:
+  DecodeResult feed(const std::vector<int64_t>& tokens, const DecodeOptions& opt, bool fresh) override;
   const Model& model_;
-  GenerateOptions opt_;
   KVCache cache_;
   Sampler sampler_;
   at::Tensor cur_, pos_, step_, out_;  // [1, 1], [1], [1], [capacity] int64: the step's static buffers
   DecodeLoop loop_;
 };
-
-// Checks that a persistent decoder built with `built` can serve a run with `run`: the options
-// its graphs depend on (sampling, cuda_graph) must match, and prompt + new tokens must fit.
-void check_run_fits(const char* who, int64_t capacity, int64_t n_prompt, const GenerateOptions& built,
-                    const GenerateOptions& run);
 
 }  // namespace kakeya

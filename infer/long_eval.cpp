@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "core/fs.h"
+#include "core/io/fs.h"
 #include "infer/decoder.h"
 #include "infer/loop_util.h"
 #include "infer/score.h"
@@ -38,7 +38,7 @@ double sample_sd(const std::vector<double>& x) {
 // JSON object keys are strings: contexts are keyed by their decimal form.
 std::string key(int64_t context) { return std::to_string(context); }
 
-// *.txt of `dir`, by name (opendir, not std::filesystem: see core/fs.h).
+// *.txt of `dir`, by name (opendir, not std::filesystem: see core/io/fs.h).
 std::vector<std::string> text_files(const std::string& dir) {
   DIR* d = ::opendir(dir.c_str());
   KAKEYA_CHECK(d, "eval-long: --ppl-dir " << dir << ": cannot open the directory (held-out documents *.txt; "
@@ -365,7 +365,7 @@ nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FThet
     r.per_sample.assign(T, std::vector<nlohmann::json>(C, nlohmann::json::array()));
     r.nll.assign(C, {});
   }
-  for (auto& r : runs) r.decoder = std::make_unique<Decoder>(v, r.drafter, r.ftheta, r.decode, plan.decode_capacity);
+  for (auto& r : runs) r.decoder = make_decoder(v, r.drafter, r.ftheta, r.decode, plan.decode_capacity);
 
   // Progress and the deadline count tokens through the verifier, every config included.
   const int64_t K = configs.size();

@@ -19,11 +19,11 @@
 #include <utility>
 #include <vector>
 
-#include "core/codec.h"
-#include "core/drafter.h"
-#include "core/ftheta.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "calib/codec/codec.h"
+#include "core/model/drafter.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
+#include "core/io/tokenizer.h"
 #include "data/longeval.h"
 #include "infer/restored.h"
 

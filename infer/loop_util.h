@@ -1,10 +1,13 @@
-// Small pieces every decode loop in infer/ shares (AR, speculative, restored).
+// Small pieces every decode loop in infer/ shares (AR, speculative, restored, fused).
 #pragma once
 #include <ATen/ATen.h>
 
 #include <algorithm>
 #include <chrono>
 #include <vector>
+
+#include "infer/options.h"
+#include "infer/result.h"
 
 #ifdef KAKEYA_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -42,6 +45,24 @@ inline int64_t device_allocations(const at::Device& dev) {
 
 inline bool is_stop(int64_t tok, const std::vector<int64_t>& stop) {
   return std::find(stop.begin(), stop.end(), tok) != stop.end();
+}
+
+// The tokens one verify forward produced (r[0..n), speculative modes) committed within the
+// budget (opt.max_new_tokens) and up to the first stop token or the first one after which
+// opt.should_stop() answers true: appended to res.tokens (on_token each), their count appended
+// to res.committed and returned; `stopped` turns true when a stop ended the block.
+inline int64_t commit_tokens(const int64_t* r, int64_t n, const DecodeOptions& opt, DecodeResult& res,
+                             bool& stopped) {
+  const int64_t room = std::min<int64_t>(n, opt.max_new_tokens - (int64_t)res.tokens.size());
+  int64_t produced = 0;
+  while (produced < room && !stopped) {
+    const int64_t t = r[produced++];
+    res.tokens.push_back(t);
+    if (opt.on_token) opt.on_token(t);
+    stopped = is_stop(t, opt.stop_ids) || (opt.should_stop && opt.should_stop());
+  }
+  res.committed.push_back(produced);
+  return produced;
 }
 
 }  // namespace kakeya

@@ -1,352 +1,38 @@
-// The restored-verifier decoder (seeds §3: f_θ + S5 restoration, Gap-A).
-//
-// Restoration semantics (the definition every mode below implements). On a
-// layer the policy covers (every sliding-attention layer; full-attention layers
-// too with --full-attn restored), a query at position p attends to the
-// positions j of its span (p - sliding_window < j <= p on sliding layers, j <= p
-// on full ones) through
-//   exact K/V     when p - j < window            (the `window` most recent positions, p included)
-//   restored K/V  otherwise:
-//       j <  sink: the exact K/V of j (attention sinks are never approximated)
-//       j >= sink: finish_kv(a · true_raw(j) + (1 - a) · f_θ(drafter_raw(j)))
-// where drafter_raw(j) = the drafter's raw context K/V at j (what Tap::KProj/VProj of
-// Drafter::context_kv see, computed for all drafter layers in one GEMM by
-// Drafter::context_raw_kv_rows, on the verifier's hidden states at j, which are themselves
-// computed under these rules), true_raw(j) = the verifier's own raw K/V at j
-// (Tap::KProj/VProj), a = --mix-alpha (0: pure f_θ), and finish_kv = the
-// verifier's own k_norm/v_norm + RoPE (Model::finish_kv). Full-attention layers
-// under --full-attn exact keep every position exact (the seeds' S5). Under
-// --full-attn codec they keep every position's exact K/V too, but stored through the
-// calibration bundle's codec: the query at p reads positions j < coded_below(p) (whole
-// codec blocks outside its window, core/kv_cache.h) from their coded copy and newer
-// ones exactly; the codes are decoded into one shared scratch per forward (CodedHistory).
-//
-// Modes:
-//   ar                  the full-KV oracle (infer/generate.h), nothing restored.
-//   restored-reforward  the slow reference: per generated token, the whole prefix
-//                       again from an empty cache with one slot per position (no
-//                       rings), in chunks of <= window tokens. A chunk never needs
-//                       restored K/V of itself (p - j < window inside it), and j's
-//                       restoration only needs drafter_raw(j), known once j's chunk
-//                       ran, so chunking breaks the circularity. O(T²).
-//   restored            incremental (Gap-A): restored K/V are written ONCE per
-//                       position and layer into the KV cache's restored region
-//                       (core/kv_cache.h RestorePolicy), at the latest just before the
-//                       first forward whose queries need them (when the position leaves
-//                       the exact window); the prompt is prefilled in chunks of <= window
-//                       tokens, then one forward per token, and every ~window/2 steps one
-//                       batch projects the drafter context and restores ahead the next
-//                       ~window/2 positions (Restorer::next_upkeep; on CUDA beside the
-//                       steps, infer/upkeep.h). O(1) per token.
-//   fused               `restored` accelerated by speculative decoding with the drafter
-//                       (infer/fused.h): blocks verified on the restored cache, same tokens.
-// Both restored modes run the unmodified Model::forward: restoration lives in
-// taps (Restorer subscribes to Tap::LayerOut for the drafter's features and to
-// Tap::KProj/VProj for the true raw K/V) and cache writes.
+// The restored decoders (DecodeMode::Restored and the RestoredReforward reference) and
+// teacher-forced scoring through the restored cache. The rules they implement and the
+// Restorer that applies them: infer/restorer.h.
 #pragma once
-#include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
-
-#include <array>
 #include <cstdint>
-#include <functional>
 #include <memory>
-#include <string>
 #include <vector>
 
-#include "core/codec.h"
-#include "core/drafter.h"
-#include "core/ftheta.h"
-#include "core/kv_cache.h"
-#include "core/model.h"
-#include "core/sampling.h"
-#include "core/taps.h"
+#include "core/model/sampling.h"
+#include "infer/decoder.h"
 #include "infer/generate.h"
+#include "infer/restorer.h"
 #include "infer/score.h"
 #include "infer/upkeep.h"
 
 namespace kakeya {
 
-enum class DecodeMode { Ar, RestoredReforward, Restored, Fused };
-const char* decode_mode_name(DecodeMode m);               // "ar" | "restored-reforward" | "restored" | "fused"
-DecodeMode parse_decode_mode(const std::string& name);    // throws on anything else
-
-enum class FullAttn { Exact, Restored, Codec };
-const char* full_attn_name(FullAttn f);                   // "exact" | "restored" | "codec"
-FullAttn parse_full_attn(const std::string& name);
-
-struct RestoreOptions {
-  int64_t sink = 4;          // first positions whose exact K/V are kept wherever they are in span
-  int64_t window = 64;       // exact recent positions per query (the query included)
-  FullAttn full_attn = FullAttn::Exact;
-  double mix_alpha = 0.0;    // restored raw K/V = a·true + (1-a)·f_θ; a > 0 keeps true raw K/V (research mode)
-  int64_t chunk = 0;         // prefill tokens per forward, 1..window; 0: window
-  bool kernels = true;       // CUDA: restore through the fused store kernel where it applies (false: reference ops)
-  bool stats = false;        // relative error of restored vs true K/V (keeps true raw K/V too)
-  const KVCodec* codec = nullptr;  // FullAttn::Codec: full-attention history stored through it (blocks of its block size)
-  // Which of the covered layers read their restored positions (beyond the sinks); the others drop
-  // them (evict-only on that layer: sinks + the exact window, nothing older). "auto": the layers
-  // f_θ's config lists as measured better than eviction (every covered layer when it lists none),
-  // "all", "none" (evict-only everywhere: the StreamingLLM baseline, needs no f_θ), or a
-  // comma-separated list of verifier layers. resolve_restore_layers() turns it into a per-layer mask.
-  std::string layers = "auto";
-  int64_t resolved_chunk() const { return chunk > 0 ? chunk : window; }
-  bool needs_true_raw() const { return mix_alpha > 0.0 || stats; }
-  bool evict_only() const { return layers == "none"; }
-  bool needs_ftheta() const { return mix_alpha < 1.0 && !evict_only(); }
-  nlohmann::json to_json() const;
-};
-
-// Clear errors for inputs the decoder cannot serve: sink/window/chunk/alpha out of
-// range, sink + window >= the model's sliding window (sliding layers would never
-// restore anything), window >= the context (nothing would be restored), a prompt
-// plus new tokens beyond the model's limit or the loaded RoPE table, missing
-// drafter/f_θ, an f_θ for another verifier/drafter pair.
-void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& opt,
-                      int64_t n_prompt, int64_t max_new_tokens, const std::string& ftheta_origin = "f_theta");
-
-// RestoreOptions::layers per verifier layer: true where the layer reads its restored positions
-// (false on layers the policy does not cover). Throws naming --restore-layers on a bad list.
-std::vector<bool> resolve_restore_layers(const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o);
-// The cache policy's per-layer drop mask (covered layers that do not restore) and sink.
-void set_dropped_layers(RestorePolicy& p, const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o);
-
-// Relative error of restored vs true K/V, accumulated over every restored
-// (position, layer), split by layer type and stream: sqrt(Σ‖r - t‖² / Σ‖t‖²),
-// in raw space (what f_θ predicts) and in cache space (after k_norm/v_norm + RoPE,
-// what attention reads). Sinks (exact copies) are not counted.
-struct RestoreStats {
-  // [type: 0 sliding, 1 full][stream: 0 K, 1 V][0 err², 1 ref²], raw and cache space.
-  std::array<std::array<std::array<double, 2>, 2>, 2> raw{}, cache{};
-  int64_t positions = 0;     // positions restored through f_θ
-  double rel(bool full, bool v, bool cache_space) const;
-  RestoreStats& operator+=(const RestoreStats& o);
-  nlohmann::json to_json() const;
-};
-
-// --full-attn codec: full-attention K/V of positions in whole codec blocks outside the
-// exact window, stored through the calibrated codec and decoded into the cache's shared
-// scratch whenever a full-attention layer attends (KVCache coded layers, set_history_loader).
-class CodedHistory {
- public:
-  CodedHistory(const Model& model, const KVCodec& codec, KVCache& cache);
-  CodedHistory(const CodedHistory&) = delete;
-  CodedHistory& operator=(const CodedHistory&) = delete;
-  // Encodes every block the query at q reads coded (positions < KVCache::coded_below(q)) from
-  // the dense ring: host work, once per block, before the ring overwrites it.
-  void prepare(int64_t q);
-  int64_t coded_positions() const { return coded_upto_; }
-  int64_t bytes() const;  // every stored byte of every block (codes and side information)
-
- private:
-  void load(int64_t layer, at::Tensor& k, at::Tensor& v);  // k, v: [1, H_kv, capacity, D], slot = position
-  const Model& model_;
-  const KVCodec& codec_;
-  KVCache& cache_;
-  std::vector<std::vector<CodedKV>> blocks_;  // per layer (coded layers only), per block
-  int64_t coded_upto_ = 0;                    // positions [0, coded_upto_) are coded
-};
-
-// Keeps the cache's restored region up to date around every forward on it.
-//   restorer.prepare(p0, t);                       // before a forward of t tokens at p0
-//   model.forward(ids, pos, cache, {.taps = restorer.verifier_taps()});
-//   restorer.commit(p0, n);                         // its first n positions are committed
-// commit() runs the drafter's context projection on the committed positions
-// (or extends `dcache` with them, for a caller that drafts) and keeps their raw
-// K/V (Tap::KProj/VProj) until the positions leave the window; prepare() restores
-// every position the forward's queries see as "old" and that is not restored yet.
-class Restorer : public TapSubscriber {
- public:
-  // drafter/ftheta may be null when a = 1 (exact restoration needs neither).
-  Restorer(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& opt,
-           KVCache& cache);
-  Restorer(const Restorer&) = delete;
-  Restorer& operator=(const Restorer&) = delete;
-
-  const RestoreOptions& options() const { return opt_; }
-  const Taps* verifier_taps() const { return &vtaps_; }  // every forward on the cache
-  const Taps* drafter_taps() const { return &dtaps_; }   // Drafter::extend / context_kv on committed positions
-  void prepare(int64_t p0, int64_t t);
-  void commit(int64_t p0, int64_t n, DrafterCache* dcache = nullptr);
-  // Restoring ahead, in batches: a committed position may get its restored copy before it
-  // leaves the window (the mask shows each query one copy), as long as the restored region's
-  // ring does not overwrite a slot a later query still reads there: a forward whose first
-  // query is q may find every position <= q - 1 - ahead_gap() restored.
-  int64_t ahead_gap() const;
-  // Batched restoration for forwards whose positions live on the device (decode steps, fused
-  // blocks), so CUDA graphs can capture them. start_upkeep(span) first (before the prefill: it
-  // allocates the ring of target features the commits fill; forwards on the device store theirs
-  // with stash_step / stash_features): a forward the host launches knowing it starts at s or
-  // later has its queries within s .. s + span - 1 (1 for decode steps, B for fused blocks, 2B - 1
-  // for a block enqueued before the previous one's report is read). Before such a forward,
-  // next_upkeep(s) is asked until it answers from < 0: each batch restores the upkeep_len()
-  // positions from restored_upto() + 1 once s - 1 - ahead_gap() covers them (every position < s
-  // is committed, so nothing it reads can change while it runs), and is first read by a forward
-  // launched at s' >= read_at. With L = upkeep_len() at most half of window - gap - span + 1,
-  // every position a forward reads restored was in a batch due at least L positions earlier,
-  // which is what lets a batch overlap the forwards (infer/upkeep.h). The batch's device work:
-  // upkeep_from(from) (stores the argument on the device, outside any graph), then upkeep()
-  // (capturable): f_θ's drafter inputs projected from the stored features, then restoration.
-  void start_upkeep(int64_t span);
-  int64_t upkeep_len() const { return upkeep_len_; }
-  UpkeepBatch next_upkeep(int64_t s);
-  void upkeep_from(int64_t from);
-  void upkeep();
-  void stash_step(const at::Tensor& pos);  // the last forward's target features at pos [1]
-  // From now on the verifier's forwards write the target features into the ring themselves
-  // (TargetFeatureCapture::store_into: inside the residual kernel), so stash_step has no work.
-  void stash_in_forward();
-  // Target features feats [1, T, n·H] of positions pos [T] (device) into the feature ring
-  // (no-op without one): a caller that runs its own forwards (fused blocks) stores them so
-  // upkeep() can project the drafter context at restoration time; or it writes them there
-  // itself (TargetFeatureCapture::take_into) through feature_ring() (null without one).
-  void stash_features(const at::Tensor& feats, const at::Tensor& pos);
-  at::Tensor* feature_ring() { return feat_.defined() ? &feat_ : nullptr; }  // [ring, n·H], row = position mod ring
-  // A new session on the same cache (which the caller clear()s): nothing restored, no statistics.
-  void reset();
-  // --full-attn codec: codec blocks are encoded on the host before the step that feeds
-  // position q first reads them coded (prepare() does it for chunks); steps are then eager.
-  bool needs_host_steps() const { return coded_ != nullptr; }
-  void prepare_coded(int64_t q);
-  int64_t coded_bytes() const { return coded_ ? coded_->bytes() : 0; }
-  int64_t coded_positions() const { return coded_ ? coded_->coded_positions() : 0; }
-  int64_t restored_upto() const { return restored_upto_; }  // every position <= this is restored
-  int64_t pending_bytes() const;   // f_θ inputs of positions not restored yet (drafter raw K/V, target features)
-  int64_t true_raw_bytes() const;  // true raw K/V kept for --mix-alpha / stats
-  RestoreStats stats() const;      // SYNC: reads the device accumulators
-  void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) override;
-  // The verifier's raw K/V only when they are kept (mix-alpha / stats): otherwise the
-  // forward keeps its fused q/k-norm + RoPE + store kernel (core/taps.h).
-  bool reads(Tap tap) const override {
-    return (tap == Tap::KProj || tap == Tap::VProj) && opt_.needs_true_raw();
-  }
-
- private:
-  struct DrafterTap : TapSubscriber {
-    Restorer* self = nullptr;
-    void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) override;
-    // The raw K/V only: Drafter::store_context keeps its fused kernel.
-    bool reads(Tap tap) const override { return tap == Tap::KProj || tap == Tap::VProj; }
-  };
-  // Restores positions js [N] (device, each restored once); sinks get their exact copy and stay
-  // out of the error statistics. dk, dv [N, L_d, H_d, D_d]: the drafter raw K/V of js (undefined at a = 1).
-  void restore(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv);
-  // restore() on CUDA in two GEMMs per stream and one store launch: f_θ's fused outputs, then
-  // ops::RestoreStore k-norms, RoPEs and stores them into every layer's restored region (sinks
-  // copied from the exact ring): what finish_kv + write_restored do, without ~a dozen ops per layer.
-  void restore_kernel(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv);
-  at::Tensor take_features(int64_t n);
-  void note_restored(int64_t j);  // every position <= j is restored (or in a batch in flight)
-
-  const Model& model_;
-  const Drafter* drafter_;
-  const FTheta* ftheta_;
-  RestoreOptions opt_;
-  KVCache& cache_;
-  std::vector<int64_t> layers_;                  // verifier layers the policy covers
-  bool has_sliding_ = false, has_full_ = false;  // layer types among them
-  std::unique_ptr<TargetFeatureCapture> capture_;
-  std::unique_ptr<CodedHistory> coded_;          // --full-attn codec
-  DrafterTap dtap_;
-  Taps vtaps_, dtaps_;
-  int64_t ring_ = 0;                             // positions the pending rings hold
-  at::Tensor dk_, dv_;                           // [ring, L_d, H_d, D_d] drafter raw K/V
-  at::Tensor feat_;                              // [ring, n·H] target features of committed positions (start_upkeep)
-  int64_t upkeep_len_ = 0, upkeep_span_ = 0;     // batch length, a forward's reach past its known start (start_upkeep)
-  at::Tensor upkeep_off_;                        // [L] 0 .. L-1: a batch's positions from its first
-  at::Tensor upkeep_first_;                      // [1] the batch's first position (upkeep_from)
-  std::vector<at::Tensor> tk_, tv_;              // per verifier layer [ring, H_kv, D] true raw K/V (or undefined)
-  at::Tensor acc_;                               // [2 raw|cache, 2 type, 2 stream, 2 err|ref] f64 accumulators
-  int64_t stat_positions_ = 0;
-  int64_t restored_upto_ = -1;
-  bool kernel_ = false;                          // restore() runs restore_kernel()
-  bool features_in_ = false;                     // f_θ reads the target features (feat_) instead of dk_/dv_
-  std::unique_ptr<ops::RestoreStore> store_;     // restore_kernel()'s store (kernel_ only)
-};
-
-struct MemoryLine {
-  std::string name;
-  int64_t bytes = 0;
-  std::string note;
-  bool grows = false;  // grows with the context (e.g. exact full-attention K/V under S5)
-};
-
-// Every cache the decode holds, next to two honest baselines at the same context:
-// full KV (every layer, every position) and the model's native cache (Gemma 3's
-// sliding layers only ever keep their sliding window).
-struct MemoryReport {
-  int64_t positions = 0;              // context the caches serve (prompt + new tokens)
-  std::vector<MemoryLine> kv;         // K/V-like state (counted in kv_bytes)
-  std::vector<MemoryLine> weights;    // parameters (listed, not counted as KV)
-  int64_t full_kv_bytes = 0, native_kv_bytes = 0;
-  int64_t kv_bytes() const;
-  int64_t bounded_bytes() const;      // the lines that do not grow with the context
-  nlohmann::json to_json() const;
-  std::string table() const;          // aligned text table with ratios
-};
-
-// What restored_memory reports, from the shapes alone (nothing allocated): the K/V lines
-// of a restored decode of `capacity` positions after `served` positions went through the
-// verifier (served decides how many codec blocks exist), in `dtype`. drafter: the config
-// whose raw K/V feed f_θ (null when a = 1). Weights are not listed. Tests check it against
-// the measured report; it answers "what would 8k cost" without an 8k decode.
-MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* drafter, const RestoreOptions& o,
-                                  at::ScalarType dtype, int64_t capacity, int64_t served);
-
-struct DecodeOptions {
-  DecodeMode mode = DecodeMode::Restored;
-  RestoreOptions restore;
-  int64_t max_new_tokens = 64;
-  SamplingOptions sampling;
-  std::vector<int64_t> stop_ids;        // generation ends after emitting one of these
-  std::function<void(int64_t)> on_token;
-  bool stream = true;                   // read each token as it comes (one host sync per token)
-  bool cuda_graph = true;               // CUDA: replay the decode step (fused: the block's parts) as graphs
-  int64_t block_size = 0;               // fused: tokens per verify forward (0: the drafter's block_size)
-};
-
-struct DecodeResult {
-  std::vector<int64_t> tokens;          // generated ids (prompt excluded)
-  double prefill_seconds = 0;
-  double decode_seconds = 0;            // from the first generated token to the last
-  double capture_seconds = 0;           // CUDA graph capture inside decode_seconds (a decoder's first run)
-  MemoryReport memory;
-  RestoreStats stats;                   // filled when restore.stats
-  // Share of each layer type's span the last query attends to through exactly one
-  // exact or restored copy per position (1.0 = nothing lost, nothing twice); -1: no such layers.
-  double attention_fraction_sliding = -1, attention_fraction_full = -1;
-  int64_t restored_positions = 0;       // positions that left the exact window
-  std::vector<int64_t> committed;       // fused: tokens committed by each verify forward
-  double tau() const;                   // fused: mean of `committed` (0 if none)
-  int64_t coded_positions = 0;          // --full-attn codec: positions whose full-attention K/V are coded
-  int64_t served_positions = 0;         // positions that went through the verifier (prompt + fed tokens)
-  int64_t steady_allocations = -1;      // CUDA allocations from the first graph replay to the end (-1: no replay)
-  double decode_tokens_per_second() const {
-    return tokens.size() > 1 && decode_seconds > 0 ? (tokens.size() - 1) / decode_seconds : 0.0;
-  }
-  // What a decode loop of infer/generate.h measured (tokens, timings, allocations); the rest default.
-  static DecodeResult from_loop(GenerateResult&& r);
-};
-
-// The incremental restored decoder (DecodeMode::Restored) kept across prompts: its KV cache
-// for `capacity` positions (prompt + new tokens of the longest run), Restorer, step buffers,
-// restoration runner and CUDA graphs are built once, as ArDecoder's (infer/generate.h);
-// infer/decoder.h's decode() builds one per prompt. drafter/ftheta: required unless a = 1.
-// The restore options, sampling and cuda_graph are fixed at construction; run() checks them.
-class RestoredDecoder {
+// The incremental restored decoder: its KV cache for `capacity` positions, Restorer, step
+// buffers, restoration runner and CUDA graphs are built once (as ArDecoder's).
+// drafter/ftheta: required unless a = 1 or evict-only. `--full-attn codec` encodes codec
+// blocks on the host between steps (eager steps).
+class RestoredDecoder : public Decoder {
  public:
   RestoredDecoder(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const DecodeOptions& opt,
                   int64_t capacity);
-  ~RestoredDecoder();
-  RestoredDecoder(const RestoredDecoder&) = delete;  // the loop's functions hold `this`
-  RestoredDecoder& operator=(const RestoredDecoder&) = delete;
-  DecodeResult run(const std::vector<int64_t>& prompt, const DecodeOptions& opt);
+  ~RestoredDecoder() override;
+  int64_t capacity() const override { return cache_.capacity(); }
+  int64_t length() const override { return cache_.length(); }
+  MemoryReport memory() const override;
 
  private:
+  DecodeResult feed(const std::vector<int64_t>& tokens, const DecodeOptions& opt, bool fresh) override;
   const Model& v_;
   const Drafter* d_;
   const FTheta* f_;
-  DecodeOptions opt_;
   KVCache cache_;
   Restorer rest_;
   Sampler sampler_;
@@ -355,28 +41,30 @@ class RestoredDecoder {
   DecodeLoop loop_;
 };
 
-// The slow reference (DecodeMode::RestoredReforward): the whole prefix again per token.
-DecodeResult decode_reforward(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
-                              const std::vector<int64_t>& prompt, const DecodeOptions& opt);
+// The slow reference (DecodeMode::RestoredReforward): per generated token the whole prefix
+// again from an empty cache with one slot per position. Keeps nothing between calls.
+class ReforwardDecoder : public Decoder {
+ public:
+  ReforwardDecoder(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const DecodeOptions& opt,
+                   int64_t capacity);
+  bool extends() const override { return false; }
+  int64_t capacity() const override { return capacity_; }
+  int64_t length() const override { return 0; }
+  MemoryReport memory() const override { return last_memory_; }
 
-// The AR loop's options for a DecodeOptions (what ar and restored steps share).
-GenerateOptions generate_options(const DecodeOptions& opt);
+ private:
+  DecodeResult feed(const std::vector<int64_t>& tokens, const DecodeOptions& opt, bool fresh) override;
+  const Model& v_;
+  const Drafter* d_;
+  const FTheta* f_;
+  int64_t capacity_;
+  MemoryReport last_memory_;
+};
 
 // Teacher-forced scoring (infer/score.h logic) through the incremental restored
 // cache: the sequence runs in chunks of <= window tokens, each chunk's logits
 // scored against the next tokens. One window (the whole sequence, <= the model's positions).
 ScoreResult score_restored(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
                            const std::vector<int64_t>& ids, const RestoreOptions& opt, RestoreStats* stats = nullptr);
-
-// The memory report of an AR session of `capacity` positions (the full-KV oracle's cache).
-MemoryReport ar_memory_report(const Model& verifier, int64_t capacity);
-
-// The memory report of a restored-cache session (what `restored` mode reports; fused adds its drafter context).
-MemoryReport restored_memory_report(const Model& verifier, const Drafter* drafter, const FTheta* ftheta,
-                                    const KVCache& cache, const Restorer& restorer, const RestoreOptions& opt,
-                                    int64_t positions);
-
-// Memory of f_θ's weights next to the caches (the drafter's: Drafter::weight_bytes).
-int64_t ftheta_weight_bytes(const FTheta& f);
 
 }  // namespace kakeya

@@ -6,7 +6,7 @@
 #include <functional>
 #include <vector>
 
-#include "core/model.h"
+#include "core/model/model.h"
 
 namespace kakeya {
 

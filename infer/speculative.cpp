@@ -8,16 +8,8 @@
 
 namespace kakeya {
 
-int64_t SpeculativeResult::committed_tokens() const {
-  return std::accumulate(committed.begin(), committed.end(), (int64_t)0);
-}
-
-double SpeculativeResult::tau() const {
-  return committed.empty() ? 0.0 : (double)committed_tokens() / (double)committed.size();
-}
-
-SpeculativeResult speculative_generate(const Model& target, const Drafter& drafter, const std::vector<int64_t>& prompt,
-                                       const SpeculativeOptions& opt) {
+DecodeResult speculative_generate(const Model& target, const Drafter& drafter, const std::vector<int64_t>& prompt,
+                                  const DecodeOptions& opt, const SpeculativeHooks& hooks) {
   KAKEYA_CHECK(!prompt.empty(), "speculative: empty prompt (the tokenizer produced no tokens)");
   KAKEYA_CHECK(opt.max_new_tokens > 0, "speculative: --max-new-tokens expected > 0, got " << opt.max_new_tokens);
   KAKEYA_CHECK(&drafter.target() == &target, "speculative: the drafter is bound to another target model");
@@ -43,21 +35,21 @@ SpeculativeResult speculative_generate(const Model& target, const Drafter& draft
   ForwardOptions fo;
   fo.taps = &capture.taps();
 
-  SpeculativeResult res;
+  DecodeResult res;
   auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
   auto t0 = Clock::now();
   {
     fo.last_logits_only = true;
     auto ids = at::tensor(prompt, at::kLong).view({1, n_prompt}).to(dev);
     auto logits = target.forward(ids, cache, fo);  // [1, 1, V]
-    drafter.extend(dcache, capture.take(), opt.drafter_taps);  // context = every prompt position
+    drafter.extend(dcache, capture.take(), hooks.drafter_taps);  // context = every prompt position
     // SYNC: the first token decides what the first block starts with (and may be a stop).
     res.tokens.push_back(logits.select(1, 0).argmax(-1).item<int64_t>());
     fo.last_logits_only = false;
   }
   res.prefill_seconds = seconds_since(t0, dev);
   if (opt.on_token) opt.on_token(res.tokens.back());
-  bool stopped = is_stop(res.tokens.back(), opt.stop_ids);
+  bool stopped = is_stop(res.tokens.back(), opt.stop_ids) || (opt.should_stop && opt.should_stop());
   auto t1 = Clock::now();
 
   while (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) {
@@ -69,9 +61,9 @@ SpeculativeResult speculative_generate(const Model& target, const Drafter& draft
     auto block = at::full({1, b}, mask_id, iopt);  // [1, b]
     block.select(1, 0).fill_(res.tokens.back());
     auto draft_logits = drafter.draft(dcache, block);  // [1, b-1, V]
-    if (opt.on_draft) opt.on_draft(start, draft_logits[0]);
+    if (hooks.on_draft) hooks.on_draft(start, draft_logits[0]);
     at::Tensor drafts = draft_logits[0].argmax(-1);  // [b-1]
-    if (opt.edit_draft) opt.edit_draft(start, drafts);
+    if (hooks.edit_draft) hooks.edit_draft(start, drafts);
     block.slice(1, 1).copy_(drafts.view({1, b - 1}));
 
     auto logits = target.forward(block, cache, fo);  // [1, b, V]; cache now holds start .. start+b-1
@@ -85,28 +77,19 @@ SpeculativeResult speculative_generate(const Model& target, const Drafter& draft
     // Committed this block: the accepted drafts and the bonus token, within the budget and up to a stop.
     std::vector<int64_t> fresh(d, d + accepted);
     fresh.push_back(p[accepted]);
-    int64_t produced = std::min<int64_t>(fresh.size(), opt.max_new_tokens - g);
-    for (int64_t i = 0; i < produced; ++i)
-      if (is_stop(fresh[i], opt.stop_ids)) {
-        produced = i + 1;
-        stopped = true;
-        break;
-      }
-    for (int64_t i = 0; i < produced; ++i) {
-      res.tokens.push_back(fresh[i]);
-      if (opt.on_token) opt.on_token(fresh[i]);
-    }
-    res.committed.push_back(produced);
+    const int64_t produced = commit_tokens(fresh.data(), fresh.size(), opt, res, stopped);
     // Positions start .. start+produced-1 hold [last, d_1 .. d_{produced-1}] = committed tokens;
     // the rest of the block was rejected (or is past a stop). The bonus token is not in the
     // cache yet: it opens the next block.
     cache.truncate(start + produced);
     at::Tensor feats = capture.take();  // [1, b, n·H] from this same verify forward
-    drafter.extend(dcache, feats.slice(1, 0, produced), opt.drafter_taps);
+    drafter.extend(dcache, feats.slice(1, 0, produced), hooks.drafter_taps);
   }
   res.decode_seconds = seconds_since(t1, dev);
-  res.target_cache_bytes = cache.bytes();
-  res.drafter_cache_bytes = dcache.bytes();
+  res.block_size = B;
+  res.served_positions = cache.length();
+  res.memory = ar_memory_report(target, co.capacity);
+  res.memory.set({MemoryPart::DrafterContext, "drafter context cache", dcache.bytes(), "every committed position", true});
   return res;
 }
 

@@ -18,40 +18,29 @@
 #include <functional>
 #include <vector>
 
-#include "core/drafter.h"
-#include "core/model.h"
+#include "core/model/drafter.h"
+#include "core/model/model.h"
+#include "infer/memory.h"
+#include "infer/options.h"
+#include "infer/result.h"
 
 namespace kakeya {
 
-struct SpeculativeOptions {
-  int64_t max_new_tokens = 64;
-  int64_t block_size = 0;              // b: tokens per verify forward; 0 = the drafter's block_size
-  std::vector<int64_t> stop_ids;       // generation ends after emitting one of these
-  std::function<void(int64_t)> on_token;
+// Diagnostics and f_θ's inputs around a speculative decode (the options are DecodeOptions:
+// max_new_tokens, block_size, stop_ids, on_token, should_stop).
+struct SpeculativeHooks {
   // Subscribers to the drafter's per-layer K/V (Tap::KProj/KNorm/VProj/VNorm, [1, n, H_kv, D]) at
   // every committed position as the context is extended (prompt, then each block): f_θ's inputs.
   const Taps* drafter_taps = nullptr;
-  // Diagnostics and tests. on_draft sees each block's draft logits [b-1, V] f32 (start = the
-  // block's first position); edit_draft may replace the proposal ids [b-1] int64 before verification.
+  // on_draft sees each block's draft logits [b-1, V] f32 (start = the block's first position);
+  // edit_draft may replace the proposal ids [b-1] int64 before verification.
   std::function<void(int64_t start, const at::Tensor& logits)> on_draft;
   std::function<void(int64_t start, at::Tensor& draft_ids)> edit_draft;
 };
 
-struct SpeculativeResult {
-  std::vector<int64_t> tokens;          // generated ids (prompt excluded)
-  std::vector<int64_t> committed;       // tokens committed by each verify forward (accepted drafts + 1)
-  double prefill_seconds = 0;
-  double decode_seconds = 0;            // from the first generated token to the last
-  int64_t target_cache_bytes = 0, drafter_cache_bytes = 0;
-  int64_t verify_forwards() const { return (int64_t)committed.size(); }
-  int64_t committed_tokens() const;
-  double tau() const;                   // mean committed tokens per verify forward (0 if none)
-  double decode_tokens_per_second() const {
-    return tokens.size() > 1 && decode_seconds > 0 ? (tokens.size() - 1) / decode_seconds : 0.0;
-  }
-};
-
-SpeculativeResult speculative_generate(const Model& target, const Drafter& drafter, const std::vector<int64_t>& prompt,
-                                       const SpeculativeOptions& opt);
+// result.committed: tokens committed by each verify forward (accepted drafts + 1); the memory
+// report holds the target's cache and the drafter's context.
+DecodeResult speculative_generate(const Model& target, const Drafter& drafter, const std::vector<int64_t>& prompt,
+                                  const DecodeOptions& opt, const SpeculativeHooks& hooks = {});
 
 }  // namespace kakeya

@@ -3,8 +3,8 @@
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 
-#include "core/drafter.h"
-#include "core/model.h"
+#include "core/model/drafter.h"
+#include "core/model/model.h"
 
 namespace kakeya::test {
 

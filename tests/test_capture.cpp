@@ -11,10 +11,10 @@
 #include <cstdlib>
 #include <fstream>
 
-#include "core/drafter.h"
+#include "core/model/drafter.h"
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/safetensors.h"
+#include "core/io/fs.h"
+#include "core/io/safetensors.h"
 #include "data/capture.h"
 #include "infer/generate.h"
 #include "tests/test_util.h"
@@ -162,7 +162,7 @@ TEST(Capture, H5pyAndReaderEqualTheTaps) {
       tokens += s.length();
       EXPECT_EQ(s.source, ps[i].source);
       EXPECT_EQ(s.prompt_len, (int64_t)ps[i].ids.size());
-      GenerateOptions g;
+      DecodeOptions g;
       g.max_new_tokens = 4;
       g.stream = false;
       auto gen = generate(*m.verifier, ps[i].ids, g).tokens;

@@ -11,13 +11,13 @@
 
 #include "calib/calibrate.h"
 #include "calib/codec_eval.h"
-#include "core/calib_bundle.h"
-#include "core/codec.h"
+#include "calib/codec/calib_bundle.h"
+#include "calib/codec/codec.h"
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/lloyd_max.h"
-#include "core/safetensors.h"
-#include "core/wht.h"
+#include "core/io/fs.h"
+#include "calib/codec/lloyd_max.h"
+#include "core/io/safetensors.h"
+#include "calib/codec/wht.h"
 #include "tests/test_util.h"
 
 using namespace kakeya;

@@ -4,9 +4,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "core/config.h"
+#include "core/model/config.h"
 #include "core/error.h"
-#include "core/fs.h"
+#include "core/io/fs.h"
 #include "tests/test_util.h"
 
 using namespace kakeya;

@@ -7,8 +7,8 @@
 
 #include <memory>
 
-#include "core/drafter.h"
-#include "core/model.h"
+#include "core/model/drafter.h"
+#include "core/model/model.h"
 #include "tests/test_util.h"
 
 using namespace kakeya;

@@ -1,4 +1,4 @@
-// The fused CUDA kernels (core/cuda/decode_kernels.cuh) against the plain
+// The fused CUDA kernels (core/kernels/cuda/decode_kernels.cuh) against the plain
 // LibTorch reference over odd sizes, f32 and bf16 (label gpu: runs on the GPU
 // machine only; CI builds without CUDA).
 #include <ATen/ATen.h>
@@ -6,10 +6,10 @@
 
 #include <unistd.h>
 
-#include "core/fs.h"
-#include "core/ops.h"
-#include "core/rope.h"
-#include "core/safetensors.h"
+#include "core/io/fs.h"
+#include "core/kernels/ops.h"
+#include "core/model/rope.h"
+#include "core/io/safetensors.h"
 
 using namespace kakeya;
 
@@ -341,7 +341,7 @@ TEST_P(CudaOps, LinearActMul) {
       }
 }
 
-// Greedy acceptance of a verify block against the LibTorch reference (core/ops.cpp, what
+// Greedy acceptance of a verify block against the LibTorch reference (core/kernels/ops.cpp, what
 // runs on CPU): argmax per row with ties broken towards the lower index, then the leading
 // run of drafts equal to the argmax before them. Rows of the real vocabulary size and odd
 // ones; planted ties; blocks accepting nothing, a prefix, everything.

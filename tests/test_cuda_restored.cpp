@@ -16,9 +16,9 @@
 #include <memory>
 #include <string>
 
-#include "core/drafter.h"
-#include "core/ftheta.h"
-#include "core/model.h"
+#include "core/model/drafter.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
 #include "infer/decoder.h"
 #include "infer/restored.h"
 #include "tests/test_util.h"
@@ -145,11 +145,11 @@ TEST_F(CudaRestoredF32, GraphsWithOverlappedRestorationEqualEagerInPlace) {
     d.restore = options(true);
     DecodeOptions eager = d;
     eager.cuda_graph = false;
-    Decoder graphs(*target_, drafter_.get(), ftheta_.get(), d, a.size() + 96);
-    Decoder plain(*target_, drafter_.get(), ftheta_.get(), eager, a.size() + 96);
+    auto graphs = make_decoder(*target_, drafter_.get(), ftheta_.get(), d, a.size() + 96);
+    auto plain = make_decoder(*target_, drafter_.get(), ftheta_.get(), eager, a.size() + 96);
     for (const auto* p : {&a, &b, &a}) {
-      auto got = graphs.run(*p, d);
-      auto want = plain.run(*p, eager);
+      auto got = graphs->run(*p, d);
+      auto want = plain->run(*p, eager);
       EXPECT_EQ(got.tokens, want.tokens);
       EXPECT_EQ(got.restored_positions, want.restored_positions);
       EXPECT_EQ((int64_t)got.tokens.size(), 96);

@@ -24,8 +24,8 @@
 #include <thread>
 
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/safetensors.h"
+#include "core/io/fs.h"
+#include "core/io/safetensors.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"
 #include "train/dist.h"

@@ -10,9 +10,9 @@
 #include <cstdlib>
 #include <fstream>
 
-#include "core/drafter.h"
+#include "core/model/drafter.h"
 #include "core/error.h"
-#include "core/model.h"
+#include "core/model/model.h"
 #include "infer/generate.h"
 #include "infer/speculative.h"
 #include "tests/drafter_test_util.h"
@@ -57,7 +57,7 @@ void expect_close(const at::Tensor& got, const at::Tensor& want, const std::stri
   EXPECT_LE(diff, 1e-4 * scale) << what << ": max |Δlogit| " << diff << " at scale " << scale;
 }
 
-// No std::filesystem here (core/fs.h says why): POSIX and the shell.
+// No std::filesystem here (core/io/fs.h says why): POSIX and the shell.
 void remove_all(const std::string& d) { ASSERT_EQ(std::system(("rm -rf '" + d + "'").c_str()), 0); }
 void copy_file(const std::string& from, const std::string& to) {
   std::ifstream in(from, std::ios::binary);
@@ -102,11 +102,12 @@ TEST_P(DrafterParity, SpeculativeLoopMatchesDFlashGenerate) {
   auto c = load(GetParam());
   auto prompt = to_vec(c.expected.get("prompt"));
   auto want = to_vec(c.expected.get("output"));
-  SpeculativeOptions so;
+  DecodeOptions so;
   so.max_new_tokens = c.meta["max_new_tokens"];
   std::vector<at::Tensor> drafts;
-  so.on_draft = [&](int64_t, const at::Tensor& lg) { drafts.push_back(lg.clone()); };
-  auto r = speculative_generate(*c.target, *c.drafter, prompt, so);
+  SpeculativeHooks hooks;
+  hooks.on_draft = [&](int64_t, const at::Tensor& lg) { drafts.push_back(lg.clone()); };
+  auto r = speculative_generate(*c.target, *c.drafter, prompt, so, hooks);
   std::vector<int64_t> got(prompt);
   got.insert(got.end(), r.tokens.begin(), r.tokens.end());
   EXPECT_EQ(got, want);
@@ -204,17 +205,18 @@ TEST_P(DrafterParity, SpeculativeEqualsGreedyAR) {
   auto c = load(GetParam());
   auto prompt = to_vec(c.expected.get("prompt"));
   const int64_t n_new = 24;
-  GenerateOptions go;
+  DecodeOptions go;
   go.max_new_tokens = n_new;
   auto ar = generate(*c.target, prompt, go).tokens;
   for (int64_t B : {2, 3, 4, 8}) {
     for (bool oracle : {false, true}) {
-      SpeculativeOptions so;
+      DecodeOptions so;
       so.max_new_tokens = n_new;
       so.block_size = B;
       int64_t blocks = 0;
+      SpeculativeHooks hooks;
       if (oracle)
-        so.edit_draft = [&](int64_t start, at::Tensor& drafts) {
+        hooks.edit_draft = [&](int64_t start, at::Tensor& drafts) {
           const int64_t g = start - (int64_t)prompt.size() + 1;  // AR index of the first draft
           const int64_t wrong = (blocks++ * 7 + 1) % (B + 1);    // B - 1 or more: every draft right
           const int64_t V = c.target->config().vocab_size;
@@ -233,8 +235,8 @@ TEST_P(DrafterParity, SpeculativeEqualsGreedyAR) {
       } pos;
       Taps taps;
       taps.subscribe(&pos);
-      so.drafter_taps = &taps;
-      auto r = speculative_generate(*c.target, *c.drafter, prompt, so);
+      hooks.drafter_taps = &taps;
+      auto r = speculative_generate(*c.target, *c.drafter, prompt, so, hooks);
       EXPECT_EQ(r.tokens, ar) << GetParam() << " B=" << B << (oracle ? " oracle" : " drafter");
       EXPECT_EQ(pos.seen, to_vec(at::arange((int64_t)(prompt.size() + r.committed_tokens()))));
       for (int64_t k : r.committed) EXPECT_TRUE(k >= 1 && k <= B);
@@ -302,7 +304,7 @@ TEST_P(DrafterParity, DraftVocabRestrictsGreedyDrafts) {
 TEST_P(DrafterParity, StopTokenInsideABlockAndBudget) {
   auto c = load(GetParam());
   auto prompt = to_vec(c.expected.get("prompt"));
-  GenerateOptions go;
+  DecodeOptions go;
   go.max_new_tokens = 20;
   auto free_run = generate(*c.target, prompt, go).tokens;
   const int64_t stop = free_run[6];
@@ -310,21 +312,22 @@ TEST_P(DrafterParity, StopTokenInsideABlockAndBudget) {
   auto ar = generate(*c.target, prompt, go).tokens;
   ASSERT_LE(ar.size(), 7u);
   for (int64_t B : {4, 8}) {
-    SpeculativeOptions so;
+    DecodeOptions so;
     so.max_new_tokens = 20;
     so.block_size = B;
     so.stop_ids = {stop};
-    so.edit_draft = [&](int64_t start, at::Tensor& drafts) {  // AR's continuation: the stop lands mid-block
+    SpeculativeHooks hooks;
+    hooks.edit_draft = [&](int64_t start, at::Tensor& drafts) {  // AR's continuation: the stop lands mid-block
       const int64_t g = start - (int64_t)prompt.size() + 1;
       for (int64_t i = 0; i < drafts.size(0); ++i)
         if (g + i < (int64_t)free_run.size()) drafts[i] = free_run[g + i];
     };
-    auto r = speculative_generate(*c.target, *c.drafter, prompt, so);
+    auto r = speculative_generate(*c.target, *c.drafter, prompt, so, hooks);
     EXPECT_EQ(r.tokens, ar) << GetParam() << " B=" << B;
     // Budget: 5 tokens with B=8 and perfect drafts: one prefill token + one block cut to 4.
     so.stop_ids.clear();
     so.max_new_tokens = 5;
-    auto r5 = speculative_generate(*c.target, *c.drafter, prompt, so);
+    auto r5 = speculative_generate(*c.target, *c.drafter, prompt, so, hooks);
     EXPECT_EQ(r5.tokens, std::vector<int64_t>(free_run.begin(), free_run.begin() + 5));
     EXPECT_EQ(r5.committed, std::vector<int64_t>({4}));
   }

@@ -6,9 +6,9 @@
 
 #include <cmath>
 
-#include "core/drafter.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/model/drafter.h"
+#include "core/model/model.h"
+#include "core/io/tokenizer.h"
 #include "infer/generate.h"
 #include "infer/speculative.h"
 #include "tests/test_util.h"
@@ -35,7 +35,7 @@ const Drafter& random_drafter() {
 
 const std::vector<int64_t>& ar_tokens() {
   static std::vector<int64_t> t = [] {
-    GenerateOptions go;
+    DecodeOptions go;
     go.max_new_tokens = 32;
     go.stop_ids = model().config().eos_token_ids;
     return generate(model(), prompt(), go).tokens;
@@ -53,7 +53,7 @@ TEST(DrafterRealModel, ConfigForGemmaTarget) {
 }
 
 TEST(DrafterRealModel, RandomDrafterIsLossless) {
-  SpeculativeOptions so;
+  DecodeOptions so;
   so.max_new_tokens = 32;
   so.stop_ids = model().config().eos_token_ids;
   auto r = speculative_generate(model(), random_drafter(), prompt(), so);
@@ -65,16 +65,17 @@ TEST(DrafterRealModel, OracleDraftsAreAcceptedAndLossless) {
   const auto& ar = ar_tokens();
   const int64_t n_prompt = prompt().size();
   int64_t blocks = 0;
-  SpeculativeOptions so;
+  DecodeOptions so;
   so.max_new_tokens = 32;
   so.stop_ids = model().config().eos_token_ids;
-  so.edit_draft = [&](int64_t start, at::Tensor& drafts) {
+  SpeculativeHooks hooks;
+  hooks.edit_draft = [&](int64_t start, at::Tensor& drafts) {
     const int64_t g = start - n_prompt + 1;
     const int64_t wrong = blocks++ % 2 ? 9 : 100;  // every other block all right, else a mistake at draft 9
     for (int64_t i = 0; i < drafts.size(0); ++i)
       if (g + i < (int64_t)ar.size()) drafts[i] = i == wrong ? (ar[g + i] + 1) % 262144 : ar[g + i];
   };
-  auto r = speculative_generate(model(), random_drafter(), prompt(), so);
+  auto r = speculative_generate(model(), random_drafter(), prompt(), so, hooks);
   EXPECT_EQ(r.tokens, ar);
   EXPECT_GE(r.tau(), 8.0) << "oracle proposals should be accepted";
 }
@@ -84,7 +85,7 @@ TEST(DrafterRealModel, OracleDraftsAreAcceptedAndLossless) {
 TEST(DrafterRealModel, ShippedDrafterIsLosslessAndAccepted) {
   auto d = Drafter::load(test::shipped_dir("drafter"), model());
   EXPECT_EQ(d.config().block_size, 16);
-  SpeculativeOptions so;
+  DecodeOptions so;
   so.max_new_tokens = 32;
   so.stop_ids = model().config().eos_token_ids;
   auto r = speculative_generate(model(), d, prompt(), so);

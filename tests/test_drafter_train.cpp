@@ -12,10 +12,10 @@
 #include <random>
 #include <set>
 
-#include "core/drafter.h"
+#include "core/model/drafter.h"
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/model.h"
+#include "core/io/fs.h"
+#include "core/model/model.h"
 #include "tests/drafter_test_util.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"

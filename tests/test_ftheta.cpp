@@ -14,10 +14,10 @@
 #include <fstream>
 
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/ftheta.h"
-#include "core/model.h"
-#include "core/safetensors.h"
+#include "core/io/fs.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
+#include "core/io/safetensors.h"
 #include "tests/test_util.h"
 #include "tests/train_test_util.h"
 #include "train/ftheta_loss.h"

@@ -14,11 +14,11 @@
 #include <sstream>
 #include <string>
 
-#include "core/drafter.h"
-#include "core/fs.h"
-#include "core/ftheta.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/model/drafter.h"
+#include "core/io/fs.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
+#include "core/io/tokenizer.h"
 #include "infer/restored.h"
 #include "infer/score.h"
 #include "tests/test_util.h"

@@ -15,12 +15,12 @@
 #include <numeric>
 #include <string>
 
-#include "core/drafter.h"
+#include "core/model/drafter.h"
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/ftheta.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/io/fs.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
+#include "core/io/tokenizer.h"
 #include "infer/fused.h"
 #include "infer/generate.h"
 #include "infer/decoder.h"
@@ -31,6 +31,14 @@ using namespace kakeya;
 using test::expect_error;
 
 namespace {
+
+// fused_generate with the restore options given apart, as most tests vary them alone.
+DecodeResult fused_run(const Model& v, const Drafter& d, const FTheta* f, const RestoreOptions& ro,
+                       const std::vector<int64_t>& prompt, DecodeOptions opt) {
+  opt.restore = ro;
+  return fused_generate(v, d, f, prompt, opt);
+}
+
 
 const Model& model() {
   static Model m = [] {
@@ -89,20 +97,20 @@ RestoreOptions restore_options(double alpha) {
 const std::vector<int64_t>& ar_tokens(size_t i) {
   static std::vector<std::vector<int64_t>> t(prompts().size());
   if (t[i].empty()) {
-    GenerateOptions go;
+    DecodeOptions go;
     go.max_new_tokens = kNew;
     t[i] = generate(model(), prompts()[i], go).tokens;
   }
   return t[i];
 }
 
-FusedResult fused(size_t prompt, int64_t block, double alpha, int64_t max_new = kNew,
+DecodeResult fused(size_t prompt, int64_t block, double alpha, int64_t max_new = kNew,
                   std::vector<int64_t> stop = {}, const RestoreOptions* ro = nullptr) {
-  FusedOptions fo;
+  DecodeOptions fo;
   fo.max_new_tokens = max_new;
   fo.block_size = block;
   fo.stop_ids = std::move(stop);
-  return fused_generate(model(), drafter(), alpha < 1.0 ? &ftheta() : nullptr, ro ? *ro : restore_options(alpha),
+  return fused_run(model(), drafter(), alpha < 1.0 ? &ftheta() : nullptr, ro ? *ro : restore_options(alpha),
                         prompts()[prompt], fo);
 }
 
@@ -121,19 +129,19 @@ TEST(Fused, ExactRestorationEqualsArOverPromptsAndBlocks) {
     for (int64_t b : {4, 8, 16}) {
       SCOPED_TRACE("prompt " + std::to_string(p) + ", block " + std::to_string(b));
       auto r = fused(p, b, 1.0);
-      EXPECT_EQ(r.decode.tokens, ar_tokens(p));
+      EXPECT_EQ(r.tokens, ar_tokens(p));
       EXPECT_EQ(r.block_size, b);
       EXPECT_TRUE(r.warnings.empty());
       // Every verify forward commits 1..b tokens; the first token comes from the prefill.
-      EXPECT_EQ(sum(r.decode.committed), (int64_t)r.decode.tokens.size() - 1);
-      for (int64_t c : r.decode.committed) {
+      EXPECT_EQ(sum(r.committed), (int64_t)r.tokens.size() - 1);
+      for (int64_t c : r.committed) {
         EXPECT_GE(c, 1);
         EXPECT_LE(c, b);
       }
-      EXPECT_EQ(r.split.blocks, (int64_t)r.decode.committed.size());
-      EXPECT_GT(r.decode.restored_positions, 0);
-      accepted += sum(r.decode.committed);
-      forwards += r.decode.committed.size();
+      EXPECT_EQ(r.split.blocks, (int64_t)r.committed.size());
+      EXPECT_GT(r.restored_positions, 0);
+      accepted += sum(r.committed);
+      forwards += r.committed.size();
     }
   // The shipped drafter really drafts: more than one token per verify forward on average.
   EXPECT_GT(accepted / forwards, 1.5);
@@ -151,7 +159,7 @@ TEST(Fused, EqualsRestoredDecoderWithRandomFTheta) {
     for (int64_t b : {4, 16}) {
       SCOPED_TRACE("prompt " + std::to_string(p) + ", block " + std::to_string(b));
       auto r = fused(p, b, 0.0, 16);
-      EXPECT_EQ(r.decode.tokens, ref.tokens);
+      EXPECT_EQ(r.tokens, ref.tokens);
     }
   }
   EXPECT_TRUE(acts) << "a random f_θ changed no continuation: restoration does not act";
@@ -164,33 +172,34 @@ TEST(Fused, DecoderKeptAcrossPromptsEqualsFreshRuns) {
   for (double alpha : {1.0, 0.0}) {
     SCOPED_TRACE("a = " + std::to_string(alpha));
     const FTheta* f = alpha < 1.0 ? &ftheta() : nullptr;
-    FusedOptions fo;
+    DecodeOptions fo;
     fo.block_size = 8;
     fo.max_new_tokens = 16;
     int64_t capacity = 0;
     for (const auto& p : prompts()) capacity = std::max<int64_t>(capacity, p.size() + fo.max_new_tokens);
-    FusedDecoder dec(model(), drafter(), f, restore_options(alpha), fo, capacity);
+    fo.restore = restore_options(alpha);
+    FusedDecoder dec(model(), drafter(), f, fo, capacity);
     for (size_t p : {0u, 2u, 1u, 0u}) {
       SCOPED_TRACE("prompt " + std::to_string(p));
-      FusedOptions run = fo;
+      DecodeOptions run = fo;
       if (p == 1) run.max_new_tokens = 9;  // a shorter budget in the middle
       auto kept = dec.run(prompts()[p], run);
-      auto fresh = fused_generate(model(), drafter(), f, restore_options(alpha), prompts()[p], run);
-      EXPECT_EQ(kept.decode.tokens, fresh.decode.tokens);
-      EXPECT_EQ(kept.decode.committed, fresh.decode.committed);
-      EXPECT_EQ(kept.decode.restored_positions, fresh.decode.restored_positions);
+      auto fresh = fused_run(model(), drafter(), f, restore_options(alpha), prompts()[p], run);
+      EXPECT_EQ(kept.tokens, fresh.tokens);
+      EXPECT_EQ(kept.committed, fresh.committed);
+      EXPECT_EQ(kept.restored_positions, fresh.restored_positions);
     }
     // Options its buffers or graphs depend on are refused by name; so is a run past its capacity.
-    FusedOptions other = fo;
+    DecodeOptions other = fo;
     other.block_size = 4;
     expect_error([&] { dec.run(prompts()[0], other); }, "built for blocks of 8");
-    FusedOptions longer = fo;
+    DecodeOptions longer = fo;
     longer.max_new_tokens = capacity;
     expect_error([&] { dec.run(prompts()[0], longer); }, "positions this decoder was built for");
   }
 }
 
-// The shipped drafter drafts from its FR-Spec vocabulary (core/drafter.h); output stays
+// The shipped drafter drafts from its FR-Spec vocabulary (core/model/drafter.h); output stays
 // the verifier's with and without it, and both draft (τ > 1).
 TEST(Fused, DraftVocabularyChangesOnlyTheDrafts) {
   ASSERT_TRUE(drafter().draft_vocab().defined()) << "checkpoints/gemma3-270m/drafter ships draft_vocab.safetensors";
@@ -199,18 +208,18 @@ TEST(Fused, DraftVocabularyChangesOnlyTheDrafts) {
   whole.draft_vocab = false;
   Drafter full = Drafter::load(test::shipped_dir("drafter"), model(), whole);
   ASSERT_FALSE(full.draft_vocab().defined());
-  FusedOptions fo;
+  DecodeOptions fo;
   fo.max_new_tokens = kNew;
   fo.block_size = 8;
   for (size_t p = 0; p < prompts().size(); ++p) {
     SCOPED_TRACE("prompt " + std::to_string(p));
-    auto sub = fused_generate(model(), drafter(), nullptr, restore_options(1.0), prompts()[p], fo);
-    auto all = fused_generate(model(), full, nullptr, restore_options(1.0), prompts()[p], fo);
-    EXPECT_EQ(sub.decode.tokens, ar_tokens(p));
-    EXPECT_EQ(all.decode.tokens, ar_tokens(p));
+    auto sub = fused_run(model(), drafter(), nullptr, restore_options(1.0), prompts()[p], fo);
+    auto all = fused_run(model(), full, nullptr, restore_options(1.0), prompts()[p], fo);
+    EXPECT_EQ(sub.tokens, ar_tokens(p));
+    EXPECT_EQ(all.tokens, ar_tokens(p));
     if (p == 0) {
-      EXPECT_GT(sub.decode.tau(), 1.5);
-      EXPECT_GT(all.decode.tau(), 1.5);
+      EXPECT_GT(sub.tau(), 1.5);
+      EXPECT_GT(all.tau(), 1.5);
     }
   }
 }
@@ -228,7 +237,7 @@ TEST(Fused, DecodeModeFusedDispatches) {
   EXPECT_EQ(r.tokens, std::vector<int64_t>(ar_tokens(0).begin(), ar_tokens(0).begin() + 10));
   EXPECT_GT(r.tau(), 1.0);
   bool ctx = false;
-  for (const auto& l : r.memory.kv) ctx |= l.name == "drafter context cache" && l.bytes > 0;
+  for (const auto& l : r.memory.kv) ctx |= l.part == MemoryPart::DrafterContext && l.bytes > 0;
   EXPECT_TRUE(ctx) << r.memory.table();
 }
 
@@ -236,11 +245,11 @@ TEST(Fused, StopTokenInsideABlockAndExactBudget) {
   // Budget: 11 tokens is no multiple of anything the blocks commit.
   auto full = fused(0, 8, 1.0);
   auto cut = fused(0, 8, 1.0, 11);
-  EXPECT_EQ(cut.decode.tokens, std::vector<int64_t>(ar_tokens(0).begin(), ar_tokens(0).begin() + 11));
+  EXPECT_EQ(cut.tokens, std::vector<int64_t>(ar_tokens(0).begin(), ar_tokens(0).begin() + 11));
   // A stop id whose first occurrence is strictly inside a multi-token block.
-  const auto& t = full.decode.tokens;
+  const auto& t = full.tokens;
   int64_t k = -1, pos = 1;  // pos: index in t of the block's first token
-  for (int64_t c : full.decode.committed) {
+  for (int64_t c : full.committed) {
     for (int64_t i = pos; i < pos + c - 1 && k < 0; ++i)
       if (std::find(t.begin(), t.begin() + i, t[i]) == t.begin() + i) k = i;
     if (k >= 0) break;
@@ -248,16 +257,16 @@ TEST(Fused, StopTokenInsideABlockAndExactBudget) {
   }
   ASSERT_GE(k, 0) << "no multi-token block with a fresh token";
   auto stopped = fused(0, 8, 1.0, kNew, {t[k]});
-  EXPECT_EQ(stopped.decode.tokens, std::vector<int64_t>(t.begin(), t.begin() + k + 1));
+  EXPECT_EQ(stopped.tokens, std::vector<int64_t>(t.begin(), t.begin() + k + 1));
   // The same through generate(): identical.
-  GenerateOptions go;
+  DecodeOptions go;
   go.max_new_tokens = kNew;
   go.stop_ids = {t[k]};
-  EXPECT_EQ(generate(model(), prompts()[0], go).tokens, stopped.decode.tokens);
+  EXPECT_EQ(generate(model(), prompts()[0], go).tokens, stopped.tokens);
   // A stop as the prefill's very first token: no block runs.
   auto first = fused(0, 8, 1.0, kNew, {t[0]});
-  EXPECT_EQ(first.decode.tokens, std::vector<int64_t>{t[0]});
-  EXPECT_TRUE(first.decode.committed.empty());
+  EXPECT_EQ(first.tokens, std::vector<int64_t>{t[0]});
+  EXPECT_TRUE(first.committed.empty());
 }
 
 TEST(Fused, BlockLargerThanTrainedWarnsAndStaysLossless) {
@@ -266,7 +275,7 @@ TEST(Fused, BlockLargerThanTrainedWarnsAndStaysLossless) {
   auto r = fused(1, 20, 1.0, 10, {}, &ro);
   ASSERT_EQ(r.warnings.size(), 1u);
   EXPECT_NE(r.warnings[0].find("larger than the drafter was trained for"), std::string::npos) << r.warnings[0];
-  EXPECT_EQ(r.decode.tokens, std::vector<int64_t>(ar_tokens(1).begin(), ar_tokens(1).begin() + 10));
+  EXPECT_EQ(r.tokens, std::vector<int64_t>(ar_tokens(1).begin(), ar_tokens(1).begin() + 10));
 }
 
 TEST(Fused, DrafterOfAnotherTargetIsRefused) {
@@ -275,9 +284,9 @@ TEST(Fused, DrafterOfAnotherTargetIsRefused) {
   mo.max_positions = 64;
   Model other = Model::load(test::real_model_dir(), mo);
   Drafter foreign = Drafter::load(test::shipped_dir("drafter"), other);
-  FusedOptions fo;
+  DecodeOptions fo;
   fo.max_new_tokens = 4;
-  expect_error([&] { fused_generate(model(), foreign, nullptr, restore_options(1.0), prompts()[0], fo); },
+  expect_error([&] { fused_run(model(), foreign, nullptr, restore_options(1.0), prompts()[0], fo); },
                "bound to another target");
   // A drafter checkpoint made for another target geometry is refused at load time.
   const std::string dir = fs::temp_dir() + "/kakeya_test_fused_foreign_drafter";
@@ -291,19 +300,19 @@ TEST(Fused, DrafterOfAnotherTargetIsRefused) {
 }
 
 TEST(Fused, BadInput) {
-  FusedOptions fo;
+  DecodeOptions fo;
   fo.max_new_tokens = 4;
   RestoreOptions ro = restore_options(1.0);
   fo.block_size = 17;  // > window 16
-  expect_error([&] { fused_generate(model(), drafter(), nullptr, ro, prompts()[0], fo); }, "exceeds --window");
+  expect_error([&] { fused_run(model(), drafter(), nullptr, ro, prompts()[0], fo); }, "exceeds --window");
   fo.block_size = 1;
-  expect_error([&] { fused_generate(model(), drafter(), nullptr, ro, prompts()[0], fo); }, ">= 2");
+  expect_error([&] { fused_run(model(), drafter(), nullptr, ro, prompts()[0], fo); }, ">= 2");
   fo.block_size = 8;
   fo.max_new_tokens = 160 - (int64_t)prompts()[0].size();  // fits the table without the last block's margin
-  expect_error([&] { fused_generate(model(), drafter(), nullptr, ro, prompts()[0], fo); }, "RoPE table");
+  expect_error([&] { fused_run(model(), drafter(), nullptr, ro, prompts()[0], fo); }, "RoPE table");
   fo.max_new_tokens = 4;
   ro.mix_alpha = 0.0;
-  expect_error([&] { fused_generate(model(), drafter(), nullptr, ro, prompts()[0], fo); }, "needs f_θ");
+  expect_error([&] { fused_run(model(), drafter(), nullptr, ro, prompts()[0], fo); }, "needs f_θ");
   DecodeOptions d;
   d.mode = DecodeMode::Fused;
   d.restore = restore_options(1.0);
@@ -316,11 +325,11 @@ TEST(Fused, BadInput) {
 
 TEST(Fused, RejectionSamplingIsSeededAndGreedyAtTinyTemperature) {
   auto sampled = [](double t, double top_p, uint64_t seed) {
-    FusedOptions fo;
+    DecodeOptions fo;
     fo.max_new_tokens = 10;
     fo.block_size = 8;
     fo.sampling = {t, top_p, seed};
-    return fused_generate(model(), drafter(), nullptr, restore_options(1.0), prompts()[0], fo).decode;
+    return fused_run(model(), drafter(), nullptr, restore_options(1.0), prompts()[0], fo);
   };
   // A near-zero temperature makes every distribution one-hot: acceptance, residual and bonus
   // all reduce to the verifier's argmax, so the output is greedy AR's.

@@ -10,10 +10,10 @@
 #include <cmath>
 #include <string>
 
-#include "core/drafter.h"
+#include "core/model/drafter.h"
 #include "core/error.h"
-#include "core/ftheta.h"
-#include "core/model.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
 #include "data/longeval.h"
 #include "infer/long_eval.h"
 #include "tests/test_util.h"

@@ -9,8 +9,8 @@
 #include <string>
 
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/model.h"
+#include "core/io/fs.h"
+#include "core/model/model.h"
 #include "tests/test_util.h"
 
 using namespace kakeya;

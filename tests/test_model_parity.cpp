@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 
 #include "core/error.h"
-#include "core/model.h"
+#include "core/model/model.h"
 #include "tests/test_util.h"
 
 using namespace kakeya;

@@ -5,8 +5,8 @@
 
 #include <fstream>
 
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/model/model.h"
+#include "core/io/tokenizer.h"
 #include "infer/generate.h"
 #include "infer/score.h"
 #include "tests/test_util.h"
@@ -49,7 +49,7 @@ TEST(RealModel, GreedyGenerationMatchesHF) {
   auto ref = reference();
   for (const auto& g : ref["generations"]) {
     auto want = g["generated_ids"].get<std::vector<int64_t>>();
-    GenerateOptions opt;
+    DecodeOptions opt;
     opt.max_new_tokens = want.size();
     opt.stop_ids = model().config().eos_token_ids;
     auto got = generate(model(), g["prompt_ids"].get<std::vector<int64_t>>(), opt);

@@ -22,16 +22,17 @@
 #include <cstdio>
 #include <string>
 
-#include "core/calib_bundle.h"
-#include "core/codec.h"
-#include "core/drafter.h"
+#include "calib/codec/calib_bundle.h"
+#include "calib/codec/codec.h"
+#include "core/model/drafter.h"
 #include "core/error.h"
-#include "core/ftheta.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
+#include "core/io/tokenizer.h"
 #include "infer/generate.h"
 #include "infer/decoder.h"
 #include "infer/restored.h"
+#include "infer/session.h"
 #include "tests/test_util.h"
 
 using namespace kakeya;
@@ -78,7 +79,7 @@ DecodeOptions options(DecodeMode mode, double alpha, int64_t max_new = 16) {
 
 const std::vector<int64_t>& ar_tokens() {
   static std::vector<int64_t> t = [] {
-    GenerateOptions go;
+    DecodeOptions go;
     go.max_new_tokens = 12;
     return generate(model(), prompt(), go).tokens;
   }();
@@ -116,6 +117,36 @@ TEST(Restored, BatchedStopCheckEndsAtTheFirstStop) {
   }
 }
 
+// A session continues a conversation without prefilling it again: each turn feeds only the
+// new tokens (and the previous turn's last token), and its tokens equal a fresh decode of the
+// whole conversation so far, for the full cache and the restored one (past the window, so
+// restoration happens across turns). Options it was not built for leave it empty.
+TEST(Restored, SessionTurnsEqualFreshDecodesOfTheWholeConversation) {
+  const std::vector<int64_t> turn1(prompt().begin(), prompt().begin() + 20);
+  const std::vector<int64_t> turn2(prompt().begin() + 20, prompt().end());
+  for (DecodeMode m : {DecodeMode::Ar, DecodeMode::Restored}) {
+    SCOPED_TRACE(decode_mode_name(m));
+    const DecodeOptions o = options(m, 0.0, 8);
+    Session s(model(), &drafter(), &ftheta(), o, prompt().size() + 3 * 8);
+    auto a = s.send(turn1, o);
+    EXPECT_EQ(a.tokens, decode(model(), &drafter(), &ftheta(), turn1, o).tokens);
+    EXPECT_EQ(a.served_positions, (int64_t)turn1.size() + 7);  // the last token is fed by the next turn
+    std::vector<int64_t> whole = turn1;
+    whole.insert(whole.end(), a.tokens.begin(), a.tokens.end());
+    whole.insert(whole.end(), turn2.begin(), turn2.end());
+    auto b = s.send(turn2, o);
+    EXPECT_EQ(b.tokens, decode(model(), &drafter(), &ftheta(), whole, o).tokens);
+    EXPECT_EQ(b.served_positions, (int64_t)whole.size() + 7);
+    if (m == DecodeMode::Restored) EXPECT_GT(b.restored_positions, 0);
+    whole.insert(whole.end(), b.tokens.begin(), b.tokens.end());
+    EXPECT_EQ(s.history(), whole);
+    DecodeOptions too_long = o;
+    too_long.max_new_tokens = 64;
+    expect_error([&] { s.send(turn2, too_long); }, "positions this decoder was built for");
+    EXPECT_TRUE(s.history().empty());
+  }
+}
+
 // Decoders kept across prompts (ar, restored: caches and buffers reused, CUDA graphs captured
 // once) decode each prompt as a fresh one does, whatever came before; options they were not
 // built for are refused by name.
@@ -124,20 +155,20 @@ TEST(Restored, DecodersKeptAcrossPromptsEqualFreshRuns) {
   for (DecodeMode m : {DecodeMode::Ar, DecodeMode::Restored}) {
     SCOPED_TRACE(decode_mode_name(m));
     const DecodeOptions o = options(m, 0.0, 12);
-    Decoder dec(model(), &drafter(), &ftheta(), o, prompt().size() + 12);
+    auto dec = make_decoder(model(), &drafter(), &ftheta(), o, prompt().size() + 12);
     for (const auto* p : {&prompt(), &shorter, &prompt()}) {
-      auto kept = dec.run(*p, o);
+      auto kept = dec->run(*p, o);
       auto fresh = decode(model(), &drafter(), &ftheta(), *p, o);
       EXPECT_EQ(kept.tokens, fresh.tokens);
       EXPECT_EQ(kept.restored_positions, fresh.restored_positions);
     }
     DecodeOptions other = o;
     other.mode = m == DecodeMode::Ar ? DecodeMode::Restored : DecodeMode::Ar;
-    expect_error([&] { dec.run(prompt(), other); }, "built for --mode");
+    expect_error([&] { dec->run(prompt(), other); }, "built for --mode");
     if (m == DecodeMode::Restored) {
       other = o;
       other.restore.window = 12;
-      expect_error([&] { dec.run(prompt(), other); }, "differ from the ones it was built with");
+      expect_error([&] { dec->run(prompt(), other); }, "differ from the ones it was built with");
     }
   }
 }
@@ -291,7 +322,7 @@ TEST(Restored, MixAlphaOneHasZeroErrorAndKeepsTrueKv) {
   auto r = decode(model(), &drafter(), &ftheta(), prompt(), o);
   EXPECT_EQ(r.stats.rel(false, false, false), 0.0);
   bool listed = false;
-  for (const auto& l : r.memory.kv) listed |= l.name.find("true raw") != std::string::npos && l.bytes > 0;
+  for (const auto& l : r.memory.kv) listed |= l.part == MemoryPart::TrueRaw && l.bytes > 0;
   EXPECT_TRUE(listed) << r.memory.table();
 }
 
@@ -389,7 +420,7 @@ TEST(RestoredCodec, MeasuredBytesEqualThePlan) {
     auto plan = restored_memory_plan(model().config(), &drafter().config(), o.restore, at::kFloat, n, r.served_positions);
     expect_same_kv_lines(r.memory, plan);
     int64_t coded = 0;
-    for (const auto& l : r.memory.kv) coded += l.name.find("coded") != std::string::npos ? l.bytes : 0;
+    for (const auto& l : r.memory.kv) coded += l.part == MemoryPart::FullCoded ? l.bytes : 0;
     EXPECT_GT(coded, 0) << r.memory.table();
   }
   // The other policies too.

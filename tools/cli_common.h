@@ -7,8 +7,8 @@
 #include <chrono>
 #include <string>
 
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/model/model.h"
+#include "core/io/tokenizer.h"
 
 namespace kakeya::cli {
 
@@ -72,5 +72,6 @@ void register_eval_long(CLI::App& app);      // cmd_eval_long.cpp
 void register_ftheta_layers(CLI::App& app);  // cmd_ftheta_layers.cpp
 void register_sweep_alpha(CLI::App& app);    // cmd_niah.cpp
 void register_launch(CLI::App& app);         // cmd_launch.cpp: data-parallel ranks
+void register_serve(CLI::App& app);          // cmd_serve.cpp: OpenAI-compatible server (built where cpp-httplib is found)
 
 }  // namespace kakeya::cli

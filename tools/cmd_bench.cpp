@@ -6,7 +6,7 @@
 #include <iostream>
 
 #include "core/error.h"
-#include "core/fs.h"
+#include "core/io/fs.h"
 #include "infer/generate.h"
 #include "infer/decoder.h"
 #include "infer/restored.h"
@@ -70,7 +70,7 @@ void register_bench(CLI::App& app) {
     auto tok = load_tokenizer(o->model);
     auto prompt = bench_prompt(tok, o->prompt_len);
     auto model = load_model(o->model, o->df, o->prompt_len + o->new_tokens);
-    GenerateOptions g;
+    DecodeOptions g;
     g.max_new_tokens = o->new_tokens;
     g.stream = false;  // no stop tokens either: every run generates exactly new_tokens
     // The restored decoder on the same prompt, same model, same run (greedy, no stop, no
@@ -90,7 +90,7 @@ void register_bench(CLI::App& app) {
     const int64_t capacity = o->prompt_len + o->new_tokens;
     ArDecoder ar(model, capacity, g);
     std::unique_ptr<Decoder> rest;
-    if (o->restored) rest = std::make_unique<Decoder>(model, st.d(), st.f(), d, capacity);
+    if (o->restored) rest = make_decoder(model, st.d(), st.f(), d, capacity);
     std::vector<double> decode_tps, e2e_tps, rd, re;
     ar.run(prompt, g);  // warm-up: allocator, cuBLAS handles, graph capture
     if (o->restored) rest->run(prompt, d);

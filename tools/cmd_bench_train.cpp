@@ -13,11 +13,11 @@
 #include <map>
 #include <tuple>
 
-#include "core/drafter.h"
+#include "core/model/drafter.h"
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/ftheta.h"
-#include "core/safetensors.h"
+#include "core/io/fs.h"
+#include "core/model/ftheta.h"
+#include "core/io/safetensors.h"
 #include "infer/loop_util.h"
 #include "tools/cli_common.h"
 #include "train/ftheta_train.h"

@@ -1,5 +1,5 @@
 // kakeya calibrate sigma-q | codebook: the KV codec's calibration jobs, writing a
-// bundle directory (core/calib_bundle.h) that codec-eval and the decoder load.
+// bundle directory (calib/codec/calib_bundle.h) that codec-eval and the decoder load.
 //
 // Calibration text (default data/codec/calib.txt) is disjoint from the
 // evaluation text (data/codec/eval.txt): both come from CPython's
@@ -10,8 +10,8 @@
 #include <sstream>
 
 #include "calib/calibrate.h"
-#include "core/calib_bundle.h"
-#include "core/codec.h"
+#include "calib/codec/calib_bundle.h"
+#include "calib/codec/codec.h"
 #include "core/error.h"
 #include "tools/cli_common.h"
 

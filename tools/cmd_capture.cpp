@@ -7,7 +7,7 @@
 #include <fstream>
 #include <iostream>
 
-#include "core/drafter.h"
+#include "core/model/drafter.h"
 #include "core/error.h"
 #include "data/capture.h"
 #include "data/niah.h"

@@ -13,10 +13,10 @@
 #include <sstream>
 
 #include "calib/codec_eval.h"
-#include "core/calib_bundle.h"
-#include "core/codec.h"
+#include "calib/codec/calib_bundle.h"
+#include "calib/codec/codec.h"
 #include "core/error.h"
-#include "core/fs.h"
+#include "core/io/fs.h"
 #include "tools/cli_common.h"
 
 namespace kakeya::cli {
@@ -73,7 +73,7 @@ void register_codec_eval(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--bundle", o->bundle, "calibration bundle directory (Σ_q, bases, codebooks)");
   c->add_option("--codecs", o->codecs,
-                "';'-separated codec specs, each [LABEL=]NAME[:key=value,...] (see core/codec.h)")
+                "';'-separated codec specs, each [LABEL=]NAME[:key=value,...] (see calib/codec/codec.h)")
       ->capture_default_str();
   c->add_option("--json", o->json, "write the table, per-passage scores and byte breakdowns here");
   c->add_option("--plot", o->plot, "write a Pareto plot (Δppl vs compression ratio) PNG here (needs --json)");

@@ -7,6 +7,7 @@
 #include <iostream>
 
 #include "core/error.h"
+#include "core/io/text_stream.h"
 #include "infer/decoder.h"
 #include "infer/restored.h"
 #include "tools/cli_common.h"
@@ -127,27 +128,19 @@ void register_decode(CLI::App& app) {
     // longest prompt: caches, buffers and CUDA graphs are built once and reused per prompt.
     // Bad input of the first prompt is reported before anything is allocated.
     decode_checks(model, st.d(), st.f(), ids[0], options(0, mode));
-    Decoder dec(model, st.d(), st.f(), options(0, mode), longest);
+    auto dec = make_decoder(model, st.d(), st.f(), options(0, mode), longest);
     std::unique_ptr<Decoder> ar_dec;
     if (o->compare_ar && mode != DecodeMode::Ar)
-      ar_dec = std::make_unique<Decoder>(model, nullptr, nullptr, options(0, DecodeMode::Ar), longest);
+      ar_dec = make_decoder(model, nullptr, nullptr, options(0, DecodeMode::Ar), longest);
     for (size_t i = 0; i < items.size(); ++i) {
       DecodeOptions d = options(i, mode);
-      std::vector<int32_t> out;
-      std::string shown;
+      TextStream text_out(tok);
       if (stream) {
-        d.on_token = [&](int64_t t) {
-          out.push_back((int32_t)t);
-          std::string s = tok.decode(out, true);
-          if (s.size() > shown.size() && s.compare(0, shown.size(), shown) == 0) {
-            std::cout << s.substr(shown.size()) << std::flush;
-            shown = s;
-          }
-        };
+        d.on_token = [&](int64_t t) { std::cout << text_out.push(t) << std::flush; };
         std::cout << items[i].text << std::flush;
       }
-      auto r = dec.run(ids[i], d);
-      if (stream) std::cout << "\n";
+      auto r = dec->run(ids[i], d);
+      if (stream) std::cout << text_out.finish() << "\n";
       std::vector<int32_t> gen(r.tokens.begin(), r.tokens.end());
       const std::string text = tok.decode(gen, true);
       std::fprintf(stderr,

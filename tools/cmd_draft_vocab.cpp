@@ -6,10 +6,10 @@
 #include <algorithm>
 #include <cstdio>
 
-#include "core/drafter.h"
+#include "core/model/drafter.h"
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/safetensors.h"
+#include "core/io/fs.h"
+#include "core/io/safetensors.h"
 #include "train/draft_vocab.h"
 #include "tools/cli_common.h"
 

@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "core/fs.h"
+#include "core/io/fs.h"
 #include "infer/long_eval.h"
 #include "tools/cli_common.h"
 #include "tools/restored_flags.h"

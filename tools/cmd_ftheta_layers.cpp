@@ -6,7 +6,7 @@
 #include <memory>
 
 #include "core/error.h"
-#include "core/fs.h"
+#include "core/io/fs.h"
 #include "tools/cli_common.h"
 #include "tools/restored_flags.h"
 #include "train/ftheta_online.h"

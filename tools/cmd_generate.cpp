@@ -3,6 +3,7 @@
 #include <iostream>
 
 #include "infer/generate.h"
+#include "core/io/text_stream.h"
 #include "tools/cli_common.h"
 
 namespace kakeya::cli {
@@ -33,25 +34,16 @@ void register_generate(CLI::App& app) {
     auto tok = load_tokenizer(o->model);
     auto prompt = encode(tok, o->prompt, !o->raw);
     auto model = load_model(o->model, o->df, prompt.size() + o->max_new);
-    GenerateOptions g;
+    DecodeOptions g;
     g.max_new_tokens = o->max_new;
     g.sampling = {o->temperature, o->top_p, o->seed};
     g.cuda_graph = !o->no_graph;
     g.stop_ids = model.config().eos_token_ids;
-    std::vector<int32_t> out;
-    std::string shown;
-    g.on_token = [&](int64_t t) {
-      out.push_back((int32_t)t);
-      std::string text = tok.decode(out, true);
-      // Print only the new suffix; a partial UTF-8 sequence waits for its next byte.
-      if (text.size() > shown.size() && text.compare(0, shown.size(), shown) == 0) {
-        std::cout << text.substr(shown.size()) << std::flush;
-        shown = text;
-      }
-    };
+    TextStream text_out(tok);
+    g.on_token = [&](int64_t t) { std::cout << text_out.push(t) << std::flush; };
     std::cout << o->prompt << std::flush;
     auto r = generate(model, prompt, g);
-    std::cout << "\n";
+    std::cout << text_out.finish() << "\n";
     std::fprintf(stderr, "[generate] prompt %zu tok, generated %zu tok, prefill %.3fs, decode %.2f tok/s (%s, %s)\n",
                  prompt.size(), r.tokens.size(), r.prefill_seconds, r.decode_tokens_per_second(), o->df.device.c_str(),
                  c10::toString(model.dtype()));

@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "core/fs.h"
+#include "core/io/fs.h"
 #include "data/niah.h"
 #include "infer/decoder.h"
 #include "infer/restored.h"

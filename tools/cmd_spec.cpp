@@ -5,11 +5,12 @@
 #include <cstdio>
 #include <iostream>
 
-#include "core/drafter.h"
+#include "core/model/drafter.h"
 #include "core/error.h"
 #include "infer/fused.h"
 #include "infer/generate.h"
 #include "infer/speculative.h"
+#include "core/io/text_stream.h"
 #include "tools/cli_common.h"
 #include "tools/restored_flags.h"
 
@@ -68,62 +69,46 @@ void register_spec(CLI::App& app) {
     rf.mix_alpha = o->mix_alpha;
     DecodeStack fst;
     if (fused && rf.options().needs_ftheta()) load_restoration(rf, model, tok, fst);
-    SpeculativeOptions so;
+    DecodeOptions so;
     so.max_new_tokens = o->max_new;
     so.block_size = o->block_size;
     so.stop_ids = model.config().eos_token_ids;
-    std::vector<int32_t> out;
-    std::string shown;
-    so.on_token = [&](int64_t t) {
-      out.push_back((int32_t)t);
-      std::string s = tok.decode(out, true);
-      if (s.size() > shown.size() && s.compare(0, shown.size(), shown) == 0) {
-        std::cout << s.substr(shown.size()) << std::flush;
-        shown = s;
-      }
-    };
+    TextStream text_out(tok);
+    so.on_token = [&](int64_t t) { std::cout << text_out.push(t) << std::flush; };
     std::cout << text << std::flush;
-    SpeculativeResult r;
-    FusedResult fr;
+    DecodeResult r;
     if (fused) {
-      FusedOptions fo;
-      fo.max_new_tokens = so.max_new_tokens;
-      fo.block_size = so.block_size;
-      fo.stop_ids = so.stop_ids;
-      fo.on_token = so.on_token;
-      fr = fused_generate(model, drafter, fst.f(), rf.options(), prompt, fo);
-      r.tokens = fr.decode.tokens;
-      r.committed = fr.decode.committed;
-      r.prefill_seconds = fr.decode.prefill_seconds;
-      r.decode_seconds = fr.decode.decode_seconds;
+      so.mode = DecodeMode::Fused;
+      so.restore = rf.options();
+      r = decode(model, &drafter, fst.f(), prompt, so);
     } else {
       r = speculative_generate(model, drafter, prompt, so);
     }
-    std::cout << "\n";
+    std::cout << text_out.finish() << "\n";
     std::fprintf(stderr, "[spec] prompt %zu tok, generated %zu tok in %lld verify forwards: tau %.2f, %.2f tok/s (%s, %s, block %lld)\n",
                  prompt.size(), r.tokens.size(), (long long)r.verify_forwards(), r.tau(), r.decode_tokens_per_second(),
                  o->df.device.c_str(), c10::toString(model.dtype()),
                  (long long)(o->block_size > 0 ? o->block_size : drafter.config().block_size));
     nlohmann::json j{{"prompt_ids", prompt},
                      {"generated_ids", r.tokens},
-                     {"text", tok.decode(out, true)},
+                     {"text", text_out.emitted()},
                      {"tau", r.tau()},
                      {"committed_per_forward", r.committed},
                      {"prefill_seconds", r.prefill_seconds},
                      {"decode_tokens_per_second", r.decode_tokens_per_second()},
                      {"mode", o->mode}};
     if (fused) {
-      const auto& sp = fr.split;
+      const auto& sp = r.split;
       std::fprintf(stderr, "[spec fused] per block: draft %.2f ms, verify %.2f ms, upkeep %.2f ms (restore %.2f, extend %.2f)%s\n",
                    sp.blocks ? 1e3 * sp.draft / sp.blocks : 0.0, sp.blocks ? 1e3 * sp.verify / sp.blocks : 0.0,
                    sp.blocks ? 1e3 * sp.upkeep() / sp.blocks : 0.0, sp.blocks ? 1e3 * sp.restore / sp.blocks : 0.0,
-                   sp.blocks ? 1e3 * sp.extend / sp.blocks : 0.0, fr.cuda_graph ? ", CUDA graphs" : "");
+                   sp.blocks ? 1e3 * sp.extend / sp.blocks : 0.0, r.cuda_graph ? ", CUDA graphs" : "");
       j["restore"] = rf.options().to_json();
       j["split"] = sp.to_json();
-      j["memory"] = fr.decode.memory.to_json();
+      j["memory"] = r.memory.to_json();
     }
     if (o->check_ar) {
-      GenerateOptions g;
+      DecodeOptions g;
       g.max_new_tokens = o->max_new;
       g.stop_ids = model.config().eos_token_ids;
       g.stream = false;

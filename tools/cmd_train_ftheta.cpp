@@ -13,10 +13,10 @@
 #include <map>
 #include <memory>
 
-#include "core/drafter.h"
+#include "core/model/drafter.h"
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/ftheta.h"
+#include "core/io/fs.h"
+#include "core/model/ftheta.h"
 #include "data/capture.h"
 #include "tools/cli_common.h"
 #include "train/dist.h"

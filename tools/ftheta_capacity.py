@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """How much of the verifier's per-layer K/V can ANY linear f_θ recover from a given input?
 
-f_θ (core/ftheta.h) maps the drafter's raw context K (K path) / raw context V (V path)
+f_θ (core/model/ftheta.h) maps the drafter's raw context K (K path) / raw context V (V path)
 at a position to the verifier's raw K/V of every layer at that position, through a
 shared rank-256 bottleneck per path. It is a linear (affine) map, so the best it can
 ever do on squared error is closed-form ridge regression; with the bottleneck, the

@@ -20,7 +20,7 @@ def cosine(a, b):
 
 
 def predict(W, dk, dv, kv_dims, H, D):
-    """f_θ (core/ftheta.h): per position the drafter layers' K (V) flattened -> encoder -> fused decoders.
+    """f_θ (core/model/ftheta.h): per position the drafter layers' K (V) flattened -> encoder -> fused decoders.
     dk, dv: [B, T, L_d, H_d, D_d] -> per verifier layer (K, V) [B, T, H, D]."""
     B, T = dk.shape[:2]
     yk = F.linear(F.linear(dk.flatten(-3), W["k.encoder.weight"], W["k.encoder.bias"]), W["k.decoder.weight"],

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Writes core/unicode_tables.h for the tokenizer: the general category of
+"""Writes core/io/unicode_tables.h for the tokenizer: the general category of
 every code point (for the hand-written regex matcher's \\p{L}, \\p{N}, \\s,
 \\w ... and the pre-tokenizers), and the canonical decompositions, combining
 classes and primary composites that NFC/NFD normalization needs.
 
-Usage: tools/gen_unicode_tables.py [core/unicode_tables.h]   (with the project venv's python)
+Usage: tools/gen_unicode_tables.py [core/io/unicode_tables.h]   (with the project venv's python)
 The tables come from this Python's unicodedata; the header records the
 Unicode version so a regeneration with another Python shows up in review.
 The normalization data is cut down to what the `tokenizers` package applies:

@@ -26,6 +26,9 @@ int main(int argc, char** argv) {
   kakeya::cli::register_eval_long(app);
   kakeya::cli::register_ftheta_layers(app);
   kakeya::cli::register_launch(app);
+#ifdef KAKEYA_HAVE_SERVE
+  kakeya::cli::register_serve(app);
+#endif
 #ifdef KAKEYA_HAVE_CAPTURE
   kakeya::cli::register_capture(app);
   kakeya::cli::register_train_ftheta(app);

@@ -1,7 +1,7 @@
 #include "tools/restored_flags.h"
 
 #include "core/error.h"
-#include "core/fs.h"
+#include "core/io/fs.h"
 
 namespace kakeya::cli {
 
@@ -10,7 +10,7 @@ void RestoreFlags::add(CLI::App* c, bool with_alpha) {
   c->add_option("--drafter", drafter, "DFlash drafter directory, or random[:SEED]")->capture_default_str();
   c->add_option("--ftheta", ftheta, "f_θ directory (kakeya train-ftheta), or random[:SEED]")->capture_default_str();
   c->add_option("--calib", calib, "calibration bundle directory (kakeya calibrate; --full-attn codec)");
-  c->add_option("--codec", codec, "--full-attn codec: codec spec (core/codec.h); default: the bundle's release recipe");
+  c->add_option("--codec", codec, "--full-attn codec: codec spec (calib/codec/codec.h); default: the bundle's release recipe");
   c->add_option("--sink", sink, "attention-sink positions kept exact")->capture_default_str()->check(CLI::NonNegativeNumber);
   c->add_option("--window", window, "exact recent positions per query on restored layers")
       ->capture_default_str()

@@ -6,12 +6,12 @@
 #include <memory>
 #include <string>
 
-#include "core/calib_bundle.h"
-#include "core/codec.h"
-#include "core/drafter.h"
-#include "core/ftheta.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "calib/codec/calib_bundle.h"
+#include "calib/codec/codec.h"
+#include "core/model/drafter.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
+#include "core/io/tokenizer.h"
 #include "infer/restored.h"
 #include "tools/cli_common.h"
 

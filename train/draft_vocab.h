@@ -1,4 +1,4 @@
-// The draft vocabulary of FR-Spec (arXiv 2502.14856; core/drafter.h set_draft_vocab):
+// The draft vocabulary of FR-Spec (arXiv 2502.14856; core/model/drafter.h set_draft_vocab):
 // the K most frequent tokens of the drafter's training text. Counts come from the same
 // sources and the same file split as train-drafter's data (train/drafter_data.h): files
 // held out there are not counted, and their tokens measure the coverage a user gets.
@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "core/tokenizer.h"
+#include "core/io/tokenizer.h"
 #include "train/drafter_data.h"
 
 namespace kakeya::train {

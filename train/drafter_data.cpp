@@ -13,7 +13,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "core/safetensors.h"
+#include "core/io/safetensors.h"
 
 namespace kakeya::train {
 

@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/model/model.h"
+#include "core/io/tokenizer.h"
 
 namespace kakeya::train {
 

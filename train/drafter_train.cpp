@@ -9,8 +9,8 @@
 #include <random>
 
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/safetensors.h"
+#include "core/io/fs.h"
+#include "core/io/safetensors.h"
 #include "infer/generate.h"
 #include "infer/speculative.h"
 #include "train/train_util.h"
@@ -413,11 +413,11 @@ json evaluate_tau(const Model& target, const Drafter& drafter, const std::vector
   KAKEYA_CHECK(!prompts.empty(), "evaluate " << label << ": no prompts");
   at::NoGradGuard no_grad;
   const int64_t B = block_size > 0 ? block_size : drafter.config().block_size;
-  SpeculativeOptions so;
+  DecodeOptions so;
   so.max_new_tokens = max_new;
   so.block_size = B;
   so.stop_ids = stop_ids;
-  GenerateOptions go;
+  DecodeOptions go;
   go.max_new_tokens = max_new;
   go.stop_ids = stop_ids;
   go.stream = false;

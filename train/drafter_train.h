@@ -21,8 +21,8 @@
 #include <string>
 #include <vector>
 
-#include "core/drafter.h"
-#include "core/model.h"
+#include "core/model/drafter.h"
+#include "core/model/model.h"
 #include "train/drafter_data.h"
 #include "train/dist.h"
 

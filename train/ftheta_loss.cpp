@@ -1,7 +1,7 @@
 #include "train/ftheta_loss.h"
 
 #include "core/error.h"
-#include "core/ops.h"
+#include "core/kernels/ops.h"
 
 namespace kakeya::train {
 

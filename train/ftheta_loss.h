@@ -40,8 +40,8 @@
 #include <string>
 #include <vector>
 
-#include "core/ftheta.h"
-#include "core/model.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
 
 namespace kakeya::train {
 

@@ -19,10 +19,10 @@
 #include <string>
 #include <vector>
 
-#include "core/drafter.h"
-#include "core/ftheta.h"
-#include "core/model.h"
-#include "core/tokenizer.h"
+#include "core/model/drafter.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
+#include "core/io/tokenizer.h"
 #include "train/ftheta_train.h"
 
 namespace kakeya::train {

@@ -18,9 +18,9 @@
 #include <functional>
 #include <vector>
 
-#include "core/drafter.h"
-#include "core/ftheta.h"
-#include "core/model.h"
+#include "core/model/drafter.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
 #include "infer/restored.h"
 
 namespace kakeya::train {

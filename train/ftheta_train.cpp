@@ -15,8 +15,8 @@
 #include <random>
 
 #include "core/error.h"
-#include "core/fs.h"
-#include "core/safetensors.h"
+#include "core/io/fs.h"
+#include "core/io/safetensors.h"
 
 namespace kakeya::train {
 using json = nlohmann::json;

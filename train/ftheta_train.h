@@ -36,8 +36,8 @@
 #include <string>
 #include <vector>
 
-#include "core/ftheta.h"
-#include "core/model.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
 #include "train/dist.h"
 #include "train/ftheta_loss.h"
 #include "train/train_util.h"

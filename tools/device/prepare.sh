@@ -2,7 +2,7 @@
 # Run here (not on the GPU machine): stage what a GPU lease needs under the
 # git-ignored .carry/: header-only deps, the gguf wheel, and the default model's
 # GGUF split into chunks that fit the device tool's 64 MiB per call.
-#   .carry/include/{nlohmann,CLI}   .carry/whl/gguf-*.whl   .carry/parts/gguf.partNN  .carry/parts/SHA256
+#   .carry/include/{nlohmann,CLI,httplib.h}   .carry/whl/gguf-*.whl   .carry/parts/gguf.partNN  .carry/parts/SHA256
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # The tracked tree (~59 MiB, ~51 of them the shipped checkpoints) travels with every call: chunk calls
@@ -11,6 +11,15 @@ cd "$(dirname "$0")/../.."
 CHUNK=${CHUNK:-48M}
 mkdir -p .carry/include .carry/whl .carry/parts
 cp -r /usr/include/nlohmann /usr/include/CLI .carry/include/
+# Debian's cpp-httplib is split into a header and a shared library the GPU machine lacks: take the
+# header-only upstream file of the same version from Debian's source tarball.
+if [ ! -f .carry/include/httplib.h ]; then
+  HV=$(dpkg-query -W -f='${Version}' libcpp-httplib-dev | sed 's/-[^-]*$//')
+  tmp=$(mktemp -d)
+  curl -sfL "http://deb.debian.org/debian/pool/main/c/cpp-httplib/cpp-httplib_${HV}.orig.tar.xz" | tar xJ -C "$tmp"
+  cp "$tmp"/*/httplib.h .carry/include/httplib.h
+  rm -rf "$tmp"
+fi
 [ -n "$(ls .carry/whl/gguf-*.whl 2>/dev/null)" ] || .venv/bin/python -m pip download -q --no-deps -d .carry/whl gguf==0.19.0
 GGUF=$(.venv/bin/python - <<'PY'
 import tempfile

@@ -2,14 +2,14 @@
 // throw kakeya::Error (not JSON, or not a supported config) or yield a config
 // whose per-layer vectors match num_layers and whose dimensions are positive,
 // since the model loader sizes every tensor from them. Anything else is a bug.
-// FUZZ_SOURCES: core/config.cpp core/fs.cpp
+// FUZZ_SOURCES: core/model/config.cpp core/io/fs.cpp
 #include <nlohmann/json.hpp>
 
 #include <cstddef>
 #include <cstdint>
 #include <string>
 
-#include "core/config.h"
+#include "core/model/config.h"
 #include "core/error.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -3,9 +3,9 @@
 // buffer exactly with sizes matching shape x dtype, since
 // SafetensorsFile::get() reads the mapping on that promise alone. Crashes,
 // sanitizer reports, other exceptions and broken promises (trap) are bugs.
-// FUZZ_SOURCES: core/safetensors_header.cpp
+// FUZZ_SOURCES: core/io/safetensors_header.cpp
 #include "core/error.h"
-#include "core/safetensors_header.h"
+#include "core/io/safetensors_header.h"
 
 #include <nlohmann/json.hpp>
 

@@ -4,9 +4,9 @@
 // file loads, encoding and decoding anything must work or throw kakeya::Error,
 // and every id the model produces must name a vocabulary entry. Crashes,
 // sanitizer reports, hangs, other exceptions and broken promises (trap) are bugs.
-// FUZZ_SOURCES: core/tokenizer.cpp
+// FUZZ_SOURCES: core/io/tokenizer.cpp
 #include "core/error.h"
-#include "core/tokenizer.h"
+#include "core/io/tokenizer.h"
 
 #include <cstddef>
 #include <cstdint>

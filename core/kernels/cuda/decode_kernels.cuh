@@ -1,0 +1,581 @@
+// Framework-free CUDA kernels for the decoder's hot path (FlashInfer layering:
+// this file knows raw pointers and streams only; core/kernels/cuda/decode_ops.cu wraps
+// it for at::Tensor; core/kernels/ops.h is the one declaration the model calls).
+//
+// Rounding follows HF transformers' op order in the activation dtype T, so a
+// fused kernel returns what the unfused LibTorch ops return: every place where
+// PyTorch would materialise a T tensor, we round to T (to_t(from_t(...))).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace kakeya::kernels {
+
+template <typename T> __device__ __forceinline__ float from_t(T x);
+template <> __device__ __forceinline__ float from_t<float>(float x) { return x; }
+template <> __device__ __forceinline__ float from_t<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T> __device__ __forceinline__ T to_t(float x);
+template <> __device__ __forceinline__ float to_t<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 to_t<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+// Round through T (what storing an intermediate tensor of dtype T does).
+template <typename T> __device__ __forceinline__ float rnd(float x) { return from_t<T>(to_t<T>(x)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+// Sum / max over the block; every thread gets the result. `red` holds >= 32 floats.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v, float* red) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = (blockDim.x + 31) >> 5;
+  v = MAX ? warp_max(v) : warp_sum(v);
+  __syncthreads();  // red may still be read by a previous call
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = lane < nwarps ? red[lane] : (MAX ? -INFINITY : 0.f);
+  return MAX ? warp_max(v) : warp_sum(v);
+}
+__device__ __forceinline__ float block_sum(float v, float* red) { return block_reduce<false>(v, red); }
+__device__ __forceinline__ float block_max(float v, float* red) { return block_reduce<true>(v, red); }
+
+// RMSNorm of one value given the row's inverse RMS. Gemma (unit_offset): the
+// weight is 1+w folded in f32 and the product is rounded once; Llama/Qwen round
+// x̂ to T before multiplying by w.
+template <typename T>
+__device__ __forceinline__ float norm_value(float x, float inv_rms, float w, bool unit_offset) {
+  return unit_offset ? x * inv_rms * w : w * rnd<T>(x * inv_rms);
+}
+
+// Gated-MLP activations, with PyTorch's formulas (tanh GELU, SiLU).
+enum class Act { None, GeluTanh, Silu };
+__device__ __forceinline__ float apply_act(float g, Act act) {
+  if (act == Act::GeluTanh) {
+    const float kBeta = 0.7978845608028654f, kKappa = 0.044715f;  // sqrt(2/pi)
+    return 0.5f * g * (1.f + tanhf(kBeta * (g + kKappa * g * g * g)));
+  }
+  return g / (1.f + __expf(-g));
+}
+
+// ---------------------------------------------------------------------------
+// out[r, :] = rms_norm(x[r, :]) · w            x, out: [rows, H]; w: [H] f32
+template <typename T>
+__global__ void rms_norm_kernel(const T* __restrict__ x, const float* __restrict__ w, T* __restrict__ out, int H,
+                                float eps, bool unit_offset) {
+  __shared__ float red[32];
+  const T* xr = x + (int64_t)blockIdx.x * H;
+  T* orow = out + (int64_t)blockIdx.x * H;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    float v = from_t<T>(xr[i]);
+    ss += v * v;
+  }
+  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x) orow[i] = to_t<T>(norm_value<T>(from_t<T>(xr[i]), inv, w[i], unit_offset));
+}
+
+template <typename T>
+void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float eps, bool unit_offset, cudaStream_t s) {
+  rms_norm_kernel<T><<<rows, 256, 0, s>>>(x, w, out, H, eps, unit_offset);
+}
+
+// ---------------------------------------------------------------------------
+// The residual step of a decoder layer, fused:
+//   a = w_post ? rms_norm(x)·w_post : x        (Gemma's post-attention / post-FFN norm)
+//   h_out = h + a                              (the residual stream; out of place, since
+//                                              tap subscribers may keep the previous h)
+//   y = rms_norm(h_out)·w_next                 (the next pre-norm)
+// h, x, h_out, y: [rows, H]; w_post (nullable), w_next: [H] f32. Dynamic smem: 2H floats.
+// copy (optional): the new residual's rows also go to copy + (pos[row % T] mod copy_rows) ·
+// copy_stride (a ring of per-position rows, e.g. the drafter's target features, written
+// here instead of by a kernel of its own).
+template <typename T>
+__global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
+                                    const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ y, int H,
+                                    float eps, bool unit_offset, T* __restrict__ copy, int64_t copy_stride,
+                                    const int64_t* __restrict__ copy_pos, int64_t copy_rows, int T_len) {
+  extern __shared__ float smem[];  // [2H]: x, then the new residual
+  float* xs = smem;
+  float* hs = smem + H;
+  __shared__ float red[32];
+  const int64_t base = (int64_t)blockIdx.x * H;
+  T* c = copy ? copy + (copy_pos[blockIdx.x % T_len] % copy_rows) * copy_stride : nullptr;
+  // Both rows are read up front so their memory latencies overlap.
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float v = from_t<T>(x[base + i]);
+    xs[i] = v;
+    hs[i] = from_t<T>(h[base + i]);
+    ss += v * v;
+  }
+  const float inv_x = w_post ? rsqrtf(block_sum(ss, red) / H + eps) : 1.f;
+  ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float a = w_post ? rnd<T>(norm_value<T>(xs[i], inv_x, w_post[i], unit_offset)) : xs[i];
+    const float v = rnd<T>(hs[i] + a);
+    hs[i] = v;
+    h_out[base + i] = to_t<T>(v);
+    if (c) c[i] = to_t<T>(v);
+    ss += v * v;
+  }
+  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x) y[base + i] = to_t<T>(norm_value<T>(hs[i], inv, w_next[i], unit_offset));
+}
+
+template <typename T>
+void launch_add_rms_norm(const T* h, const T* x, const float* w_post, const float* w_next, T* h_out, T* y, int rows,
+                         int H, float eps, bool unit_offset, T* copy, int64_t copy_stride, const int64_t* copy_pos,
+                         int64_t copy_rows, int T_len, cudaStream_t s) {
+  add_rms_norm_kernel<T><<<rows, 256, 2 * H * sizeof(float), s>>>(h, x, w_post, w_next, h_out, y, H, eps, unit_offset,
+                                                                   copy, copy_stride, copy_pos, copy_rows, T_len);
+}
+
+// ---------------------------------------------------------------------------
+// One head of D values (all threads of the block): RMS-normed by w (nullptr: no norm) into
+// xs [D] (rounded to T), then RoPE'd into dst with the table rows c, s of its position
+// (rotary pairs over the first rot dims, the rest passed through).
+template <typename T>
+__device__ __forceinline__ void norm_rope_head(const T* __restrict__ src, const float* __restrict__ w,
+                                               const T* __restrict__ c, const T* __restrict__ s, T* __restrict__ dst,
+                                               int D, int rot, float eps, bool unit_offset, float* xs, float* red) {
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float v = from_t<T>(src[i]);
+    ss += v * v;
+  }
+  float inv = 1.f;
+  if (w) inv = rsqrtf(block_sum(ss, red) / D + eps);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float v = from_t<T>(src[i]);
+    xs[i] = w ? rnd<T>(norm_value<T>(v, inv, w[i], unit_offset)) : v;
+  }
+  __syncthreads();
+  const int half = rot / 2;
+  for (int i = threadIdx.x; i < half; i += blockDim.x) {
+    // HF: x·cos + rotate_half(x)·sin, rotate_half(x) = [-x2, x1]; each product rounded to T.
+    float x1 = xs[i], x2 = xs[i + half];
+    dst[i] = to_t<T>(rnd<T>(x1 * from_t<T>(c[i])) + rnd<T>(-x2 * from_t<T>(s[i])));
+    dst[i + half] = to_t<T>(rnd<T>(x2 * from_t<T>(c[i + half])) + rnd<T>(x1 * from_t<T>(s[i + half])));
+  }
+  for (int i = rot + threadIdx.x; i < D; i += blockDim.x) dst[i] = to_t<T>(xs[i]);
+}
+
+// One K/V head of the position pos into a cache (all threads of the block). k_cache/v_cache:
+// this (sequence, head)'s rows, slot-major (slot·D + i), slot = pos mod ring. k (raw) is normed
+// by k_w and RoPE'd with the tables cos_t/sin_t [P, rot]; v (raw) is copied. Positions < sink
+// are copied instead from sink_k/sink_v (rows laid out the same, slot = pos mod sink_ring):
+// attention sinks keep their exact K/V when a restored region takes them in. The whole block
+// takes one branch (one position): no barrier is skipped halfway.
+template <typename T>
+__device__ __forceinline__ void store_kv_head(const T* __restrict__ k, const T* __restrict__ v,
+                                              const float* __restrict__ k_w, const T* __restrict__ cos_t,
+                                              const T* __restrict__ sin_t, int64_t pos, T* __restrict__ k_cache,
+                                              T* __restrict__ v_cache, int ring, const T* __restrict__ sink_k,
+                                              const T* __restrict__ sink_v, int sink, int sink_ring, int D, int rot,
+                                              float eps, bool unit_offset, float* xs, float* red) {
+  const int64_t off = (pos % ring) * D;
+  if (pos < sink) {
+    const int64_t from = (pos % sink_ring) * D;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      k_cache[off + i] = sink_k[from + i];
+      v_cache[off + i] = sink_v[from + i];
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < D; i += blockDim.x) v_cache[off + i] = v[i];
+  norm_rope_head<T>(k, k_w, cos_t + pos * rot, sin_t + pos * rot, k_cache + off, D, rot, eps, unit_offset, xs, red);
+}
+
+// ---------------------------------------------------------------------------
+// q/k head norm + RoPE + K/V cache store, one block per (token, head).
+//   qkv:  [B·T, Hq·D + 2·Hkv·D]  (the fused projection output, row-major)
+//   heads 0..Hq-1 are q heads -> q_out [B·T, Hq, D];
+//   heads Hq..Hq+Hkv-1 are k heads -> k_cache[b, h, slot, :], with v copied to v_cache.
+//   cos, sin: [P, rot] in T (HF casts its tables to the activation dtype).
+//   positions: [T] int64; slot = position mod ring (the cache's exact ring: all S slots on
+//   plain layers, the first `ring` on restored ones; a restored region when the caller passes
+//   its view). k_cache/v_cache element (b, h, slot, i) sits at b·cache_bs + h·cache_hs + slot·D + i.
+//   q_w/k_w: [D] f32 norm weights, nullptr when the family has no q/k norm.
+// Threads: one per rotary pair (rot/2), plus pass-through dims past rot.
+template <typename T>
+__global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float* __restrict__ q_w,
+                                          const float* __restrict__ k_w, const T* __restrict__ cos_t,
+                                          const T* __restrict__ sin_t, const int64_t* __restrict__ positions,
+                                          T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
+                                          int T_len, int Hq, int Hkv, int D, int rot, int64_t cache_bs,
+                                          int64_t cache_hs, int ring, float eps, bool unit_offset) {
+  __shared__ float red[32];
+  extern __shared__ float xs[];  // [D] the normed head, rounded to T
+  const int n = blockIdx.x;      // token row: b·T + t
+  const int head = blockIdx.y;
+  const int t = n % T_len, b = n / T_len;
+  const int row_w = (Hq + 2 * Hkv) * D;
+  const T* src = qkv + (int64_t)n * row_w + (int64_t)head * D;
+  const int64_t pos = positions[t];
+  if (head < Hq) {
+    norm_rope_head<T>(src, q_w, cos_t + pos * rot, sin_t + pos * rot, q_out + ((int64_t)n * Hq + head) * D, D, rot,
+                      eps, unit_offset, xs, red);
+    return;
+  }
+  const int hk = head - Hq;
+  const int64_t base = (int64_t)b * cache_bs + (int64_t)hk * cache_hs;
+  store_kv_head<T>(src, qkv + (int64_t)n * row_w + (int64_t)(Hq + Hkv + hk) * D, k_w, cos_t, sin_t, pos,
+                   k_cache + base, v_cache + base, ring, nullptr, nullptr, 0, 1, D, rot, eps, unit_offset, xs, red);
+}
+
+inline int head_threads(int D) { return D >= 256 ? 128 : (D >= 128 ? 64 : 32); }
+
+template <typename T>
+void launch_qk_norm_rope_store(const T* qkv, const float* q_w, const float* k_w, const T* cos_t, const T* sin_t,
+                               const int64_t* positions, T* q_out, T* k_cache, T* v_cache, int B, int T_len, int Hq,
+                               int Hkv, int D, int rot, int64_t cache_bs, int64_t cache_hs, int ring, float eps,
+                               bool unit_offset, cudaStream_t s) {
+  dim3 grid(B * T_len, Hq + Hkv);
+  qk_norm_rope_store_kernel<T><<<grid, head_threads(D), D * sizeof(float), s>>>(
+      qkv, q_w, k_w, cos_t, sin_t, positions, q_out, k_cache, v_cache, T_len, Hq, Hkv, D, rot, cache_bs, cache_hs, ring,
+      eps, unit_offset);
+}
+
+// ---------------------------------------------------------------------------
+// Restoration's store into several layers at once (infer/restored.h: one launch per batch
+// instead of one per layer). Per layer (blockIdx.z) a descriptor in device memory, written
+// once (the buffers never move), so a launch needs no host work and graphs capture it.
+struct RestoreLayerDesc {
+  const float* k_w;              // [D] f32 k norm, or nullptr
+  const void* cos;               // [P, rot] T
+  const void* sin;
+  void* k;                       // restored region: element (h, slot, i) at h·head_stride + slot·D + i
+  void* v;
+  const void* sink_k;            // the layer's exact ring, same strides (nullptr: no sinks)
+  const void* sink_v;
+  int64_t head_stride;
+  int64_t k_src, v_src;          // column of this layer's head 0 in the k/v raw rows
+  int ring, sink_ring, rot, pad;
+};
+
+// k_raw/v_raw: [N, row] raw rows (row stride `row`); the head h of layer z at column
+// desc[z].k_src + h·D (v: v_src). positions: [N]. One block per (position, kv head, layer).
+template <typename T>
+__global__ void restore_store_kernel(const T* __restrict__ k_raw, const T* __restrict__ v_raw, int64_t k_row,
+                                     int64_t v_row, const RestoreLayerDesc* __restrict__ desc,
+                                     const int64_t* __restrict__ positions, int D, int sink, float eps,
+                                     bool unit_offset) {
+  __shared__ float red[32];
+  extern __shared__ float xs[];
+  const int n = blockIdx.x, h = blockIdx.y;
+  const RestoreLayerDesc L = desc[blockIdx.z];
+  const int64_t base = (int64_t)h * L.head_stride;
+  store_kv_head<T>(k_raw + (int64_t)n * k_row + L.k_src + (int64_t)h * D,
+                   v_raw + (int64_t)n * v_row + L.v_src + (int64_t)h * D, L.k_w, (const T*)L.cos, (const T*)L.sin,
+                   positions[n], (T*)L.k + base, (T*)L.v + base, L.ring,
+                   L.sink_k ? (const T*)L.sink_k + base : nullptr, L.sink_v ? (const T*)L.sink_v + base : nullptr,
+                   L.sink_k ? sink : 0, L.sink_ring, D, L.rot, eps, unit_offset, xs, red);
+}
+
+template <typename T>
+void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t v_row, const RestoreLayerDesc* desc,
+                          int layers, const int64_t* positions, int N, int Hkv, int D, int sink, float eps,
+                          bool unit_offset, cudaStream_t s) {
+  dim3 grid(N, Hkv, layers);
+  restore_store_kernel<T><<<grid, head_threads(D), D * sizeof(float), s>>>(k_raw, v_raw, k_row, v_row, desc, positions,
+                                                                          D, sink, eps, unit_offset);
+}
+
+// ---------------------------------------------------------------------------
+// Decode attention (T queries per sequence: decode steps, verify and drafter
+// blocks) over a cache whose slots carry absolute positions (-1 = empty), split
+// over the key axis (flash-decoding). Each (sequence, query, head) row is an
+// independent one-query problem: blocks are few-token, so re-reading K/V per
+// query costs less than the mask tensors and SDPA launches it replaces.
+//   q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [S]; q_pos: [T] (qstride 1)
+//   or [1] shared by all T queries (qstride 0)
+//   partial: [B·T·Hq, chunks, D + 2] f32 (acc, max, sum); out: [B, T, Hq, D]
+// Visibility: 0 <= p <= q_pos[t] and (window == 0 or q_pos[t] - p < window), and
+// where in_restored != nullptr (restored / coded layers, core/model/kv_cache.h) the slot's
+// region must match whether p is recent for the query: q - p < rwin (rblock == 0),
+// or p >= floor(max(q - rwin + 1, 0) / rblock) · rblock (coded layers); a restored-region
+// slot with p >= keep_below (>= 0: a layer that drops its restored positions) is hidden.
+constexpr int kAttnWarps = 8;
+constexpr int kAttnChunk = 64;  // keys per block: 8 per warp keeps each warp's serial chain short
+
+template <typename T, int VPL>  // VPL: values per lane = D / 32
+__global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
+                                           const int64_t* __restrict__ slot_pos, const int64_t* __restrict__ q_pos,
+                                           int qstride, const bool* __restrict__ in_restored, int rwin, int rblock,
+                                           int64_t keep_below, float* __restrict__ partial, int Tq, int Hq, int Hkv,
+                                           int S, int window, float scale, float softcap) {
+  constexpr int D = VPL * 32;
+  const int chunk = blockIdx.x, bh = blockIdx.y, nchunks = gridDim.x;  // bh: row (b, t, hq) of q
+  const int b = bh / (Tq * Hq), t = (bh / Hq) % Tq, hq = bh % Hq, hk = hq / (Hq / Hkv);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t qp = q_pos[t * qstride];
+  // Coded layers: positions below this are read from the coded region, newer ones from the ring.
+  const int64_t below = rblock > 0 ? (max(qp - rwin + 1, (int64_t)0) / rblock) * rblock : 0;
+  float qv[VPL], acc[VPL];
+  for (int i = 0; i < VPL; ++i) {
+    qv[i] = from_t<T>(q[(int64_t)bh * D + lane * VPL + i]) * scale;
+    acc[i] = 0.f;
+  }
+  float m = -INFINITY, l = 0.f;
+  const T* kb = k + ((int64_t)b * Hkv + hk) * S * D;
+  const T* vb = v + ((int64_t)b * Hkv + hk) * S * D;
+  const int start = chunk * kAttnChunk, end = min(S, start + kAttnChunk);
+  for (int j = start + warp; j < end; j += kAttnWarps) {
+    // Both loads issue together: the restored-region flag must not add a dependent load
+    // to every key's chain on restored layers.
+    const int64_t p = slot_pos[j];
+    const bool restored_slot = in_restored && in_restored[j];
+    if (p < 0 || p > qp || (window > 0 && qp - p >= window)) continue;  // warp-uniform
+    if (in_restored) {
+      const bool recent = rblock > 0 ? p >= below : qp - p < rwin;
+      if (recent == restored_slot) continue;  // the other region holds this query's copy
+      if (restored_slot && keep_below >= 0 && p >= keep_below) continue;  // dropped on this layer
+    }
+    float sdot = 0.f;
+    const T* kr = kb + (int64_t)j * D + lane * VPL;
+    for (int i = 0; i < VPL; ++i) sdot += qv[i] * from_t<T>(kr[i]);
+    sdot = warp_sum(sdot);
+    if (softcap > 0.f) sdot = tanhf(sdot / softcap) * softcap;
+    const float m_new = fmaxf(m, sdot);
+    const float corr = __expf(m - m_new), pj = __expf(sdot - m_new);
+    l = l * corr + pj;
+    const T* vr = vb + (int64_t)j * D + lane * VPL;
+    for (int i = 0; i < VPL; ++i) acc[i] = acc[i] * corr + pj * from_t<T>(vr[i]);
+    m = m_new;
+  }
+  // Merge the warps of this block.
+  __shared__ float sm[kAttnWarps], sl[kAttnWarps];
+  __shared__ float sacc[kAttnWarps][D];
+  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
+  for (int i = 0; i < VPL; ++i) sacc[warp][lane * VPL + i] = acc[i];
+  __syncthreads();
+  float M = -INFINITY;
+  for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm[w]);
+  float* out = partial + ((int64_t)bh * nchunks + chunk) * (D + 2);
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.f;
+    for (int w = 0; w < kAttnWarps; ++w) a += sm[w] == -INFINITY ? 0.f : sacc[w][d] * __expf(sm[w] - M);
+    out[d] = a;
+  }
+  if (threadIdx.x == 0) {
+    float L = 0.f;
+    for (int w = 0; w < kAttnWarps; ++w) L += sm[w] == -INFINITY ? 0.f : sl[w] * __expf(sm[w] - M);
+    out[D] = M;
+    out[D + 1] = L;
+  }
+}
+
+// The chunks' (max, sum) pairs are read once, in parallel, and each chunk's weight
+// exp(m_c - M) kept in shared memory, so the per-dimension sums below issue their loads
+// back to back: the combine's time hardly grows with the number of chunks (long contexts,
+// and restored layers whose buffer holds the exact ring and the restored region).
+template <typename T>
+__global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T* __restrict__ out, int D, int nchunks) {
+  extern __shared__ float wgt[];  // [nchunks]: exp(m_c - M), 0 for empty chunks
+  __shared__ float red[32];
+  const int bh = blockIdx.x;
+  const float* p = partial + (int64_t)bh * nchunks * (D + 2);
+  float m = -INFINITY;
+  for (int c = threadIdx.x; c < nchunks; c += blockDim.x) m = fmaxf(m, p[c * (D + 2) + D]);
+  const float M = block_max(m, red);
+  float l = 0.f;
+  for (int c = threadIdx.x; c < nchunks; c += blockDim.x) {
+    const float mc = p[c * (D + 2) + D];
+    const float w = mc == -INFINITY ? 0.f : __expf(mc - M);
+    wgt[c] = w;
+    l += w == 0.f ? 0.f : p[c * (D + 2) + D + 1] * w;
+  }
+  const float L = block_sum(l, red);  // its barriers also publish wgt
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    float a = 0.f;
+#pragma unroll 4
+    for (int c = 0; c < nchunks; ++c) a += p[c * (D + 2) + d] * wgt[c];
+    out[(int64_t)bh * D + d] = to_t<T>(L > 0.f ? a / L : 0.f);
+  }
+}
+
+inline int decode_attn_chunks(int S) { return (S + kAttnChunk - 1) / kAttnChunk; }
+
+// Returns false if D is not one of the supported head dims (64, 128, 256, 512).
+template <typename T>
+bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, const int64_t* q_pos,
+                             int qstride, const bool* in_restored, int rwin, int rblock, int64_t keep_below,
+                             float* partial, T* out, int B, int Tq, int Hq, int Hkv, int S, int D, int window, float scale,
+                             float softcap, cudaStream_t s) {
+  const int nchunks = decode_attn_chunks(S);
+  dim3 grid(nchunks, B * Tq * Hq);
+  const int threads = kAttnWarps * 32;
+#define KAKEYA_ATTN_CASE(DIM, VPL)                                                                                  \
+  case DIM:                                                                                                          \
+    decode_attn_partial_kernel<T, VPL><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, qstride, in_restored, rwin, \
+                                                                 rblock, keep_below, partial, Tq, Hq, Hkv, S, window, \
+                                                                 scale, softcap);                                     \
+    break;
+  switch (D) {
+    KAKEYA_ATTN_CASE(64, 2) KAKEYA_ATTN_CASE(128, 4) KAKEYA_ATTN_CASE(256, 8) KAKEYA_ATTN_CASE(512, 16)
+    default: return false;
+  }
+#undef KAKEYA_ATTN_CASE
+  decode_attn_combine_kernel<T><<<B * Tq * Hq, D < 256 ? D : 256, nchunks * sizeof(float), s>>>(partial, out, D, nchunks);
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// Gated MLP activation: out = act(gate) · up, gu = [gate | up]: [rows, 2I] -> out [rows, I].
+// act(gate) is rounded to T before the product, as PyTorch materialises it.
+template <typename T>
+__global__ void act_mul_kernel(const T* __restrict__ gu, T* __restrict__ out, int64_t rows, int I, Act act) {
+  const int64_t n = rows * I;
+  for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t r = idx / I, i = idx % I;
+    const float g = from_t<T>(gu[r * 2 * I + i]), u = from_t<T>(gu[r * 2 * I + I + i]);
+    out[idx] = to_t<T>(rnd<T>(apply_act(g, act)) * u);
+  }
+}
+
+template <typename T>
+void launch_act_mul(const T* gu, T* out, int64_t rows, int I, Act act, cudaStream_t s) {
+  const int64_t n = rows * I;
+  const int threads = 256;
+  const int blocks = (int)std::min<int64_t>((n + threads - 1) / threads, 4096);
+  act_mul_kernel<T><<<blocks, threads, 0, s>>>(gu, out, rows, I, act);
+}
+
+// ---------------------------------------------------------------------------
+// Skinny matmul for decode: y[m, n] = Σ_k x[m, k]·W[n, k] (+ bias[n]), M <= kGemvMaxRows.
+// Batch-1 decode reads every weight once per token, so this is a bandwidth
+// kernel: 16-byte vector loads of W, four in flight per lane, x staged in
+// shared memory as f32, f32 accumulation, one rounding to T (as cuBLAS).
+// `wpr` warps share one output row (split K) so small N still fills the GPU.
+// Gated mode (the MLP's gate/up pair): W holds [gate; up] ([2N, K]) and the
+// warp group computes both rows, writing act(gate)·up rounded as PyTorch does.
+//   x: [M, K]; W: [N or 2N, K] row-major; bias: [N or 2N] or nullptr; y: [M, N]. K % (16 / sizeof(T)) == 0.
+constexpr int kGemvMaxRows = 8;
+constexpr int kGemvWarps = 8;
+constexpr int kGemvUnroll = 4;
+
+template <typename T> struct Vec16;
+template <> struct Vec16<float> { static constexpr int n = 4; };
+template <> struct Vec16<__nv_bfloat16> { static constexpr int n = 8; };
+
+template <typename T, int M>
+__device__ __forceinline__ void dot_rows(const T* __restrict__ wr, const float* __restrict__ xs, int K, int k0, int k1,
+                                         int lane, float* acc) {
+  constexpr int V = Vec16<T>::n;
+  constexpr int STEP = 32 * V;
+  int k = k0 + lane * V;
+  for (; k + (kGemvUnroll - 1) * STEP < k1; k += kGemvUnroll * STEP) {
+    uint4 raw[kGemvUnroll];
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) raw[u] = *reinterpret_cast<const uint4*>(wr + k + u * STEP);
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) {
+      const T* e = reinterpret_cast<const T*>(&raw[u]);
+#pragma unroll
+      for (int m = 0; m < M; ++m) {
+        const float* xm = xs + m * K + k + u * STEP;
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[m] += from_t<T>(e[i]) * xm[i];
+      }
+    }
+  }
+  for (; k < k1; k += STEP) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(wr + k);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[m] += from_t<T>(e[i]) * xs[m * K + k + i];
+    }
+  }
+}
+
+template <typename T, int M>
+__global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias,
+                            T* __restrict__ y, int N, int K, int wpr, Act act) {
+  extern __shared__ float xs[];  // [M, K], then [kGemvWarps, 2, M] partial sums
+  float* part = xs + M * K;
+  for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = from_t<T>(x[i]);
+  __syncthreads();
+  constexpr int V = Vec16<T>::n;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int rows_per_block = kGemvWarps / wpr;
+  const int n = blockIdx.x * rows_per_block + warp / wpr;
+  const int part_idx = warp % wpr;
+  // This warp's K range, a multiple of the vector width.
+  const int kv = K / V, per = (kv + wpr - 1) / wpr;
+  const int k0 = min(kv, part_idx * per) * V, k1 = min(kv, (part_idx + 1) * per) * V;
+  const bool gated = act != Act::None;
+  float acc[2][M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.f;
+  if (n < N) {
+    dot_rows<T, M>(W + (int64_t)n * K, xs, K, k0, k1, lane, acc[0]);
+    if (gated) dot_rows<T, M>(W + (int64_t)(n + N) * K, xs, K, k0, k1, lane, acc[1]);
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    acc[0][m] = warp_sum(acc[0][m]);
+    if (gated) acc[1][m] = warp_sum(acc[1][m]);
+  }
+  if (wpr > 1) {
+    if (lane == 0)
+      for (int m = 0; m < M; ++m) {
+        part[(warp * 2 + 0) * M + m] = acc[0][m];
+        part[(warp * 2 + 1) * M + m] = acc[1][m];
+      }
+    __syncthreads();
+    if (part_idx != 0) return;
+    for (int m = 0; m < M; ++m) {
+      float a0 = 0.f, a1 = 0.f;
+      for (int p = 0; p < wpr; ++p) {
+        a0 += part[((warp + p) * 2 + 0) * M + m];
+        a1 += part[((warp + p) * 2 + 1) * M + m];
+      }
+      acc[0][m] = a0;
+      acc[1][m] = a1;
+    }
+  }
+  if (lane != 0 || n >= N) return;
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    float g = acc[0][m] + (bias ? from_t<T>(bias[n]) : 0.f);
+    if (!gated) {
+      y[(int64_t)m * N + n] = to_t<T>(g);
+    } else {
+      // The unfused path materialises gate and up in T, then act(gate) in T, then the product.
+      const float u = rnd<T>(acc[1][m] + (bias ? from_t<T>(bias[n + N]) : 0.f));
+      y[(int64_t)m * N + n] = to_t<T>(rnd<T>(apply_act(rnd<T>(g), act)) * u);
+    }
+  }
+}
+
+// Returns false when the shape is not for this kernel (caller falls back to cuBLAS).
+// N: output columns (for gated mode, W has 2N rows).
+template <typename T>
+bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int K, Act act, cudaStream_t s) {
+  if (M < 1 || M > kGemvMaxRows || K % Vec16<T>::n != 0) return false;
+  const size_t smem = (size_t)M * K * sizeof(float) + kGemvWarps * 2 * M * sizeof(float);
+  if (smem > 48 * 1024 || reinterpret_cast<uintptr_t>(W) % 16 != 0) return false;
+  // Enough warps in flight to cover memory latency: split K when rows are few.
+  const int wpr = N >= 4096 ? 1 : (N >= 1024 ? 2 : 4);
+  const int rows_per_block = kGemvWarps / wpr;
+  const dim3 grid((N + rows_per_block - 1) / rows_per_block);
+  const int threads = kGemvWarps * 32;
+  switch (M) {
+#define KAKEYA_GEMV_CASE(R) \
+  case R: gemv_kernel<T, R><<<grid, threads, smem, s>>>(x, W, bias, y, N, K, wpr, act); break;
+    KAKEYA_GEMV_CASE(1) KAKEYA_GEMV_CASE(2) KAKEYA_GEMV_CASE(3) KAKEYA_GEMV_CASE(4)
+    KAKEYA_GEMV_CASE(5) KAKEYA_GEMV_CASE(6) KAKEYA_GEMV_CASE(7) KAKEYA_GEMV_CASE(8)
+#undef KAKEYA_GEMV_CASE
+  }
+  return true;
+}
+
+}  // namespace kakeya::kernels

@@ -1,0 +1,331 @@
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstring>
+
+#include "core/kernels/cuda/decode_kernels.cuh"
+#include "core/kernels/cuda/decode_ops.h"
+
+namespace kakeya::ops::cuda {
+namespace k = kakeya::kernels;
+
+namespace {
+
+void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), name, ": expected a CUDA tensor, got ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, ": expected a contiguous tensor");
+}
+void check_act(const at::Tensor& t, const char* name) {
+  check_cuda(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, name,
+              ": expected bf16 or f32, got ", t.scalar_type());
+}
+void check_w(const at::Tensor& w, int64_t n, const char* name) {
+  check_cuda(w, name);
+  TORCH_CHECK(w.scalar_type() == at::kFloat, name, ": norm weights must be f32, got ", w.scalar_type());
+  TORCH_CHECK(w.numel() == n, name, ": expected ", n, " values, got ", w.numel());
+}
+
+// A K/V cache (or a view of one: a restored region, an exact ring): [B, H_kv, S, D] on CUDA,
+// rows of D contiguous values, any batch/head strides, the same as `like`'s.
+void check_cache_rows(const at::Tensor& c, const at::Tensor& like, const char* name) {
+  TORCH_CHECK(c.is_cuda(), name, ": expected a CUDA tensor, got ", c.device());
+  TORCH_CHECK(c.dim() == 4 && c.stride(3) == 1 && c.stride(2) == c.size(3) && c.strides() == like.strides(), name,
+              ": expected [B, H_kv, S, D] with contiguous rows and K's strides, got sizes ", c.sizes(), " strides ",
+              c.strides());
+}
+// RoPE tables [P, rot] on CUDA in dtype dt, rot even and <= the head dim D. Returns rot.
+int64_t check_rope(const QKRopeArgs& a, at::ScalarType dt, int64_t D, const char* who) {
+  check_cuda(a.cos, "rope cos");
+  check_cuda(a.sin, "rope sin");
+  TORCH_CHECK(a.cos.scalar_type() == dt && a.sin.scalar_type() == dt && a.sin.sizes() == a.cos.sizes(), who,
+              ": RoPE tables must be ", dt, " and alike, got ", a.cos.scalar_type(), " ", a.cos.sizes(), " / ",
+              a.sin.scalar_type(), " ", a.sin.sizes());
+  const int64_t rot = a.cos.size(1);
+  TORCH_CHECK(rot <= D && rot % 2 == 0, who, ": rotary dim ", rot, " vs head dim ", D);
+  return rot;
+}
+
+// Calls f with a typed null pointer selecting float or __nv_bfloat16.
+template <typename F>
+void dispatch(at::ScalarType st, F&& f) {
+  if (st == at::kFloat) f((float*)nullptr);
+  else f((__nv_bfloat16*)nullptr);
+}
+template <typename T> T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, bool unit_offset) {
+  auto x = x_in.contiguous();
+  check_act(x, "rms_norm x");
+  const int64_t H = x.size(-1);
+  check_w(w, H, "rms_norm w");
+  c10::cuda::CUDAGuard g(x.device());
+  auto out = at::empty_like(x);
+  dispatch(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    k::launch_rms_norm<T>(ptr<T>(x), w.data_ptr<float>(), ptr<T>(out), x.numel() / H, H, eps, unit_offset,
+                          at::cuda::getCurrentCUDAStream());
+  });
+  return out;
+}
+
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in, const at::Tensor& x_in, const at::Tensor& w_post,
+                                               const at::Tensor& w_next, double eps, bool unit_offset,
+                                               const RowCopy* copy) {
+  auto h = h_in.contiguous(), x = x_in.contiguous();
+  check_act(h, "add_rms_norm h");
+  check_act(x, "add_rms_norm x");
+  TORCH_CHECK(h.sizes() == x.sizes() && h.scalar_type() == x.scalar_type(), "add_rms_norm: h ", h.sizes(), " vs x ",
+              x.sizes());
+  const int64_t H = h.size(-1);
+  if (w_post.defined()) check_w(w_post, H, "add_rms_norm w_post");
+  check_w(w_next, H, "add_rms_norm w_next");
+  TORCH_CHECK(H * 4 <= 48 * 1024, "add_rms_norm: hidden size ", H, " exceeds the kernel's shared memory");
+  const int64_t T_len = h.dim() >= 2 ? h.size(-2) : 1;
+  if (copy) {
+    const at::Tensor& d = copy->dst;
+    TORCH_CHECK(d.is_cuda() && d.dim() == 2 && d.stride(1) == 1 && d.scalar_type() == h.scalar_type() &&
+                    copy->col >= 0 && copy->col + H <= d.size(1),
+                "add_rms_norm copy: expected a [R, F] ", h.scalar_type(), " CUDA ring with contiguous rows and ", H,
+                " columns from ", copy->col, ", got ", d.sizes(), " ", d.scalar_type());
+    TORCH_CHECK(h.numel() / H == T_len, "add_rms_norm copy: one sequence expected (rows by position), got ", h.sizes());
+    check_cuda(copy->positions, "add_rms_norm copy positions");
+    TORCH_CHECK(copy->positions.scalar_type() == at::kLong && copy->positions.numel() == T_len,
+                "add_rms_norm copy positions: expected [", T_len, "] int64");
+  }
+  c10::cuda::CUDAGuard g(h.device());
+  auto h2 = at::empty_like(h);  // out of place: tap subscribers may hold the previous residual
+  auto y = at::empty_like(h);
+  dispatch(h.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* c = copy ? ptr<T>(copy->dst) + copy->col : nullptr;
+    k::launch_add_rms_norm<T>(ptr<T>(h), ptr<T>(x), w_post.defined() ? w_post.data_ptr<float>() : nullptr,
+                              w_next.data_ptr<float>(), ptr<T>(h2), ptr<T>(y), h.numel() / H, H, eps, unit_offset, c,
+                              copy ? copy->dst.stride(0) : 0, copy ? copy->positions.data_ptr<int64_t>() : nullptr,
+                              copy ? copy->dst.size(0) : 1, (int)T_len, at::cuda::getCurrentCUDAStream());
+  });
+  return {h2, y};
+}
+
+at::Tensor act_mul(const at::Tensor& gu_in, bool gelu_tanh) {
+  auto gu = gu_in.contiguous();
+  check_act(gu, "act_mul gu");
+  TORCH_CHECK(gu.size(-1) % 2 == 0, "act_mul: last dim ", gu.size(-1), " must be even ([gate | up])");
+  const int64_t I = gu.size(-1) / 2;
+  c10::cuda::CUDAGuard g(gu.device());
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, gu.options());
+  dispatch(gu.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    k::launch_act_mul<T>(ptr<T>(gu), ptr<T>(out), gu.numel() / (2 * I), I, gelu_tanh ? k::Act::GeluTanh : k::Act::Silu,
+                         at::cuda::getCurrentCUDAStream());
+  });
+  return out;
+}
+
+at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positions, const QKRopeArgs& a,
+                              at::Tensor& k_cache, at::Tensor& v_cache) {
+  auto qkv = qkv_in.contiguous();
+  check_act(qkv, "qk_norm_rope_store qkv");
+  check_cuda(positions, "qk_norm_rope_store positions");
+  check_cache_rows(k_cache, k_cache, "k_cache");
+  check_cache_rows(v_cache, k_cache, "v_cache");
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
+  const int64_t B = qkv.size(0), T = qkv.size(1), Hq = a.num_heads, Hkv = a.num_kv_heads, D = a.head_dim;
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) == (Hq + 2 * Hkv) * D, "qkv: expected [B, T, ", (Hq + 2 * Hkv) * D,
+              "], got ", qkv.sizes());
+  TORCH_CHECK(positions.numel() == T, "positions: expected ", T, " entries, got ", positions.numel());
+  TORCH_CHECK(k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(),
+              "k/v cache: expected [", B, ", ", Hkv, ", S, ", D, "], got ", k_cache.sizes(), " / ", v_cache.sizes());
+  const int64_t ring = a.ring > 0 ? a.ring : k_cache.size(2);
+  TORCH_CHECK(ring <= k_cache.size(2), "qk_norm_rope_store: ring of ", ring, " slots in a cache of ", k_cache.size(2));
+  TORCH_CHECK(T <= ring, "qk_norm_rope_store: chunk of ", T, " tokens does not fit a ring of ", ring);
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type(), "qk_norm_rope_store: cache dtype must match qkv");
+  if (a.q_norm.defined()) check_w(a.q_norm, D, "q_norm");
+  if (a.k_norm.defined()) check_w(a.k_norm, D, "k_norm");
+  TORCH_CHECK(a.sink == 0, "qk_norm_rope_store: attention sinks are copied by RestoreStore, not here");
+  const int64_t rot = check_rope(a, qkv.scalar_type(), D, "qk_norm_rope_store");
+  c10::cuda::CUDAGuard g(qkv.device());
+  auto q = at::empty({B, T, Hq, D}, qkv.options());
+  dispatch(qkv.scalar_type(), [&](auto* tag) {
+    using Ty = std::remove_pointer_t<decltype(tag)>;
+    k::launch_qk_norm_rope_store<Ty>(ptr<Ty>(qkv), a.q_norm.defined() ? a.q_norm.data_ptr<float>() : nullptr,
+                                     a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr, ptr<Ty>(a.cos),
+                                     ptr<Ty>(a.sin), positions.data_ptr<int64_t>(), ptr<Ty>(q), ptr<Ty>(k_cache),
+                                     ptr<Ty>(v_cache), B, T, Hq, Hkv, D, rot, k_cache.stride(0), k_cache.stride(1), ring,
+                                     a.norm.eps, a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
+  });
+  return q;
+}
+
+at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& layers) {
+  TORCH_CHECK(!layers.empty() && layers.size() <= 65535, "RestoreStore: ", layers.size(), " layers (1 .. 65535)");
+  const RestoreStore::Layer& first = layers[0];
+  std::vector<k::RestoreLayerDesc> desc;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const RestoreStore::Layer& L = layers[i];
+    const QKRopeArgs& a = L.args;
+    const at::Tensor &kc = L.k_cache, &vc = L.v_cache;
+    TORCH_CHECK(a.num_heads == 0, "RestoreStore layer ", i, ": K/V only (num_heads 0), got ", a.num_heads);
+    check_cache_rows(kc, kc, "RestoreStore k_cache");
+    check_cache_rows(vc, kc, "RestoreStore v_cache");
+    TORCH_CHECK(kc.scalar_type() == at::kBFloat16 || kc.scalar_type() == at::kFloat, "RestoreStore layer ", i,
+                ": bf16 or f32 caches, got ", kc.scalar_type());
+    TORCH_CHECK(kc.size(0) == 1 && kc.size(1) == a.num_kv_heads && kc.size(3) == a.head_dim && vc.sizes() == kc.sizes() &&
+                    vc.scalar_type() == kc.scalar_type(),
+                "RestoreStore layer ", i, ": k/v caches ", kc.sizes(), " / ", vc.sizes(), " vs [1, ", a.num_kv_heads,
+                ", S, ", a.head_dim, "]");
+    TORCH_CHECK(a.num_kv_heads == first.args.num_kv_heads && a.head_dim == first.args.head_dim &&
+                    kc.scalar_type() == first.k_cache.scalar_type() && a.norm.eps == first.args.norm.eps &&
+                    a.norm.unit_offset == first.args.norm.unit_offset && a.sink == first.args.sink,
+                "RestoreStore layer ", i, ": kv heads, head dim, dtype, norm and sink must match layer 0's");
+    const int64_t ring = a.ring > 0 ? a.ring : kc.size(2);
+    TORCH_CHECK(ring <= kc.size(2), "RestoreStore layer ", i, ": ring of ", ring, " slots in a cache of ", kc.size(2));
+    TORCH_CHECK(L.k_src >= 0 && L.v_src >= 0, "RestoreStore layer ", i, ": negative source column");
+    if (a.k_norm.defined()) check_w(a.k_norm, a.head_dim, "RestoreStore k_norm");
+    const int64_t rot = check_rope(a, kc.scalar_type(), a.head_dim, "RestoreStore");
+    if (a.sink > 0) {
+      TORCH_CHECK(a.sink_k.defined() && a.sink_v.defined(), "RestoreStore layer ", i, ": sink ", a.sink,
+                  " needs sink_k/sink_v");
+      check_cache_rows(a.sink_k, kc, "RestoreStore sink_k");
+      check_cache_rows(a.sink_v, kc, "RestoreStore sink_v");
+      TORCH_CHECK(a.sink_ring > 0 && a.sink_ring <= a.sink_k.size(2) && a.sink_k.sizes().slice(0, 2) == kc.sizes().slice(0, 2) &&
+                      a.sink_k.sizes() == a.sink_v.sizes() && a.sink_k.scalar_type() == kc.scalar_type(),
+                  "RestoreStore layer ", i, ": sink buffers ", a.sink_k.sizes(), " / ring ", a.sink_ring,
+                  " do not match the cache ", kc.sizes());
+    }
+    k::RestoreLayerDesc d{};
+    d.k_w = a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr;
+    d.cos = a.cos.data_ptr();
+    d.sin = a.sin.data_ptr();
+    d.k = kc.data_ptr();
+    d.v = vc.data_ptr();
+    d.sink_k = a.sink > 0 ? a.sink_k.data_ptr() : nullptr;
+    d.sink_v = a.sink > 0 ? a.sink_v.data_ptr() : nullptr;
+    d.head_stride = kc.stride(1);
+    d.k_src = L.k_src;
+    d.v_src = L.v_src;
+    d.ring = (int)ring;
+    d.sink_ring = a.sink > 0 ? (int)a.sink_ring : 1;
+    d.rot = (int)rot;
+    desc.push_back(d);
+  }
+  auto host = at::empty({(int64_t)(desc.size() * sizeof(k::RestoreLayerDesc))}, at::kByte);
+  std::memcpy(host.data_ptr(), desc.data(), host.numel());
+  return host.to(first.k_cache.device());
+}
+
+void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer>& layers, const at::Tensor& k_raw,
+                   const at::Tensor& v_raw, const at::Tensor& positions) {
+  const QKRopeArgs& a = layers[0].args;
+  const at::Tensor& kc = layers[0].k_cache;
+  check_cuda(k_raw, "RestoreStore k_raw");
+  check_cuda(v_raw, "RestoreStore v_raw");
+  check_cuda(positions, "RestoreStore positions");
+  const int64_t N = positions.numel(), D = a.head_dim, Hkv = a.num_kv_heads;
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "RestoreStore positions must be int64");
+  TORCH_CHECK(k_raw.dim() == 2 && v_raw.dim() == 2 && k_raw.size(0) == N && v_raw.size(0) == N,
+              "RestoreStore: raw rows [N, F] for ", N, " positions expected, got ", k_raw.sizes(), " / ", v_raw.sizes());
+  TORCH_CHECK(k_raw.scalar_type() == kc.scalar_type() && v_raw.scalar_type() == kc.scalar_type(),
+              "RestoreStore: raw rows must be ", kc.scalar_type(), ", got ", k_raw.scalar_type());
+  for (const auto& L : layers)
+    TORCH_CHECK(L.k_src + Hkv * D <= k_raw.size(1) && L.v_src + Hkv * D <= v_raw.size(1), "RestoreStore: a layer reads columns ",
+                L.k_src, " / ", L.v_src, " + ", Hkv * D, " past the raw rows ", k_raw.sizes(), " / ", v_raw.sizes());
+  for (const auto& L : layers)
+    TORCH_CHECK(N <= (L.args.ring > 0 ? L.args.ring : L.k_cache.size(2)), "RestoreStore: ", N,
+                " positions do not fit a ring of ", L.args.ring);
+  if (N == 0) return;
+  c10::cuda::CUDAGuard g(kc.device());
+  dispatch(kc.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    k::launch_restore_store<T>(ptr<T>(k_raw), ptr<T>(v_raw), k_raw.size(1), v_raw.size(1),
+                               reinterpret_cast<const k::RestoreLayerDesc*>(desc.data_ptr()), (int)layers.size(),
+                               positions.data_ptr<int64_t>(), (int)N, (int)Hkv, (int)D, (int)a.sink, a.norm.eps,
+                               a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
+                            const at::Tensor& q_pos, int64_t window, double scale, double softcap,
+                            const CopyRule& copies) {
+  auto q = q_in.contiguous();
+  check_act(q, "decode_attention q");
+  check_cuda(k, "decode_attention k");
+  check_cuda(v, "decode_attention v");
+  check_cuda(slot_pos, "decode_attention slot_pos");
+  check_cuda(q_pos, "decode_attention q_pos");
+  TORCH_CHECK(q.dim() == 4, "decode_attention q: expected [B, T, Hq, D], got ", q.sizes());
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D, "decode_attention k/v: ", k.sizes(), " vs q ",
+              q.sizes());
+  TORCH_CHECK(Hq % Hkv == 0, "decode_attention: ", Hq, " q heads vs ", Hkv, " kv heads");
+  TORCH_CHECK(slot_pos.numel() == S && slot_pos.scalar_type() == at::kLong, "slot_pos: expected [", S, "] int64");
+  TORCH_CHECK((q_pos.numel() == T || q_pos.numel() == 1) && q_pos.scalar_type() == at::kLong,
+              "q_pos: expected [", T, "] or [1] int64, got ", q_pos.sizes());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "decode_attention: cache dtype must match q");
+  TORCH_CHECK(B * T * Hq <= 65535, "decode_attention: ", B * T * Hq, " query rows exceed the grid (65535)");
+  const bool* in_restored = nullptr;
+  if (copies.in_restored.defined()) {
+    check_cuda(copies.in_restored, "decode_attention in_restored");
+    TORCH_CHECK(copies.in_restored.scalar_type() == at::kBool && copies.in_restored.numel() == S,
+                "in_restored: expected [", S, "] bool");
+    TORCH_CHECK(copies.window > 0 && copies.block >= 0, "decode_attention: copy rule window ", copies.window,
+                " block ", copies.block);
+    in_restored = copies.in_restored.data_ptr<bool>();
+  }
+  c10::cuda::CUDAGuard g(q.device());
+  auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S), D + 2}, q.options().dtype(at::kFloat));
+  auto out = at::empty({B, T, Hq * D}, q.options());
+  bool ok = false;
+  dispatch(q.scalar_type(), [&](auto* tag) {
+    using T_ = std::remove_pointer_t<decltype(tag)>;
+    ok = k::launch_decode_attention<T_>(ptr<T_>(q), ptr<T_>(k), ptr<T_>(v), slot_pos.data_ptr<int64_t>(),
+                                        q_pos.data_ptr<int64_t>(), q_pos.numel() == 1 ? 0 : 1, in_restored,
+                                        (int)copies.window, (int)copies.block,
+                                        in_restored ? copies.keep_below : (int64_t)-1, partial.data_ptr<float>(), ptr<T_>(out),
+                                        B, T, Hq, Hkv, S, D, window, scale, softcap, at::cuda::getCurrentCUDAStream());
+  });
+  TORCH_CHECK(ok, "decode_attention: head dim ", D, " not supported (64, 128, 256, 512)");
+  return out;
+}
+
+namespace {
+// The GEMV kernel when the shape suits it, else an undefined tensor. act != None:
+// w is [gate; up] ([2N, K]) and the result act(gate)·up ([..., N]).
+at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& bias, k::Act act) {
+  auto x = x_in.contiguous();
+  const int64_t K = x.size(-1), M = x.numel() / K;
+  const int64_t N = act == k::Act::None ? w.size(0) : w.size(0) / 2;
+  const bool ok = x.is_cuda() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
+                  w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.size(1) == K &&
+                  (!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.is_contiguous()));
+  if (!ok || M > k::kGemvMaxRows) return {};
+  c10::cuda::CUDAGuard g(x.device());
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty(sizes, x.options());
+  bool launched = false;
+  dispatch(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launched = k::launch_gemv<T>(ptr<T>(x), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, ptr<T>(y), M, N, K,
+                                 act, at::cuda::getCurrentCUDAStream());
+  });
+  return launched ? y : at::Tensor();
+}
+}  // namespace
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
+  auto y = try_gemv(x, w, bias, k::Act::None);
+  return y.defined() ? y : at::linear(x, w, bias);
+}
+
+at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh) {
+  TORCH_CHECK(w.size(0) % 2 == 0, "linear_act_mul: weight rows ", w.size(0), " must be even ([gate; up])");
+  auto y = try_gemv(x, w, bias, gelu_tanh ? k::Act::GeluTanh : k::Act::Silu);
+  return y.defined() ? y : act_mul(at::linear(x, w, bias), gelu_tanh);
+}
+
+}  // namespace kakeya::ops::cuda

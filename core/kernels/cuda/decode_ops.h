@@ -1,0 +1,30 @@
+// at::Tensor wrappers of core/kernels/cuda/decode_kernels.cuh (CUDA builds only); the
+// model calls them through core/kernels/ops.h.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <utility>
+#include <vector>
+
+#include "core/kernels/ops.h"
+
+namespace kakeya::ops::cuda {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset);
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
+                                               const at::Tensor& w_next, double eps, bool unit_offset,
+                                               const RowCopy* copy);
+at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
+at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);
+at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
+                              at::Tensor& k_cache, at::Tensor& v_cache);
+// RestoreStore (core/kernels/ops.h): the per-layer descriptors on the device, then one launch per run.
+at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& layers);
+void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer>& layers, const at::Tensor& k_raw,
+                   const at::Tensor& v_raw, const at::Tensor& positions);
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
+                            const at::Tensor& q_pos, int64_t window, double scale, double softcap,
+                            const CopyRule& copies);
+
+}  // namespace kakeya::ops::cuda

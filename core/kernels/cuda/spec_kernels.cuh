@@ -1,0 +1,228 @@
+// Framework-free CUDA kernels for speculative blocks (infer/fused.h): greedy acceptance of
+// a verify block, greedy drafts, the block's advance, and the gathering of target features
+// into their buffers. Small, latency-bound work that would otherwise be a dozen tiny ATen launches
+// per block. core/kernels/cuda/spec_ops.cu wraps them for at::Tensor; core/kernels/ops.h declares them
+// with the LibTorch reference used on CPU.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "core/kernels/cuda/decode_kernels.cuh"
+
+namespace kakeya::kernels {
+
+// ---------------------------------------------------------------------------
+// Greedy acceptance. scores: [T, V] raw scores (any monotone map of the logits: the
+// argmax is the same); block: [T] int64 = [carried, d_1 .. d_{T-1}].
+// report: [T + 1] int64 = post[0..T-1] (argmax of each row: the verifier's token after
+// each position; the first of equal maxima, NaN counting as the largest, as torch.argmax),
+// then n = 1 + the length of the leading run of d_i == post[i-1].
+// Pass 1: grid (chunks, T), each block reduces one slice of a row to (max, index).
+// Pass 2: one block: each warp reduces rows' partials, then thread 0 counts the run.
+
+// a beats b: larger, NaN first, the lower index among equals.
+__device__ __forceinline__ bool argmax_beats(float a, int ia, float b, int ib) {
+  const bool na = a != a, nb = b != b;
+  if (na || nb) return na && (!nb || ia < ib);
+  return a > b || (a == b && ia < ib);
+}
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, v, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, i, o);
+    if (argmax_beats(ov, oi, v, i)) {
+      v = ov;
+      i = oi;
+    }
+  }
+}
+
+constexpr int kArgmaxThreads = 256;
+
+template <typename T>
+__global__ void argmax_partial_kernel(const T* __restrict__ scores, int V, int chunk, float* __restrict__ pval,
+                                      int* __restrict__ pidx) {
+  const int c = blockIdx.x, row = blockIdx.y, chunks = gridDim.x;
+  const T* r = scores + (int64_t)row * V;
+  const int start = c * chunk, end = min(V, start + chunk);
+  float best = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int j = start + threadIdx.x; j < end; j += blockDim.x) {
+    const float v = from_t<T>(r[j]);
+    if (argmax_beats(v, j, best, bi)) {
+      best = v;
+      bi = j;
+    }
+  }
+  warp_argmax(best, bi);
+  __shared__ float sv[kArgmaxThreads / 32];
+  __shared__ int si[kArgmaxThreads / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) {
+    sv[warp] = best;
+    si[warp] = bi;
+  }
+  __syncthreads();
+  if (warp == 0) {
+    best = lane < kArgmaxThreads / 32 ? sv[lane] : -INFINITY;
+    bi = lane < kArgmaxThreads / 32 ? si[lane] : 0x7fffffff;
+    warp_argmax(best, bi);
+    if (lane == 0) {
+      pval[row * chunks + c] = best;
+      pidx[row * chunks + c] = bi;
+    }
+  }
+}
+
+// Row `row`'s argmax from its chunks' partials (every lane of the warp gets it).
+__device__ __forceinline__ int row_argmax(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
+                                          int row, int lane) {
+  float best = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int c = lane; c < chunks; c += 32) {
+    const float v = pval[row * chunks + c];
+    const int i = pidx[row * chunks + c];
+    if (argmax_beats(v, i, best, bi)) {
+      best = v;
+      bi = i;
+    }
+  }
+  warp_argmax(best, bi);
+  return bi;
+}
+
+__global__ void greedy_accept_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
+                                     const int64_t* __restrict__ block, int64_t* __restrict__ report, int Tn) {
+  extern __shared__ int64_t post[];  // [Tn]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int row = warp; row < Tn; row += warps) {
+    const int bi = row_argmax(pval, pidx, chunks, row, lane);
+    if (lane == 0) {
+      post[row] = bi;
+      report[row] = bi;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t n = 1;
+    while (n < Tn && block[n] == post[n - 1]) ++n;
+    report[Tn] = n;
+  }
+}
+
+// Rows' argmax through an optional id map: out[row] = map ? map[argmax] : argmax (the
+// drafter's greedy drafts over its draft vocabulary). out: [rows] int64.
+__global__ void argmax_final_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
+                                    const int64_t* __restrict__ map, int64_t* __restrict__ out, int rows) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+  for (int row = warp; row < rows; row += warps) {
+    const int bi = row_argmax(pval, pidx, chunks, row, lane);
+    if (lane == 0) out[row] = map ? map[bi] : bi;
+  }
+}
+
+inline int argmax_chunks(int V) { return V >= 64 * 2048 ? 64 : (V + 2047) / 2048; }
+
+// scratch: argmax_chunks(V) · T floats and as many ints.
+template <typename T>
+void launch_greedy_accept(const T* scores, const int64_t* block, int64_t* report, float* pval, int* pidx, int Tn,
+                          int V, cudaStream_t s) {
+  const int chunks = argmax_chunks(V), chunk = (V + chunks - 1) / chunks;
+  argmax_partial_kernel<T><<<dim3(chunks, Tn), kArgmaxThreads, 0, s>>>(scores, V, chunk, pval, pidx);
+  greedy_accept_kernel<<<1, 256, Tn * sizeof(int64_t), s>>>(pval, pidx, chunks, block, report, Tn);
+}
+
+// scratch: argmax_chunks(V) · rows floats and as many ints.
+template <typename T>
+void launch_argmax_rows(const T* scores, const int64_t* map, int64_t* out, float* pval, int* pidx, int rows, int V,
+                        cudaStream_t s) {
+  const int chunks = argmax_chunks(V), chunk = (V + chunks - 1) / chunks;
+  argmax_partial_kernel<T><<<dim3(chunks, rows), kArgmaxThreads, 0, s>>>(scores, V, chunk, pval, pidx);
+  argmax_final_kernel<<<1, 256, 0, s>>>(pval, pidx, chunks, map, out, rows);
+}
+
+// ---------------------------------------------------------------------------
+// The block's advance after acceptance: with n = report[T], the next block starts n
+// positions later and carries the verifier's token after the accepted drafts:
+//   block[0] = report[n - 1]; pos0 += n; qpos[i] = pos0 + i (i < T);
+// and, when `table` is given, the draft block's input row of that token (Drafter::embed:
+// the table row times `scale`, rounded to T as PyTorch's scalar multiply does):
+//   emb[i] = table[report[n - 1], i] · scale (i < H).
+// One block of threads; pos0 is read by all before thread 0 moves it.
+template <typename T>
+__global__ void advance_block_kernel(const int64_t* __restrict__ report, int Tn, int64_t* __restrict__ block,
+                                     int64_t* __restrict__ pos0, int64_t* __restrict__ qpos,
+                                     const T* __restrict__ table, float scale, T* __restrict__ emb, int H) {
+  const int64_t n = report[Tn];
+  const int64_t p = pos0[0] + n;
+  const int64_t tok = report[n - 1];
+  __syncthreads();
+  for (int i = threadIdx.x; i < Tn; i += blockDim.x) qpos[i] = p + i;
+  if (table)
+    for (int i = threadIdx.x; i < H; i += blockDim.x) emb[i] = to_t<T>(from_t<T>(table[tok * H + i]) * scale);
+  if (threadIdx.x == 0) {
+    block[0] = tok;
+    pos0[0] = p;
+  }
+}
+
+template <typename T>
+void launch_advance_block(const int64_t* report, int Tn, int64_t* block, int64_t* pos0, int64_t* qpos, const T* table,
+                          float scale, T* emb, int H, cudaStream_t s) {
+  advance_block_kernel<T><<<1, 256, 0, s>>>(report, Tn, block, pos0, qpos, table, scale, emb, H);
+}
+
+// ---------------------------------------------------------------------------
+// Concatenated rows: row t of `out` and ring row pos[t] mod R are
+// [src_0[t, :] | src_1[t, :] | ...] (each src_i: [T, H_i] contiguous), i.e. the drafter's
+// target features from the verifier's tapped hidden states, written where the fused block
+// and the Restorer read them. out, ring: [*, F] contiguous, F = Σ H_i; either may be null.
+constexpr int kMaxRowSources = 8;
+template <typename T>
+struct RowSources {
+  const T* src[kMaxRowSources];
+  int width[kMaxRowSources];   // H_i
+  int offset[kMaxRowSources];  // Σ_{j<i} H_j: the part's first column
+  int n = 0;
+};
+
+// One block per (row, part): the copies of a row run side by side instead of one after
+// another. VEC: every width, offset and row start is a multiple of 16 bytes (the caller checks),
+// so each thread moves 16 bytes at a time.
+template <typename T, bool VEC>
+__global__ void concat_rows_kernel(RowSources<T> parts, const int64_t* __restrict__ pos, int F, T* __restrict__ out,
+                                   T* __restrict__ ring, int64_t ring_rows) {
+  const int t = blockIdx.x, i = blockIdx.y;
+  const int w = parts.width[i], off = parts.offset[i];
+  const T* sr = parts.src[i] + (int64_t)t * w;
+  T* o = out ? out + (int64_t)t * F + off : nullptr;
+  T* g = ring ? ring + (pos[t] % ring_rows) * F + off : nullptr;
+  if (VEC) {
+    constexpr int V = 16 / sizeof(T);
+    for (int j = threadIdx.x; j < w / V; j += blockDim.x) {
+      const uint4 v = reinterpret_cast<const uint4*>(sr)[j];
+      if (o) reinterpret_cast<uint4*>(o)[j] = v;
+      if (g) reinterpret_cast<uint4*>(g)[j] = v;
+    }
+  } else {
+    for (int j = threadIdx.x; j < w; j += blockDim.x) {
+      const T v = sr[j];
+      if (o) o[j] = v;
+      if (g) g[j] = v;
+    }
+  }
+}
+
+template <typename T>
+void launch_concat_rows(const RowSources<T>& parts, const int64_t* pos, int rows, int F, T* out, T* ring,
+                        int64_t ring_rows, bool vec, cudaStream_t s) {
+  const dim3 grid(rows, parts.n);
+  if (vec) concat_rows_kernel<T, true><<<grid, 128, 0, s>>>(parts, pos, F, out, ring, ring_rows);
+  else concat_rows_kernel<T, false><<<grid, 128, 0, s>>>(parts, pos, F, out, ring, ring_rows);
+}
+
+}  // namespace kakeya::kernels

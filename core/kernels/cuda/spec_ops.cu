@@ -1,0 +1,147 @@
+// at::Tensor wrappers of core/kernels/cuda/spec_kernels.cuh (CUDA builds only); infer/fused.cpp
+// calls them through core/kernels/ops.h.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/kernels/cuda/spec_kernels.cuh"
+#include "core/kernels/cuda/spec_ops.h"
+
+namespace kakeya::ops::cuda {
+namespace k = kakeya::kernels;
+
+namespace {
+void check_long(const at::Tensor& t, int64_t n, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.is_contiguous() && t.scalar_type() == at::kLong, name,
+              ": expected a contiguous CUDA int64 tensor, got ", t.scalar_type(), " on ", t.device());
+  TORCH_CHECK(n < 0 || t.numel() == n, name, ": expected ", n, " entries, got ", t.numel());
+}
+template <typename T> T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+}  // namespace
+
+void greedy_accept(const at::Tensor& scores_in, const at::Tensor& block, at::Tensor& report) {
+  auto scores = scores_in.contiguous();
+  TORCH_CHECK(scores.is_cuda() && scores.dim() == 2, "greedy_accept scores: expected [T, V] on CUDA, got ", scores.sizes());
+  TORCH_CHECK(scores.scalar_type() == at::kBFloat16 || scores.scalar_type() == at::kFloat,
+              "greedy_accept scores: expected bf16 or f32, got ", scores.scalar_type());
+  const int64_t T = scores.size(0), V = scores.size(1);
+  check_long(block, T, "greedy_accept block");
+  check_long(report, T + 1, "greedy_accept report");
+  TORCH_CHECK(V < (int64_t)1 << 31, "greedy_accept: vocabulary of ", V, " exceeds int32 indices");
+  c10::cuda::CUDAGuard g(scores.device());
+  const int chunks = k::argmax_chunks((int)V);
+  auto pval = at::empty({T * chunks}, scores.options().dtype(at::kFloat));
+  auto pidx = at::empty({T * chunks}, scores.options().dtype(at::kInt));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (scores.scalar_type() == at::kFloat)
+    k::launch_greedy_accept<float>(scores.data_ptr<float>(), block.data_ptr<int64_t>(), report.data_ptr<int64_t>(),
+                                   pval.data_ptr<float>(), pidx.data_ptr<int>(), T, V, stream);
+  else
+    k::launch_greedy_accept<__nv_bfloat16>(ptr<__nv_bfloat16>(scores), block.data_ptr<int64_t>(),
+                                           report.data_ptr<int64_t>(), pval.data_ptr<float>(), pidx.data_ptr<int>(), T,
+                                           V, stream);
+}
+
+void argmax_rows(const at::Tensor& scores_in, const at::Tensor& map, at::Tensor& out) {
+  auto scores = scores_in.contiguous();
+  TORCH_CHECK(scores.is_cuda() && (scores.scalar_type() == at::kBFloat16 || scores.scalar_type() == at::kFloat),
+              "argmax_rows scores: expected bf16 or f32 on CUDA, got ", scores.scalar_type(), " on ", scores.device());
+  const int64_t V = scores.size(-1), rows = scores.numel() / V;
+  check_long(out, rows, "argmax_rows out");
+  if (map.defined()) check_long(map, V, "argmax_rows map");
+  TORCH_CHECK(V < (int64_t)1 << 31, "argmax_rows: ", V, " columns exceed int32 indices");
+  c10::cuda::CUDAGuard g(scores.device());
+  const int chunks = k::argmax_chunks((int)V);
+  auto pval = at::empty({rows * chunks}, scores.options().dtype(at::kFloat));
+  auto pidx = at::empty({rows * chunks}, scores.options().dtype(at::kInt));
+  const int64_t* m = map.defined() ? map.data_ptr<int64_t>() : nullptr;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (scores.scalar_type() == at::kFloat)
+    k::launch_argmax_rows<float>(scores.data_ptr<float>(), m, out.data_ptr<int64_t>(), pval.data_ptr<float>(),
+                                 pidx.data_ptr<int>(), rows, V, stream);
+  else
+    k::launch_argmax_rows<__nv_bfloat16>(ptr<__nv_bfloat16>(scores), m, out.data_ptr<int64_t>(), pval.data_ptr<float>(),
+                                         pidx.data_ptr<int>(), rows, V, stream);
+}
+
+void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos,
+                   const CarriedEmbedding* emb) {
+  const int64_t T = qpos.numel();
+  check_long(report, T + 1, "advance_block report");
+  check_long(block, T, "advance_block block");
+  check_long(pos0, 1, "advance_block pos0");
+  check_long(qpos, T, "advance_block qpos");
+  c10::cuda::CUDAGuard g(report.device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  if (!emb) {
+    k::launch_advance_block<float>(report.data_ptr<int64_t>(), T, block.data_ptr<int64_t>(), pos0.data_ptr<int64_t>(),
+                                   qpos.data_ptr<int64_t>(), nullptr, 1.f, nullptr, 0, stream);
+    return;
+  }
+  const at::Tensor& t = emb->table;
+  TORCH_CHECK(t.is_cuda() && t.dim() == 2 && t.is_contiguous() && emb->out.is_cuda() && emb->out.is_contiguous() &&
+                  emb->out.numel() == t.size(1) && emb->out.scalar_type() == t.scalar_type() &&
+                  (t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat),
+              "advance_block: embedding table ", t.sizes(), " ", t.scalar_type(), " and row ", emb->out.sizes(), " ",
+              emb->out.scalar_type(), ": expected a contiguous [V, H] bf16/f32 table and a contiguous row of H of its dtype");
+  const int H = (int)t.size(1);
+  if (t.scalar_type() == at::kFloat)
+    k::launch_advance_block<float>(report.data_ptr<int64_t>(), T, block.data_ptr<int64_t>(), pos0.data_ptr<int64_t>(),
+                                   qpos.data_ptr<int64_t>(), t.data_ptr<float>(), (float)emb->scale,
+                                   emb->out.data_ptr<float>(), H, stream);
+  else
+    k::launch_advance_block<__nv_bfloat16>(report.data_ptr<int64_t>(), T, block.data_ptr<int64_t>(),
+                                           pos0.data_ptr<int64_t>(), qpos.data_ptr<int64_t>(), ptr<__nv_bfloat16>(t),
+                                           (float)emb->scale, ptr<__nv_bfloat16>(emb->out), H, stream);
+}
+
+void concat_rows(const std::vector<at::Tensor>& parts, at::Tensor* out, at::Tensor* ring, const at::Tensor& pos) {
+  TORCH_CHECK(!parts.empty() && (int)parts.size() <= k::kMaxRowSources, "concat_rows: 1 to ", k::kMaxRowSources,
+              " parts, got ", parts.size());
+  const at::ScalarType st = parts[0].scalar_type();
+  TORCH_CHECK(st == at::kBFloat16 || st == at::kFloat, "concat_rows: expected bf16 or f32, got ", st);
+  const int64_t rows = parts[0].numel() / parts[0].size(-1);
+  int64_t F = 0;
+  for (const auto& p : parts) {
+    TORCH_CHECK(p.is_cuda() && p.is_contiguous() && p.scalar_type() == st && p.numel() / p.size(-1) == rows,
+                "concat_rows: every part must be a contiguous CUDA ", st, " tensor of ", rows, " rows, got ",
+                p.sizes(), " ", p.scalar_type());
+    F += p.size(-1);
+  }
+  auto check_dst = [&](const at::Tensor* d, const char* name, bool exact_rows) {
+    if (!d) return;
+    TORCH_CHECK(d->is_cuda() && d->is_contiguous() && d->scalar_type() == st && d->size(-1) == F &&
+                    (!exact_rows || d->numel() / F == rows),
+                "concat_rows ", name, ": expected a contiguous ", st, " [", exact_rows ? std::to_string(rows) : "R",
+                ", ", F, "] CUDA tensor, got ", d->sizes(), " ", d->scalar_type());
+  };
+  check_dst(out, "out", true);
+  check_dst(ring, "ring", false);
+  if (ring) check_long(pos, rows, "concat_rows positions");
+  if (rows == 0 || (!out && !ring)) return;
+  c10::cuda::CUDAGuard g(parts[0].device());
+  auto stream = at::cuda::getCurrentCUDAStream();
+  const int64_t* p = ring ? pos.data_ptr<int64_t>() : nullptr;
+  const int64_t ring_rows = ring ? ring->numel() / F : 1;
+  auto run = [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    constexpr int V = 16 / sizeof(T);
+    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+    bool vec = F % V == 0 && (!out || aligned(out->data_ptr())) && (!ring || aligned(ring->data_ptr()));
+    k::RowSources<T> src;
+    int off = 0;
+    for (const auto& t : parts) {
+      const int w = (int)t.size(-1);
+      vec = vec && w % V == 0 && aligned(t.data_ptr());
+      src.src[src.n] = ptr<T>(t);
+      src.width[src.n] = w;
+      src.offset[src.n++] = off;
+      off += w;
+    }
+    k::launch_concat_rows<T>(src, p, (int)rows, (int)F, out ? ptr<T>(*out) : nullptr, ring ? ptr<T>(*ring) : nullptr,
+                             ring_rows, vec, stream);
+  };
+  if (st == at::kFloat) run((float*)nullptr);
+  else run((__nv_bfloat16*)nullptr);
+}
+
+}  // namespace kakeya::ops::cuda

@@ -1,0 +1,152 @@
+// The decoder's elementwise/normalisation ops, one declaration each. On CUDA
+// tensors (KAKEYA_CUDA builds) they run the fused kernels of
+// core/kernels/cuda/decode_kernels.cuh; otherwise the LibTorch reference below, which
+// follows HF transformers' op order (tests/test_cuda_ops.cpp checks the kernels
+// against it over odd sizes). Norm weights are f32: Gemma 3's 1+w folded, or
+// Gemma 4/Llama/Qwen's w (already rounded to the model dtype).
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <utility>
+#include <vector>
+
+namespace kakeya::ops {
+
+struct NormSpec {
+  double eps = 1e-6;
+  bool unit_offset = false;  // Gemma: x̂·w in f32, one rounding (w = 1+w folded on Gemma 3); else cast x̂, ·w in dtype
+};
+
+// x: [..., H]; w: [H] f32 -> [..., H] in x's dtype.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns);
+
+// Rows of a [.., T, H] tensor of one sequence also written into a ring of per-position rows:
+// dst [R, F] (rows contiguous) at row positions[t] mod R, columns col .. col + H - 1.
+struct RowCopy {
+  at::Tensor dst;
+  int64_t col = 0;
+  at::Tensor positions;  // [T] int64
+};
+void copy_rows(const at::Tensor& x, const RowCopy& to);  // x: [.., T, H]
+
+// The residual step: a = w_post defined ? rms_norm(x, w_post) : x; h' = h + a; y = rms_norm(h', w_next).
+// h, x: [..., H]; w_post: [H] f32 or undefined; w_next: [H] f32. Returns {h', y}; with `copy`, h'
+// is also written there (copy_rows: on CUDA by the same kernel, no launch of its own).
+std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
+                                               const at::Tensor& w_next, const NormSpec& ns,
+                                               const RowCopy* copy = nullptr);
+
+// x: [..., K]; w: [N, K]; bias: [N] or undefined -> [..., N]. On CUDA with at most
+// 8 rows (decode, small verify blocks) a bandwidth-bound GEMV kernel, else at::linear.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = {});
+
+// The gated MLP's first half: act_mul(linear(x, w, bias)) with w = [gate; up]: [2I, K] -> [..., I].
+// One fused GEMV kernel on CUDA for decode-sized inputs.
+at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);
+
+// gu: [..., 2I] = [gate | up] -> act(gate)·up: [..., I]. gelu_tanh or silu.
+at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
+
+// True when this build has the CUDA kernels (the two ops below have no CPU version:
+// their reference is the unfused path of Model::forward).
+bool cuda_kernels_available();
+
+struct QKRopeArgs {
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  NormSpec norm;
+  at::Tensor q_norm, k_norm;  // [D] f32, or undefined (no q/k norm)
+  at::Tensor cos, sin;        // [P, rot] in the activation dtype
+  int64_t ring = 0;           // slot = position mod ring (0: the whole cache, S); see KVCache::exact_slots
+  // RestoreStore only (storing into a restored region, K/V only: num_heads 0): positions < sink
+  // are not computed but copied from sink_k/sink_v (the layer's exact ring, the caches' strides)
+  // at slot position mod sink_ring: attention sinks keep their exact K/V. sink 0: none.
+  int64_t sink = 0, sink_ring = 0;
+  at::Tensor sink_k, sink_v;  // [B, H_kv, >= sink_ring, D]
+};
+// qkv: [B, T, (Hq + 2·Hkv)·D] contiguous; positions: [T] int64.
+// Writes normed+RoPE'd k and raw v into k_cache/v_cache [B, H_kv, S, D] at slot
+// = position mod ring (T <= ring <= S); returns normed+RoPE'd q: [B, T, Hq, D].
+// The caches may be strided views (rows of D contiguous values), e.g. a restored region.
+at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
+                              at::Tensor& k_cache, at::Tensor& v_cache);
+
+// Restoration's store for several layers in one launch (infer/restored.h): per layer, the
+// K/V-only qk_norm_rope_store into its restored region (k normed + RoPE'd, v raw; positions
+// < sink copied from its exact ring). Layers, buffers and tables are fixed at construction
+// (their addresses go to the device once), so run() is one launch with no host work and CUDA
+// graphs capture it. CUDA builds only; its reference is one qk_norm_rope_store per layer.
+class RestoreStore {
+ public:
+  struct Layer {
+    int64_t k_src = 0, v_src = 0;  // column of the layer's head 0 in the raw k / v rows
+    QKRopeArgs args;               // num_heads 0; k_norm, cos/sin, norm, ring, sink, sink_ring, sink_k/v
+    at::Tensor k_cache, v_cache;   // [1, H_kv, S, D] the restored region (rows contiguous)
+  };
+  // Every layer has the same H_kv, head dim, dtype, norm spec and sink.
+  explicit RestoreStore(std::vector<Layer> layers);
+  // k_raw: [N, Fk], v_raw: [N, Fv] raw rows, contiguous, in the caches' dtype; positions: [N] int64.
+  void run(const at::Tensor& k_raw, const at::Tensor& v_raw, const at::Tensor& positions) const;
+
+ private:
+  std::vector<Layer> layers_;  // keeps alive what the descriptors point to
+  at::Tensor desc_;            // per-layer descriptors on the device (bytes)
+};
+
+// Which copy of a position a query reads on a layer with restoration or coding
+// (core/model/kv_cache.h): slot s sits either in the restored/coded region (in_restored[s])
+// or in the exact ring; the query at q reads a slot's copy iff the slot is in the
+// exact ring exactly when the position is "recent" for q:
+//   q - p < window                                            (restored layers, block == 0)
+//   p >= floor(max(q - window + 1, 0) / block) · block        (coded layers, block > 0)
+// in_restored undefined: a plain layer, every slot is read (the causal/sliding rule only).
+struct CopyRule {
+  at::Tensor in_restored;  // [S] bool, or undefined
+  int64_t window = 0;
+  int64_t block = 0;
+  int64_t keep_below = -1;  // >= 0: restored-region slots holding positions >= this are hidden (a dropping layer)
+};
+
+// Attention of T queries per sequence over a cache whose slots carry absolute
+// positions (split-K flash-decoding; decode steps, verify blocks, drafter blocks).
+// q: [B, T, Hq, D]; k, v: [B, H_kv, S, D]; slot_pos: [S] int64 (-1 empty);
+// q_pos: [T] int64 on the device, or [1] shared by all T queries (a drafter block,
+// whose queries all see up to the block's last position). Slot s is visible to query
+// t iff 0 <= p = slot_pos[s] <= q_pos[t], (window == 0 or q_pos[t] - p < window) and
+// the copy rule holds. window 0 = full attention; softcap 0 = none. Returns [B, T, Hq·D].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
+                            const at::Tensor& q_pos, int64_t window, double scale, double softcap,
+                            const CopyRule& copies = {});
+
+// ---- speculative blocks (infer/fused.h): a verify block's bookkeeping in one kernel each ----
+
+// Greedy acceptance of a verify block. scores: [T, V] raw verifier scores (any monotone map of
+// its logits: the argmax is the same); block: [T] int64 = [carried, d_1 .. d_{T-1}]. Writes
+// report [T + 1] int64: post[i] = argmax of row i (the first of equal maxima), then
+// n = 1 + the leading run of d_i == post[i - 1] (accepted drafts + the verifier's next token).
+void greedy_accept(const at::Tensor& scores, const at::Tensor& block, at::Tensor& report);
+
+// Greedy drafts: out[r] = map[argmax(scores[r])] (map undefined: the index itself), the first
+// of equal maxima. scores: [..., V] (rows = the leading dims), map: [V] int64, out: [rows] int64
+// contiguous (e.g. a slice of the next verify block).
+void argmax_rows(const at::Tensor& scores, const at::Tensor& map, at::Tensor& out);
+
+// The draft block's input row of the carried token, written by advance_block: out = table[token]
+// · scale in the table's dtype (Drafter::embed). table: [V, H]; out: [H] contiguous, same dtype.
+struct CarriedEmbedding {
+  at::Tensor table;
+  double scale = 1.0;
+  at::Tensor out;
+};
+
+// After a block of T tokens: with n = report[T], block[0] = report[n - 1] (the carried token),
+// pos0 += n, qpos = pos0 + 0..T-1, and (emb given) emb->out = its embedding row. report: [T + 1],
+// block: [1, T], pos0: [1], qpos: [T] int64.
+void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos,
+                   const CarriedEmbedding* emb = nullptr);
+
+// Rows of the concatenation of `parts` (each [..., H_i] with the same leading rows T): into
+// out [.., T, ΣH] (if given) and into ring [R, ΣH] at rows pos mod R (if given; pos [T] int64).
+void concat_rows(const std::vector<at::Tensor>& parts, at::Tensor* out, at::Tensor* ring, const at::Tensor& pos);
+
+}  // namespace kakeya::ops

@@ -1,0 +1,319 @@
+#include "core/model/kv_cache.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace kakeya {
+
+at::Tensor causal_visible(const at::Tensor& slot_pos, const at::Tensor& q_pos, int64_t window) {
+  auto sp = slot_pos.unsqueeze(0);  // [1, S]
+  auto qp = q_pos.unsqueeze(1);     // [T, 1]
+  auto m = sp.ge(0).logical_and(sp.le(qp));
+  if (window > 0) m = m.logical_and((qp - sp).lt(window));
+  return m;
+}
+
+KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg), opt_(opt) {
+  KAKEYA_CHECK(opt.capacity > 0, "KV cache: capacity expected > 0, got " << opt.capacity);
+  KAKEYA_CHECK(opt.rollback >= 0, "KV cache: rollback expected >= 0, got " << opt.rollback);
+  KAKEYA_CHECK(opt.batch > 0, "KV cache: batch expected > 0, got " << opt.batch);
+  const RestorePolicy& rp = opt.restore;
+  if (rp.enabled()) {
+    KAKEYA_CHECK(rp.max_chunk >= 1, "KV cache: restore max_chunk expected >= 1, got " << rp.max_chunk);
+    KAKEYA_CHECK(rp.max_chunk <= rp.window,
+                 "KV cache: restore chunks of " << rp.max_chunk << " tokens exceed the exact window " << rp.window
+                                                << " (a chunk's queries would need restored K/V of the chunk itself)");
+    KAKEYA_CHECK(rp.full_coded_block >= 0 && !(rp.full && rp.full_coded_block > 0),
+                 "KV cache: full-attention layers are either restored or coded (full_coded_block "
+                     << rp.full_coded_block << ")");
+  }
+  auto iopt = at::TensorOptions().dtype(at::kLong).device(opt.device);
+  auto setup = [&](TypeState& s, bool sliding) {
+    s.coded = rp.enabled() && !sliding && rp.full_coded_block > 0;
+    s.policy = rp.enabled() && (sliding ? rp.sliding : rp.full || s.coded);
+    if (s.coded) {
+      // The ring holds every position from coded_below(first query) to the chunk's last:
+      // at most window + block - 2 + chunk of them.
+      s.window = rp.window;
+      s.block = rp.full_coded_block;
+      s.ring = rp.linear ? opt.capacity
+                         : std::min(opt.capacity, rp.window + rp.full_coded_block - 1 +
+                                                      std::max(rp.max_chunk - 1, opt.rollback));
+      s.rest = opt.capacity;
+    } else if (s.policy) {
+      s.window = rp.window;
+      s.ring = rp.linear ? opt.capacity : std::min(opt.capacity, rp.window + std::max(rp.max_chunk - 1, opt.rollback));
+      s.rest = sliding && !rp.linear
+                   ? std::min(opt.capacity, std::max<int64_t>(1, cfg.sliding_window - rp.window + rp.max_chunk - 1))
+                   : opt.capacity;
+    } else {
+      s.window = sliding ? cfg.sliding_window : 0;
+      s.ring = sliding ? std::min(opt.capacity, cfg.sliding_window + opt.rollback) : opt.capacity;
+      s.rest = 0;
+    }
+    s.pos = at::full({s.ring + s.rest}, -1, iopt);
+    if (s.policy)
+      s.in_restored = at::arange(s.ring + s.rest, iopt).ge(s.ring);
+  };
+  setup(full_, false);
+  setup(sliding_, true);
+  auto fopt = at::TensorOptions().dtype(opt.dtype).device(opt.device);
+  dk_.resize(cfg.num_layers);
+  dv_.resize(cfg.num_layers);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    const int64_t H = cfg.kv_heads(l), D = cfg.layer_head_dim[l];
+    const TypeState& st = state(l);
+    if (st.coded) {
+      if (!scratch_k_.defined()) {
+        scratch_k_ = at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt);
+        scratch_v_ = at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt);
+      }
+      KAKEYA_CHECK(scratch_k_.size(1) == H && scratch_k_.size(3) == D,
+                   "KV cache: coded full-attention layers share one scratch, but layer "
+                       << l << " has [H_kv=" << H << ", D=" << D << "] vs [" << scratch_k_.size(1) << ", "
+                       << scratch_k_.size(3) << "]");
+      dk_[l] = at::zeros({opt.batch, H, st.ring, D}, fopt);
+      dv_[l] = at::zeros({opt.batch, H, st.ring, D}, fopt);
+      k_.push_back(scratch_k_);
+      v_.push_back(scratch_v_);
+      continue;
+    }
+    k_.push_back(at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt));
+    v_.push_back(at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt));
+  }
+}
+
+const at::Tensor& KVCache::slot_positions(int64_t layer) const { return state(layer).pos; }
+
+bool KVCache::restored(int64_t layer) const { return state(layer).policy && !state(layer).coded; }
+bool KVCache::coded(int64_t layer) const { return state(layer).coded; }
+bool KVCache::plain(int64_t layer) const { return !state(layer).policy; }
+
+int64_t KVCache::coded_below(int64_t q) const {
+  const TypeState& s = full_;
+  KAKEYA_CHECK(s.coded, "KV cache: coded_below without coded full-attention layers");
+  return std::max<int64_t>(0, q - s.window + 1) / s.block * s.block;
+}
+int64_t KVCache::exact_slots(int64_t layer) const { return state(layer).ring; }
+int64_t KVCache::restored_slots(int64_t layer) const { return state(layer).rest; }
+
+bool KVCache::write_first(int64_t layer, int64_t t) const {
+  const TypeState& s = state(layer);
+  if (s.policy) return s.ring >= t + s.window - 1 || s.ring == opt_.capacity;
+  if (!cfg_.is_sliding(layer)) return true;
+  // Slots overwritten by the chunk held positions p - S for p in the chunk; the
+  // chunk's first query still needs p0 - window + 1, hence S >= T + window - 1. A ring as
+  // long as the capacity (contexts shorter than the window) never overwrites anything.
+  return slots(layer) >= t + cfg_.sliding_window - 1 || slots(layer) == opt_.capacity;
+}
+
+at::Tensor KVCache::visible(int64_t layer, const at::Tensor& q_pos) const {
+  const TypeState& s = state(layer);
+  const int64_t span = cfg_.is_sliding(layer) ? cfg_.sliding_window : 0;
+  auto m = causal_visible(s.pos, q_pos, span);
+  if (!s.policy) return m;
+  // Exact copies serve the recent window, restored copies everything older; on coded
+  // layers the exact copies serve everything from coded_below(q) on.
+  at::Tensor recent;  // [T, S] bool
+  if (s.coded) {
+    auto below = (q_pos - (s.window - 1)).clamp_min(0).div(s.block, "floor") * s.block;  // [T]
+    recent = s.pos.unsqueeze(0).ge(below.unsqueeze(1));
+  } else {
+    recent = (q_pos.unsqueeze(1) - s.pos.unsqueeze(0)).lt(s.window);
+  }
+  m = m.logical_and(recent.ne(s.in_restored.unsqueeze(0)));
+  if (!opt_.restore.drops(layer)) return m;
+  // A dropping layer sees only the sinks of its restored region.
+  auto dropped = s.in_restored.logical_and(s.pos.ge(opt_.restore.sink));  // [S]
+  return m.logical_and(dropped.logical_not().unsqueeze(0));
+}
+
+ops::CopyRule KVCache::copy_rule(int64_t layer) const {
+  const TypeState& s = state(layer);
+  if (!s.policy) return {};
+  return {s.in_restored, s.window, s.coded ? s.block : 0, opt_.restore.drops(layer) ? opt_.restore.sink : -1};
+}
+
+void KVCache::mark(const at::Tensor& positions) {
+  int64_t t = positions.size(0);
+  KAKEYA_CHECK(length_ + t <= opt_.capacity, "KV cache: " << length_ << " + " << t
+                                                          << " positions exceed capacity " << opt_.capacity
+                                                          << " (raise --context / capacity)");
+  for (TypeState* s : {&full_, &sliding_}) {
+    if (s->policy) {
+      KAKEYA_CHECK(t <= opt_.restore.max_chunk || s->ring == opt_.capacity,
+                   "KV cache: a forward of " << t << " tokens exceeds the restore policy's chunk of "
+                                             << opt_.restore.max_chunk);
+      s->pos.narrow(0, 0, s->ring).index_copy_(0, positions.remainder(s->ring), positions);
+    } else if (s == &full_) {
+      s->pos.index_copy_(0, positions, positions);
+    } else if (t >= s->ring) {
+      // Only the last S positions of a long chunk stay in the ring.
+      auto tail = positions.slice(0, t - s->ring);
+      s->pos.index_copy_(0, tail.remainder(s->ring), tail);
+    } else {
+      s->pos.index_copy_(0, positions.remainder(s->ring), positions);
+    }
+  }
+}
+
+void KVCache::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  auto& kb = k_[layer];
+  auto& vb = v_[layer];
+  const TypeState& st = state(layer);
+  int64_t t = k.size(2);
+  if (st.coded) {
+    // This layer attends next: the shared scratch gets its dense ring and its decoded history.
+    scratch_k_.narrow(2, 0, st.ring).copy_(dk_[layer]);
+    scratch_v_.narrow(2, 0, st.ring).copy_(dv_[layer]);
+    if (loader_) {
+      auto rk = scratch_k_.narrow(2, st.ring, st.rest), rv = scratch_v_.narrow(2, st.ring, st.rest);
+      loader_(layer, rk, rv);
+    }
+    auto slot = positions.remainder(st.ring);
+    dk_[layer].index_copy_(2, slot, k);
+    dv_[layer].index_copy_(2, slot, v);
+    kb.index_copy_(2, slot, k);
+    vb.index_copy_(2, slot, v);
+    return;
+  }
+  if (st.policy) {
+    auto slot = positions.remainder(st.ring);
+    kb.index_copy_(2, slot, k);
+    vb.index_copy_(2, slot, v);
+    return;
+  }
+  int64_t s = kb.size(2);
+  if (!cfg_.is_sliding(layer)) {
+    kb.index_copy_(2, positions, k);
+    vb.index_copy_(2, positions, v);
+    return;
+  }
+  if (t >= s) {
+    auto tail = positions.slice(0, t - s);
+    kb.index_copy_(2, tail.remainder(s), k.slice(2, t - s));
+    vb.index_copy_(2, tail.remainder(s), v.slice(2, t - s));
+  } else {
+    auto slot = positions.remainder(s);
+    kb.index_copy_(2, slot, k);
+    vb.index_copy_(2, slot, v);
+  }
+}
+
+void KVCache::mark_restored(LayerType type, const at::Tensor& positions) {
+  TypeState& s = type == LayerType::Sliding ? sliding_ : full_;
+  KAKEYA_CHECK(s.policy, "KV cache: mark_restored on a layer type without restoration");
+  KAKEYA_CHECK(positions.size(0) <= s.rest, "KV cache: " << positions.size(0) << " restored positions at once exceed the "
+                                                         << s.rest << " restored slots");
+  KAKEYA_CHECK(!s.coded || loader_, "KV cache: coded positions marked without a history loader");
+  s.pos.narrow(0, s.ring, s.rest).index_copy_(0, positions.remainder(s.rest), positions);
+}
+
+void KVCache::write_restored(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  const TypeState& s = state(layer);
+  KAKEYA_CHECK(s.policy && !s.coded, "KV cache: write_restored on layer " << layer << ", which has no restoration");
+  auto slot = positions.remainder(s.rest) + s.ring;
+  k_[layer].index_copy_(2, slot, k);
+  v_[layer].index_copy_(2, slot, v);
+}
+
+std::pair<at::Tensor, at::Tensor> KVCache::exact_kv(int64_t layer, const at::Tensor& positions) const {
+  const TypeState& s = state(layer);
+  auto slot = s.policy ? positions.remainder(s.ring) : (cfg_.is_sliding(layer) ? positions.remainder(s.ring) : positions);
+  if (s.coded) return {dk_[layer].index_select(2, slot), dv_[layer].index_select(2, slot)};
+  return {k_[layer].index_select(2, slot), v_[layer].index_select(2, slot)};
+}
+
+std::pair<at::Tensor, at::Tensor> KVCache::exact_ring(int64_t layer) {
+  const TypeState& s = state(layer);
+  KAKEYA_CHECK(s.policy && !s.coded, "KV cache: exact_ring of layer " << layer << ", which has no restoration");
+  return {k_[layer].narrow(2, 0, s.ring), v_[layer].narrow(2, 0, s.ring)};
+}
+
+std::pair<at::Tensor, at::Tensor> KVCache::restored_region(int64_t layer) {
+  const TypeState& s = state(layer);
+  KAKEYA_CHECK(s.policy && !s.coded, "KV cache: restored_region of layer " << layer << ", which has no restoration");
+  return {k_[layer].narrow(2, s.ring, s.rest), v_[layer].narrow(2, s.ring, s.rest)};
+}
+
+void KVCache::advance(int64_t t) {
+  length_ += t;
+  for (TypeState* s : {&full_, &sliding_})
+    if ((s->policy || (s == &sliding_ && cfg_.sliding_window > 0)) && length_ > s->ring)
+      s->max_evicted = std::max(s->max_evicted, length_ - s->ring - 1);
+}
+
+void KVCache::truncate(int64_t n) {
+  KAKEYA_CHECK(n >= 0 && n <= length_, "KV cache: truncate(" << n << ") outside [0, " << length_ << "]");
+  if (n == length_) return;
+  // Position n-1's query window starts at n - window; everything from there must still be in the ring.
+  // Nothing evicted yet (max_evicted = -1) is always fine, also when n < window.
+  // Coded layers read exact K/V from coded_below(n - 1) on.
+  for (TypeState* s : {&full_, &sliding_})
+    KAKEYA_CHECK(n == 0 || s->window == 0 ||
+                     s->max_evicted < (s->coded ? coded_below(n - 1) : std::max<int64_t>(0, n - s->window)),
+                 "KV cache: truncate(" << n << ") rolls back past what the " << (s == &full_ ? "full" : "sliding")
+                                       << " ring still holds (rollback=" << opt_.rollback << ", length=" << length_
+                                       << ")");
+  for (TypeState* s : {&full_, &sliding_}) {
+    s->pos.masked_fill_(s->pos.ge(n), -1);
+    if (n == 0) s->max_evicted = -1;
+  }
+  length_ = n;
+}
+
+// A coded layer owns its dense ring; the scratch it attends through is shared (scratch_bytes).
+int64_t KVCache::layer_bytes(int64_t l) const {
+  const at::Tensor& k = dk_[l].defined() ? dk_[l] : k_[l];
+  return 2 * k.numel() * k.element_size();
+}
+
+int64_t KVCache::scratch_bytes() const {
+  return scratch_k_.defined() ? 2 * scratch_k_.numel() * scratch_k_.element_size() : 0;
+}
+
+int64_t KVCache::bytes() const {
+  int64_t b = scratch_bytes();
+  for (size_t l = 0; l < k_.size(); ++l) b += layer_bytes(l);
+  return b;
+}
+
+int64_t KVCache::bytes_per_layer_type(LayerType t) const {
+  int64_t b = 0;
+  for (size_t l = 0; l < k_.size(); ++l)
+    if (cfg_.layer_types[l] == t) b += layer_bytes(l);
+  return b;
+}
+
+int64_t KVCache::exact_bytes(LayerType t) const {
+  int64_t b = 0;
+  for (size_t l = 0; l < k_.size(); ++l)
+    if (cfg_.layer_types[l] == t) b += layer_bytes(l) / (state(l).coded ? state(l).ring : slots(l)) * state(l).ring;
+  return b;
+}
+
+int64_t KVCache::restored_bytes(LayerType t) const {
+  int64_t b = 0;
+  for (size_t l = 0; l < k_.size(); ++l)
+    if (cfg_.layer_types[l] == t && !state(l).coded) b += layer_bytes(l) / slots(l) * state(l).rest;
+  return b;
+}
+
+int64_t KVCache::full_kv_bytes(int64_t n) const {
+  int64_t b = 0;
+  for (size_t l = 0; l < k_.size(); ++l)
+    b += 2 * opt_.batch * cfg_.kv_heads(l) * n * cfg_.layer_head_dim[l] * k_[l].element_size();
+  return b;
+}
+
+int64_t KVCache::native_kv_bytes(int64_t n) const {
+  int64_t b = 0;
+  for (size_t l = 0; l < k_.size(); ++l) {
+    int64_t m = cfg_.is_sliding(l) && cfg_.sliding_window > 0 ? std::min(n, cfg_.sliding_window) : n;
+    b += 2 * opt_.batch * cfg_.kv_heads(l) * m * cfg_.layer_head_dim[l] * k_[l].element_size();
+  }
+  return b;
+}
+
+}  // namespace kakeya

@@ -1,0 +1,328 @@
+#include "core/model/model.h"
+
+#include <cmath>
+
+#include "core/error.h"
+
+namespace kakeya {
+
+const char* tap_name(Tap t) {
+  switch (t) {
+    case Tap::QProj: return "q_proj";
+    case Tap::QNorm: return "q_norm";
+    case Tap::KProj: return "k_proj";
+    case Tap::KNorm: return "k_norm";
+    case Tap::VProj: return "v_proj";
+    case Tap::VNorm: return "v_norm";
+    case Tap::AttnOut: return "attn_out";
+    case Tap::LayerOut: return "layer_out";
+  }
+  return "?";
+}
+
+namespace {
+
+// HF checkpoints name the decoder "model.*" (CausalLM) or "model.language_model.*" (multimodal Gemma).
+std::string find_prefix(const TensorStore& st, const std::string& origin) {
+  for (const char* p : {"model.", "model.language_model.", "language_model.model.", ""})
+    if (st.has(std::string(p) + "embed_tokens.weight")) return p;
+  KAKEYA_FAIL(origin << ": no embedding tensor found (expected 'model.embed_tokens.weight')");
+}
+
+}  // namespace
+
+Model Model::load(const std::string& dir, const ModelOptions& opt) {
+  auto cfg = ModelConfig::from_file(dir + "/config.json");
+  auto store = TensorStore::open_dir(dir);
+  return from_weights(cfg, store, dir, opt);
+}
+
+Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const std::string& origin,
+                          const ModelOptions& opt) {
+  KAKEYA_CHECK(opt.dtype == at::kFloat || opt.dtype == at::kBFloat16 || opt.dtype == at::kHalf,
+               origin << ": dtype " << opt.dtype << " not supported (f32, bf16, f16)");
+  Model m;
+  m.cfg_ = cfg;
+  m.opt_ = opt;
+  const std::string pre = find_prefix(st, origin);
+  auto dev = [&](const at::Tensor& t) { return t.to(opt.device, opt.dtype); };
+  auto get = [&](const std::string& name, std::vector<int64_t> shape) { return st.get(pre + name, shape); };
+  m.norm_spec_ = {cfg.rms_norm_eps, cfg.norm_f32};
+  // Norm weights in f32 (ops.h): Gemma 3's output is x̂·(1+w) in f32, so fold the 1 in
+  // once; Gemma 4 (x̂·w in f32) and Llama/Qwen (x̂·w in the model dtype) read the
+  // weight as the model holds it, rounded to its dtype.
+  auto norm_w = [&](const std::string& name, int64_t dim) {
+    auto w = get(name, {dim});
+    auto wf = cfg.norm_unit_offset ? w.to(at::kFloat) + 1.0 : w.to(opt.dtype).to(at::kFloat);
+    return wf.to(opt.device);
+  };
+  const int64_t H = cfg.hidden_size, I = cfg.intermediate_size;
+
+  m.embed_ = dev(get("embed_tokens.weight", {cfg.vocab_size, H}));
+  m.norm_ = norm_w("norm.weight", H);
+  if (cfg.tie_word_embeddings) {
+    m.lm_head_ = m.embed_;
+  } else {
+    std::string name = st.has("lm_head.weight") ? "lm_head.weight" : pre + "lm_head.weight";
+    m.lm_head_ = dev(st.get(name, {cfg.vocab_size, H}));
+  }
+  m.embed_scale_ = at::scalar_tensor(cfg.embed_scale_sqrt_hidden ? std::sqrt((double)H) : 1.0, at::kFloat)
+                       .to(opt.device, opt.dtype);
+
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    const int64_t D = cfg.layer_head_dim[l], qd = cfg.q_dim(l), kvd = cfg.kv_dim(l);
+    LayerWeights w;
+    const bool k_eq_v = cfg.k_eq_v(l);  // no v_proj: V is the raw K projection
+    std::vector<at::Tensor> qkv{get(p + "self_attn.q_proj.weight", {qd, H}), get(p + "self_attn.k_proj.weight", {kvd, H})};
+    if (!k_eq_v) qkv.push_back(get(p + "self_attn.v_proj.weight", {kvd, H}));
+    w.qkv = dev(at::cat(qkv));
+    if (cfg.attention_bias) {
+      std::vector<at::Tensor> b{get(p + "self_attn.q_proj.bias", {qd}), get(p + "self_attn.k_proj.bias", {kvd})};
+      if (!k_eq_v) b.push_back(get(p + "self_attn.v_proj.bias", {kvd}));
+      w.qkv_bias = dev(at::cat(b));
+      w.o_bias = dev(get(p + "self_attn.o_proj.bias", {H}));
+    }
+    w.o = dev(get(p + "self_attn.o_proj.weight", {H, qd}));
+    if (cfg.qk_norm) {
+      w.q_norm = norm_w(p + "self_attn.q_norm.weight", D);
+      w.k_norm = norm_w(p + "self_attn.k_norm.weight", D);
+    }
+    if (cfg.v_norm) w.v_norm = at::ones({D}, at::TensorOptions().dtype(at::kFloat).device(opt.device));
+    w.attn_norm = norm_w(p + "input_layernorm.weight", H);
+    if (cfg.sandwich_norm) {
+      w.post_attn_norm = norm_w(p + "post_attention_layernorm.weight", H);
+      w.ffn_norm = norm_w(p + "pre_feedforward_layernorm.weight", H);
+      w.post_ffn_norm = norm_w(p + "post_feedforward_layernorm.weight", H);
+    } else {
+      // Llama/Qwen call their pre-FFN norm "post_attention_layernorm".
+      w.ffn_norm = norm_w(p + "post_attention_layernorm.weight", H);
+    }
+    w.gate_up = dev(at::cat({get(p + "mlp.gate_proj.weight", {I, H}), get(p + "mlp.up_proj.weight", {I, H})}));
+    w.down = dev(get(p + "mlp.down_proj.weight", {H, I}));
+    if (cfg.mlp_bias) {
+      w.gate_up_bias = dev(at::cat({get(p + "mlp.gate_proj.bias", {I}), get(p + "mlp.up_proj.bias", {I})}));
+      w.down_bias = dev(get(p + "mlp.down_proj.bias", {H}));
+    }
+    if (cfg.layer_scalar) {
+      auto s = dev(get(p + "layer_scalar", {1}));
+      if (s.item<double>() != 1.0) w.layer_scalar = s;  // ×1 is exact: keep the fused residual step
+    }
+    m.layers_.push_back(std::move(w));
+  }
+  int64_t d_full = cfg.head_dim, d_sliding = cfg.head_dim;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) (cfg.is_sliding(l) ? d_sliding : d_full) = cfg.layer_head_dim[l];
+  m.rope_full_ = RopeTable(cfg.rope_full, d_full, opt.max_positions, opt.dtype, opt.device);
+  m.rope_sliding_ = RopeTable(cfg.rope_sliding, d_sliding, opt.max_positions, opt.dtype, opt.device);
+  return m;
+}
+
+int64_t Model::weight_bytes() const {
+  int64_t b = embed_.numel() * embed_.element_size() + norm_.numel() * norm_.element_size();
+  if (!lm_head_.is_same(embed_)) b += lm_head_.numel() * lm_head_.element_size();
+  for (const auto& w : layers_)
+    for (const at::Tensor* t : {&w.qkv, &w.qkv_bias, &w.o, &w.o_bias, &w.q_norm, &w.k_norm, &w.attn_norm,
+                                &w.post_attn_norm, &w.ffn_norm, &w.post_ffn_norm, &w.gate_up, &w.down,
+                                &w.gate_up_bias, &w.down_bias, &w.layer_scalar})
+      if (t->defined()) b += t->numel() * t->element_size();
+  return b;
+}
+
+at::Tensor Model::embed(const at::Tensor& ids) const { return at::embedding(embed_, ids) * embed_scale_; }
+
+at::Tensor Model::final_norm(const at::Tensor& h) const { return rms_norm(h, norm_); }
+
+at::Tensor Model::logits(const at::Tensor& hidden) const {
+  auto lg = ops::linear(hidden, lm_head_);
+  if (cfg_.final_logit_softcap) {
+    double c = *cfg_.final_logit_softcap;
+    lg = at::tanh(lg / c) * c;
+  }
+  return lg.to(at::kFloat);
+}
+
+std::pair<at::Tensor, at::Tensor> Model::finish_kv(int64_t layer, const at::Tensor& k_raw, const at::Tensor& v_raw,
+                                                   const at::Tensor& positions) const {
+  const auto& w = layers_[layer];
+  auto k = cfg_.qk_norm ? rms_norm(k_raw, w.k_norm) : k_raw;
+  k = rope(layer).apply(k, positions);
+  auto v = cfg_.v_norm ? rms_norm(v_raw, w.v_norm) : v_raw;
+  return {k.transpose(1, 2), v.transpose(1, 2)};
+}
+
+ops::QKRopeArgs Model::rope_args(int64_t layer, int64_t num_heads, int64_t ring) const {
+  const auto& w = layers_[layer];
+  ops::QKRopeArgs a;
+  a.num_heads = num_heads;
+  a.num_kv_heads = cfg_.kv_heads(layer);
+  a.head_dim = cfg_.layer_head_dim[layer];
+  a.norm = norm_spec_;
+  a.q_norm = w.q_norm;
+  a.k_norm = w.k_norm;
+  a.cos = rope(layer).cos();
+  a.sin = rope(layer).sin();
+  a.ring = ring;
+  return a;
+}
+
+at::Tensor Model::finish_q(int64_t layer, const at::Tensor& q_raw, const at::Tensor& positions) const {
+  auto q = cfg_.qk_norm ? rms_norm(q_raw, layers_[layer].q_norm) : q_raw;
+  return rope(layer).apply(q, positions);
+}
+
+at::Tensor Model::layer_mask(int64_t layer, const at::Tensor& k_pos, const at::Tensor& q_pos) const {
+  return causal_visible(k_pos, q_pos, cfg_.is_sliding(layer) ? cfg_.sliding_window : 0);
+}
+
+at::Tensor Model::attention(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& mask) const {
+  // q: [B, T, H_q, D]; k, v: [B, H_kv, S, D]; mask: [T, S] bool.
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), G = Hq / Hkv;
+  // Fold each GQA group into the query axis (q head h reads kv head h / G, as
+  // HF's repeat_kv): [B, H_kv, G·T, D] attends to K/V without copying them.
+  auto qg = q.permute({0, 2, 1, 3}).reshape({B, Hkv, G * T, D});
+  auto m = G == 1 ? mask : mask.repeat({G, 1});
+  at::Tensor out;
+  if (cfg_.attn_logit_softcap) {
+    double c = *cfg_.attn_logit_softcap;
+    auto s = at::matmul(qg, k.transpose(-1, -2)) * cfg_.attn_scale;
+    s = at::tanh(s / c) * c;
+    s = s.masked_fill(m.logical_not(), -INFINITY);
+    out = at::matmul(at::softmax(s, -1, at::kFloat).to(q.scalar_type()), v);
+  } else {
+    out = at::scaled_dot_product_attention(qg, k, v, m, 0.0, false, cfg_.attn_scale);
+  }
+  return out.reshape({B, Hq, T, D}).permute({0, 2, 1, 3}).reshape({B, T, Hq * D});
+}
+
+at::Tensor Model::forward(const at::Tensor& ids, KVCache& cache, const ForwardOptions& fo) const {
+  auto pos = at::arange(cache.length(), cache.length() + ids.size(1), at::TensorOptions().dtype(at::kLong).device(opt_.device));
+  return forward(ids, pos, cache, fo);
+}
+
+at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KVCache& cache,
+                          const ForwardOptions& fo) const {
+  const int64_t B = ids.size(0), T = ids.size(1), Hq = cfg_.num_heads;
+  KAKEYA_CHECK(positions.size(0) == T, "forward: positions has " << positions.size(0) << " entries for " << T << " tokens");
+
+  // Masks are shared by all layers of a type. A sliding chunk too long to write
+  // first attends over [ring as it was ++ chunk], so keep the ring's positions.
+  int64_t first_sliding = -1, first_full = -1;
+  for (int64_t l = cfg_.num_layers - 1; l >= 0; --l) (cfg_.is_sliding(l) ? first_sliding : first_full) = l;
+  const bool sliding_concat = first_sliding >= 0 && !cache.write_first(first_sliding, T);
+  KAKEYA_CHECK(!sliding_concat || cache.plain(first_sliding),
+               "forward: a chunk of " << T << " tokens is too long for the restored cache's exact ring");
+  KAKEYA_CHECK(first_full < 0 || cache.write_first(first_full, T),
+               "forward: a chunk of " << T << " tokens is too long for the restored cache's exact ring");
+  at::Tensor old_sliding_pos = sliding_concat ? cache.slot_positions(first_sliding).clone() : at::Tensor();
+  cache.mark(positions);
+  const Taps* taps = fo.taps && !fo.taps->empty() ? fo.taps : nullptr;
+  // Fused CUDA kernels where nothing needs the intermediate tensors: q/k norm +
+  // RoPE + cache store in one kernel (no subscriber taps q/k/v), and the attention
+  // kernel for decode steps and verify blocks, which reads visibility from the slot
+  // positions and the cache's copy rule itself (no mask tensors, no SDPA launches).
+  const bool cuda_fused = ids.is_cuda() && ops::cuda_kernels_available();
+  // The fused q/k-norm + RoPE + store kernel skips the q/k/v taps: only when nobody reads them.
+  bool qkv_tapped = false;
+  for (Tap t : {Tap::QProj, Tap::QNorm, Tap::KProj, Tap::KNorm, Tap::VProj, Tap::VNorm})
+    qkv_tapped = qkv_tapped || (taps && taps->reads(t));
+  // The kernel re-reads K/V per query: right for a few queries; prefill chunks take SDPA.
+  constexpr int64_t kAttnKernelMaxQueries = 32;
+  const bool attn_kernel = cuda_fused && T <= kAttnKernelMaxQueries;
+  // Layers that drop their restored positions (RestorePolicy::drop) see fewer slots: one mask
+  // per (layer type, drop) pair, built from the first such layer.
+  at::Tensor mask[2][2];  // [full|sliding][keeps|drops]: [T, S] bool
+  if (!attn_kernel || sliding_concat) {
+    for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+      const bool sl = cfg_.is_sliding(l), dr = cache.options().restore.drops(l);
+      at::Tensor& m = mask[sl][dr];
+      if (m.defined()) continue;
+      if (sl && sliding_concat) m = causal_visible(at::cat({old_sliding_pos, positions}), positions, cfg_.sliding_window);
+      else if (!attn_kernel) m = cache.visible(l, positions);
+    }
+  }
+
+  at::Tensor h = embed(ids);                         // [B, T, hidden]
+  at::Tensor x = rms_norm(h, layers_[0].attn_norm);  // later layers get theirs from the fused residual step
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    const auto& w = layers_[l];
+    const int64_t D = cfg_.layer_head_dim[l], Hkv = cfg_.kv_heads(l), qd = cfg_.q_dim(l), kvd = cfg_.kv_dim(l);
+    const bool sliding = cfg_.is_sliding(l);
+    TapContext ctx{l, cfg_.layer_types[l], positions};
+    auto tap = [&](Tap t, at::Tensor& x) { if (taps) taps->cb(t, ctx, x); };
+
+    at::Tensor qkv = ops::linear(x, w.qkv, w.qkv_bias);  // [B, T, qd + 2·kvd] ([B, T, qd + kvd] on K=V layers)
+    at::Tensor q, kc, vc;  // q: [B, T, Hq, D] after RoPE; kc, vc: [B, H_kv, T, D] when not stored yet
+    const bool write_first = !sliding || !sliding_concat;
+    // The fused kernel reads raw v from the qkv rows and stores it as is: it knows
+    // nothing of v_norm or K=V layers (no v rows), so Gemma 4 takes the unfused branch.
+    // It stores at position mod the exact ring, as KVCache::write does on plain and restored
+    // layers (coded layers also keep a dense copy: their write() does more).
+    if (cuda_fused && !qkv_tapped && write_first && !cfg_.v_norm && !cache.coded(l)) {
+      q = ops::qk_norm_rope_store(qkv, positions, rope_args(l, Hq, cache.exact_slots(l)), cache.k_mut(l),
+                                  cache.v_mut(l));
+    } else {
+      q = qkv.slice(-1, 0, qd).view({B, T, Hq, D});
+      at::Tensor k = qkv.slice(-1, qd, qd + kvd).view({B, T, Hkv, D});
+      // K=V layers: V is the raw K projection (before k_norm and RoPE), as in HF.
+      at::Tensor v = cfg_.k_eq_v(l) ? k : qkv.slice(-1, qd + kvd).view({B, T, Hkv, D});
+      tap(Tap::QProj, q);
+      tap(Tap::KProj, k);
+      tap(Tap::VProj, v);
+      if (cfg_.qk_norm) q = rms_norm(q, w.q_norm);
+      tap(Tap::QNorm, q);
+      q = rope(l).apply(q, positions);
+      at::Tensor kn = cfg_.qk_norm ? rms_norm(k, w.k_norm) : k;
+      tap(Tap::KNorm, kn);
+      at::Tensor vn = cfg_.v_norm ? rms_norm(v, w.v_norm) : v;
+      tap(Tap::VNorm, vn);
+      kc = rope(l).apply(kn, positions).transpose(1, 2);
+      vc = vn.transpose(1, 2);
+      if (write_first) cache.write(l, kc, vc, positions);
+    }
+
+    at::Tensor attn;  // [B, T, Hq·D]
+    if (!write_first) {
+      attn = attention(l, q, at::cat({cache.keys(l), kc}, 2), at::cat({cache.values(l), vc}, 2),
+                       mask[1][cache.options().restore.drops(l)]);
+      cache.write(l, kc, vc, positions);
+    } else if (attn_kernel) {
+      attn = ops::decode_attention(q, cache.keys(l), cache.values(l), cache.slot_positions(l), positions,
+                                   sliding ? cfg_.sliding_window : 0, cfg_.attn_scale,
+                                   cfg_.attn_logit_softcap.value_or(0.0), cache.copy_rule(l));
+    } else {
+      attn = attention(l, q, cache.keys(l), cache.values(l), mask[sliding][cache.options().restore.drops(l)]);
+    }
+    at::Tensor a = ops::linear(attn, w.o, w.o_bias);  // [B, T, hidden]
+    tap(Tap::AttnOut, a);
+    std::tie(h, x) = ops::add_rms_norm(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_);
+
+    at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, cfg_.act == Activation::GeluTanh),
+                               w.down, w.down_bias);
+    const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
+    // A subscriber may want the layer output stored as it is computed (core/model/taps.h).
+    ops::RowCopy store;
+    const bool stored = taps && taps->store(Tap::LayerOut, l, &store);
+    if (stored) store.positions = positions;
+    if (w.layer_scalar.defined()) {
+      // Gemma 4: the layer's whole output (residual stream included) ×= layer_scalar, in the model dtype.
+      h = (h + (w.post_ffn_norm.defined() ? rms_norm(f, w.post_ffn_norm) : f)) * w.layer_scalar;
+      x = rms_norm(h, next_norm);
+      if (stored) ops::copy_rows(h, store);
+    } else {
+      std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_, stored ? &store : nullptr);
+    }
+    if (taps) {
+      const at::Tensor before = h;
+      tap(Tap::LayerOut, h);
+      if (!h.is_same(before)) x = rms_norm(h, next_norm);  // a subscriber replaced h (core/model/taps.h)
+    }
+  }
+  if (fo.advance_cache) cache.advance(T);
+  if (fo.skip_logits) return at::Tensor();
+  if (fo.last_logits_only) x = x.slice(1, T - 1);
+  if (fo.raw_logits) return ops::linear(x, lm_head_);
+  return logits(x);  // x = final_norm(h) from the last residual step
+}
+
+}  // namespace kakeya

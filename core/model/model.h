@@ -1,0 +1,116 @@
+// The decoder stack for every supported family (Gemma 3, Gemma 4 dense,
+// Qwen 3, Llama): one flat forward loop, family differences carried by
+// ModelConfig flags and per-layer vectors. Matches HF transformers op for op
+// (tests/test_model_parity.cpp), so f32 logits agree to ~1e-5.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <string>
+#include <vector>
+
+#include "core/model/config.h"
+#include "core/model/kv_cache.h"
+#include "core/kernels/ops.h"
+#include "core/model/rope.h"
+#include "core/io/safetensors.h"
+#include "core/model/taps.h"
+
+namespace kakeya {
+
+struct ModelOptions {
+  at::Device device = at::kCPU;
+  at::ScalarType dtype = at::kFloat;  // f32 or bf16 (CUDA: bf16)
+  int64_t max_positions = 8192;       // RoPE table length; sessions need capacity <= this
+};
+
+struct ForwardOptions {
+  bool last_logits_only = false;  // logits of the last position only: [B, 1, V]
+  bool skip_logits = false;       // no lm_head (prefill whose logits nobody reads)
+  // The lm_head's scores as they come, in the model dtype: no softcap, no f32 cast. Any
+  // monotone map of the logits, so they serve an argmax (greedy verification) unchanged.
+  bool raw_logits = false;
+  const Taps* taps = nullptr;
+  bool advance_cache = true;      // false: caller commits (CUDA-graph capture runs the host code once)
+};
+
+struct LayerWeights {
+  // kvd = kv_heads(l)·D. K=V layers (Gemma 4 full layers with attention_k_eq_v) have no v_proj:
+  // their qkv (and bias) holds only the q and k rows, and V is the raw k projection.
+  at::Tensor qkv;        // [q_dim + 2·kvd, hidden] fused q/k/v projections ([q_dim + kvd, hidden] for K=V layers)
+  at::Tensor qkv_bias;   // [q_dim + 2·kvd] ([q_dim + kvd] for K=V) or undefined
+  at::Tensor o;          // [hidden, q_dim]
+  at::Tensor o_bias;     // [hidden] or undefined
+  // Norm weights are f32 (ops.h): Gemma 3's 1+w folded in, or Gemma 4/Llama/Qwen's w rounded to the model dtype.
+  at::Tensor q_norm, k_norm;  // [D]
+  at::Tensor v_norm;          // [D] f32 ones (Gemma 4: RMSNorm without weight) or undefined
+  at::Tensor attn_norm;       // [hidden] input_layernorm
+  at::Tensor post_attn_norm;  // [hidden] Gemma sandwich only
+  at::Tensor ffn_norm;        // [hidden] pre-FFN norm
+  at::Tensor post_ffn_norm;   // [hidden] Gemma sandwich only
+  at::Tensor gate_up;         // [2·intermediate, hidden] fused gate/up
+  at::Tensor down;            // [hidden, intermediate]
+  at::Tensor gate_up_bias, down_bias;
+  at::Tensor layer_scalar;    // [1] model dtype (Gemma 4: residual stream ×= it after the layer), undefined if 1
+};
+
+class Model {
+ public:
+  // Loads config.json + safetensors from an HF model directory. Every missing or
+  // mis-shaped tensor is an error naming the file and tensor.
+  static Model load(const std::string& dir, const ModelOptions& opt = {});
+  static Model from_weights(const ModelConfig& cfg, const TensorStore& store, const std::string& origin,
+                            const ModelOptions& opt);
+
+  const ModelConfig& config() const { return cfg_; }
+  const ModelOptions& options() const { return opt_; }
+  at::Device device() const { return opt_.device; }
+  at::ScalarType dtype() const { return opt_.dtype; }
+  int64_t weight_bytes() const;
+
+  // ids: [B, T] int64; positions: [T] int64 (absolute, on the model device),
+  // consecutive from cache.length(). Writes K/V into `cache` and advances it.
+  // Returns logits [B, T, V] f32 (or [B, 1, V] / raw scores / undefined per options).
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, KVCache& cache,
+                     const ForwardOptions& fo = {}) const;
+  // Same with positions = cache.length() .. + T.
+  at::Tensor forward(const at::Tensor& ids, KVCache& cache, const ForwardOptions& fo = {}) const;
+
+  // Pieces of the layer that restoration and training reuse, so nothing forks the forward:
+  // k, v raw [B, T, H_kv, D] -> post-norm k (RoPE'd) and v (v-normed) as the cache stores them,
+  // [B, H_kv, T, D]. On K=V layers pass v_raw = k_raw.
+  std::pair<at::Tensor, at::Tensor> finish_kv(int64_t layer, const at::Tensor& k_raw, const at::Tensor& v_raw,
+                                              const at::Tensor& positions) const;
+  at::Tensor embed(const at::Tensor& ids) const;        // [B, T] -> [B, T, hidden]
+  at::Tensor logits(const at::Tensor& hidden) const;    // [B, T, hidden] final-normed -> [B, T, V] f32
+  at::Tensor final_norm(const at::Tensor& h) const;     // [B, T, hidden]
+  at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) const { return ops::rms_norm(x, w, norm_spec_); }
+  const LayerWeights& layer(int64_t l) const { return layers_[l]; }
+  const at::Tensor& embedding() const { return embed_; }  // [V, hidden]
+  const at::Tensor& lm_head() const { return lm_head_; }  // [V, hidden] raw output head (no softcap; = embedding() when tied)
+  const RopeTable& rope(int64_t layer) const { return cfg_.is_sliding(layer) ? rope_sliding_ : rope_full_; }
+  // The fused q/k-norm + RoPE + store kernel's arguments for layer l (core/kernels/ops.h): its
+  // norms and RoPE table, `num_heads` query heads (0: K/V only), slot = position mod ring.
+  // The forward stores through it; restoration writes restored K/V with it.
+  ops::QKRopeArgs rope_args(int64_t layer, int64_t num_heads, int64_t ring) const;
+  // q raw [B, T, H_q, D] -> q_norm'd and RoPE'd [B, T, H_q, D], as the forward feeds attention().
+  at::Tensor finish_q(int64_t layer, const at::Tensor& q_raw, const at::Tensor& positions) const;
+  // Causal (+ window on sliding layers) visibility of keys at k_pos [S] to queries at q_pos [T]: [T, S] bool.
+  at::Tensor layer_mask(int64_t layer, const at::Tensor& k_pos, const at::Tensor& q_pos) const;
+  // The layer's attention (GQA, scale, softcap): q [B, T, H_q, D]; k, v [B, H_kv, S, D];
+  // mask [T, S] bool (true = visible) -> [B, T, H_q·D], before o_proj. Differentiable.
+  at::Tensor attention(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& mask) const;
+
+ private:
+  ModelConfig cfg_;
+  ModelOptions opt_;
+  ops::NormSpec norm_spec_;
+  at::Tensor embed_;     // [V, hidden]
+  at::Tensor lm_head_;   // [V, hidden] (= embed_ when tied)
+  at::Tensor norm_;      // [hidden]
+  at::Tensor embed_scale_;  // scalar in dtype
+  std::vector<LayerWeights> layers_;
+  RopeTable rope_full_, rope_sliding_;
+};
+
+}  // namespace kakeya

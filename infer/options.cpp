@@ -1,0 +1,50 @@
+#include "infer/options.h"
+
+#include "calib/codec/codec.h"
+#include "core/error.h"
+
+namespace kakeya {
+
+const char* decode_mode_name(DecodeMode m) {
+  switch (m) {
+    case DecodeMode::Ar: return "ar";
+    case DecodeMode::RestoredReforward: return "restored-reforward";
+    case DecodeMode::Restored: return "restored";
+    case DecodeMode::Fused: return "fused";
+  }
+  return "?";
+}
+
+DecodeMode parse_decode_mode(const std::string& s) {
+  if (s == "ar") return DecodeMode::Ar;
+  if (s == "restored-reforward") return DecodeMode::RestoredReforward;
+  if (s == "restored") return DecodeMode::Restored;
+  if (s == "fused") return DecodeMode::Fused;
+  KAKEYA_FAIL("--mode: expected ar | restored-reforward | restored | fused, got '" << s << "'");
+}
+
+const char* full_attn_name(FullAttn f) {
+  switch (f) {
+    case FullAttn::Exact: return "exact";
+    case FullAttn::Restored: return "restored";
+    case FullAttn::Codec: return "codec";
+  }
+  return "?";
+}
+
+FullAttn parse_full_attn(const std::string& s) {
+  if (s == "exact") return FullAttn::Exact;
+  if (s == "restored") return FullAttn::Restored;
+  if (s == "codec") return FullAttn::Codec;
+  KAKEYA_FAIL("--full-attn: expected exact | restored | codec, got '" << s << "'");
+}
+
+nlohmann::json RestoreOptions::to_json() const {
+  nlohmann::json j{{"sink", sink},        {"window", window},          {"full_attn", full_attn_name(full_attn)},
+                   {"mix_alpha", mix_alpha}, {"chunk", resolved_chunk()}, {"stats", stats},
+                   {"layers", layers}};
+  if (full_attn == FullAttn::Codec && codec) j["codec"] = codec->options().describe();
+  return j;
+}
+
+}  // namespace kakeya

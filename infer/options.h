@@ -1,0 +1,75 @@
+// The options every decode mode reads (one struct, no per-mode copies) and the restore
+// options of the restored modes. infer/result.h holds the one result type they return.
+#pragma once
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "core/model/sampling.h"
+
+namespace kakeya {
+
+class KVCodec;
+
+enum class DecodeMode { Ar, RestoredReforward, Restored, Fused };
+const char* decode_mode_name(DecodeMode m);               // "ar" | "restored-reforward" | "restored" | "fused"
+DecodeMode parse_decode_mode(const std::string& name);    // throws on anything else
+
+enum class FullAttn { Exact, Restored, Codec };
+const char* full_attn_name(FullAttn f);                   // "exact" | "restored" | "codec"
+FullAttn parse_full_attn(const std::string& name);
+
+// How the restored modes treat positions that leave the exact window (infer/restorer.h
+// states the rules).
+struct RestoreOptions {
+  int64_t sink = 4;          // first positions whose exact K/V are kept wherever they are in span
+  int64_t window = 64;       // exact recent positions per query (the query included)
+  FullAttn full_attn = FullAttn::Exact;
+  double mix_alpha = 0.0;    // restored raw K/V = a·true + (1-a)·f_θ; a > 0 keeps true raw K/V (research mode)
+  int64_t chunk = 0;         // prefill tokens per forward, 1..window; 0: window
+  bool kernels = true;       // CUDA: restore through the fused store kernel where it applies (false: reference ops)
+  bool stats = false;        // relative error of restored vs true K/V (keeps true raw K/V too)
+  const KVCodec* codec = nullptr;  // FullAttn::Codec: full-attention history stored through it (blocks of its block size)
+  // Which of the covered layers read their restored positions (beyond the sinks); the others drop
+  // them (evict-only on that layer: sinks + the exact window, nothing older). "auto": the layers
+  // f_θ's config lists as measured better than eviction (every covered layer when it lists none),
+  // "all", "none" (evict-only everywhere: the StreamingLLM baseline, needs no f_θ), or a
+  // comma-separated list of verifier layers. resolve_restore_layers() turns it into a per-layer mask.
+  std::string layers = "auto";
+  int64_t resolved_chunk() const { return chunk > 0 ? chunk : window; }
+  bool needs_true_raw() const { return mix_alpha > 0.0 || stats; }
+  bool evict_only() const { return layers == "none"; }
+  bool needs_ftheta() const { return mix_alpha < 1.0 && !evict_only(); }
+  nlohmann::json to_json() const;
+};
+
+// Without streaming, stop tokens are looked for every this many steps: the steps after a
+// stop inside a batch are wasted work, but none of them waits on the host.
+constexpr int64_t kStopCheckEvery = 8;
+
+// Every decode mode's options. A persistent decoder fixes the fields its caches and graphs
+// depend on when it is built (mode, restore, sampling temperature/top-p, cuda_graph,
+// block_size) and refuses a run that changes them, by name.
+struct DecodeOptions {
+  DecodeMode mode = DecodeMode::Ar;
+  RestoreOptions restore;               // restored modes
+  int64_t max_new_tokens = 64;
+  SamplingOptions sampling;             // temperature 0: greedy
+  std::vector<int64_t> stop_ids;        // generation ends after emitting one of these
+  std::function<void(int64_t)> on_token;  // each generated token, in order
+  // Asked after each token is read back: true ends the generation there (a client went away,
+  // a stop string matched). Implies streaming reads.
+  std::function<bool()> should_stop;
+  bool stream = true;                   // read each token as it comes (one host sync per token); otherwise
+                                        // stops are checked every kStopCheckEvery steps (one sync each)
+  bool cuda_graph = true;               // CUDA: replay the decode step (fused: the block's parts) as graphs
+  int64_t block_size = 0;               // fused / speculative: tokens per verify forward (0: the drafter's block_size)
+  bool time_split = true;               // fused: per-part times (CUDA events: no extra sync)
+  // Tokens are read one at a time (streaming, or someone may stop the generation early).
+  bool reads_each_token() const { return stream || static_cast<bool>(should_stop); }
+};
+
+}  // namespace kakeya
