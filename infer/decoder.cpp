@@ -57,12 +57,14 @@ std::unique_ptr<Decoder> make_decoder(const Model& v, const Drafter* d, const FT
 void decode_checks(const Model& v, const Drafter* d, const FTheta* f, const std::vector<int64_t>& prompt,
                    const DecodeOptions& opt) {
   check_positions(v, prompt.size(), opt.max_new_tokens);
+  if (opt.mode == DecodeMode::Ar) return;
   if (opt.mode == DecodeMode::Fused) {
     KAKEYA_CHECK(d, "fused: --mode fused drafts with the drafter: give --drafter DIR");
     validate_fused(v, d, f, opt.restore, prompt.size(), opt.max_new_tokens, opt.block_size);
-  } else if (opt.mode != DecodeMode::Ar) {
+  } else {
     validate_restore(v, d, f, opt.restore, prompt.size(), opt.max_new_tokens);
   }
+  check_restores_something(opt.restore, prompt.size(), opt.max_new_tokens);
 }
 
 DecodeResult decode(const Model& v, const Drafter* d, const FTheta* f, const std::vector<int64_t>& prompt,

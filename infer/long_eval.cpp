@@ -349,10 +349,15 @@ nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FThet
       try {
         for (const auto& per_task : plan.samples)
           for (const auto& per_ctx : per_task)
-            for (const auto& s : per_ctx)
+            for (const auto& s : per_ctx) {
               validate_restore(v, r.drafter, r.ftheta, r.restore, s.prompt_ids.size(), s.max_new_tokens);
+              check_restores_something(r.restore, s.prompt_ids.size(), s.max_new_tokens);
+            }
         if (!plan.docs.empty())
-          for (int64_t c : plan.contexts) validate_restore(v, r.drafter, r.ftheta, r.restore, c, 1);
+          for (int64_t c : plan.contexts) {
+            validate_restore(v, r.drafter, r.ftheta, r.restore, c, 1);
+            check_restores_something(r.restore, c, 1);
+          }
       } catch (const Error& e) {
         KAKEYA_FAIL("eval-long: config '" << configs[k].name << "': " << e.what());
       }

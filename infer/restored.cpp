@@ -150,6 +150,7 @@ ScoreResult score_restored(const Model& v, const Drafter* dr, const FTheta* ft, 
                            const RestoreOptions& ro, RestoreStats* stats) {
   KAKEYA_CHECK(ids.size() >= 2, "score: need at least 2 tokens, got " << ids.size());
   validate_restore(v, dr, ft, ro, ids.size(), 1);
+  check_restores_something(ro, ids.size(), 1);
   const int64_t n = ids.size(), chunk = ro.resolved_chunk();
   KVCache cache(v.config(), restored_cache_options(v, ft, ro, n, false));
   Restorer rest(v, dr, ft, ro, cache);

@@ -14,6 +14,14 @@ int64_t tensor_bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.e
 
 }  // namespace
 
+void check_restores_something(const RestoreOptions& o, int64_t n_prompt, int64_t max_new) {
+  const int64_t context = n_prompt + max_new;
+  KAKEYA_CHECK(o.window < context,
+               "decode: --window " << o.window << " is larger than the context (prompt " << n_prompt << " + "
+                                   << max_new << " new tokens = " << context
+                                   << " positions): nothing would ever be restored; use a smaller --window");
+}
+
 void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& o,
                       int64_t n_prompt, int64_t max_new, const std::string& ftheta_origin) {
   const ModelConfig& cfg = verifier.config();
@@ -46,10 +54,6 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
   KAKEYA_CHECK(has_sliding || o.full_attn == FullAttn::Restored,
                "decode: the model has no sliding-attention layers and --full-attn is " << full_attn_name(o.full_attn)
                                                                                         << ": nothing to restore");
-  KAKEYA_CHECK(o.window < context,
-               "decode: --window " << o.window << " is larger than the context (prompt " << n_prompt << " + "
-                                   << max_new << " new tokens = " << context
-                                   << " positions): nothing would ever be restored; use a smaller --window");
   KAKEYA_CHECK(o.full_attn != FullAttn::Codec || o.codec,
                "decode: --full-attn codec needs the calibration bundle's codec (--calib DIR)");
   if (o.full_attn == FullAttn::Codec) {

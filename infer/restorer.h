@@ -73,6 +73,12 @@ namespace kakeya {
 void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& opt,
                       int64_t n_prompt, int64_t max_new_tokens, const std::string& ftheta_origin = "f_theta");
 
+// For one-off measurements (a decode, a NIAH ladder, an evaluation, scoring): a context the
+// window covers whole restores nothing, so the run would measure the plain model; throws naming
+// --window. The decoders themselves accept it: a conversation (a session, the server) may start
+// that short and grow past the window later.
+void check_restores_something(const RestoreOptions& o, int64_t n_prompt, int64_t max_new_tokens);
+
 // RestoreOptions::layers per verifier layer: true where the layer reads its restored positions
 // (false on layers the policy does not cover). Throws naming --restore-layers on a bad list.
 std::vector<bool> resolve_restore_layers(const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o);

@@ -144,6 +144,15 @@ TEST(Restored, SessionTurnsEqualFreshDecodesOfTheWholeConversation) {
     too_long.max_new_tokens = 64;
     expect_error([&] { s.send(turn2, too_long); }, "positions this decoder was built for");
     EXPECT_TRUE(s.history().empty());
+    // A conversation may start shorter than the window (nothing restored yet: the plain model's
+    // tokens), which a one-off decode refuses as an experiment that measures nothing.
+    const std::vector<int64_t> hello(prompt().begin(), prompt().begin() + 3);
+    DecodeOptions few = o;
+    few.max_new_tokens = 3;
+    DecodeOptions ar = few;
+    ar.mode = DecodeMode::Ar;
+    EXPECT_EQ(s.send(hello, few).tokens, generate(model(), hello, ar).tokens);
+    if (m == DecodeMode::Restored) expect_error([&] { decode(model(), &drafter(), &ftheta(), hello, few); }, "larger than the context");
   }
 }
 
