@@ -339,9 +339,7 @@ DecodeResult FusedDecoder::feed(const std::vector<int64_t>& prompt, const Decode
   DecodeResult out;
   out.warnings = validate_fused(m.v, &m.d, m.f, m.ro, prompt.size(), opt.max_new_tokens, opt.block_size);
   for (const auto& w : out.warnings) std::fprintf(stderr, "warning: %s\n", w.c_str());
-  const int64_t B = m.B;
-  KAKEYA_CHECK((opt.block_size > 0 ? opt.block_size : m.d.config().block_size) == B,
-               "fused decoder: built for blocks of " << B << ", asked for " << opt.block_size);
+  const int64_t B = m.B;  // check_call refused another --block-size
   out.block_size = B;
   const at::Device dev = m.v.device();
   const int64_t n_prompt = prompt.size(), chunk = m.ro.resolved_chunk();
@@ -368,7 +366,7 @@ DecodeResult FusedDecoder::feed(const std::vector<int64_t>& prompt, const Decode
   int64_t tok = first.item<int64_t>();  // SYNC: stream the first token / check for a stop
   res.tokens.push_back(tok);
   if (opt.on_token) opt.on_token(tok);
-  bool stopped = is_stop(tok, opt.stop_ids) || (opt.should_stop && opt.should_stop());
+  bool stopped = ends_generation(tok, opt);
   auto t1 = Clock::now();
 
 #ifdef KAKEYA_CUDA

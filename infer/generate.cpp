@@ -119,7 +119,7 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
   res.tokens.push_back(tok);
   if (opt.on_token) opt.on_token(tok);
   auto t1 = Clock::now();
-  bool stopped = is_stop(tok, opt.stop_ids) || (opt.should_stop && opt.should_stop());
+  bool stopped = ends_generation(tok, opt);
   if (!loop.graphs) loop.graphs = std::make_shared<LoopGraphs>();
 
 #ifdef KAKEYA_CUDA
@@ -155,7 +155,7 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
     for (int64_t i = 0; i < pending && !stopped; ++i) {
       res.tokens.push_back(t[i]);
       if (opt.on_token) opt.on_token(t[i]);
-      stopped = is_stop(t[i], opt.stop_ids) || (opt.should_stop && opt.should_stop());  // later tokens of the batch are dropped
+      stopped = ends_generation(t[i], opt);  // later tokens of the batch are dropped
     }
     pending = 0;
   };

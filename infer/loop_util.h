@@ -43,8 +43,10 @@ inline int64_t device_allocations(const at::Device& dev) {
   return -1;
 }
 
-inline bool is_stop(int64_t tok, const std::vector<int64_t>& stop) {
-  return std::find(stop.begin(), stop.end(), tok) != stop.end();
+// Generation ends after `tok`: a stop token, or opt.should_stop() (a client gone, a stop string).
+inline bool ends_generation(int64_t tok, const DecodeOptions& opt) {
+  return std::find(opt.stop_ids.begin(), opt.stop_ids.end(), tok) != opt.stop_ids.end() ||
+         (opt.should_stop && opt.should_stop());
 }
 
 // The tokens one verify forward produced (r[0..n), speculative modes) committed within the
@@ -59,7 +61,7 @@ inline int64_t commit_tokens(const int64_t* r, int64_t n, const DecodeOptions& o
     const int64_t t = r[produced++];
     res.tokens.push_back(t);
     if (opt.on_token) opt.on_token(t);
-    stopped = is_stop(t, opt.stop_ids) || (opt.should_stop && opt.should_stop());
+    stopped = ends_generation(t, opt);
   }
   res.committed.push_back(produced);
   return produced;

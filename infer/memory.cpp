@@ -21,8 +21,6 @@ std::string mib(int64_t b) {
   return buf;
 }
 
-int64_t tensor_bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
-
 // K/V bytes of `slots` positions on every layer of one type (or all layers).
 int64_t kv_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type /* -1 all, 0 sliding, 1 full */) {
   int64_t b = 0;
@@ -132,6 +130,8 @@ std::string MemoryReport::table() const {
   for (const auto& l : weights) row(l.name, l.bytes, l.note);
   return os.str();
 }
+
+int64_t tensor_bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
 
 int64_t ftheta_weight_bytes(const FTheta& f) {
   int64_t b = 0;

@@ -81,6 +81,9 @@ MemoryReport restored_memory_report(const Model& verifier, const Drafter* drafte
 MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* drafter, const RestoreOptions& o,
                                   at::ScalarType dtype, int64_t capacity, int64_t served);
 
+// Bytes a tensor holds (0 when undefined).
+int64_t tensor_bytes(const at::Tensor& t);
+
 // Memory of f_θ's weights next to the caches (the drafter's: Drafter::weight_bytes).
 int64_t ftheta_weight_bytes(const FTheta& f);
 

@@ -130,7 +130,7 @@ DecodeResult ReforwardDecoder::feed(const std::vector<int64_t>& prompt, const De
     res.tokens.push_back(tok);
     seq.push_back(tok);
     if (opt.on_token) opt.on_token(tok);
-    stopped = is_stop(tok, opt.stop_ids) || (opt.should_stop && opt.should_stop());
+    stopped = ends_generation(tok, opt);
     if (stopped || (int64_t)res.tokens.size() == opt.max_new_tokens) {
       const int64_t q = n - 1;
       res.attention_fraction_sliding = attention_fraction(cache, v_.config(), true, q);

@@ -6,13 +6,9 @@
 
 #include "core/error.h"
 #include "infer/loop_util.h"
+#include "infer/memory.h"
 
 namespace kakeya {
-namespace {
-
-int64_t tensor_bytes(const at::Tensor& t) { return t.defined() ? t.numel() * t.element_size() : 0; }
-
-}  // namespace
 
 void check_restores_something(const RestoreOptions& o, int64_t n_prompt, int64_t max_new) {
   const int64_t context = n_prompt + max_new;

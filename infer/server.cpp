@@ -99,21 +99,19 @@ std::optional<bool> get_bool(const json& j, const char* key) {
   return v.get<bool>();
 }
 
-std::string random_hex(size_t n) {
-  static std::mutex m;
-  static std::mt19937_64 rng{std::random_device{}()};
-  std::lock_guard<std::mutex> lk(m);
-  static const char* digits = "0123456789abcdef";
-  std::string s(n, '0');
-  for (auto& c : s) c = digits[rng() & 15];
-  return s;
-}
-
-uint64_t random_seed() {
+// Request ids and the seeds of requests that give none (HTTP threads draw concurrently).
+uint64_t random_u64() {
   static std::mutex m;
   static std::mt19937_64 rng{std::random_device{}()};
   std::lock_guard<std::mutex> lk(m);
   return rng();
+}
+
+std::string random_hex(size_t n) {
+  static const char* digits = "0123456789abcdef";
+  std::string s(n, '0');
+  for (auto& c : s) c = digits[random_u64() & 15];
+  return s;
 }
 
 std::string format_double(double v) {
@@ -455,18 +453,7 @@ struct Server::Impl {
         if (!h.empty()) s.reset();
         feed = job.prompt;
       }
-      DecodeResult r;
-      try {
-        r = s.send(feed, d);
-      } catch (...) {
-        try {
-          s.reset();
-        } catch (...) {
-        }
-        throw;
-      }
-      if (n == 0 && !r.tokens.empty())  // a mode that does not report tokens one by one
-        for (int64_t t : r.tokens) consume(t);
+      const DecodeResult r = s.send(feed, d);  // a failed send leaves the session empty
       if (!sf.stopped()) emit(sf.push(ts.finish()));
       if (!sf.stopped()) emit(sf.finish());
       const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -557,7 +544,7 @@ struct Server::Impl {
       if (!v.is_number_integer()) throw ApiError(400, std::string("'seed' must be an integer, got ") + json_type(v), "seed");
       p.sampling.seed = v.is_number_unsigned() ? v.get<uint64_t>() : static_cast<uint64_t>(v.get<int64_t>());
     } else {
-      p.sampling.seed = random_seed();
+      p.sampling.seed = random_u64();
     }
     const char* max_key = "max_tokens";
     if (chat_request && !present(j, "max_tokens") && present(j, "max_completion_tokens")) max_key = "max_completion_tokens";

@@ -49,7 +49,7 @@ DecodeResult speculative_generate(const Model& target, const Drafter& drafter, c
   }
   res.prefill_seconds = seconds_since(t0, dev);
   if (opt.on_token) opt.on_token(res.tokens.back());
-  bool stopped = is_stop(res.tokens.back(), opt.stop_ids) || (opt.should_stop && opt.should_stop());
+  bool stopped = ends_generation(res.tokens.back(), opt);
   auto t1 = Clock::now();
 
   while (!stopped && (int64_t)res.tokens.size() < opt.max_new_tokens) {

@@ -6,13 +6,13 @@
 // bos_token, eos_token, and tools/documents as None.
 #include "core/io/chat_template.h"
 
-#include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/io/fs.h"
 #include "jinja/lexer.h"
 #include "jinja/parser.h"
 #include "jinja/runtime.h"
@@ -26,12 +26,11 @@ struct ChatTemplate::Parsed {
 
 namespace {
 
-namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-std::string read_text(const fs::path& path) {
+std::string read_text(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
-  KAKEYA_CHECK(f, "cannot read chat template file " << path.string());
+  KAKEYA_CHECK(f, "cannot read chat template file " << path);
   std::ostringstream ss;
   ss << f.rdbuf();
   return ss.str();
@@ -67,35 +66,28 @@ ChatTemplate::ChatTemplate(std::string source, std::string bos_token, std::strin
 }
 
 ChatTemplate ChatTemplate::load(const std::string& model_dir, const std::string& override_path) {
-  const fs::path dir(model_dir);
-  const fs::path config_path = dir / "tokenizer_config.json";
+  const std::string config_path = model_dir + "/tokenizer_config.json";
   json config = json::object();
   if (fs::exists(config_path)) {
-    std::ifstream f(config_path);
-    KAKEYA_CHECK(f, "cannot read " << config_path.string());
-    try {
-      config = json::parse(f);
-    } catch (const json::exception& e) {
-      KAKEYA_FAIL(config_path.string() << ": not valid JSON: " << e.what());
-    }
-    KAKEYA_CHECK(config.is_object(), config_path.string() << ": expected a JSON object");
+    config = fs::read_json(config_path, "a tokenizer_config.json");
+    KAKEYA_CHECK(config.is_object(), config_path << ": expected a JSON object");
   }
-  const std::string bos = special_token(config, "bos_token", config_path.string());
-  const std::string eos = special_token(config, "eos_token", config_path.string());
+  const std::string bos = special_token(config, "bos_token", config_path);
+  const std::string eos = special_token(config, "eos_token", config_path);
 
   // Same precedence as transformers: a chat_template.jinja file beside the
   // tokenizer wins over the tokenizer_config.json field.
   std::string source, origin;
-  const fs::path jinja_path = dir / "chat_template.jinja";
+  const std::string jinja_path = model_dir + "/chat_template.jinja";
   if (!override_path.empty()) {
     source = read_text(override_path);
     origin = override_path;
   } else if (fs::exists(jinja_path)) {
     source = read_text(jinja_path);
-    origin = jinja_path.string();
+    origin = jinja_path;
   } else if (config.contains("chat_template") && !config["chat_template"].is_null()) {
     const json& t = config["chat_template"];
-    origin = config_path.string() + " field 'chat_template'";
+    origin = config_path + " field 'chat_template'";
     if (t.is_string()) {
       source = t.get<std::string>();
     } else {
@@ -114,9 +106,9 @@ ChatTemplate ChatTemplate::load(const std::string& model_dir, const std::string&
       KAKEYA_CHECK(found, origin << ": no template named \"default\"");
     }
   } else {
-    KAKEYA_FAIL("no chat template for " << model_dir << ": " << config_path.string()
+    KAKEYA_FAIL("no chat template for " << model_dir << ": " << config_path
                 << (fs::exists(config_path) ? " has no field 'chat_template'" : " does not exist")
-                << " and there is no " << jinja_path.string()
+                << " and there is no " << jinja_path
                 << "; pass one with --chat-template FILE.jinja (e.g. checkpoints/chat_templates/gemma.jinja)");
   }
   try {
