@@ -9,7 +9,10 @@
 # Env: MODEL (/tmp/models/gemma3-270m), DRAFTER (checkpoints/gemma3-270m/drafter), RUN (/tmp/ftheta-online),
 #      INPUT (target_features), RANK (256), STEPS (3000), BATCH (8), MAX_LEN (1024), LR (1e-3), SYNTH (8),
 #      BUDGET (seconds for this call, 540), OUT (/tmp/ftheta-online-out).
-# Writes to $OUT when finished: report.json, loss.png, layers.json, train.log, ftheta/ (bf16).
+# Writes to $OUT when finished: ftheta.tar.partNN = one tar of report.json, loss.png, layers.json,
+# train.log, corpus_manifest.json and ftheta/ (bf16), split into 15 MiB parts (the device tool brings
+# back files of at most 16 MiB, 8 of them: a rank-1024 f_θ is ~32 MB). Here:
+#   cat ftheta.tar.part* | tar -x -C DIR
 set -euo pipefail
 T0=$(date +%s)
 MODEL=${MODEL:-/tmp/models/gemma3-270m}
@@ -41,9 +44,12 @@ if [ ! -f "$RUN/save/f_theta.safetensors" ]; then
 fi
 build-cuda/kakeya ftheta-layers --device cuda --verifier "$MODEL" --drafter "$DRAFTER" --ftheta "$RUN/save" \
   --text "$RUN/corpus/heldout.txt" --seqs 8 --seq-len 2048 --save "$RUN/selected" 2>&1 | tr '\r' '\n' | tail -20
-mkdir -p "$OUT/ftheta"
-cp "$RUN/save/report.json" "$RUN/train.log" "$RUN/selected/layers.json" "$OUT/"
-cp "$RUN/corpus/manifest.json" "$OUT/corpus_manifest.json"
-[ -f "$RUN/save/loss.png" ] && cp "$RUN/save/loss.png" "$OUT/"
-cp "$RUN/selected/f_theta_config.json" "$RUN/selected/f_theta.safetensors" "$OUT/ftheta/"
+PACK=$(mktemp -d)
+mkdir -p "$PACK/ftheta"
+cp "$RUN/save/report.json" "$RUN/train.log" "$RUN/selected/layers.json" "$PACK/"
+cp "$RUN/corpus/manifest.json" "$PACK/corpus_manifest.json"
+[ -f "$RUN/save/loss.png" ] && cp "$RUN/save/loss.png" "$PACK/"
+cp "$RUN/selected/f_theta_config.json" "$RUN/selected/f_theta.safetensors" "$PACK/ftheta/"
+tar -C "$PACK" -cf - . | split -b 15M -d - "$OUT/ftheta.tar.part"
+ls -la "$OUT"
 echo "[ftheta-online] done at +$(( $(date +%s) - T0 ))s"
