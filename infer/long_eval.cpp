@@ -90,6 +90,14 @@ struct ConfigRun {
   double seconds = 0;
 };
 
+// Paired mean difference × scale with its 95% interval (null below 2 pairs) and the pair count.
+nlohmann::json paired_cell(const std::vector<double>& diffs, double scale) {
+  const auto ci = mean_ci95(diffs);
+  return {{"delta", scale * mean(diffs)},
+          {"ci95", std::isnan(ci.first) ? nlohmann::json(nullptr) : nlohmann::json({scale * ci.first, scale * ci.second})},
+          {"n", diffs.size()}};
+}
+
 nlohmann::json summary(const ConfigRun& run, const ConfigRun* oracle, const LongEvalOptions& opt,
                        const LongEvalPlan& plan) {
   std::vector<double> cells;
@@ -117,23 +125,43 @@ nlohmann::json summary(const ConfigRun& run, const ConfigRun* oracle, const Long
   nlohmann::json s{{"mean_score", cells.empty() ? nlohmann::json(nullptr) : nlohmann::json(mean(cells))},
                    {"families", fam}};
   if (!oracle || oracle == &run) return s;
-  nlohmann::json delta = nlohmann::json::object(), ratio = nlohmann::json::object();
+  // Prompt by prompt and document by document against the oracle: both saw the same inputs, so
+  // the differences carry no prompt-to-prompt variance.
+  nlohmann::json delta = nlohmann::json::object(), by_family = nlohmann::json::object(),
+                 ratio = nlohmann::json::object(), ratio_ci = nlohmann::json::object();
   std::vector<double> deltas;
-  for (size_t t = 0; t < opt.tasks.size(); ++t)
+  int64_t same = 0, compared = 0;
+  for (const auto& f : families)
     for (size_t c = 0; c < plan.contexts.size(); ++c) {
-      const auto &mine = run.scores[t][c], &theirs = oracle->scores[t][c];
-      if (mine.empty() || theirs.empty()) continue;
-      const double d = 100 * (mean(mine) - mean(theirs));
-      delta[opt.tasks[t]][key(plan.contexts[c])] = d;
-      deltas.push_back(d);
+      std::vector<double> diffs;
+      for (size_t t = 0; t < opt.tasks.size(); ++t) {
+        if (long_task_family(opt.tasks[t]) != f) continue;
+        const auto d = paired_differences(run.scores[t][c], oracle->scores[t][c]);
+        diffs.insert(diffs.end(), d.begin(), d.end());
+        if (!d.empty()) {
+          delta[opt.tasks[t]][key(plan.contexts[c])] = 100 * mean(d);
+          deltas.push_back(100 * mean(d));
+        }
+        for (size_t i = 0; i < d.size(); ++i, ++compared)
+          same += run.per_sample[t][c][i]["text"] == oracle->per_sample[t][c][i]["text"];
+      }
+      if (!diffs.empty()) by_family[f][key(plan.contexts[c])] = paired_cell(diffs, 100);
     }
-  for (size_t c = 0; c < plan.contexts.size(); ++c)
-    if (!run.nll[c].empty() && !oracle->nll[c].empty())
-      ratio[key(plan.contexts[c])] = std::exp(mean(run.nll[c])) / std::exp(mean(oracle->nll[c]));
+  for (size_t c = 0; c < plan.contexts.size(); ++c) {
+    const auto d = paired_differences(run.nll[c], oracle->nll[c]);
+    if (d.empty()) continue;
+    ratio[key(plan.contexts[c])] = std::exp(mean(d));
+    const auto ci = mean_ci95(d);
+    ratio_ci[key(plan.contexts[c])] =
+        std::isnan(ci.first) ? nlohmann::json(nullptr) : nlohmann::json({std::exp(ci.first), std::exp(ci.second)});
+  }
   s["vs_oracle"] = {{"config", oracle->config->name},
                     {"delta_pp", delta},
                     {"mean_delta_pp", deltas.empty() ? nlohmann::json(nullptr) : nlohmann::json(mean(deltas))},
-                    {"ppl_ratio", ratio}};
+                    {"family_delta_pp", by_family},
+                    {"same_text", compared ? nlohmann::json((double)same / compared) : nlohmann::json(nullptr)},
+                    {"ppl_ratio", ratio},
+                    {"ppl_ratio_ci95", ratio_ci}};
   return s;
 }
 
@@ -166,6 +194,73 @@ nlohmann::json config_report(const ConfigRun& run, const ConfigRun* oracle, cons
           {"ppl", ppl},
           {"seconds", run.seconds},
           {"summary", summary(run, oracle, opt, plan)}};
+}
+
+// Fills `runs` with what `prev` (an earlier report of this suite) holds; returns how many prompts
+// and documents (summed over configs) it supplied. Configs are matched by name; prompts and
+// documents only where they are exactly this plan's.
+int64_t take_resumed(const nlohmann::json& prev, const LongEvalOptions& opt, const LongEvalPlan& plan,
+                     std::vector<ConfigRun>& runs) {
+  auto field = [&](const char* name) -> const nlohmann::json& {
+    KAKEYA_CHECK(prev.is_object() && prev.contains(name),
+                 "eval-long --resume: the report has no field '" << name << "' (expected an eval-long --json report)");
+    return prev[name];
+  };
+  auto same = [&](const char* name, const nlohmann::json& mine) {
+    KAKEYA_CHECK(field(name) == mine, "eval-long --resume: the report's field '" << name << "' is " << field(name).dump()
+                                                                                 << ", this run's " << mine.dump()
+                                                                                 << ": not the same suite");
+  };
+  same("tasks", opt.tasks);
+  same("contexts", plan.contexts);
+  same("seed", opt.seed);
+  same("chat", data::chat_format_name(opt.chat));
+  same("ppl_tail", opt.ppl_tail);
+  const auto& docs = field("ppl_docs");
+  for (size_t d = 0; d < docs.size() && d < plan.docs.size(); ++d)
+    KAKEYA_CHECK(docs[d] == plan.docs[d].path, "eval-long --resume: the report's document " << d << " is " << docs[d]
+                                                                                             << ", this run's "
+                                                                                             << plan.docs[d].path);
+  int64_t taken = 0;
+  for (const auto& pc : field("configs")) {
+    auto it = std::find_if(runs.begin(), runs.end(), [&](const ConfigRun& r) { return pc["name"] == r.config->name; });
+    if (it == runs.end()) continue;  // a config this run does not have: left out
+    ConfigRun& r = *it;
+    const std::string& name = r.config->name;
+    nlohmann::json restore = nullptr;
+    if (!r.config->oracle()) {
+      restore = r.restore.to_json();
+      restore["layers"] = r.restore.layers;
+    }
+    KAKEYA_CHECK(pc["restore"] == restore, "eval-long --resume: config '" << name << "' had restore options "
+                                                                          << pc["restore"].dump() << ", this run's "
+                                                                          << restore.dump());
+    for (size_t t = 0; t < opt.tasks.size(); ++t)
+      for (size_t c = 0; c < plan.contexts.size(); ++c) {
+        const auto& tasks = pc["tasks"];
+        const std::string k = key(plan.contexts[c]);
+        if (!tasks.contains(opt.tasks[t]) || !tasks[opt.tasks[t]].contains(k)) continue;
+        const auto& prev_samples = tasks[opt.tasks[t]][k]["per_sample"];
+        for (size_t i = 0; i < prev_samples.size() && i < plan.samples[t][c].size(); ++i) {
+          KAKEYA_CHECK(prev_samples[i]["seed"] == plan.samples[t][c][i].rng_seed,
+                       "eval-long --resume: config '" << name << "', " << opt.tasks[t] << " at " << k << ": sample " << i
+                                                      << " has seed " << prev_samples[i]["seed"] << ", this run's "
+                                                      << plan.samples[t][c][i].rng_seed);
+          r.scores[t][c].push_back(prev_samples[i]["score"].get<double>());
+          r.per_sample[t][c].push_back(prev_samples[i]);
+          ++taken;
+        }
+      }
+    for (size_t c = 0; c < plan.contexts.size(); ++c) {
+      const std::string k = key(plan.contexts[c]);
+      if (!pc["ppl"].contains(k)) continue;
+      const auto& per_doc = pc["ppl"][k]["per_doc"];
+      for (size_t d = 0; d < per_doc.size() && d < plan.docs.size(); ++d, ++taken)
+        r.nll[c].push_back(per_doc[d].get<double>());
+    }
+    r.seconds += pc["seconds"].get<double>();
+  }
+  return taken;
 }
 
 }  // namespace
@@ -229,12 +324,19 @@ std::pair<double, double> mean_ci95(const std::vector<double>& x) {
   return {m - half, m + half};
 }
 
+std::vector<double> paired_differences(const std::vector<double>& a, const std::vector<double>& b) {
+  std::vector<double> d(std::min(a.size(), b.size()));
+  for (size_t i = 0; i < d.size(); ++i) d[i] = a[i] - b[i];
+  return d;
+}
+
 std::string long_task_family(const std::string& task) { return task.substr(0, task.find('_')); }
 
 // ---------------------------------------------------------------- plan
 
 LongEvalPlan plan_long_eval(const Tokenizer& tok, const ModelConfig& cfg, const LongEvalOptions& opt) {
-  KAKEYA_CHECK(!opt.tasks.empty(), "eval-long: no tasks (--tasks)");
+  KAKEYA_CHECK(!opt.tasks.empty() || opt.ppl_docs > 0,
+               "eval-long: nothing to evaluate: no tasks (--tasks none) and no documents (--ppl-docs 0)");
   std::set<std::string> seen;
   for (const auto& t : opt.tasks) {
     data::check_long_task(t);
@@ -370,40 +472,93 @@ nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FThet
     r.per_sample.assign(T, std::vector<nlohmann::json>(C, nlohmann::json::array()));
     r.nll.assign(C, {});
   }
-  for (auto& r : runs) r.decoder = make_decoder(v, r.drafter, r.ftheta, r.decode, plan.decode_capacity);
+  const int64_t resumed = opt.resume.is_null() ? 0 : take_resumed(opt.resume, opt, plan, runs);
+  // Decoders for the prompts (none to build when only documents are scored).
+  if (plan.decode_capacity > 0)
+    for (auto& r : runs) r.decoder = make_decoder(v, r.drafter, r.ftheta, r.decode, plan.decode_capacity);
 
-  // Progress and the deadline count tokens through the verifier, every config included.
-  const int64_t K = configs.size();
+  // Progress and the deadline count tokens through the verifier: a prompt's tokens once for every
+  // config that still has to answer it.
+  auto todo_prompt = [&](size_t t, size_t c, size_t s) {
+    int64_t m = 0;
+    for (const auto& r : runs) m += r.scores[t][c].size() <= s;
+    return m;
+  };
+  auto todo_doc = [&](size_t c, size_t d) {
+    int64_t m = 0;
+    for (const auto& r : runs) m += r.nll[c].size() <= d;
+    return m;
+  };
   int64_t total = 0, done = 0;
   for (size_t c = 0; c < C; ++c) {
-    for (const auto& per_task : plan.samples)
-      for (const auto& s : per_task[c]) total += K * (s.prompt_ids.size() + s.max_new_tokens);
-    total += K * plan.contexts[c] * (int64_t)plan.docs.size();
+    for (size_t t = 0; t < T; ++t)
+      for (size_t s = 0; s < plan.samples[t][c].size(); ++s) {
+        const auto& smp = plan.samples[t][c][s];
+        total += todo_prompt(t, c, s) * (int64_t)(smp.prompt_ids.size() + smp.max_new_tokens);
+      }
+    for (size_t d = 0; d < plan.docs.size(); ++d) total += todo_doc(c, d) * plan.contexts[c];
   }
   bool partial = false;
-  // True when the next group of `tokens` (per config) would likely end past the deadline.
-  auto stop_due = [&](int64_t tokens) {
+  // True when the next group of `work` tokens would likely end past the deadline.
+  auto stop_due = [&](int64_t work) {
     if (!opt.deadline) return false;
-    const double estimate = done > 0 ? seconds_since(t0, v.device()) / done * tokens * K : 0.0;
+    const double estimate = done > 0 ? seconds_since(t0, v.device()) / done * work : 0.0;
     return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(estimate)) >
            *opt.deadline;
   };
-  auto advance = [&](int64_t tokens) {
-    done += tokens * K;
+  auto report = [&](bool is_partial) {
+    nlohmann::json reports = nlohmann::json::array();
+    for (const auto& r : runs) reports.push_back(config_report(r, oracle, opt, plan));
+    // The prompts any config answered (every config answers them in the same order).
+    nlohmann::json prompts = nlohmann::json::object();
+    for (size_t c = 0; c < C; ++c)
+      for (size_t t = 0; t < T; ++t) {
+        size_t answered = 0;
+        for (const auto& r : runs) answered = std::max(answered, r.scores[t][c].size());
+        for (size_t i = 0; i < answered; ++i) {
+          const auto& smp = plan.samples[t][c][i];
+          prompts[opt.tasks[t]][key(plan.contexts[c])].push_back({{"seed", smp.rng_seed},
+                                                                  {"prompt_tokens", smp.prompt_ids.size()},
+                                                                  {"max_new_tokens", smp.max_new_tokens},
+                                                                  {"answers", smp.answers}});
+        }
+      }
+    std::vector<std::string> docs;
+    for (const auto& d : plan.docs) docs.push_back(d.path);
+    return nlohmann::json{{"configs", reports},
+                          {"tasks", opt.tasks},
+                          {"contexts", plan.contexts},
+                          {"samples", opt.samples},
+                          {"seed", opt.seed},
+                          {"chat", data::chat_format_name(opt.chat)},
+                          {"oracle", oracle ? nlohmann::json(oracle->config->name) : nlohmann::json(nullptr)},
+                          {"ppl_docs", docs},
+                          {"ppl_tail", opt.ppl_tail},
+                          {"prompts", prompts},
+                          {"partial", is_partial},
+                          {"resumed", resumed},
+                          {"seconds", seconds_since(t0, v.device())}};
+  };
+  auto last_checkpoint = Clock::now();
+  auto advance = [&](int64_t work) {
+    done += work;
     if (progress) progress(done, total);
+    if (opt.checkpoint &&
+        std::chrono::duration<double>(Clock::now() - last_checkpoint).count() >= opt.checkpoint_seconds) {
+      opt.checkpoint(report(true));
+      last_checkpoint = Clock::now();
+    }
   };
 
-  nlohmann::json prompts = nlohmann::json::object();
   for (size_t c = 0; c < C && !partial; ++c) {
     for (size_t t = 0; t < T && !partial; ++t)
-      for (const auto& s : plan.samples[t][c]) {
-        const int64_t tokens = s.prompt_ids.size() + s.max_new_tokens;
-        if ((partial = stop_due(tokens))) break;
-        prompts[opt.tasks[t]][key(plan.contexts[c])].push_back({{"seed", s.rng_seed},
-                                                                 {"prompt_tokens", s.prompt_ids.size()},
-                                                                 {"max_new_tokens", s.max_new_tokens},
-                                                                 {"answers", s.answers}});
+      for (size_t i = 0; i < plan.samples[t][c].size(); ++i) {
+        const auto& s = plan.samples[t][c][i];
+        const int64_t m = todo_prompt(t, c, i), work = m * (int64_t)(s.prompt_ids.size() + s.max_new_tokens);
+        if (m == 0) continue;
+        if ((partial = stop_due(work))) break;
         for (auto& r : runs) {
+          if (r.scores[t][c].size() > i) continue;  // answered in the resumed run
           DecodeOptions d = r.decode;
           d.max_new_tokens = s.max_new_tokens;
           const auto ts = Clock::now();
@@ -415,13 +570,15 @@ nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FThet
           r.per_sample[t][c].push_back(
               {{"seed", s.rng_seed}, {"score", score}, {"text", text}, {"new_tokens", res.tokens.size()}});
         }
-        advance(tokens);
+        advance(work);
       }
     for (size_t d = 0; d < plan.docs.size() && !partial; ++d) {
-      const int64_t n = plan.contexts[c];
-      if ((partial = stop_due(n))) break;
+      const int64_t n = plan.contexts[c], m = todo_doc(c, d);
+      if (m == 0) continue;
+      if ((partial = stop_due(m * n))) break;
       const std::vector<int64_t> ids(plan.docs[d].ids.begin(), plan.docs[d].ids.begin() + n);
       for (auto& r : runs) {
+        if (r.nll[c].size() > d) continue;
         const auto ts = Clock::now();
         ScoreResult sr;
         if (r.config->oracle()) {
@@ -437,26 +594,10 @@ nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FThet
         for (auto it = sr.logprobs.end() - opt.ppl_tail; it != sr.logprobs.end(); ++it) nll -= *it;
         r.nll[c].push_back(nll / opt.ppl_tail);
       }
-      advance(n);
+      advance(m * n);
     }
   }
-
-  nlohmann::json reports = nlohmann::json::array();
-  for (const auto& r : runs) reports.push_back(config_report(r, oracle, opt, plan));
-  std::vector<std::string> docs;
-  for (const auto& d : plan.docs) docs.push_back(d.path);
-  return {{"configs", reports},
-          {"tasks", opt.tasks},
-          {"contexts", plan.contexts},
-          {"samples", opt.samples},
-          {"seed", opt.seed},
-          {"chat", data::chat_format_name(opt.chat)},
-          {"oracle", oracle ? nlohmann::json(oracle->config->name) : nlohmann::json(nullptr)},
-          {"ppl_docs", docs},
-          {"ppl_tail", opt.ppl_tail},
-          {"prompts", prompts},
-          {"partial", partial},
-          {"seconds", seconds_since(t0, v.device())}};
+  return report(partial);
 }
 
 nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FTheta* ftheta, const KVCodec* codec,

@@ -61,6 +61,17 @@ struct LongEvalOptions {
   // The run stops before a prompt (or document) whose estimated time would pass it (the rate so
   // far times its tokens), and reports what is done with "partial": true.
   std::optional<std::chrono::steady_clock::time_point> deadline;
+  // A report of an earlier run to continue (null: none). Its prompts and documents are taken as
+  // done, per config: a run stopped at its deadline goes on where it stopped, more --samples or
+  // --ppl-docs add to it, and a config it lacks runs everything. It must be of the same suite:
+  // tasks, contexts, seed, chat format, perplexity tail, and each shared config's restore
+  // options; its samples' seeds and its documents must be those of this plan (checked, the
+  // error names the field).
+  nlohmann::json resume;
+  // Called with the report so far (the same form as the result, "partial": true) at most every
+  // checkpoint_seconds while the run goes on: the caller writes it where a later run can resume.
+  std::function<void(const nlohmann::json&)> checkpoint;
+  double checkpoint_seconds = 30;
 };
 
 struct LongEvalDoc {
@@ -78,9 +89,10 @@ struct LongEvalPlan {
   int64_t positions = 0;          // RoPE positions the run needs: decode_capacity, or a scored document + 1
 };
 
-// Checks the options (tasks, contexts within the model's max_position_embeddings, samples,
-// ppl_tail shorter than every context, enough documents long enough) before building
-// anything, then builds every prompt and tokenizes the documents. Throws naming what is wrong.
+// Checks the options (tasks — none is allowed when documents are scored —, contexts within the
+// model's max_position_embeddings, samples, ppl_tail shorter than every context, enough documents
+// long enough) before building anything, then builds every prompt and tokenizes the documents.
+// Throws naming what is wrong.
 LongEvalPlan plan_long_eval(const Tokenizer& tok, const ModelConfig& cfg, const LongEvalOptions& opt);
 
 // Progress in tokens through the verifier (prompts + their new-token budgets, scored
@@ -95,8 +107,12 @@ using LongEvalProgress = std::function<void(int64_t done, int64_t total)>;
 // Report: {"configs": [{"name", "mode", "restore", "tasks": {task: {context: {"score", "ci95",
 // "n", "per_sample"}}}, "ppl": {context: {"nll", "ppl", "ci95_nll", "n", "per_doc"}},
 // "seconds", "summary"}], "tasks", "contexts", "samples", "oracle", "ppl_docs", "ppl_tail",
-// "prompts" (per task and context: each prompt's seed, length, budget and answers), "partial"}; the summary: mean score, per task family, and vs the oracle (the first
-// config in Ar mode, if any) the score difference in points and the perplexity ratio.
+// "prompts" (per task and context: each prompt's seed, length, budget and answers), "partial",
+// "resumed" (how many prompts and documents came from opt.resume)}; the summary: mean score, per
+// task family, and vs the oracle (the first config in Ar mode, if any), paired prompt by prompt
+// and document by document: the score difference in points per task and per family with its 95%
+// interval, the share of generated texts identical to the oracle's, and the perplexity ratio with its
+// interval (exp of the mean per-document NLL difference ± its 95% half-width).
 nlohmann::json run_long_eval(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const KVCodec* codec,
                              const Tokenizer& tok, const std::vector<LongEvalConfig>& configs,
                              const LongEvalOptions& opt, const LongEvalPlan& plan, const LongEvalProgress& progress = {});
@@ -111,6 +127,9 @@ nlohmann::json run_long_eval(const Model& verifier, const Drafter* drafter, cons
 std::pair<double, double> score_ci95(const std::vector<double>& scores);
 // mean ± 1.96·sd/√n (sample sd); NaN at both ends below 2 values (the report writes null).
 std::pair<double, double> mean_ci95(const std::vector<double>& x);
+// a[i] - b[i] over the first min(|a|, |b|) entries: the paired differences of two configs on the
+// same prompts (or documents), which vary far less than either config's own scores.
+std::vector<double> paired_differences(const std::vector<double>& a, const std::vector<double>& b);
 // The family a task belongs to in summaries: the name up to its first '_' ("niah_multikey" -> "niah").
 std::string long_task_family(const std::string& task);
 

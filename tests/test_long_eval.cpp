@@ -2,8 +2,9 @@
 // with the shipped drafter and f_θ: one smoke run at 1k over oracle, evict:64 and restored:64
 // (two single-answer NIAH tasks, one sample, one document with 128 scored tokens) whose report
 // has every cell, the same prompts for every config and an evict-only perplexity that differs
-// from the oracle's; a run past its deadline reports partial; bad input fails before anything
-// decodes, naming what is wrong; the interval helpers on known values.
+// from the oracle's, paired differences that agree with the cells, and a resumed run that runs
+// only what its report lacks; perplexity alone; a run past its deadline reports partial; bad
+// input fails before anything decodes, naming what is wrong; the interval helpers on known values.
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -120,6 +121,63 @@ TEST(LongEval, SmokeAt1kOracleEvictRestored) {
     EXPECT_TRUE(vs["ppl_ratio"].contains("1024"));
   }
   EXPECT_FALSE(oracle["summary"].contains("vs_oracle"));
+  // Paired against the oracle: one family (two NIAH tasks, one sample each) and one document.
+  const auto& vs = rep["configs"][1]["summary"]["vs_oracle"];
+  ASSERT_TRUE(vs["family_delta_pp"].contains("niah")) << vs.dump();
+  const auto& fam = vs["family_delta_pp"]["niah"]["1024"];
+  EXPECT_EQ(fam["n"], 2);
+  double sum = 0;
+  for (const auto& task : o.tasks) sum += vs["delta_pp"][task]["1024"].get<double>();
+  EXPECT_NEAR(fam["delta"].get<double>(), sum / 2, 1e-9);
+  EXPECT_GE(vs["same_text"].get<double>(), 0.0);
+  EXPECT_LE(vs["same_text"].get<double>(), 1.0);
+  EXPECT_NEAR(vs["ppl_ratio"]["1024"].get<double>(),
+              rep["configs"][1]["ppl"]["1024"]["ppl"].get<double>() / oracle["ppl"]["1024"]["ppl"].get<double>(), 1e-9);
+  EXPECT_TRUE(vs["ppl_ratio_ci95"]["1024"].is_null());  // one document
+
+  // Resuming a finished report runs nothing and reports the same cells.
+  auto ro = o;
+  ro.resume = rep;
+  const auto again = run(ro, configs());
+  EXPECT_EQ(again["resumed"], 3 * (2 + 1));  // per config: two prompts and one document
+  for (size_t k = 0; k < 3; ++k) {
+    EXPECT_EQ(again["configs"][k]["tasks"], rep["configs"][k]["tasks"]);
+    EXPECT_EQ(again["configs"][k]["ppl"], rep["configs"][k]["ppl"]);
+  }
+  // A report that lacks the evict-only document: only that one runs, to the same value.
+  auto cut = rep;
+  cut["configs"][1]["ppl"] = nlohmann::json::object();
+  ro.resume = cut;
+  const auto rest = run(ro, configs());
+  EXPECT_EQ(rest["resumed"], 3 * 2 + 2);
+  EXPECT_EQ(rest["configs"][1]["ppl"]["1024"]["per_doc"].size(), 1u);
+  EXPECT_NEAR(rest["configs"][1]["ppl"]["1024"]["nll"].get<double>(),
+              rep["configs"][1]["ppl"]["1024"]["nll"].get<double>(), 1e-6);
+  // Another suite is refused by the field that differs.
+  ro.seed = o.seed + 1;
+  expect_error([&] { run(ro, configs()); }, "field 'seed'");
+  ro = o;
+  ro.resume = rep;
+  RestoreOptions other;
+  other.sink = 8;
+  expect_error([&] { run_long_eval(model(), &drafter(), &ftheta(), nullptr, tokenizer(),
+                                   parse_long_eval_configs("oracle,evict:64", other), ro); },
+               "config 'evict:64' had restore options");
+}
+
+// Perplexity alone (no tasks) and nothing at all.
+TEST(LongEval, PerplexityOnly) {
+  auto o = options();
+  o.tasks = {};
+  o.ppl_tail = 64;
+  o.contexts = {256};
+  const auto rep = run(o, configs("oracle,evict:64"));
+  EXPECT_TRUE(rep["tasks"].empty());
+  EXPECT_TRUE(rep["prompts"].empty());
+  for (const auto& cfg : rep["configs"]) EXPECT_EQ(cfg["ppl"]["256"]["n"], 1) << cfg.dump();
+  EXPECT_TRUE(rep["configs"][0]["summary"]["mean_score"].is_null());
+  o.ppl_docs = 0;
+  expect_error([&] { run(o, configs()); }, "nothing to evaluate");
 }
 
 // A deadline already passed: nothing runs, and the report says so (every config still listed).
@@ -186,6 +244,7 @@ TEST(LongEval, Intervals) {
   auto m = mean_ci95({2.0, 4.0});
   EXPECT_NEAR(m.first, 3.0 - 1.96 * std::sqrt(2.0) / std::sqrt(2.0), 1e-12);
   EXPECT_TRUE(std::isnan(mean_ci95({2.0}).first));
+  EXPECT_EQ(paired_differences({1.0, 0.5, 0.25}, {0.5, 0.5}), (std::vector<double>{0.5, 0.0}));
   EXPECT_EQ(long_task_family("niah_multikey"), "niah");
   EXPECT_EQ(long_task_family("vt"), "vt");
 }

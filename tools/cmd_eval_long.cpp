@@ -98,25 +98,43 @@ std::string table(const nlohmann::json& rep) {
         return fmt("%.3f (%+.1f)", v, 100 * (v - (*oracle)["tasks"][task][k]["score"].get<double>()));
       });
     }
+    const auto& s = cfg["summary"];
     if (!cfg["ppl"].empty())
       row("ppl", [&](const std::string& k) -> std::string {
         if (!cfg["ppl"].contains(k)) return "-";
         const double p = cfg["ppl"][k]["ppl"];
-        if (!vs || !(*oracle)["ppl"].contains(k)) return fmt("%.3f", p);
-        return fmt("%.3f (%.3fx)", p, p / (*oracle)["ppl"][k]["ppl"].get<double>());
+        if (!vs || !s["vs_oracle"]["ppl_ratio"].contains(k)) return fmt("%.3f", p);
+        return fmt("%.3f (%.3fx)", p, s["vs_oracle"]["ppl_ratio"][k].get<double>());
       });
-    const auto& s = cfg["summary"];
+    if (vs) {
+      // Paired against the oracle: same prompts, same documents.
+      const auto& v = s["vs_oracle"];
+      auto interval = [&](const nlohmann::json& ci, const char* f) {
+        return ci.is_null() ? std::string("[n<2]") : "[" + fmt(f, ci[0].get<double>()) + "," + fmt(f, ci[1].get<double>()) + "]";
+      };
+      if (!v["ppl_ratio_ci95"].empty())
+        row("  ppl ratio 95% CI", [&](const std::string& k) -> std::string {
+          return v["ppl_ratio_ci95"].contains(k) ? interval(v["ppl_ratio_ci95"][k], "%.3f") : "-";
+        });
+      for (const auto& f : v["family_delta_pp"].items())
+        row("  " + f.key() + " pp, 95% CI", [&](const std::string& k) -> std::string {
+          if (!f.value().contains(k)) return "-";
+          const auto& cell = f.value()[k];
+          return fmt("%+.1f", cell["delta"].get<double>()) + interval(cell["ci95"], "%+.0f");
+        });
+    }
     if (!s["mean_score"].is_null()) {
       std::snprintf(buf, sizeof buf, "mean score %.3f", s["mean_score"].get<double>());
       out += buf;
       if (s.contains("vs_oracle") && !s["vs_oracle"]["mean_delta_pp"].is_null())
-        out += fmt(" (%+.1f points vs oracle)", s["vs_oracle"]["mean_delta_pp"].get<double>());
+        out += fmt(" (%+.1f points vs oracle, ", s["vs_oracle"]["mean_delta_pp"].get<double>()) +
+               fmt("%.0f%% of outputs identical)", 100 * s["vs_oracle"]["same_text"].get<double>());
       out += "; by family:";
       for (const auto& f : s["families"].items()) out += " " + f.key() + fmt(" %.3f", f.value()["mean"].get<double>());
       out += "\n";
     }
   }
-  if (rep["partial"].get<bool>()) out += "\nPARTIAL: the deadline stopped the run; missing cells show '-'\n";
+  if (rep["partial"].get<bool>()) out += "\nPARTIAL: the deadline stopped the run; missing cells show '-' (--resume continues it)\n";
   return out;
 }
 
@@ -140,6 +158,7 @@ void register_eval_long(CLI::App& app) {
     uint64_t seed = 0;
     std::string ppl_dir = "data/longeval/docs", source_dir, chat = "auto", json, png, python;
     double budget = 0;
+    bool resume = false;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("eval-long", "Long-context suite (NIAH variants, variable tracking, word counts, "
@@ -149,7 +168,8 @@ void register_eval_long(CLI::App& app) {
                 "decoder configs: oracle | evict:W | restored:W | restored-all:W | restored-codec:W (W: exact window; "
                 "the other restore options come from the flags above)")
       ->capture_default_str();
-  c->add_option("--tasks", o->tasks, "all | comma list of data/longeval.h tasks")->capture_default_str();
+  c->add_option("--tasks", o->tasks, "all | none (perplexity only) | comma list of data/longeval.h tasks")
+      ->capture_default_str();
   c->add_option("--contexts", o->contexts, "prompt lengths in tokens")->capture_default_str();
   c->add_option("--samples", o->samples, "prompts per (task, context)")->capture_default_str()->check(CLI::PositiveNumber);
   c->add_option("--seed", o->seed, "first sample seed")->capture_default_str();
@@ -167,14 +187,18 @@ void register_eval_long(CLI::App& app) {
                 "as partial (0: no limit)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
-  c->add_option("--json", o->json, "write the report here");
+  c->add_option("--json", o->json, "write the report here (also every 30 s while the run goes on)");
+  c->add_flag("--resume", o->resume,
+              "continue the report at --json when it exists: its prompts and documents are not run again (a run "
+              "stopped by --budget goes on; more --samples / --ppl-docs or another config add to it)");
   c->add_option("--plot", o->png, "write the heat maps here and the perplexity plot beside it (-ppl.png; needs --json)");
   c->add_option("--python", o->python, "python for the plot (default: $KAKEYA_PYTHON, .venv/bin/python, python3)");
   c->callback([o] {
     const auto start = std::chrono::steady_clock::now();
     KAKEYA_CHECK(o->png.empty() || !o->json.empty(), "eval-long: --plot needs --json (the plot is drawn from it)");
     LongEvalOptions lo;
-    lo.tasks = o->tasks == "all" ? data::long_task_names() : split(o->tasks);
+    KAKEYA_CHECK(!o->resume || !o->json.empty(), "eval-long: --resume needs --json (the report it continues)");
+    lo.tasks = o->tasks == "all" ? data::long_task_names() : o->tasks == "none" ? std::vector<std::string>{} : split(o->tasks);
     lo.contexts = parse_contexts(o->contexts);
     lo.samples = o->samples;
     lo.seed = o->seed;
@@ -186,6 +210,14 @@ void register_eval_long(CLI::App& app) {
       lo.deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                 std::chrono::duration<double>(o->budget));
     const auto configs = parse_long_eval_configs(o->configs, o->rf.options());
+    if (o->resume && fs::exists(o->json)) {
+      lo.resume = fs::read_json(o->json, "an eval-long --json report");
+      KAKEYA_CHECK(lo.resume.contains("models") && lo.resume["models"] == o->rf.to_json(),
+                   "eval-long --resume: " << o->json << " was made with other models (field 'models': "
+                                          << (lo.resume.contains("models") ? lo.resume["models"].dump() : "missing")
+                                          << ", this run's " << o->rf.to_json().dump() << ")");
+      std::fprintf(stderr, "[eval-long] resuming %s\n", o->json.c_str());
+    }
 
     // The prompts first (tokenizer only): the model's RoPE table is sized to what they need.
     DecodeStack st;
@@ -206,6 +238,25 @@ void register_eval_long(CLI::App& app) {
       load_codec(coded, *st.model, st);
     }
 
+    // The report so far, with what identifies the run, where --resume finds it.
+    auto stamp = [&](nlohmann::json& rep) {
+      rep["command"] = command_line();
+      rep["commit"] = git_commit();
+      rep["device"] = device_description(st.model->device());
+      rep["dtype"] = c10::toString(st.model->dtype());
+      rep["models"] = o->rf.to_json();
+      if (!lo.resume.is_null()) {  // the runs this report continues, oldest first
+        auto from = lo.resume.value("resumed_from", nlohmann::json::array());
+        from.push_back({{"commit", lo.resume.value("commit", "")}, {"command", lo.resume.value("command", "")}});
+        rep["resumed_from"] = from;
+      }
+    };
+    if (!o->json.empty())
+      lo.checkpoint = [&](const nlohmann::json& partial) {
+        auto rep = partial;
+        stamp(rep);
+        write_json(o->json, rep);
+      };
     std::unique_ptr<Progress> bar;
     auto rep = run_long_eval(*st.model, st.d(), st.f(), st.c(), *st.tok, configs, lo, plan,
                              [&](int64_t done, int64_t total) {
@@ -213,11 +264,7 @@ void register_eval_long(CLI::App& app) {
                                bar->update(done);
                              });
     if (bar) bar->finish();
-    rep["command"] = command_line();
-    rep["commit"] = git_commit();
-    rep["device"] = device_description(st.model->device());
-    rep["dtype"] = c10::toString(st.model->dtype());
-    rep["models"] = o->rf.to_json();
+    stamp(rep);
     std::fputs(table(rep).c_str(), stdout);
     std::fflush(stdout);
     if (!o->json.empty()) {

@@ -6,9 +6,11 @@
 OUT.png      one heat map per decoder config (rows: tasks, columns: contexts, value: mean
              task score, annotated; under it the difference to the oracle in points when the
              report has an oracle config). Cells a partial run (deadline) never reached are grey.
+             Skipped when the report has no tasks (--tasks none).
 OUT-ppl.png  perplexity of the held-out documents' last tokens against the context: the ratio
-             to the oracle's, one line per config (the plain perplexity when there is no
-             oracle). Skipped when the report has no perplexity.
+             to the oracle's (paired over the same documents, with its 95% interval as error
+             bars), one line per config (the plain perplexity when there is no oracle). Skipped
+             when the report has no perplexity.
 """
 import json, math, sys, textwrap
 
@@ -38,6 +40,9 @@ def cell(cfg, task, ctx):
 
 def heatmaps(rep, out):
     tasks, contexts, configs = rep["tasks"], rep["contexts"], rep["configs"]
+    if not tasks:
+        print("no tasks in the report (perplexity only): skipping the heat maps")
+        return
     oracle = next((c for c in configs if c["name"] == rep.get("oracle")), None)
     n = len(configs)
     cols = min(n, 3)
@@ -82,21 +87,28 @@ def ppl_plot(rep, out):
     oracle = next((c for c in configs if c["name"] == rep.get("oracle")), None)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for cfg in configs:
-        xs, ys = [], []
+        # Against the oracle: the paired ratio (same documents) and its 95% interval as error bars.
+        vs = cfg.get("summary", {}).get("vs_oracle", {})
+        xs, ys, lo, hi = [], [], [], []
         for c in contexts:
             p = cfg["ppl"].get(str(c))
             if not p:
                 continue
-            if oracle is not None:
-                o = oracle["ppl"].get(str(c))
-                if not o:
+            if oracle is not None and cfg is not oracle:
+                r = vs.get("ppl_ratio", {}).get(str(c))
+                if r is None:
                     continue
-                ys.append(p["ppl"] / o["ppl"])
+                ci = vs.get("ppl_ratio_ci95", {}).get(str(c)) or [r, r]
+                ys.append(r)
+                lo.append(r - ci[0])
+                hi.append(ci[1] - r)
             else:
-                ys.append(p["ppl"])
+                ys.append(1.0 if cfg is oracle else p["ppl"])
+                lo.append(0.0)
+                hi.append(0.0)
             xs.append(c)
         style = "s--" if cfg is oracle else "o-"
-        ax.plot(xs, ys, style, label=config_title(cfg))
+        ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, capsize=3, label=config_title(cfg))
     ax.set_xscale("log", base=2)
     ax.set_xticks(contexts, [ctx_label(c) for c in contexts])
     ax.set_xlabel("context (tokens)")

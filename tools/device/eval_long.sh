@@ -9,7 +9,10 @@
 #      FTHETA (checkpoints/gemma3-270m/ftheta), CALIB (checkpoints/gemma3-270m/calib: restored-codec:W),
 #      CONFIGS (oracle,evict:64,restored:64), TASKS (all), CONTEXTS (1024,2048,4096,8192,16384),
 #      SAMPLES (3), PPL_DOCS (4), SINK (4), RESTORE_LAYERS (auto), EXTRA (more eval-long flags),
-#      BUDGET (540 s), OUT (/tmp/eval-long-out).
+#      BUDGET (540 s), OUT (/tmp/eval-long-out),
+#      REPORT ($OUT/eval_long.json; a path outside $OUT, e.g. /tmp/eval-long/report.json, outlives the
+#      call on a warm machine), RESUME (0; 1: continue REPORT: its prompts and documents are not run
+#      again, so several calls with the same settings add up to one run; more SAMPLES adds samples).
 # Results in $OUT: eval_long.json, eval_long.png, eval_long-ppl.png, eval_long.log.
 set -euo pipefail
 MODEL=${MODEL:-/tmp/models/gemma3-270m}
@@ -25,7 +28,9 @@ SINK=${SINK:-4}
 RESTORE_LAYERS=${RESTORE_LAYERS:-auto}
 BUDGET=${BUDGET:-540}
 OUT=${OUT:-/tmp/eval-long-out}
-mkdir -p "$OUT"
+REPORT=${REPORT:-$OUT/eval_long.json}
+RESUME_FLAG=""; [ "${RESUME:-0}" = 1 ] && RESUME_FLAG="--resume"
+mkdir -p "$OUT" "$(dirname "$REPORT")"
 if [ ! -f build-cuda/build.ninja ]; then
   TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
   cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON -DKAKEYA_TESTS=OFF \
@@ -41,8 +46,9 @@ echo "[eval-long] configs $CONFIGS, contexts $CONTEXTS, $SAMPLES sample(s), f_th
 timeout --signal=KILL $((LEFT + 25)) build-cuda/kakeya eval-long --device cuda --verifier "$MODEL" --drafter "$DRAFTER" \
   --ftheta "$FTHETA" --calib "$CALIB" --sink "$SINK" --restore-layers "$RESTORE_LAYERS" --configs "$CONFIGS" \
   --tasks "$TASKS" --contexts "$CONTEXTS" --samples "$SAMPLES" --ppl-docs "$PPL_DOCS" --budget "$LEFT" ${EXTRA:-} \
-  --json "$OUT/eval_long.json" --plot "$OUT/eval_long.png" --python python3 > "$OUT/eval_long.log" 2>&1 || {
+  $RESUME_FLAG --json "$REPORT" --plot "$OUT/eval_long.png" --python python3 > "$OUT/eval_long.log" 2>&1 || {
   rc=$?; tr '\r' '\n' < "$OUT/eval_long.log" | tail -30; echo "[eval-long] exit $rc"; exit $rc; }
 # The progress line rewrites itself with \r: keep its last state, then the tables.
 tr '\r' '\n' < "$OUT/eval_long.log" | grep -v "^\[eval-long\] .*ETA" | tail -80
 tr '\r' '\n' < "$OUT/eval_long.log" | grep "^\[eval-long\] .*ETA" | tail -1
+[ "$REPORT" -ef "$OUT/eval_long.json" ] || cp "$REPORT" "$OUT/eval_long.json"
