@@ -62,7 +62,8 @@ TEST(FThetaReal, ShippedFThetaBeatsEvictOnlyOnHeldOutText) {
     SCOPED_TRACE(doc);
     auto ids = heldout_doc(tok, doc, 600);
     ASSERT_EQ(ids.size(), 600u);
-    RestoreOptions ro;  // sink 4, window 64: the layout f_θ was trained for
+    RestoreOptions ro;
+    ro.window = 64;  // sink 4, window 64: the layout f_θ was trained for (and more restored positions)
     ro.mix_alpha = 1.0;
     const double exact = score_restored(model, nullptr, nullptr, ids, ro).perplexity();
     ro.mix_alpha = 0.0;

@@ -1,5 +1,9 @@
 #include "tools/cli_common.h"
 
+#ifdef KAKEYA_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
 #include <array>
 #include <cstdio>
 #include <cstdlib>
@@ -74,7 +78,13 @@ DeviceFlags training_device_flags(const DeviceFlags& df, const std::string& comm
   return out;
 }
 
-std::string device_description(const at::Device& dev) { return dev.is_cuda() ? "cuda" : "cpu"; }
+std::string device_description(const at::Device& dev) {
+#ifdef KAKEYA_CUDA
+  // Results name the card: timings (and bf16 rounding) of two GPU kinds do not compare.
+  if (dev.is_cuda()) return at::cuda::getDeviceProperties(dev.has_index() ? dev.index() : at::cuda::current_device())->name;
+#endif
+  return dev.is_cuda() ? "cuda" : "cpu";
+}
 
 std::string run_capture(const std::string& cmd) {
   std::array<char, 4096> buf{};

@@ -153,7 +153,10 @@ void plot(const std::string& json, const std::string& png, const std::string& py
 void register_eval_long(CLI::App& app) {
   struct Opts {
     RestoreFlags rf;
-    std::string configs = "oracle,evict:64,restored:64", tasks = "all", contexts = "1024,2048,4096,8192,16384";
+    // The default compares the default window's restoration with dropping the same positions.
+    std::string configs = "oracle,evict:" + std::to_string(RestoreOptions{}.window) + ",restored:" +
+                          std::to_string(RestoreOptions{}.window),
+                tasks = "all", contexts = "1024,2048,4096,8192,16384";
     int64_t samples = 3, ppl_docs = 4, ppl_tail = 512;
     uint64_t seed = 0;
     std::string ppl_dir = "data/longeval/docs", source_dir, chat = "auto", json, png, python;

@@ -25,7 +25,7 @@ void register_spec(CLI::App& app) {
     bool raw = false, check_ar = false;
     DeviceFlags df;
     std::string mode = "plain", ftheta = "checkpoints/gemma3-270m/ftheta", full_attn = "exact";
-    int64_t sink = 4, window = 64;
+    int64_t sink = RestoreOptions{}.sink, window = RestoreOptions{}.window;
     double mix_alpha = 0.0;
   };
   auto o = std::make_shared<Opts>();

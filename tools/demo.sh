@@ -98,7 +98,7 @@ job sweep_alpha $K sweep-alpha "${R[@]}" --alphas 0,0.5,1 --contexts 512 --depth
   --plot "$OUT/sweep.png" --python "$PY"
 
 # 6. Held-out suite (data/longeval: sources no training saw) at 1k: does restoring beat dropping?
-job eval_long $K eval-long "${R[@]}" --configs oracle,evict:64,restored:64 --tasks niah_single_digits,niah_multikey \
+job eval_long $K eval-long "${R[@]}" --configs oracle,evict:256,restored:256 --tasks niah_single_digits,niah_multikey \
   --contexts 1024 --samples 1 --ppl-docs 2 --ppl-tail 256 --json "$OUT/eval_long.json" --plot "$OUT/eval_long.png" \
   --python "$PY"
 

@@ -24,7 +24,7 @@ struct RestoreFlags {
   std::string ftheta = "checkpoints/gemma3-270m/ftheta";
   std::string calib;
   std::string codec;  // --full-attn codec: codec spec; empty: the bundle's release recipe
-  int64_t sink = 4, window = 64, chunk = 0;
+  int64_t sink = RestoreOptions{}.sink, window = RestoreOptions{}.window, chunk = 0;
   std::string full_attn = "exact";
   std::string layers = "auto";  // --restore-layers (RestoreOptions::layers)
   double mix_alpha = 0.0;

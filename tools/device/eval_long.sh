@@ -7,7 +7,7 @@
 # pass its --budget, writing what is done with "partial": true.
 # Env: MODEL (/tmp/models/gemma3-270m), DRAFTER (checkpoints/gemma3-270m/drafter),
 #      FTHETA (checkpoints/gemma3-270m/ftheta), CALIB (checkpoints/gemma3-270m/calib: restored-codec:W),
-#      CONFIGS (oracle,evict:64,restored:64), TASKS (all), CONTEXTS (1024,2048,4096,8192,16384),
+#      CONFIGS (oracle,evict:256,restored:256: the default window), TASKS (all), CONTEXTS (1024,2048,4096,8192,16384),
 #      SAMPLES (3), PPL_DOCS (4), SINK (4), RESTORE_LAYERS (auto), EXTRA (more eval-long flags),
 #      BUDGET (540 s), OUT (/tmp/eval-long-out),
 #      REPORT ($OUT/eval_long.json; a path outside $OUT, e.g. /tmp/eval-long/report.json, outlives the
@@ -19,7 +19,7 @@ MODEL=${MODEL:-/tmp/models/gemma3-270m}
 DRAFTER=${DRAFTER:-checkpoints/gemma3-270m/drafter}
 FTHETA=${FTHETA:-checkpoints/gemma3-270m/ftheta}
 CALIB=${CALIB:-checkpoints/gemma3-270m/calib}
-CONFIGS=${CONFIGS:-oracle,evict:64,restored:64}
+CONFIGS=${CONFIGS:-oracle,evict:256,restored:256}
 TASKS=${TASKS:-all}
 CONTEXTS=${CONTEXTS:-1024,2048,4096,8192,16384}
 SAMPLES=${SAMPLES:-3}
