@@ -127,15 +127,35 @@ TEST(ConfigErrors, MissingModelType) {
   expect_error("missing_model_type", j, {"missing field 'model_type'"});
 }
 
+TEST(Config, Gemma4MoE) {
+  json j = gemma4();
+  EXPECT_FALSE(ModelConfig::from_file(write_config("gemma4_dense", j)).moe());
+  j["enable_moe_block"] = true;
+  j["num_experts"] = 8;
+  j["top_k_experts"] = 2;
+  j["moe_intermediate_size"] = 24;
+  auto c = ModelConfig::from_file(write_config("gemma4_moe", j));
+  EXPECT_TRUE(c.moe());
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.top_k_experts, 2);
+  EXPECT_EQ(c.moe_intermediate_size, 24);
+  EXPECT_EQ(c.summary().at("num_experts"), 8);
+  // A dense model's summary has no MoE fields (f_θ fingerprints of dense verifiers stay valid).
+  EXPECT_FALSE(ModelConfig::from_file(write_config("gemma4_dense", gemma4())).summary().contains("num_experts"));
+}
+
 TEST(ConfigErrors, Gemma4MoE) {
   json j = gemma4();
   j["enable_moe_block"] = true;
   j["num_experts"] = 8;
+  j["top_k_experts"] = 9;
+  j["moe_intermediate_size"] = 24;
+  expect_error("gemma4_moe_topk", j, {"'top_k_experts'", "num_experts=8"});
   j["top_k_experts"] = 2;
-  expect_error("gemma4_moe", j, {"'enable_moe_block'", "MoE", "not supported yet"});
+  j.erase("moe_intermediate_size");
   // Nested in a multimodal config too: the message names the file and the text_config.
   expect_error("gemma4_moe_nested", json{{"model_type", "gemma4"}, {"text_config", j}},
-               {":text_config", "'enable_moe_block'", "not supported yet"});
+               {":text_config", "'moe_intermediate_size'"});
 }
 
 TEST(ConfigErrors, Gemma4PerLayerEmbeddings) {

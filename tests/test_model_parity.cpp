@@ -89,6 +89,7 @@ TEST_P(Parity, TruncateAndRedo) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, Parity,
-                         ::testing::Values("gemma3", "gemma3_softcap_attn", "qwen3", "llama", "gemma4", "gemma4_kv"));
+                         ::testing::Values("gemma3", "gemma3_softcap_attn", "qwen3", "llama", "gemma4", "gemma4_kv",
+                                           "gemma4_moe"));
 
 }  // namespace

@@ -271,15 +271,22 @@ void parse_gemma4_layer_dims(const Reader& r, ModelConfig& c) {
   }
 }
 
-// Gemma 4 dense text decoder (transformers 5.17 Gemma4TextModel): Gemma 3's
-// sandwich norms and q/k norm, plus weightless v_norm, attention scale 1,
-// K=V full layers (attention_k_eq_v), per-layer head dims, proportional partial
-// RoPE on full layers and a per-layer scalar on the residual stream. The
-// variants below are refused until implemented.
+// Gemma 4 MoE (enable_moe_block): every layer gets the router and experts beside its dense MLP.
+void parse_gemma4_moe(const Reader& r, ModelConfig& c) {
+  if (!r.boolean_or("enable_moe_block", false)) return;
+  c.num_experts = r.positive("num_experts");
+  c.top_k_experts = r.positive("top_k_experts");
+  c.moe_intermediate_size = r.positive("moe_intermediate_size");
+  KAKEYA_CHECK(c.top_k_experts <= c.num_experts, r.origin << ": field 'top_k_experts' is " << c.top_k_experts
+                                                          << ", expected <= num_experts=" << c.num_experts);
+}
+
+// Gemma 4 text decoder (transformers 5.17 Gemma4TextModel): Gemma 3's sandwich
+// norms and q/k norm, plus weightless v_norm, attention scale 1, K=V full layers
+// (attention_k_eq_v), per-layer head dims, proportional partial RoPE on full
+// layers, a per-layer scalar on the residual stream and, with enable_moe_block,
+// the experts beside the dense MLP. The variants below are refused until implemented.
 void parse_gemma4(const Reader& r, ModelConfig& c) {
-  KAKEYA_CHECK(!r.boolean_or("enable_moe_block", false),
-               r.origin << ": field 'enable_moe_block' is true: Gemma 4 MoE (router + experts) is not supported yet; "
-                           "only dense Gemma 4 checkpoints load");
   // transformers' default is 256 (E2B/E4B): an absent field means per-layer embeddings are on.
   const int64_t ple = r.has("hidden_size_per_layer_input") ? r.integer("hidden_size_per_layer_input") : 256;
   KAKEYA_CHECK(ple == 0, r.origin << ": field 'hidden_size_per_layer_input' is " << ple
@@ -309,6 +316,7 @@ void parse_gemma4(const Reader& r, ModelConfig& c) {
   parse_gemma4_rope(r, c);
   c.attention_k_eq_v = r.boolean_or("attention_k_eq_v", false);
   parse_gemma4_layer_dims(r, c);
+  parse_gemma4_moe(r, c);
   c.attn_scale = 1.0;  // Gemma4TextAttention.scaling: q and k are RMS-normed, no 1/sqrt(d)
   c.final_logit_softcap = r.optional_number("final_logit_softcapping");
   KAKEYA_CHECK(!c.final_logit_softcap || *c.final_logit_softcap > 0,
@@ -375,23 +383,30 @@ ModelConfig ModelConfig::from_file(const std::string& path) {
 json ModelConfig::summary() const {
   json layer_types_json = json::array();
   for (LayerType t : layer_types) layer_types_json.push_back(layer_type_name(t));
-  return json{{"family", family_name(family)},
-              {"model_type", model_type},
-              {"vocab_size", vocab_size},
-              {"hidden_size", hidden_size},
-              {"intermediate_size", intermediate_size},
-              {"num_layers", num_layers},
-              {"num_heads", num_heads},
-              {"num_kv_heads", num_kv_heads},
-              {"head_dim", head_dim},
-              {"layer_head_dim", layer_head_dim},
-              {"layer_kv_heads", layer_kv_heads},
-              {"attention_k_eq_v", attention_k_eq_v},
-              {"sliding_window", sliding_window},
-              {"layer_types", layer_types_json},
-              {"rope_full_theta", rope_full.theta},
-              {"rope_sliding_theta", rope_sliding.theta},
-              {"attn_scale", attn_scale}};
+  json j{{"family", family_name(family)},
+          {"model_type", model_type},
+          {"vocab_size", vocab_size},
+          {"hidden_size", hidden_size},
+          {"intermediate_size", intermediate_size},
+          {"num_layers", num_layers},
+          {"num_heads", num_heads},
+          {"num_kv_heads", num_kv_heads},
+          {"head_dim", head_dim},
+          {"layer_head_dim", layer_head_dim},
+          {"layer_kv_heads", layer_kv_heads},
+          {"attention_k_eq_v", attention_k_eq_v},
+          {"sliding_window", sliding_window},
+          {"layer_types", layer_types_json},
+          {"rope_full_theta", rope_full.theta},
+          {"rope_sliding_theta", rope_sliding.theta},
+          {"attn_scale", attn_scale}};
+  // Only where set: a dense model's summary (and so the fingerprint of f_θ files made for it) stays as it was.
+  if (moe()) {
+    j["num_experts"] = num_experts;
+    j["top_k_experts"] = top_k_experts;
+    j["moe_intermediate_size"] = moe_intermediate_size;
+  }
+  return j;
 }
 
 }  // namespace kakeya

@@ -66,6 +66,11 @@ struct ModelConfig {
   bool attention_k_eq_v = false;       // Gemma 4: full layers have no v_proj, V = raw k_proj output (then v_norm)
   bool layer_scalar = false;           // Gemma 4: per-layer scalar weight multiplies the residual stream after each layer
   bool embed_scale_sqrt_hidden = false;  // Gemma: embeddings × sqrt(hidden) rounded to the weight dtype
+  // Gemma 4 mixture of experts (enable_moe_block; core/model/moe.h): every layer routes
+  // each token to top_k of num_experts experts beside its dense MLP. 0: no MoE.
+  int64_t num_experts = 0;
+  int64_t top_k_experts = 0;
+  int64_t moe_intermediate_size = 0;
   int64_t bos_token_id = -1;
   std::vector<int64_t> eos_token_ids;
 
@@ -81,6 +86,7 @@ struct ModelConfig {
   bool k_eq_v(int64_t layer) const { return attention_k_eq_v && !is_sliding(layer); }
   int64_t q_dim(int64_t layer) const { return num_heads * layer_head_dim[layer]; }
   int64_t kv_dim(int64_t layer) const { return layer_kv_heads[layer] * layer_head_dim[layer]; }
+  bool moe() const { return num_experts > 0; }
 };
 
 }  // namespace kakeya

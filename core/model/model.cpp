@@ -104,6 +104,19 @@ Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const s
       w.gate_up_bias = dev(at::cat({get(p + "mlp.gate_proj.bias", {I}), get(p + "mlp.up_proj.bias", {I})}));
       w.down_bias = dev(get(p + "mlp.down_proj.bias", {H}));
     }
+    if (cfg.moe()) {
+      const int64_t E = cfg.num_experts, Ie = cfg.moe_intermediate_size;
+      MoeWeights& e = w.moe;
+      e.router_norm = at::ones({H}, at::TensorOptions().dtype(at::kFloat).device(opt.device));
+      e.router_scale = dev(get(p + "router.scale", {H}));
+      e.router_proj = dev(get(p + "router.proj.weight", {E, H}));
+      e.per_expert_scale = dev(get(p + "router.per_expert_scale", {E}));
+      e.gate_up = dev(get(p + "experts.gate_up_proj", {E, 2 * Ie, H}));
+      e.down = dev(get(p + "experts.down_proj", {E, H, Ie}));
+      e.pre_norm = norm_w(p + "pre_feedforward_layernorm_2.weight", H);
+      e.post_norm = norm_w(p + "post_feedforward_layernorm_2.weight", H);
+      e.post_dense_norm = norm_w(p + "post_feedforward_layernorm_1.weight", H);
+    }
     if (cfg.layer_scalar) {
       auto s = dev(get(p + "layer_scalar", {1}));
       if (s.item<double>() != 1.0) w.layer_scalar = s;  // ×1 is exact: keep the fused residual step
@@ -123,7 +136,9 @@ int64_t Model::weight_bytes() const {
   for (const auto& w : layers_)
     for (const at::Tensor* t : {&w.qkv, &w.qkv_bias, &w.o, &w.o_bias, &w.q_norm, &w.k_norm, &w.attn_norm,
                                 &w.post_attn_norm, &w.ffn_norm, &w.post_ffn_norm, &w.gate_up, &w.down,
-                                &w.gate_up_bias, &w.down_bias, &w.layer_scalar})
+                                &w.gate_up_bias, &w.down_bias, &w.layer_scalar, &w.moe.router_scale,
+                                &w.moe.router_proj, &w.moe.per_expert_scale, &w.moe.gate_up, &w.moe.down,
+                                &w.moe.pre_norm, &w.moe.post_norm, &w.moe.post_dense_norm})
       if (t->defined()) b += t->numel() * t->element_size();
   return b;
 }
@@ -297,8 +312,12 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     tap(Tap::AttnOut, a);
     std::tie(h, x) = ops::add_rms_norm(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_);
 
-    at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, cfg_.act == Activation::GeluTanh),
-                               w.down, w.down_bias);
+    const bool gelu = cfg_.act == Activation::GeluTanh;
+    at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, gelu), w.down, w.down_bias);
+    // Gemma 4 MoE: the router and the experts read the residual stream h (not the dense
+    // branch's pre-norm x); each branch has its own post-norm before the shared post_ffn_norm.
+    if (w.moe.defined())
+      f = rms_norm(f, w.moe.post_dense_norm) + moe_block(w.moe, h, cfg_.top_k_experts, norm_spec_, gelu);
     const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
     // A subscriber may want the layer output stored as it is computed (core/model/taps.h).
     ops::RowCopy store;

@@ -1,4 +1,4 @@
-// The decoder stack for every supported family (Gemma 3, Gemma 4 dense,
+// The decoder stack for every supported family (Gemma 3, Gemma 4 dense and MoE,
 // Qwen 3, Llama): one flat forward loop, family differences carried by
 // ModelConfig flags and per-layer vectors. Matches HF transformers op for op
 // (tests/test_model_parity.cpp), so f32 logits agree to ~1e-5.
@@ -11,6 +11,7 @@
 #include "core/model/config.h"
 #include "core/model/kv_cache.h"
 #include "core/kernels/ops.h"
+#include "core/model/moe.h"
 #include "core/model/rope.h"
 #include "core/io/safetensors.h"
 #include "core/model/taps.h"
@@ -51,6 +52,7 @@ struct LayerWeights {
   at::Tensor down;            // [hidden, intermediate]
   at::Tensor gate_up_bias, down_bias;
   at::Tensor layer_scalar;    // [1] model dtype (Gemma 4: residual stream ×= it after the layer), undefined if 1
+  MoeWeights moe;             // Gemma 4 MoE: the expert branch beside the dense MLP (undefined without)
 };
 
 class Model {
