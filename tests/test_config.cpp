@@ -158,18 +158,62 @@ TEST(ConfigErrors, Gemma4MoE) {
                {":text_config", "'moe_intermediate_size'"});
 }
 
-TEST(ConfigErrors, Gemma4PerLayerEmbeddings) {
+TEST(Config, Gemma4PerLayerInputs) {
   json j = gemma4();
-  j["hidden_size_per_layer_input"] = 256;
-  expect_error("gemma4_ple", j, {"'hidden_size_per_layer_input'", "not supported yet"});
-  j.erase("hidden_size_per_layer_input");  // transformers' default is 256
-  expect_error("gemma4_ple_default", j, {"'hidden_size_per_layer_input'", "default", "not supported yet"});
+  EXPECT_EQ(ModelConfig::from_file(write_config("gemma4_no_ple", j)).per_layer_input_size, 0);
+  j["hidden_size_per_layer_input"] = 8;
+  j["vocab_size_per_layer_input"] = 77;
+  auto c = ModelConfig::from_file(write_config("gemma4_ple", j));
+  EXPECT_EQ(c.per_layer_input_size, 8);
+  EXPECT_EQ(c.per_layer_vocab_size, 77);
+  // Absent: transformers' defaults (E2B/E4B), per-layer inputs on.
+  j.erase("hidden_size_per_layer_input");
+  j.erase("vocab_size_per_layer_input");
+  c = ModelConfig::from_file(write_config("gemma4_ple_default", j));
+  EXPECT_EQ(c.per_layer_input_size, 256);
+  EXPECT_EQ(c.per_layer_vocab_size, 262144);
+}
+
+TEST(ConfigErrors, Gemma4PerLayerInputs) {
+  json j = gemma4();
+  j["hidden_size_per_layer_input"] = -1;
+  expect_error("gemma4_ple_negative", j, {"'hidden_size_per_layer_input'", ">= 0"});
+  j["hidden_size_per_layer_input"] = 8;
+  j["vocab_size_per_layer_input"] = 0;
+  expect_error("gemma4_ple_vocab", j, {"'vocab_size_per_layer_input'", "> 0"});
+}
+
+TEST(Config, Gemma4KvSharing) {
+  // layer_types: sliding, sliding, full, sliding, full. The last 2 share: layer 3 reads
+  // layer 1 (the last earlier sliding layer), layer 4 reads layer 2.
+  json j = gemma4();
+  auto c = ModelConfig::from_file(write_config("gemma4_unshared", j));
+  EXPECT_EQ(c.num_kv_shared(), 0);
+  EXPECT_EQ(c.kv_layer, (std::vector<int64_t>{0, 1, 2, 3, 4}));
+  j["num_kv_shared_layers"] = 2;
+  j["use_double_wide_mlp"] = true;
+  c = ModelConfig::from_file(write_config("gemma4_kv_shared", j));
+  EXPECT_EQ(c.kv_layer, (std::vector<int64_t>{0, 1, 2, 1, 2}));
+  EXPECT_EQ(c.num_kv_shared(), 2);
+  EXPECT_TRUE(c.kv_shared(3) && !c.kv_shared(2));
+  EXPECT_EQ(c.mlp_width(2), 80);
+  EXPECT_EQ(c.mlp_width(3), 160);  // double wide on the shared layers only
+  EXPECT_EQ(c.summary().at("kv_layer"), json({0, 1, 2, 1, 2}));
+  j["use_double_wide_mlp"] = false;
+  EXPECT_EQ(ModelConfig::from_file(write_config("gemma4_kv_shared_narrow", j)).mlp_width(3), 80);
 }
 
 TEST(ConfigErrors, Gemma4KvSharing) {
   json j = gemma4();
-  j["num_kv_shared_layers"] = 2;
-  expect_error("gemma4_kv_shared", j, {"'num_kv_shared_layers'", "not supported yet"});
+  j["num_kv_shared_layers"] = 5;  // every layer: none computes K/V
+  expect_error("gemma4_kv_shared_all", j, {"'num_kv_shared_layers'", "[0, num_hidden_layers=5)"});
+  j["num_kv_shared_layers"] = -1;
+  expect_error("gemma4_kv_shared_negative", j, {"'num_kv_shared_layers'", "[0, num_hidden_layers=5)"});
+  // Shared layers 2..4 include sliding layer 3, but the only non-shared layers (0, 1) are sliding
+  // and layer 4 is full: no full layer to read from.
+  j["num_kv_shared_layers"] = 3;
+  expect_error("gemma4_kv_shared_no_source", j,
+               {"'num_kv_shared_layers'", "shared layer 2 (full_attention)", "no earlier non-shared full_attention"});
 }
 
 TEST(ConfigErrors, Gemma4Bidirectional) {

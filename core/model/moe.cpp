@@ -14,13 +14,18 @@ MoeRoute moe_route(const MoeWeights& w, const at::Tensor& h, int64_t top_k, cons
   return {top * w.per_expert_scale.index_select(0, idx.flatten()).view_as(idx), idx};
 }
 
+namespace {
+// Up to this many tokens (decode steps and verify blocks, the steps CUDA graphs capture;
+// the attention kernel's limit too) the experts are gathered per token: no host sync.
+constexpr int64_t kGatherMaxTokens = 32;
+}  // namespace
+
 at::Tensor moe_experts(const MoeWeights& w, const at::Tensor& x, const MoeRoute& r, bool gelu_tanh) {
   const int64_t N = x.size(0), H = x.size(1), K = r.experts.size(1), E = w.num_experts();
   const int64_t I = w.down.size(2);
-  if (N * K <= E) {
-    // Few tokens (decode steps, short verify blocks): gather each token's experts and run
-    // them as batched matrix-vector products. No host sync, so a CUDA graph can capture
-    // it, and it reads no more expert weights than the whole set.
+  if (N <= kGatherMaxTokens) {
+    // Few tokens: gather each token's K experts ([N·K] weight copies, a temporary) and run
+    // them as batched matrix-vector products. No host sync, so a CUDA graph can capture it.
     auto idx = r.experts.flatten();                                                // [N·K]
     auto gu = at::matmul(w.gate_up.index_select(0, idx).view({N, K, 2 * I, H}),
                          x.view({N, 1, H, 1})).squeeze(-1);                        // [N, K, 2·I]
