@@ -195,7 +195,11 @@ void save_sigma_q(const std::string& dir, const ModelConfig& cfg, const SigmaQRe
 
 // ---------------------------------------------------------------- K/V capture
 
-KVCapture::KVCapture(const ModelConfig& cfg) : k_(cfg.num_layers), v_(cfg.num_layers) {}
+KVCapture::KVCapture(const ModelConfig& cfg) : k_(cfg.num_layers), v_(cfg.num_layers) {
+  // Per-layer codecs are fitted to each layer's own K/V; KV-shared layers have none.
+  KAKEYA_CHECK(cfg.num_kv_shared() == 0, "K/V calibration: not supported with KV sharing (config field "
+                                             << "'num_kv_shared_layers' = " << cfg.num_kv_shared() << ")");
+}
 
 void KVCapture::on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) {
   if (tap != Tap::KNorm && tap != Tap::VNorm) return;

@@ -26,6 +26,7 @@ int64_t kv_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int ty
   int64_t b = 0;
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     if (type >= 0 && cfg.is_sliding(l) != (type == 0)) continue;
+    if (cfg.kv_shared(l)) continue;  // reads another layer's K/V
     b += 2 * cfg.kv_heads(l) * cfg.layer_head_dim[l] * slots * elem;
   }
   return b;

@@ -127,29 +127,93 @@ TEST(ConfigErrors, MissingModelType) {
   expect_error("missing_model_type", j, {"missing field 'model_type'"});
 }
 
+TEST(Config, Gemma4MoE) {
+  json j = gemma4();
+  EXPECT_FALSE(ModelConfig::from_file(write_config("gemma4_dense", j)).moe());
+  j["enable_moe_block"] = true;
+  j["num_experts"] = 8;
+  j["top_k_experts"] = 2;
+  j["moe_intermediate_size"] = 24;
+  auto c = ModelConfig::from_file(write_config("gemma4_moe", j));
+  EXPECT_TRUE(c.moe());
+  EXPECT_EQ(c.num_experts, 8);
+  EXPECT_EQ(c.top_k_experts, 2);
+  EXPECT_EQ(c.moe_intermediate_size, 24);
+  EXPECT_EQ(c.summary().at("num_experts"), 8);
+  // A dense model's summary has no MoE fields (f_θ fingerprints of dense verifiers stay valid).
+  EXPECT_FALSE(ModelConfig::from_file(write_config("gemma4_dense", gemma4())).summary().contains("num_experts"));
+}
+
 TEST(ConfigErrors, Gemma4MoE) {
   json j = gemma4();
   j["enable_moe_block"] = true;
   j["num_experts"] = 8;
+  j["top_k_experts"] = 9;
+  j["moe_intermediate_size"] = 24;
+  expect_error("gemma4_moe_topk", j, {"'top_k_experts'", "num_experts=8"});
   j["top_k_experts"] = 2;
-  expect_error("gemma4_moe", j, {"'enable_moe_block'", "MoE", "not supported yet"});
+  j.erase("moe_intermediate_size");
   // Nested in a multimodal config too: the message names the file and the text_config.
   expect_error("gemma4_moe_nested", json{{"model_type", "gemma4"}, {"text_config", j}},
-               {":text_config", "'enable_moe_block'", "not supported yet"});
+               {":text_config", "'moe_intermediate_size'"});
 }
 
-TEST(ConfigErrors, Gemma4PerLayerEmbeddings) {
+TEST(Config, Gemma4PerLayerInputs) {
   json j = gemma4();
-  j["hidden_size_per_layer_input"] = 256;
-  expect_error("gemma4_ple", j, {"'hidden_size_per_layer_input'", "not supported yet"});
-  j.erase("hidden_size_per_layer_input");  // transformers' default is 256
-  expect_error("gemma4_ple_default", j, {"'hidden_size_per_layer_input'", "default", "not supported yet"});
+  EXPECT_EQ(ModelConfig::from_file(write_config("gemma4_no_ple", j)).per_layer_input_size, 0);
+  j["hidden_size_per_layer_input"] = 8;
+  j["vocab_size_per_layer_input"] = 77;
+  auto c = ModelConfig::from_file(write_config("gemma4_ple", j));
+  EXPECT_EQ(c.per_layer_input_size, 8);
+  EXPECT_EQ(c.per_layer_vocab_size, 77);
+  // Absent: transformers' defaults (E2B/E4B), per-layer inputs on.
+  j.erase("hidden_size_per_layer_input");
+  j.erase("vocab_size_per_layer_input");
+  c = ModelConfig::from_file(write_config("gemma4_ple_default", j));
+  EXPECT_EQ(c.per_layer_input_size, 256);
+  EXPECT_EQ(c.per_layer_vocab_size, 262144);
+}
+
+TEST(ConfigErrors, Gemma4PerLayerInputs) {
+  json j = gemma4();
+  j["hidden_size_per_layer_input"] = -1;
+  expect_error("gemma4_ple_negative", j, {"'hidden_size_per_layer_input'", ">= 0"});
+  j["hidden_size_per_layer_input"] = 8;
+  j["vocab_size_per_layer_input"] = 0;
+  expect_error("gemma4_ple_vocab", j, {"'vocab_size_per_layer_input'", "> 0"});
+}
+
+TEST(Config, Gemma4KvSharing) {
+  // layer_types: sliding, sliding, full, sliding, full. The last 2 share: layer 3 reads
+  // layer 1 (the last earlier sliding layer), layer 4 reads layer 2.
+  json j = gemma4();
+  auto c = ModelConfig::from_file(write_config("gemma4_unshared", j));
+  EXPECT_EQ(c.num_kv_shared(), 0);
+  EXPECT_EQ(c.kv_layer, (std::vector<int64_t>{0, 1, 2, 3, 4}));
+  j["num_kv_shared_layers"] = 2;
+  j["use_double_wide_mlp"] = true;
+  c = ModelConfig::from_file(write_config("gemma4_kv_shared", j));
+  EXPECT_EQ(c.kv_layer, (std::vector<int64_t>{0, 1, 2, 1, 2}));
+  EXPECT_EQ(c.num_kv_shared(), 2);
+  EXPECT_TRUE(c.kv_shared(3) && !c.kv_shared(2));
+  EXPECT_EQ(c.mlp_width(2), 80);
+  EXPECT_EQ(c.mlp_width(3), 160);  // double wide on the shared layers only
+  EXPECT_EQ(c.summary().at("kv_layer"), json({0, 1, 2, 1, 2}));
+  j["use_double_wide_mlp"] = false;
+  EXPECT_EQ(ModelConfig::from_file(write_config("gemma4_kv_shared_narrow", j)).mlp_width(3), 80);
 }
 
 TEST(ConfigErrors, Gemma4KvSharing) {
   json j = gemma4();
-  j["num_kv_shared_layers"] = 2;
-  expect_error("gemma4_kv_shared", j, {"'num_kv_shared_layers'", "not supported yet"});
+  j["num_kv_shared_layers"] = 5;  // every layer: none computes K/V
+  expect_error("gemma4_kv_shared_all", j, {"'num_kv_shared_layers'", "[0, num_hidden_layers=5)"});
+  j["num_kv_shared_layers"] = -1;
+  expect_error("gemma4_kv_shared_negative", j, {"'num_kv_shared_layers'", "[0, num_hidden_layers=5)"});
+  // Shared layers 2..4 include sliding layer 3, but the only non-shared layers (0, 1) are sliding
+  // and layer 4 is full: no full layer to read from.
+  j["num_kv_shared_layers"] = 3;
+  expect_error("gemma4_kv_shared_no_source", j,
+               {"'num_kv_shared_layers'", "shared layer 2 (full_attention)", "no earlier non-shared full_attention"});
 }
 
 TEST(ConfigErrors, Gemma4Bidirectional) {

@@ -88,7 +88,29 @@ TEST_P(Parity, TruncateAndRedo) {
   EXPECT_NO_THROW(cache.truncate(T - co.rollback));
 }
 
+// KV sharing in the cache: a shared layer's buffers are its source layer's (what it attends
+// over), cost nothing more, are never written through it, and restoration is refused.
+TEST(KvSharing, CacheAliasesTheSourceLayer) {
+  auto c = load("gemma4_shared_kv");
+  const ModelConfig& cfg = c.model.config();
+  ASSERT_EQ(cfg.kv_layer, (std::vector<int64_t>{0, 1, 2, 2, 2, 1}));
+  KVCacheOptions co;
+  co.capacity = 16;
+  co.rollback = 0;
+  KVCache cache(cfg, co);
+  EXPECT_TRUE(cache.keys(4).is_same(cache.keys(2)) && cache.values(3).is_same(cache.values(2)));
+  EXPECT_TRUE(cache.keys(5).is_same(cache.keys(1)) && cache.values(5).is_same(cache.values(1)));
+  int64_t own = 0;
+  for (int64_t l = 0; l < 3; ++l) own += 2 * cache.keys(l).numel() * cache.keys(l).element_size();
+  EXPECT_EQ(cache.bytes(), own);
+  auto kv = at::zeros({1, cfg.kv_heads(3), 1, cfg.layer_head_dim[3]});
+  test::expect_error([&] { cache.write(3, kv, kv, at::zeros({1}, at::kLong)); }, "layer 3 is KV-shared");
+  co.restore.window = 4;
+  test::expect_error([&] { KVCache restored(cfg, co); }, "'num_kv_shared_layers' = 3");
+}
+
 INSTANTIATE_TEST_SUITE_P(Families, Parity,
-                         ::testing::Values("gemma3", "gemma3_softcap_attn", "qwen3", "llama", "gemma4", "gemma4_kv"));
+                         ::testing::Values("gemma3", "gemma3_softcap_attn", "qwen3", "llama", "gemma4", "gemma4_kv",
+                                           "gemma4_moe", "gemma4_ple", "gemma4_shared_kv"));
 
 }  // namespace

@@ -271,25 +271,50 @@ void parse_gemma4_layer_dims(const Reader& r, ModelConfig& c) {
   }
 }
 
-// Gemma 4 dense text decoder (transformers 5.17 Gemma4TextModel): Gemma 3's
-// sandwich norms and q/k norm, plus weightless v_norm, attention scale 1,
-// K=V full layers (attention_k_eq_v), per-layer head dims, proportional partial
-// RoPE on full layers and a per-layer scalar on the residual stream. The
-// variants below are refused until implemented.
-void parse_gemma4(const Reader& r, ModelConfig& c) {
-  KAKEYA_CHECK(!r.boolean_or("enable_moe_block", false),
-               r.origin << ": field 'enable_moe_block' is true: Gemma 4 MoE (router + experts) is not supported yet; "
-                           "only dense Gemma 4 checkpoints load");
-  // transformers' default is 256 (E2B/E4B): an absent field means per-layer embeddings are on.
+// Gemma 4 MoE (enable_moe_block): every layer gets the router and experts beside its dense MLP.
+void parse_gemma4_moe(const Reader& r, ModelConfig& c) {
+  if (!r.boolean_or("enable_moe_block", false)) return;
+  c.num_experts = r.positive("num_experts");
+  c.top_k_experts = r.positive("top_k_experts");
+  c.moe_intermediate_size = r.positive("moe_intermediate_size");
+  KAKEYA_CHECK(c.top_k_experts <= c.num_experts, r.origin << ": field 'top_k_experts' is " << c.top_k_experts
+                                                          << ", expected <= num_experts=" << c.num_experts);
+}
+
+// Gemma 4 per-layer inputs (E2B/E4B). transformers' default is 256: an absent field means they are on.
+void parse_gemma4_per_layer_inputs(const Reader& r, ModelConfig& c) {
   const int64_t ple = r.has("hidden_size_per_layer_input") ? r.integer("hidden_size_per_layer_input") : 256;
-  KAKEYA_CHECK(ple == 0, r.origin << ": field 'hidden_size_per_layer_input' is " << ple
-                                  << (r.has("hidden_size_per_layer_input") ? "" : " (transformers' default when absent)")
-                                  << ": Gemma 4 per-layer input embeddings are not supported yet (need 0)");
+  KAKEYA_CHECK(ple >= 0, r.origin << ": field 'hidden_size_per_layer_input' expected >= 0, got " << ple);
+  c.per_layer_input_size = ple;
+  if (ple > 0) c.per_layer_vocab_size = r.positive_or("vocab_size_per_layer_input", 262144);
+}
+
+// Gemma 4 KV sharing: the last num_kv_shared_layers layers read the K/V of the last
+// earlier non-shared layer of their type (which must exist).
+void parse_gemma4_kv_sharing(const Reader& r, ModelConfig& c) {
   const int64_t shared = r.has("num_kv_shared_layers") ? r.integer("num_kv_shared_layers") : 0;
-  KAKEYA_CHECK(shared == 0, r.origin << ": field 'num_kv_shared_layers' is " << shared
-                                     << ": Gemma 4 KV sharing across layers is not supported yet (need 0)");
-  // use_double_wide_mlp only widens KV-shared layers, so with none it changes nothing.
-  r.boolean_or("use_double_wide_mlp", false);
+  KAKEYA_CHECK(shared >= 0 && shared < c.num_layers,
+               r.origin << ": field 'num_kv_shared_layers' is " << shared << ", expected in [0, num_hidden_layers="
+                        << c.num_layers << ") (the first layer computes its own K/V)");
+  const int64_t first = c.num_layers - shared;
+  for (int64_t l = 0; l < c.num_layers; ++l) c.kv_layer.push_back(l);
+  for (int64_t l = first; l < c.num_layers; ++l) {
+    int64_t src = first - 1;
+    while (src >= 0 && c.layer_types[src] != c.layer_types[l]) --src;
+    KAKEYA_CHECK(src >= 0, r.origin << ": field 'num_kv_shared_layers' is " << shared << ": shared layer " << l << " ("
+                                    << layer_type_name(c.layer_types[l]) << ") has no earlier non-shared "
+                                    << layer_type_name(c.layer_types[l]) << " layer to read K/V from");
+    c.kv_layer[l] = src;
+  }
+  c.double_wide_mlp = r.boolean_or("use_double_wide_mlp", false);
+}
+
+// Gemma 4 text decoder (transformers 5.17 Gemma4TextModel): Gemma 3's sandwich
+// norms and q/k norm, plus weightless v_norm, attention scale 1, K=V full layers
+// (attention_k_eq_v), per-layer head dims, proportional partial RoPE on full
+// layers, a per-layer scalar on the residual stream and, optionally, the experts
+// beside the dense MLP (26B-A4B), per-layer inputs and KV sharing (E2B/E4B).
+void parse_gemma4(const Reader& r, ModelConfig& c) {
   const std::string bidir = r.string_or("use_bidirectional_attention", "");
   KAKEYA_CHECK(bidir.empty() || bidir == "vision",
                r.origin << ": field 'use_bidirectional_attention' is '" << bidir
@@ -309,6 +334,9 @@ void parse_gemma4(const Reader& r, ModelConfig& c) {
   parse_gemma4_rope(r, c);
   c.attention_k_eq_v = r.boolean_or("attention_k_eq_v", false);
   parse_gemma4_layer_dims(r, c);
+  parse_gemma4_moe(r, c);
+  parse_gemma4_per_layer_inputs(r, c);
+  parse_gemma4_kv_sharing(r, c);
   c.attn_scale = 1.0;  // Gemma4TextAttention.scaling: q and k are RMS-normed, no 1/sqrt(d)
   c.final_logit_softcap = r.optional_number("final_logit_softcapping");
   KAKEYA_CHECK(!c.final_logit_softcap || *c.final_logit_softcap > 0,
@@ -361,6 +389,8 @@ ModelConfig ModelConfig::from_json(const json& j, const std::string& origin) {
     KAKEYA_FAIL(origin << ": malformed field: " << e.what());
   }
   if (c.layer_head_dim.empty()) c.layer_head_dim.assign(c.num_layers, c.head_dim);
+  if (c.kv_layer.empty())
+    for (int64_t l = 0; l < c.num_layers; ++l) c.kv_layer.push_back(l);
   if (c.layer_kv_heads.empty()) c.layer_kv_heads.assign(c.num_layers, c.num_kv_heads);
   for (LayerType t : c.layer_types)
     if (t == LayerType::Sliding)
@@ -375,23 +405,38 @@ ModelConfig ModelConfig::from_file(const std::string& path) {
 json ModelConfig::summary() const {
   json layer_types_json = json::array();
   for (LayerType t : layer_types) layer_types_json.push_back(layer_type_name(t));
-  return json{{"family", family_name(family)},
-              {"model_type", model_type},
-              {"vocab_size", vocab_size},
-              {"hidden_size", hidden_size},
-              {"intermediate_size", intermediate_size},
-              {"num_layers", num_layers},
-              {"num_heads", num_heads},
-              {"num_kv_heads", num_kv_heads},
-              {"head_dim", head_dim},
-              {"layer_head_dim", layer_head_dim},
-              {"layer_kv_heads", layer_kv_heads},
-              {"attention_k_eq_v", attention_k_eq_v},
-              {"sliding_window", sliding_window},
-              {"layer_types", layer_types_json},
-              {"rope_full_theta", rope_full.theta},
-              {"rope_sliding_theta", rope_sliding.theta},
-              {"attn_scale", attn_scale}};
+  json j{{"family", family_name(family)},
+          {"model_type", model_type},
+          {"vocab_size", vocab_size},
+          {"hidden_size", hidden_size},
+          {"intermediate_size", intermediate_size},
+          {"num_layers", num_layers},
+          {"num_heads", num_heads},
+          {"num_kv_heads", num_kv_heads},
+          {"head_dim", head_dim},
+          {"layer_head_dim", layer_head_dim},
+          {"layer_kv_heads", layer_kv_heads},
+          {"attention_k_eq_v", attention_k_eq_v},
+          {"sliding_window", sliding_window},
+          {"layer_types", layer_types_json},
+          {"rope_full_theta", rope_full.theta},
+          {"rope_sliding_theta", rope_sliding.theta},
+          {"attn_scale", attn_scale}};
+  // Only where set: a dense model's summary (and so the fingerprint of f_θ files made for it) stays as it was.
+  if (moe()) {
+    j["num_experts"] = num_experts;
+    j["top_k_experts"] = top_k_experts;
+    j["moe_intermediate_size"] = moe_intermediate_size;
+  }
+  if (per_layer_input_size > 0) {
+    j["per_layer_input_size"] = per_layer_input_size;
+    j["per_layer_vocab_size"] = per_layer_vocab_size;
+  }
+  if (num_kv_shared() > 0) {
+    j["kv_layer"] = kv_layer;
+    j["double_wide_mlp"] = double_wide_mlp;
+  }
+  return j;
 }
 
 }  // namespace kakeya

@@ -66,6 +66,20 @@ struct ModelConfig {
   bool attention_k_eq_v = false;       // Gemma 4: full layers have no v_proj, V = raw k_proj output (then v_norm)
   bool layer_scalar = false;           // Gemma 4: per-layer scalar weight multiplies the residual stream after each layer
   bool embed_scale_sqrt_hidden = false;  // Gemma: embeddings × sqrt(hidden) rounded to the weight dtype
+  // Gemma 4 mixture of experts (enable_moe_block; core/model/moe.h): every layer routes
+  // each token to top_k of num_experts experts beside its dense MLP. 0: no MoE.
+  int64_t num_experts = 0;
+  int64_t top_k_experts = 0;
+  int64_t moe_intermediate_size = 0;
+  // Gemma 4 per-layer inputs (E2B/E4B, hidden_size_per_layer_input): a packed token table
+  // [per_layer_vocab_size, num_layers·per_layer_input_size] plus a projection of the embeddings
+  // give every layer a [per_layer_input_size] input that gates a residual branch. 0: none.
+  int64_t per_layer_input_size = 0;
+  int64_t per_layer_vocab_size = 0;
+  // Gemma 4 KV sharing (num_kv_shared_layers): the last layers compute no K/V and attend over
+  // the K/V of the last earlier non-shared layer of their type. [num_layers]: that layer, or l.
+  std::vector<int64_t> kv_layer;
+  bool double_wide_mlp = false;        // Gemma 4 use_double_wide_mlp: KV-shared layers' MLP is 2·intermediate wide
   int64_t bos_token_id = -1;
   std::vector<int64_t> eos_token_ids;
 
@@ -81,6 +95,14 @@ struct ModelConfig {
   bool k_eq_v(int64_t layer) const { return attention_k_eq_v && !is_sliding(layer); }
   int64_t q_dim(int64_t layer) const { return num_heads * layer_head_dim[layer]; }
   int64_t kv_dim(int64_t layer) const { return layer_kv_heads[layer] * layer_head_dim[layer]; }
+  bool moe() const { return num_experts > 0; }
+  bool kv_shared(int64_t layer) const { return kv_layer[layer] != layer; }
+  int64_t num_kv_shared() const {
+    int64_t n = 0;
+    for (int64_t l = 0; l < num_layers; ++l) n += kv_shared(l);
+    return n;
+  }
+  int64_t mlp_width(int64_t layer) const { return intermediate_size * (double_wide_mlp && kv_shared(layer) ? 2 : 1); }
 };
 
 }  // namespace kakeya

@@ -20,6 +20,9 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
   KAKEYA_CHECK(opt.batch > 0, "KV cache: batch expected > 0, got " << opt.batch);
   const RestorePolicy& rp = opt.restore;
   if (rp.enabled()) {
+    // Restoration writes and reads K/V per layer; KV-shared layers have none of their own.
+    KAKEYA_CHECK(cfg.num_kv_shared() == 0, "KV cache: restoration is not supported with KV sharing (config field "
+                                               << "'num_kv_shared_layers' = " << cfg.num_kv_shared() << ")");
     KAKEYA_CHECK(rp.max_chunk >= 1, "KV cache: restore max_chunk expected >= 1, got " << rp.max_chunk);
     KAKEYA_CHECK(rp.max_chunk <= rp.window,
                  "KV cache: restore chunks of " << rp.max_chunk << " tokens exceed the exact window " << rp.window
@@ -64,6 +67,12 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     const int64_t H = cfg.kv_heads(l), D = cfg.layer_head_dim[l];
     const TypeState& st = state(l);
+    if (cfg.kv_shared(l)) {  // the buffers of the layer it reads (same type, so same slots and shapes)
+      at::Tensor k = k_[cfg.kv_layer[l]], v = v_[cfg.kv_layer[l]];
+      k_.push_back(k);
+      v_.push_back(v);
+      continue;
+    }
     if (st.coded) {
       if (!scratch_k_.defined()) {
         scratch_k_ = at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt);
@@ -159,6 +168,8 @@ void KVCache::mark(const at::Tensor& positions) {
 }
 
 void KVCache::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  KAKEYA_CHECK(!cfg_.kv_shared(layer), "KV cache: layer " << layer << " is KV-shared (it reads layer "
+                                                         << cfg_.kv_layer[layer] << "'s K/V) and has none to write");
   auto& kb = k_[layer];
   auto& vb = v_[layer];
   const TypeState& st = state(layer);
@@ -265,6 +276,7 @@ void KVCache::truncate(int64_t n) {
 
 // A coded layer owns its dense ring; the scratch it attends through is shared (scratch_bytes).
 int64_t KVCache::layer_bytes(int64_t l) const {
+  if (cfg_.kv_shared(l)) return 0;  // aliases kv_layer[l]'s buffers
   const at::Tensor& k = dk_[l].defined() ? dk_[l] : k_[l];
   return 2 * k.numel() * k.element_size();
 }
@@ -303,13 +315,14 @@ int64_t KVCache::restored_bytes(LayerType t) const {
 int64_t KVCache::full_kv_bytes(int64_t n) const {
   int64_t b = 0;
   for (size_t l = 0; l < k_.size(); ++l)
-    b += 2 * opt_.batch * cfg_.kv_heads(l) * n * cfg_.layer_head_dim[l] * k_[l].element_size();
+    if (!cfg_.kv_shared(l)) b += 2 * opt_.batch * cfg_.kv_heads(l) * n * cfg_.layer_head_dim[l] * k_[l].element_size();
   return b;
 }
 
 int64_t KVCache::native_kv_bytes(int64_t n) const {
   int64_t b = 0;
   for (size_t l = 0; l < k_.size(); ++l) {
+    if (cfg_.kv_shared(l)) continue;
     int64_t m = cfg_.is_sliding(l) && cfg_.sliding_window > 0 ? std::min(n, cfg_.sliding_window) : n;
     b += 2 * opt_.batch * cfg_.kv_heads(l) * m * cfg_.layer_head_dim[l] * k_[l].element_size();
   }

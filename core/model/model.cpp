@@ -56,7 +56,7 @@ Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const s
     auto wf = cfg.norm_unit_offset ? w.to(at::kFloat) + 1.0 : w.to(opt.dtype).to(at::kFloat);
     return wf.to(opt.device);
   };
-  const int64_t H = cfg.hidden_size, I = cfg.intermediate_size;
+  const int64_t H = cfg.hidden_size;
 
   m.embed_ = dev(get("embed_tokens.weight", {cfg.vocab_size, H}));
   m.norm_ = norm_w("norm.weight", H);
@@ -68,27 +68,36 @@ Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const s
   }
   m.embed_scale_ = at::scalar_tensor(cfg.embed_scale_sqrt_hidden ? std::sqrt((double)H) : 1.0, at::kFloat)
                        .to(opt.device, opt.dtype);
+  if (const int64_t P = cfg.per_layer_input_size; P > 0) {
+    m.ple_embed_ = dev(get("embed_tokens_per_layer.weight", {cfg.per_layer_vocab_size, cfg.num_layers * P}));
+    m.ple_embed_scale_ = at::scalar_tensor(std::sqrt((double)P), at::kFloat).to(opt.device, opt.dtype);
+    m.ple_model_proj_ = dev(get("per_layer_model_projection.weight", {cfg.num_layers * P, H}));
+    m.ple_proj_norm_ = norm_w("per_layer_projection_norm.weight", P);
+  }
 
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     const std::string p = "layers." + std::to_string(l) + ".";
-    const int64_t D = cfg.layer_head_dim[l], qd = cfg.q_dim(l), kvd = cfg.kv_dim(l);
+    const int64_t D = cfg.layer_head_dim[l], qd = cfg.q_dim(l), kvd = cfg.kv_dim(l), I = cfg.mlp_width(l);
     LayerWeights w;
     const bool k_eq_v = cfg.k_eq_v(l);  // no v_proj: V is the raw K projection
-    std::vector<at::Tensor> qkv{get(p + "self_attn.q_proj.weight", {qd, H}), get(p + "self_attn.k_proj.weight", {kvd, H})};
-    if (!k_eq_v) qkv.push_back(get(p + "self_attn.v_proj.weight", {kvd, H}));
+    const bool shared = cfg.kv_shared(l);  // no k/v projections: K/V of layer kv_layer[l]
+    std::vector<at::Tensor> qkv{get(p + "self_attn.q_proj.weight", {qd, H})};
+    if (!shared) qkv.push_back(get(p + "self_attn.k_proj.weight", {kvd, H}));
+    if (!shared && !k_eq_v) qkv.push_back(get(p + "self_attn.v_proj.weight", {kvd, H}));
     w.qkv = dev(at::cat(qkv));
     if (cfg.attention_bias) {
-      std::vector<at::Tensor> b{get(p + "self_attn.q_proj.bias", {qd}), get(p + "self_attn.k_proj.bias", {kvd})};
-      if (!k_eq_v) b.push_back(get(p + "self_attn.v_proj.bias", {kvd}));
+      std::vector<at::Tensor> b{get(p + "self_attn.q_proj.bias", {qd})};
+      if (!shared) b.push_back(get(p + "self_attn.k_proj.bias", {kvd}));
+      if (!shared && !k_eq_v) b.push_back(get(p + "self_attn.v_proj.bias", {kvd}));
       w.qkv_bias = dev(at::cat(b));
       w.o_bias = dev(get(p + "self_attn.o_proj.bias", {H}));
     }
     w.o = dev(get(p + "self_attn.o_proj.weight", {H, qd}));
     if (cfg.qk_norm) {
       w.q_norm = norm_w(p + "self_attn.q_norm.weight", D);
-      w.k_norm = norm_w(p + "self_attn.k_norm.weight", D);
+      if (!shared) w.k_norm = norm_w(p + "self_attn.k_norm.weight", D);
     }
-    if (cfg.v_norm) w.v_norm = at::ones({D}, at::TensorOptions().dtype(at::kFloat).device(opt.device));
+    if (cfg.v_norm && !shared) w.v_norm = at::ones({D}, at::TensorOptions().dtype(at::kFloat).device(opt.device));
     w.attn_norm = norm_w(p + "input_layernorm.weight", H);
     if (cfg.sandwich_norm) {
       w.post_attn_norm = norm_w(p + "post_attention_layernorm.weight", H);
@@ -103,6 +112,24 @@ Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const s
     if (cfg.mlp_bias) {
       w.gate_up_bias = dev(at::cat({get(p + "mlp.gate_proj.bias", {I}), get(p + "mlp.up_proj.bias", {I})}));
       w.down_bias = dev(get(p + "mlp.down_proj.bias", {H}));
+    }
+    if (cfg.moe()) {
+      const int64_t E = cfg.num_experts, Ie = cfg.moe_intermediate_size;
+      MoeWeights& e = w.moe;
+      e.router_norm = at::ones({H}, at::TensorOptions().dtype(at::kFloat).device(opt.device));
+      e.router_scale = dev(get(p + "router.scale", {H}));
+      e.router_proj = dev(get(p + "router.proj.weight", {E, H}));
+      e.per_expert_scale = dev(get(p + "router.per_expert_scale", {E}));
+      e.gate_up = dev(get(p + "experts.gate_up_proj", {E, 2 * Ie, H}));
+      e.down = dev(get(p + "experts.down_proj", {E, H, Ie}));
+      e.pre_norm = norm_w(p + "pre_feedforward_layernorm_2.weight", H);
+      e.post_norm = norm_w(p + "post_feedforward_layernorm_2.weight", H);
+      e.post_dense_norm = norm_w(p + "post_feedforward_layernorm_1.weight", H);
+    }
+    if (const int64_t P = cfg.per_layer_input_size; P > 0) {
+      w.ple_gate = dev(get(p + "per_layer_input_gate.weight", {P, H}));
+      w.ple_proj = dev(get(p + "per_layer_projection.weight", {H, P}));
+      w.ple_norm = norm_w(p + "post_per_layer_input_norm.weight", H);
     }
     if (cfg.layer_scalar) {
       auto s = dev(get(p + "layer_scalar", {1}));
@@ -119,16 +146,31 @@ Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const s
 
 int64_t Model::weight_bytes() const {
   int64_t b = embed_.numel() * embed_.element_size() + norm_.numel() * norm_.element_size();
+  for (const at::Tensor* t : {&ple_embed_, &ple_model_proj_, &ple_proj_norm_})
+    if (t->defined()) b += t->numel() * t->element_size();
   if (!lm_head_.is_same(embed_)) b += lm_head_.numel() * lm_head_.element_size();
   for (const auto& w : layers_)
     for (const at::Tensor* t : {&w.qkv, &w.qkv_bias, &w.o, &w.o_bias, &w.q_norm, &w.k_norm, &w.attn_norm,
                                 &w.post_attn_norm, &w.ffn_norm, &w.post_ffn_norm, &w.gate_up, &w.down,
-                                &w.gate_up_bias, &w.down_bias, &w.layer_scalar})
+                                &w.gate_up_bias, &w.down_bias, &w.layer_scalar, &w.moe.router_scale,
+                                &w.moe.router_proj, &w.moe.per_expert_scale, &w.moe.gate_up, &w.moe.down,
+                                &w.moe.pre_norm, &w.moe.post_norm, &w.moe.post_dense_norm, &w.ple_gate,
+                                &w.ple_proj, &w.ple_norm})
       if (t->defined()) b += t->numel() * t->element_size();
   return b;
 }
 
 at::Tensor Model::embed(const at::Tensor& ids) const { return at::embedding(embed_, ids) * embed_scale_; }
+
+at::Tensor Model::per_layer_inputs(const at::Tensor& ids, const at::Tensor& embeds) const {
+  const int64_t B = ids.size(0), T = ids.size(1), L = cfg_.num_layers, P = cfg_.per_layer_input_size;
+  // The token's own rows of the packed table, and a projection of its (scaled) embedding,
+  // each [B, T, L, P]; their sum × 2^-0.5 is what every layer gates.
+  auto tok = (at::embedding(ple_embed_, ids) * ple_embed_scale_).view({B, T, L, P});
+  auto proj = ops::linear(embeds, ple_model_proj_) * std::pow((double)cfg_.hidden_size, -0.5);
+  proj = rms_norm(proj.view({B, T, L, P}), ple_proj_norm_);
+  return (proj + tok) * std::pow(2.0, -0.5);
+}
 
 at::Tensor Model::final_norm(const at::Tensor& h) const { return rms_norm(h, norm_); }
 
@@ -143,6 +185,8 @@ at::Tensor Model::logits(const at::Tensor& hidden) const {
 
 std::pair<at::Tensor, at::Tensor> Model::finish_kv(int64_t layer, const at::Tensor& k_raw, const at::Tensor& v_raw,
                                                    const at::Tensor& positions) const {
+  KAKEYA_CHECK(!cfg_.kv_shared(layer), "finish_kv: layer " << layer << " is KV-shared (config field "
+                                           << "'num_kv_shared_layers'): it has no K/V of its own");
   const auto& w = layers_[layer];
   auto k = cfg_.qk_norm ? rms_norm(k_raw, w.k_norm) : k_raw;
   k = rope(layer).apply(k, positions);
@@ -243,7 +287,9 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   }
 
   at::Tensor h = embed(ids);                         // [B, T, hidden]
+  const at::Tensor ple = ple_embed_.defined() ? per_layer_inputs(ids, h) : at::Tensor();  // [B, T, L, P]
   at::Tensor x = rms_norm(h, layers_[0].attn_norm);  // later layers get theirs from the fused residual step
+  std::pair<at::Tensor, at::Tensor> sliding_kv;      // [B, H_kv, S + T, D] each: see !write_first below
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const auto& w = layers_[l];
     const int64_t D = cfg_.layer_head_dim[l], Hkv = cfg_.kv_heads(l), qd = cfg_.q_dim(l), kvd = cfg_.kv_dim(l);
@@ -251,41 +297,54 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     TapContext ctx{l, cfg_.layer_types[l], positions};
     auto tap = [&](Tap t, at::Tensor& x) { if (taps) taps->cb(t, ctx, x); };
 
-    at::Tensor qkv = ops::linear(x, w.qkv, w.qkv_bias);  // [B, T, qd + 2·kvd] ([B, T, qd + kvd] on K=V layers)
+    // [B, T, qd + 2·kvd] ([B, T, qd + kvd] on K=V layers, [B, T, qd] on KV-shared layers)
+    at::Tensor qkv = ops::linear(x, w.qkv, w.qkv_bias);
     at::Tensor q, kc, vc;  // q: [B, T, Hq, D] after RoPE; kc, vc: [B, H_kv, T, D] when not stored yet
     const bool write_first = !sliding || !sliding_concat;
+    // KV-shared layers compute only q: the cache's buffers of such a layer are those of
+    // kv_layer[l], which wrote them earlier in this forward, so they attend over its K/V.
+    const bool shared = cfg_.kv_shared(l);
     // The fused kernel reads raw v from the qkv rows and stores it as is: it knows
     // nothing of v_norm or K=V layers (no v rows), so Gemma 4 takes the unfused branch.
     // It stores at position mod the exact ring, as KVCache::write does on plain and restored
     // layers (coded layers also keep a dense copy: their write() does more).
-    if (cuda_fused && !qkv_tapped && write_first && !cfg_.v_norm && !cache.coded(l)) {
+    if (cuda_fused && !qkv_tapped && write_first && !cfg_.v_norm && !shared && !cache.coded(l)) {
       q = ops::qk_norm_rope_store(qkv, positions, rope_args(l, Hq, cache.exact_slots(l)), cache.k_mut(l),
                                   cache.v_mut(l));
     } else {
       q = qkv.slice(-1, 0, qd).view({B, T, Hq, D});
-      at::Tensor k = qkv.slice(-1, qd, qd + kvd).view({B, T, Hkv, D});
-      // K=V layers: V is the raw K projection (before k_norm and RoPE), as in HF.
-      at::Tensor v = cfg_.k_eq_v(l) ? k : qkv.slice(-1, qd + kvd).view({B, T, Hkv, D});
+      at::Tensor k, v;  // raw [B, T, H_kv, D]; none on KV-shared layers
+      if (!shared) {
+        k = qkv.slice(-1, qd, qd + kvd).view({B, T, Hkv, D});
+        // K=V layers: V is the raw K projection (before k_norm and RoPE), as in HF.
+        v = cfg_.k_eq_v(l) ? k : qkv.slice(-1, qd + kvd).view({B, T, Hkv, D});
+      }
       tap(Tap::QProj, q);
-      tap(Tap::KProj, k);
-      tap(Tap::VProj, v);
+      if (!shared) {
+        tap(Tap::KProj, k);
+        tap(Tap::VProj, v);
+      }
       if (cfg_.qk_norm) q = rms_norm(q, w.q_norm);
       tap(Tap::QNorm, q);
       q = rope(l).apply(q, positions);
-      at::Tensor kn = cfg_.qk_norm ? rms_norm(k, w.k_norm) : k;
-      tap(Tap::KNorm, kn);
-      at::Tensor vn = cfg_.v_norm ? rms_norm(v, w.v_norm) : v;
-      tap(Tap::VNorm, vn);
-      kc = rope(l).apply(kn, positions).transpose(1, 2);
-      vc = vn.transpose(1, 2);
-      if (write_first) cache.write(l, kc, vc, positions);
+      if (!shared) {
+        at::Tensor kn = cfg_.qk_norm ? rms_norm(k, w.k_norm) : k;
+        tap(Tap::KNorm, kn);
+        at::Tensor vn = cfg_.v_norm ? rms_norm(v, w.v_norm) : v;
+        tap(Tap::VNorm, vn);
+        kc = rope(l).apply(kn, positions).transpose(1, 2);
+        vc = vn.transpose(1, 2);
+        if (write_first) cache.write(l, kc, vc, positions);
+      }
     }
 
     at::Tensor attn;  // [B, T, Hq·D]
     if (!write_first) {
-      attn = attention(l, q, at::cat({cache.keys(l), kc}, 2), at::cat({cache.values(l), vc}, 2),
-                       mask[1][cache.options().restore.drops(l)]);
-      cache.write(l, kc, vc, positions);
+      // [ring as it was ++ chunk], written after attending; KV-shared sliding layers attend
+      // over the one their source layer built (the ring no longer holds what it overwrote).
+      if (!shared) sliding_kv = {at::cat({cache.keys(l), kc}, 2), at::cat({cache.values(l), vc}, 2)};
+      attn = attention(l, q, sliding_kv.first, sliding_kv.second, mask[1][cache.options().restore.drops(l)]);
+      if (!shared) cache.write(l, kc, vc, positions);
     } else if (attn_kernel) {
       attn = ops::decode_attention(q, cache.keys(l), cache.values(l), cache.slot_positions(l), positions,
                                    sliding ? cfg_.sliding_window : 0, cfg_.attn_scale,
@@ -297,16 +356,26 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     tap(Tap::AttnOut, a);
     std::tie(h, x) = ops::add_rms_norm(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_);
 
-    at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, cfg_.act == Activation::GeluTanh),
-                               w.down, w.down_bias);
+    const bool gelu = cfg_.act == Activation::GeluTanh;
+    at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, gelu), w.down, w.down_bias);
+    // Gemma 4 MoE: the router and the experts read the residual stream h (not the dense
+    // branch's pre-norm x); each branch has its own post-norm before the shared post_ffn_norm.
+    if (w.moe.defined())
+      f = rms_norm(f, w.moe.post_dense_norm) + moe_block(w.moe, h, cfg_.top_k_experts, norm_spec_, gelu);
     const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
     // A subscriber may want the layer output stored as it is computed (core/model/taps.h).
     ops::RowCopy store;
     const bool stored = taps && taps->store(Tap::LayerOut, l, &store);
     if (stored) store.positions = positions;
-    if (w.layer_scalar.defined()) {
+    if (w.layer_scalar.defined() || w.ple_gate.defined()) {
+      h = h + (w.post_ffn_norm.defined() ? rms_norm(f, w.post_ffn_norm) : f);
+      // Gemma 4 per-layer inputs: h += norm(proj(act(gate(h)) · this layer's input)).
+      if (w.ple_gate.defined()) {
+        auto g = ops::act_mul(at::cat({ops::linear(h, w.ple_gate), ple.select(2, l)}, -1), gelu);  // [B, T, P]
+        h = h + rms_norm(ops::linear(g, w.ple_proj), w.ple_norm);
+      }
       // Gemma 4: the layer's whole output (residual stream included) ×= layer_scalar, in the model dtype.
-      h = (h + (w.post_ffn_norm.defined() ? rms_norm(f, w.post_ffn_norm) : f)) * w.layer_scalar;
+      if (w.layer_scalar.defined()) h = h * w.layer_scalar;
       x = rms_norm(h, next_norm);
       if (stored) ops::copy_rows(h, store);
     } else {

@@ -1,5 +1,5 @@
-// The decoder stack for every supported family (Gemma 3, Gemma 4 dense,
-// Qwen 3, Llama): one flat forward loop, family differences carried by
+// The decoder stack for every supported family (Gemma 3, Gemma 4 dense, MoE and
+// E2B/E4B style, Qwen 3, Llama): one flat forward loop, family differences carried by
 // ModelConfig flags and per-layer vectors. Matches HF transformers op for op
 // (tests/test_model_parity.cpp), so f32 logits agree to ~1e-5.
 #pragma once
@@ -11,6 +11,7 @@
 #include "core/model/config.h"
 #include "core/model/kv_cache.h"
 #include "core/kernels/ops.h"
+#include "core/model/moe.h"
 #include "core/model/rope.h"
 #include "core/io/safetensors.h"
 #include "core/model/taps.h"
@@ -35,7 +36,8 @@ struct ForwardOptions {
 
 struct LayerWeights {
   // kvd = kv_heads(l)·D. K=V layers (Gemma 4 full layers with attention_k_eq_v) have no v_proj:
-  // their qkv (and bias) holds only the q and k rows, and V is the raw k projection.
+  // their qkv (and bias) holds only the q and k rows, and V is the raw k projection. KV-shared
+  // layers (Gemma 4 num_kv_shared_layers) have only q rows and no k_norm.
   at::Tensor qkv;        // [q_dim + 2·kvd, hidden] fused q/k/v projections ([q_dim + kvd, hidden] for K=V layers)
   at::Tensor qkv_bias;   // [q_dim + 2·kvd] ([q_dim + kvd] for K=V) or undefined
   at::Tensor o;          // [hidden, q_dim]
@@ -51,6 +53,11 @@ struct LayerWeights {
   at::Tensor down;            // [hidden, intermediate]
   at::Tensor gate_up_bias, down_bias;
   at::Tensor layer_scalar;    // [1] model dtype (Gemma 4: residual stream ×= it after the layer), undefined if 1
+  MoeWeights moe;             // Gemma 4 MoE: the expert branch beside the dense MLP (undefined without)
+  // Gemma 4 per-layer inputs (undefined without): h += norm(proj(act(gate(h)) · per-layer input)).
+  at::Tensor ple_gate;        // [P, hidden] per_layer_input_gate
+  at::Tensor ple_proj;        // [hidden, P] per_layer_projection
+  at::Tensor ple_norm;        // [hidden] f32 post_per_layer_input_norm
 };
 
 class Model {
@@ -81,6 +88,8 @@ class Model {
   std::pair<at::Tensor, at::Tensor> finish_kv(int64_t layer, const at::Tensor& k_raw, const at::Tensor& v_raw,
                                               const at::Tensor& positions) const;
   at::Tensor embed(const at::Tensor& ids) const;        // [B, T] -> [B, T, hidden]
+  // Gemma 4 per-layer inputs of ids [B, T] with embeds = embed(ids): [B, T, num_layers, P].
+  at::Tensor per_layer_inputs(const at::Tensor& ids, const at::Tensor& embeds) const;
   at::Tensor logits(const at::Tensor& hidden) const;    // [B, T, hidden] final-normed -> [B, T, V] f32
   at::Tensor final_norm(const at::Tensor& h) const;     // [B, T, hidden]
   at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w) const { return ops::rms_norm(x, w, norm_spec_); }
@@ -109,6 +118,11 @@ class Model {
   at::Tensor lm_head_;   // [V, hidden] (= embed_ when tied)
   at::Tensor norm_;      // [hidden]
   at::Tensor embed_scale_;  // scalar in dtype
+  // Gemma 4 per-layer inputs (undefined without):
+  at::Tensor ple_embed_;        // [V_ple, num_layers·P] embed_tokens_per_layer
+  at::Tensor ple_embed_scale_;  // scalar in dtype: sqrt(P)
+  at::Tensor ple_model_proj_;   // [num_layers·P, hidden] per_layer_model_projection
+  at::Tensor ple_proj_norm_;    // [P] f32 per_layer_projection_norm
   std::vector<LayerWeights> layers_;
   RopeTable rope_full_, rope_sliding_;
 };

@@ -15,6 +15,7 @@ namespace kakeya {
 enum class Tap {
   QProj,     // q after q_proj                    [B, T, H_q, D]
   QNorm,     // q after q_norm, before RoPE       [B, T, H_q, D]   (= QProj without qk-norm)
+  // The k/v taps do not fire on KV-shared layers (Gemma 4 num_kv_shared_layers): they compute none.
   KProj,     // k after k_proj (raw)              [B, T, H_kv, D]
   KNorm,     // k after k_norm, before RoPE       [B, T, H_kv, D]
   VProj,     // v after v_proj (raw)              [B, T, H_kv, D]
