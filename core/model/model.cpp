@@ -81,12 +81,18 @@ Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const s
     LayerWeights w;
     const bool k_eq_v = cfg.k_eq_v(l);  // no v_proj: V is the raw K projection
     const bool shared = cfg.kv_shared(l);  // no k/v projections: K/V of layer kv_layer[l]
-    std::vector<at::Tensor> qkv{get(p + "self_attn.q_proj.weight", {qd, H})};
+    // Built by push_back into reserved room: an initializer list followed by a growing
+    // push_back trips GCC 12's -Warray-bounds on at::Tensor's move.
+    std::vector<at::Tensor> qkv;
+    qkv.reserve(3);
+    qkv.push_back(get(p + "self_attn.q_proj.weight", {qd, H}));
     if (!shared) qkv.push_back(get(p + "self_attn.k_proj.weight", {kvd, H}));
     if (!shared && !k_eq_v) qkv.push_back(get(p + "self_attn.v_proj.weight", {kvd, H}));
     w.qkv = dev(at::cat(qkv));
     if (cfg.attention_bias) {
-      std::vector<at::Tensor> b{get(p + "self_attn.q_proj.bias", {qd})};
+      std::vector<at::Tensor> b;
+      b.reserve(3);
+      b.push_back(get(p + "self_attn.q_proj.bias", {qd}));
       if (!shared) b.push_back(get(p + "self_attn.k_proj.bias", {kvd}));
       if (!shared && !k_eq_v) b.push_back(get(p + "self_attn.v_proj.bias", {kvd}));
       w.qkv_bias = dev(at::cat(b));
