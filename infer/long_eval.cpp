@@ -90,12 +90,18 @@ struct ConfigRun {
   double seconds = 0;
 };
 
+// A config's restore options as its report writes them (null for the oracle); --resume compares them.
+nlohmann::json restore_json(const ConfigRun& run) {
+  if (run.config->oracle()) return nullptr;
+  auto j = run.restore.to_json();
+  j["layers"] = run.restore.layers;
+  return j;
+}
+
 // Paired mean difference × scale with its 95% interval (null below 2 pairs) and the pair count.
 nlohmann::json paired_cell(const std::vector<double>& diffs, double scale) {
   const auto ci = mean_ci95(diffs);
-  return {{"delta", scale * mean(diffs)},
-          {"ci95", std::isnan(ci.first) ? nlohmann::json(nullptr) : nlohmann::json({scale * ci.first, scale * ci.second})},
-          {"n", diffs.size()}};
+  return {{"delta", scale * mean(diffs)}, {"ci95", interval({scale * ci.first, scale * ci.second})}, {"n", diffs.size()}};
 }
 
 nlohmann::json summary(const ConfigRun& run, const ConfigRun* oracle, const LongEvalOptions& opt,
@@ -152,8 +158,7 @@ nlohmann::json summary(const ConfigRun& run, const ConfigRun* oracle, const Long
     if (d.empty()) continue;
     ratio[key(plan.contexts[c])] = std::exp(mean(d));
     const auto ci = mean_ci95(d);
-    ratio_ci[key(plan.contexts[c])] =
-        std::isnan(ci.first) ? nlohmann::json(nullptr) : nlohmann::json({std::exp(ci.first), std::exp(ci.second)});
+    ratio_ci[key(plan.contexts[c])] = interval({std::exp(ci.first), std::exp(ci.second)});
   }
   s["vs_oracle"] = {{"config", oracle->config->name},
                     {"delta_pp", delta},
@@ -182,14 +187,9 @@ nlohmann::json config_report(const ConfigRun& run, const ConfigRun* oracle, cons
     ppl[key(plan.contexts[c])] = {
         {"nll", mean(x)}, {"ppl", std::exp(mean(x))}, {"ci95_nll", interval(mean_ci95(x))}, {"n", x.size()}, {"per_doc", x}};
   }
-  nlohmann::json restore = nullptr;
-  if (!run.config->oracle()) {
-    restore = run.restore.to_json();
-    restore["layers"] = run.restore.layers;
-  }
   return {{"name", run.config->name},
           {"mode", decode_mode_name(run.config->mode)},
-          {"restore", restore},
+          {"restore", restore_json(run)},
           {"tasks", tasks},
           {"ppl", ppl},
           {"seconds", run.seconds},
@@ -227,11 +227,7 @@ int64_t take_resumed(const nlohmann::json& prev, const LongEvalOptions& opt, con
     if (it == runs.end()) continue;  // a config this run does not have: left out
     ConfigRun& r = *it;
     const std::string& name = r.config->name;
-    nlohmann::json restore = nullptr;
-    if (!r.config->oracle()) {
-      restore = r.restore.to_json();
-      restore["layers"] = r.restore.layers;
-    }
+    const nlohmann::json restore = restore_json(r);
     KAKEYA_CHECK(pc["restore"] == restore, "eval-long --resume: config '" << name << "' had restore options "
                                                                           << pc["restore"].dump() << ", this run's "
                                                                           << restore.dump());
