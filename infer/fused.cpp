@@ -258,17 +258,9 @@ class Engine {
 
 KVCacheOptions fused_cache_options(const Model& v, const FTheta* f, const RestoreOptions& o, int64_t capacity,
                                    int64_t B) {
-  KVCacheOptions co;
-  set_dropped_layers(co.restore, v.config(), f, o);
-  co.capacity = capacity;
+  KVCacheOptions co = restored_cache_options(v, f, o, capacity, false);
   co.rollback = B;  // a block's rejected tail sits in the exact ring until the next block overwrites it
-  co.dtype = v.dtype();
-  co.device = v.device();
-  co.restore.window = o.window;
-  co.restore.sliding = true;
-  co.restore.full = o.full_attn == FullAttn::Restored;
   co.restore.max_chunk = std::max(o.resolved_chunk(), B);  // restored regions cover a whole verify block's span
-  co.restore.linear = false;
   return co;
 }
 

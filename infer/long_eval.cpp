@@ -20,7 +20,8 @@ namespace kakeya {
 namespace {
 
 constexpr const char* kConfigForms =
-    "oracle | evict:W | restored:W | restored-all:W | restored-codec:W (W: the exact window, a positive integer)";
+    "oracle | evict:W | restored:W | restored-all:W | restored-codec:W | restored-int8:W | restored-int4:W (W: the exact "
+    "window, a positive integer)";
 
 double mean(const std::vector<double>& x) {
   double s = 0;
@@ -279,6 +280,8 @@ LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOpti
   if (kind == "evict") c.restore.layers = "none";
   else if (kind == "restored-all") c.restore.layers = "all";
   else if (kind == "restored-codec") c.restore.full_attn = FullAttn::Codec;
+  else if (kind == "restored-int8") c.restore.region_bits = 8;
+  else if (kind == "restored-int4") c.restore.region_bits = 4;
   else KAKEYA_CHECK(kind == "restored", "--configs: bad spec '" << spec << "': unknown kind '" << kind << "'; expected " << kConfigForms);
   return c;
 }

@@ -43,6 +43,7 @@ struct LongEvalConfig {
 //   restored:W        restored mode, layers as in base (the caller's default, "auto")
 //   restored-all:W    restored mode, every covered layer reads its restored positions
 //   restored-codec:W  restored:W with full-attention layers stored through the KV codec
+//   restored-int8:W   restored:W with the restored regions stored as 8-bit coded rows (int4: 4-bit)
 // Errors name the bad spec and list the forms.
 LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOptions& base);
 // A comma-separated list of specs; names must be unique.

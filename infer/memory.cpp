@@ -32,6 +32,23 @@ int64_t kv_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int ty
   return b;
 }
 
+// A restored region of `slots` positions per layer of one type: dense, or coded rows of `bits`.
+int64_t region_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type, int bits) {
+  if (bits == 0) return kv_bytes_for(cfg, elem, slots, type);
+  int64_t b = 0;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    if (type >= 0 && cfg.is_sliding(l) != (type == 0)) continue;
+    if (cfg.kv_shared(l)) continue;
+    const int64_t D = cfg.layer_head_dim[l];
+    b += 2 * cfg.kv_heads(l) * slots * (ops::code_bytes(D, bits) + 2 * ops::side_halves(D));
+  }
+  return b;
+}
+
+// The note of a restored region's line: how it is stored.
+std::string region_note(int bits) {
+  return bits == 0 ? "" : std::string(", stored as ") + region_code_name(bits) + " coded rows";
+}
 
 }  // namespace
 
@@ -199,7 +216,7 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
     m.add({MemoryPart::SlidingExact, "verifier sliding: exact window ring", p.sliding_ring,
                     slots(p.sliding_ring_slots) + " (window + chunk - 1); sinks sit in the restored region"});
     m.add({MemoryPart::SlidingRestored, "verifier sliding: restored K/V", p.sliding_rest,
-                    slots(p.sliding_rest_slots) + " (sliding window - window + chunk - 1)"});
+                    slots(p.sliding_rest_slots) + " (sliding window - window + chunk - 1)" + region_note(o.region_bits)});
   }
   if (p.has_full) {
     switch (o.full_attn) {
@@ -210,7 +227,7 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
       case FullAttn::Restored:
         m.add({MemoryPart::FullExact, "verifier full-attention: exact window ring", p.full_exact, slots(p.full_exact_slots)});
         m.add({MemoryPart::FullRestored, "verifier full-attention: restored K/V", p.full_rest,
-                        slots(p.full_rest_slots) + " (every position: not bounded)", true});
+                        slots(p.full_rest_slots) + " (every position: not bounded)" + region_note(o.region_bits), true});
         break;
       case FullAttn::Codec:
         m.add({MemoryPart::FullExact, "verifier full-attention: exact window ring", p.full_exact,
@@ -286,7 +303,7 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
     p.sliding_ring_slots = std::min(n, w + c - 1);
     p.sliding_rest_slots = std::min(n, std::max<int64_t>(1, cfg.sliding_window - w + c - 1));
     p.sliding_ring = kv_bytes_for(cfg, elem, p.sliding_ring_slots, 0);
-    p.sliding_rest = kv_bytes_for(cfg, elem, p.sliding_rest_slots, 0);
+    p.sliding_rest = region_bytes_for(cfg, elem, p.sliding_rest_slots, 0, o.region_bits);
   }
   if (p.has_full) {
     if (o.full_attn == FullAttn::Exact) {
@@ -294,7 +311,7 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
     } else if (o.full_attn == FullAttn::Restored) {
       p.full_exact_slots = std::min(n, w + c - 1);
       p.full_rest_slots = n;
-      p.full_rest = kv_bytes_for(cfg, elem, n, 1);
+      p.full_rest = region_bytes_for(cfg, elem, n, 1, o.region_bits);
     } else {
       KAKEYA_CHECK(o.codec, "memory plan: --full-attn codec without a codec");
       const int64_t B = o.codec->options().block;

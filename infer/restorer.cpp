@@ -39,6 +39,14 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
                "decode: --chunk expected in [1, window=" << o.window << "] (0: window), got " << o.chunk
                                                          << " (a longer chunk would need restored K/V of itself)");
   KAKEYA_CHECK(o.mix_alpha >= 0.0 && o.mix_alpha <= 1.0, "decode: --mix-alpha expected in [0, 1], got " << o.mix_alpha);
+  KAKEYA_CHECK(o.region_bits == 0 || o.region_bits == 8 || o.region_bits == 4,
+               "decode: --restored-code expected none | int8 | int4 (bits 0, 8, 4), got " << o.region_bits << " bits");
+  if (o.region_bits > 0)
+    for (int64_t l = 0; l < cfg.num_layers; ++l)
+      KAKEYA_CHECK(cfg.layer_head_dim[l] % ops::kCodeGroup == 0,
+                   "decode: --restored-code " << region_code_name(o.region_bits) << " codes rows in groups of "
+                                              << ops::kCodeGroup << " values; layer " << l << " has head_dim "
+                                              << cfg.layer_head_dim[l]);
   bool has_sliding = false, has_full = false;
   for (int64_t l = 0; l < cfg.num_layers; ++l) (cfg.is_sliding(l) ? has_sliding : has_full) = true;
   if (has_sliding)
@@ -198,7 +206,8 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
       std::tie(L.args.sink_k, L.args.sink_v) = cache.exact_ring(l);
       L.args.sink = opt.sink;
       L.args.sink_ring = cache.exact_slots(l);
-      std::tie(L.k_cache, L.v_cache) = cache.restored_region(l);
+      if (cache.region_coded(l)) L.codes = cache.region_codes(l);
+      else std::tie(L.k_cache, L.v_cache) = cache.restored_region(l);
       layers.push_back(std::move(L));
     }
     store_ = std::make_unique<ops::RestoreStore>(std::move(layers));
@@ -534,6 +543,7 @@ KVCacheOptions restored_cache_options(const Model& v, const FTheta* f, const Res
   co.restore.full_coded_block = o.full_attn == FullAttn::Codec ? o.codec->options().block : 0;
   co.restore.max_chunk = o.resolved_chunk();
   co.restore.linear = linear;
+  co.restore.region_bits = o.region_bits;
   return co;
 }
 

@@ -6,6 +6,8 @@
 
 #include <unistd.h>
 
+#include <tuple>
+
 #include "core/io/fs.h"
 #include "core/kernels/ops.h"
 #include "core/model/rope.h"
@@ -222,6 +224,71 @@ TEST_P(CudaOps, RestoreStoreLayersWithSinks) {
   }
 }
 
+// RestoreStore into coded regions (--restored-code): the rows it stores are what quantize_rows
+// makes of the dense rows the reference computes (above): side values and codes may differ only
+// where the kernel's dense row differs from the reference's by a bf16 rounding, by one step.
+TEST_P(CudaOps, RestoreStoreCodedRegion) {
+  for (int bits : {8, 4}) {
+    for (const auto& [Hkv, D, sink] : {std::tuple<int64_t, int64_t, int64_t>{1, 256, 4}, {2, 64, 3}, {3, 128, 0}}) {
+      const int64_t P = 100, kvd = Hkv * D, ring = 11, rest = 23;
+      auto positions = at::tensor(std::vector<int64_t>{2, 0, 13, 5, 1, 30, 8}, at::kLong);
+      const int64_t N = positions.numel();
+      auto k_raw = at::randn({N, kvd + 3}).to(dt()), v_raw = at::randn({N, kvd + 5}).to(dt()) * 3;
+      ops::NormSpec ns{1e-6, true};
+      RopeParams rp;
+      rp.theta = 10000;
+      RopeTable rope(rp, D, P, dt(), at::kCPU), grope(rp, D, P, dt(), kCuda);
+      auto kw = at::randn({D}) * 0.2 + 1;
+      auto exact_k = at::randn({1, Hkv, ring, D}).to(dt()), exact_v = at::randn_like(exact_k);
+      auto k = ops::rms_norm(k_raw.slice(-1, 1, 1 + kvd).view({1, N, Hkv, D}), kw, ns);
+      auto k_ref = rope.apply(k, positions).transpose(1, 2);                                 // [1, H, N, D]
+      auto v_ref = v_raw.slice(-1, 2, 2 + kvd).view({1, N, Hkv, D}).transpose(1, 2).contiguous();
+      auto is_sink = positions.lt(sink).view({1, 1, N, 1});
+      k_ref = at::where(is_sink, exact_k.index_select(2, positions.remainder(ring)), k_ref);
+      v_ref = at::where(is_sink, exact_v.index_select(2, positions.remainder(ring)), v_ref);
+      auto bopt = at::TensorOptions().dtype(at::kByte).device(kCuda);
+      auto hopt = at::TensorOptions().dtype(at::kHalf).device(kCuda);
+      ops::RestoreStore::Layer R;
+      R.k_src = 1;
+      R.v_src = 2;
+      R.args.num_kv_heads = Hkv;
+      R.args.head_dim = D;
+      R.args.norm = ns;
+      R.args.k_norm = kw.to(kCuda);
+      R.args.cos = grope.cos();
+      R.args.sin = grope.sin();
+      R.args.ring = rest;
+      R.args.sink = sink;
+      R.args.sink_ring = ring;
+      R.args.sink_k = exact_k.to(kCuda);
+      R.args.sink_v = exact_v.to(kCuda);
+      R.codes.bits = bits;
+      R.codes.k_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, bits)}, bopt);
+      R.codes.v_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, bits)}, bopt);
+      R.codes.k_side = at::zeros({1, Hkv, rest, ops::side_halves(D)}, hopt);
+      R.codes.v_side = at::zeros({1, Hkv, rest, ops::side_halves(D)}, hopt);
+      ops::CodedSlots got = R.codes;
+      ops::RestoreStore store({R});
+      store.run(k_raw.to(kCuda), v_raw.to(kCuda), positions.to(kCuda));
+      const auto slot = positions.remainder(rest);
+      for (int kv = 0; kv < 2; ++kv) {
+        const std::string tag = std::string(kv ? "v" : "k") + " bits=" + std::to_string(bits) + " D=" + std::to_string(D);
+        auto [want_c, want_s] = ops::quantize_rows(kv ? v_ref : k_ref, bits);  // [1, H, N, .]
+        auto gc = (kv ? got.v_codes : got.k_codes).cpu().index_select(2, slot);
+        auto gs = (kv ? got.v_side : got.k_side).cpu().index_select(2, slot);
+        auto want = ops::dequantize_rows(want_c, want_s, bits, at::kFloat);
+        auto have = ops::dequantize_rows(gc, gs, bits, at::kFloat);
+        auto step = want_s.view({1, Hkv, N, D / 32, 2}).select(-1, 0).to(at::kFloat).repeat_interleave(32, -1).view_as(want);
+        auto err = (have - want).abs();
+        const bool f32 = dt() == at::kFloat;
+        EXPECT_TRUE(err.le(step * 1.01 + want.abs() * (f32 ? 1e-4 : 2e-2) + 1e-4).all().item<bool>())
+            << tag << ": max err " << err.max().item<double>();
+        EXPECT_GE(gc.eq(want_c).to(at::kFloat).mean().item<double>(), f32 ? 0.99 : 0.95) << tag;
+      }
+    }
+  }
+}
+
 // Bad input to RestoreStore: layers that disagree, raw rows too narrow -> a clear error.
 TEST_P(CudaOps, RestoreStoreRejectsMismatches) {
   auto opt = at::TensorOptions().dtype(dt()).device(kCuda);
@@ -305,6 +372,55 @@ TEST_P(CudaOps, DecodeAttention) {
                      " rwin=" + std::to_string(c.rwin) + " block=" + std::to_string(c.block) +
                      " keep_below=" + std::to_string(c.keep_below));
   }
+}
+
+// decode_attention over a layer whose restored region is coded rows: the reference decodes the
+// region (dequantize_rows, f32) and attends over [ring ++ region] as above.
+TEST_P(CudaOps, DecodeAttentionCodedRegion) {
+  struct Case { int64_t Hq, Hkv, D, ring, rows, T, window, rwin, keep_below; int bits; };
+  for (auto c : {Case{4, 1, 256, 271, 511, 1, 512, 256, -1, 4}, Case{4, 1, 256, 40, 77, 16, 0, 33, -1, 8},
+                 Case{6, 2, 64, 19, 45, 3, 50, 13, -1, 4}, Case{8, 1, 128, 37, 101, 1, 0, 30, 9, 4},
+                 Case{4, 2, 512, 23, 59, 5, 70, 21, -1, 8}}) {
+    const int64_t B = 2, T = c.T, S = c.ring + c.rows;
+    auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
+    auto k = at::randn({B, c.Hkv, S, c.D}).to(dt()), v = (at::randn({B, c.Hkv, S, c.D}) * 2).to(dt());
+    auto [kc, ks] = ops::quantize_rows(k.narrow(2, c.ring, c.rows), c.bits);
+    auto [vc, vs] = ops::quantize_rows(v.narrow(2, c.ring, c.rows), c.bits);
+    auto kf = at::cat({k.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(kc, ks, c.bits, at::kFloat)}, 2);
+    auto vf = at::cat({v.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(vc, vs, c.bits, at::kFloat)}, 2);
+    // Ring slots hold recent positions, region slots older ones (as a restored layer's do), a few empty.
+    auto slot_pos = at::cat({at::randperm(c.ring, at::kLong) + c.rows, at::randperm(c.rows, at::kLong)});
+    slot_pos.index_put_({at::arange(0, S, 11)}, -1);
+    auto q_pos = at::arange(S - T, S, at::kLong);
+    auto in_restored = at::arange(S, at::kLong).ge(c.ring);
+    auto sp = slot_pos.unsqueeze(0), qp = q_pos.unsqueeze(1);
+    auto mask = sp.ge(0).logical_and(sp.le(qp));
+    if (c.window) mask = mask.logical_and((qp - sp).lt(c.window));
+    mask = mask.logical_and((qp - sp).lt(c.rwin).ne(in_restored.unsqueeze(0)));
+    if (c.keep_below >= 0) mask = mask.logical_and(in_restored.logical_and(slot_pos.ge(c.keep_below)).logical_not().unsqueeze(0));
+    const double scale = 1.0 / std::sqrt((double)c.D);
+    const int64_t G = c.Hq / c.Hkv;
+    auto qf = q.to(at::kFloat).permute({0, 2, 1, 3}).reshape({B, c.Hkv, G, T, c.D});
+    auto sc = at::matmul(qf, kf.unsqueeze(2).transpose(-1, -2)) * scale;
+    sc = sc.masked_fill(mask.logical_not(), -INFINITY);
+    auto ref = at::nan_to_num(at::matmul(at::softmax(sc, -1), vf.unsqueeze(2)), 0.0)
+                   .reshape({B, c.Hq, T, c.D}).permute({0, 2, 1, 3}).reshape({B, T, c.Hq * c.D}).to(dt());
+    ops::CopyRule rule{in_restored.to(kCuda), c.rwin, 0, c.keep_below};
+    rule.codes = {kc.to(kCuda), vc.to(kCuda), ks.to(kCuda), vs.to(kCuda), c.bits};
+    auto got = ops::decode_attention(q.to(kCuda), k.narrow(2, 0, c.ring).contiguous().to(kCuda),
+                                     v.narrow(2, 0, c.ring).contiguous().to(kCuda), slot_pos.to(kCuda), q_pos.to(kCuda),
+                                     c.window, scale, 0.0, rule);
+    expect_close(got, ref, "coded decode_attention D=" + std::to_string(c.D) + " bits=" + std::to_string(c.bits) +
+                               " T=" + std::to_string(T));
+  }
+  // A coded region whose rows do not add up to the slot positions: refused, naming the counts.
+  auto q = at::randn({1, 1, 4, 64}).to(dt()).to(kCuda);
+  auto k = at::randn({1, 1, 8, 64}).to(dt()).to(kCuda);
+  auto [kc, ks] = ops::quantize_rows(at::randn({1, 1, 5, 64}), 4);
+  ops::CopyRule rule{at::arange(12, at::kLong).ge(8).to(kCuda), 4, 0, -1};
+  rule.codes = {kc.to(kCuda), kc.to(kCuda), ks.to(kCuda), ks.to(kCuda), 4};
+  auto pos = at::arange(12, at::TensorOptions().dtype(at::kLong).device(kCuda));
+  EXPECT_THROW(ops::decode_attention(q, k, k, pos, pos.narrow(0, 11, 1), 0, 0.125, 0.0, rule), c10::Error);
 }
 
 TEST_P(CudaOps, Linear) {

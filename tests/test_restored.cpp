@@ -14,6 +14,8 @@
 //     equals its reforward reference, and loses against the full cache; a layer list
 //     restores exactly those layers; an f_θ reading the target features restores
 //     incrementally as its reforward reference does;
+//   - restored regions stored as coded rows (--restored-code): incremental = reforward, exact
+//     restoration stays close to the full cache, the region costs the coded bytes of the plan;
 //   - bad input fails with a clear error.
 #include <ATen/ATen.h>
 
@@ -466,6 +468,51 @@ TEST(RestoredCodec, PlanAt8kIsWithinAFifthOfFullKv) {
   }
 }
 
+// ---- restored regions stored as coded rows (--restored-code int8 | int4) ----
+
+DecodeOptions coded_region_options(DecodeMode mode, int bits, double alpha, int64_t max_new) {
+  auto o = options(mode, alpha, max_new);
+  o.restore.region_bits = bits;
+  return o;
+}
+
+// The coded region changes what restored positions hold, not the rules: the incremental decoder
+// and its reforward reference quantize the same restored rows, so they agree token for token.
+TEST(RestoredRegionCode, IncrementalEqualsReforward) {
+  auto inc = decode(model(), &drafter(), &ftheta(), prompt(), coded_region_options(DecodeMode::Restored, 4, 0.0, 4));
+  auto o = coded_region_options(DecodeMode::RestoredReforward, 4, 0.0, 4);
+  o.restore.chunk = 5;
+  auto ref = decode(model(), &drafter(), &ftheta(), prompt(), o);
+  EXPECT_EQ(inc.tokens, ref.tokens);
+  EXPECT_DOUBLE_EQ(inc.attention_fraction_sliding, 1.0);
+}
+
+// Exact restoration (a = 1) through coded regions: the teacher-forced NLL of the prompt stays
+// close to the full cache's (8 bits closer than 4), yet differs (the codes really are read), and
+// the region costs the coded bytes the plan computes: 288 (8 bits) / 160 (4 bits) bytes per
+// 256-value row against 1024 in f32.
+TEST(RestoredRegionCode, ExactRestorationStaysCloseAndCostsTheCodedBytes) {
+  ScoreOptions so;
+  const double ar = score(model(), prompt(), so).mean_nll();
+  double err[2] = {0, 0};
+  for (int i = 0; i < 2; ++i) {
+    const int bits = i == 0 ? 8 : 4;
+    auto o = coded_region_options(DecodeMode::Restored, bits, 1.0, 4);
+    err[i] = std::abs(score_restored(model(), nullptr, nullptr, prompt(), o.restore).mean_nll() - ar);
+    auto r = decode(model(), nullptr, nullptr, prompt(), o);
+    const int64_t n = prompt().size() + 4;
+    expect_same_kv_lines(r.memory, restored_memory_plan(model().config(), nullptr, o.restore, at::kFloat, n, n - 1));
+    // 15 sliding layers, K and V, one KV head, min(n, 512 - window + chunk - 1) = n slots.
+    EXPECT_EQ(r.memory.find(MemoryPart::SlidingRestored)->bytes, 15 * 2 * n * (bits == 8 ? 288 : 160));
+    EXPECT_NE(r.memory.table().find(bits == 8 ? "int8 coded rows" : "int4 coded rows"), std::string::npos);
+  }
+  std::printf("coded restored region, exact restoration: |NLL - full cache| = %.5f (int8), %.5f (int4)\n", err[0], err[1]);
+  EXPECT_GT(err[0], 0.0);
+  EXPECT_LT(err[0], 0.01);
+  EXPECT_LT(err[1], 0.1);
+  EXPECT_LT(err[0], err[1]);
+}
+
 TEST(Restored, BadInput) {
   auto o = options(DecodeMode::Restored, 0.0, 4);
   o.restore.window = 510;
@@ -504,6 +551,11 @@ TEST(Restored, BadInput) {
   o.restore.layers = "none";
   o.restore.stats = true;
   expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--stats");
+  o.restore.layers = "auto";
+  o.restore.stats = false;
+  o.restore.region_bits = 3;
+  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--restored-code");
+  expect_error([] { parse_region_code("int2"); }, "--restored-code: expected none | int8 | int4");
 }
 
 }  // namespace

@@ -62,7 +62,12 @@ void register_bench(CLI::App& app) {
   c->add_option("--ftheta", o->rf.ftheta, "--restored: f_θ directory, or random[:SEED]")->capture_default_str();
   c->add_option("--sink", o->rf.sink, "--restored: attention-sink positions")->capture_default_str();
   c->add_option("--window", o->rf.window, "--restored: exact recent positions")->capture_default_str();
+  c->add_option("--chunk", o->rf.chunk, "--restored: prefill tokens per forward, 1..window (0: window)")
+      ->capture_default_str();
   c->add_option("--full-attn", o->rf.full_attn, "--restored: exact | restored | codec")->capture_default_str();
+  c->add_option("--restored-code", o->rf.region_code, "--restored: restored regions stored as none | int8 | int4")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "int8", "int4"}));
   c->add_option("--calib", o->rf.calib, "--restored --full-attn codec: calibration bundle directory");
   c->add_option("--codec", o->rf.codec, "--restored --full-attn codec: codec spec (default: the bundle's release recipe)");
   o->df.add(c);

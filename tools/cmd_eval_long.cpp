@@ -168,7 +168,8 @@ void register_eval_long(CLI::App& app) {
                                             "perplexity) over decoder configs side by side");
   o->rf.add(c);
   c->add_option("--configs", o->configs,
-                "decoder configs: oracle | evict:W | restored:W | restored-all:W | restored-codec:W (W: exact window; "
+                "decoder configs: oracle | evict:W | restored:W | restored-all:W | restored-codec:W | restored-int8:W | "
+                "restored-int4:W (W: exact window; "
                 "the other restore options come from the flags above)")
       ->capture_default_str();
   c->add_option("--tasks", o->tasks, "all | none (perplexity only) | comma list of data/longeval.h tasks")

@@ -19,6 +19,10 @@ void RestoreFlags::add(CLI::App* c, bool with_alpha) {
   c->add_option("--full-attn", full_attn, "full-attention layers: exact | restored | codec")
       ->capture_default_str()
       ->check(CLI::IsMember({"exact", "restored", "codec"}));
+  c->add_option("--restored-code", region_code,
+                "restored regions stored as: none (the model dtype) | int8 | int4 (coded rows, groups of 32)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "int8", "int4"}));
   c->add_option("--restore-layers", layers,
                 "layers that read restored positions: auto (f_θ's measured list) | all | none (evict-only) | L1,L2,...")
       ->capture_default_str();
@@ -38,6 +42,7 @@ RestoreOptions RestoreFlags::options(const KVCodec* c) const {
   o.full_attn = parse_full_attn(full_attn);
   o.mix_alpha = mix_alpha;
   o.layers = layers;
+  o.region_bits = parse_region_code(region_code);
   return o;
 }
 

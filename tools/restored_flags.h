@@ -27,6 +27,7 @@ struct RestoreFlags {
   int64_t sink = RestoreOptions{}.sink, window = RestoreOptions{}.window, chunk = 0;
   std::string full_attn = "exact";
   std::string layers = "auto";  // --restore-layers (RestoreOptions::layers)
+  std::string region_code = "none";  // --restored-code (RestoreOptions::region_bits)
   double mix_alpha = 0.0;
   DeviceFlags df;
   void add(CLI::App* app, bool with_alpha = true);

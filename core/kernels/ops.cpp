@@ -88,6 +88,52 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 #endif
 }
 
+namespace {
+void check_code_args(int64_t D, int bits, const char* what) {
+  KAKEYA_CHECK(bits == 8 || bits == 4, what << ": bits expected 8 or 4, got " << bits);
+  KAKEYA_CHECK(D > 0 && D % kCodeGroup == 0,
+               what << ": row length " << D << " is not a multiple of the code group " << kCodeGroup);
+}
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int bits) {
+  const int64_t D = x.size(-1), G = D / kCodeGroup;
+  check_code_args(D, bits, "quantize_rows");
+  std::vector<int64_t> lead(x.sizes().begin(), x.sizes().end() - 1);
+  auto xf = x.to(at::kFloat).reshape({-1, G, kCodeGroup});          // [N, G, 32]
+  auto mn = std::get<0>(xf.min(-1, true)), mx = std::get<0>(xf.max(-1, true));
+  const double levels = (1 << bits) - 1;
+  auto scale_h = ((mx - mn) / levels).to(at::kHalf), min_h = mn.to(at::kHalf);  // [N, G, 1]
+  auto sf = scale_h.to(at::kFloat), mf = min_h.to(at::kFloat);
+  auto c = at::where(sf.gt(0), at::round((xf - mf) / sf), at::zeros_like(xf)).clamp(0, levels).to(at::kByte);
+  c = c.reshape({-1, D});                                           // [N, D]
+  if (bits == 4) {
+    auto pairs = c.view({-1, D / 2, 2});
+    c = pairs.select(-1, 0).bitwise_or(pairs.select(-1, 1).bitwise_left_shift(4));  // [N, D/2]
+  }
+  auto side = at::cat({scale_h, min_h}, -1).reshape({-1, 2 * G});   // [N, 2G]: (scale, min) per group
+  auto codes_shape = lead, side_shape = lead;
+  codes_shape.push_back(code_bytes(D, bits));
+  side_shape.push_back(2 * G);
+  return {c.reshape(codes_shape), side.reshape(side_shape)};
+}
+
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, int bits, at::ScalarType dtype) {
+  const int64_t D = codes.size(-1) * 8 / bits, G = D / kCodeGroup;
+  check_code_args(D, bits, "dequantize_rows");
+  KAKEYA_CHECK(codes.scalar_type() == at::kByte && side.scalar_type() == at::kHalf && side.size(-1) == 2 * G,
+               "dequantize_rows: codes uint8 [..., " << code_bytes(D, bits) << "] and side f16 [..., " << 2 * G
+                                                     << "] expected, got " << codes.sizes() << " / " << side.sizes());
+  std::vector<int64_t> shape(codes.sizes().begin(), codes.sizes().end() - 1);
+  shape.push_back(D);
+  auto c = codes.reshape({-1, codes.size(-1)});
+  if (bits == 4) c = at::stack({c.bitwise_and(15), c.bitwise_right_shift(4)}, -1);  // [N, D/2, 2]
+  auto cf = c.reshape({-1, G, kCodeGroup}).to(at::kFloat);
+  auto sd = side.reshape({-1, G, 2}).to(at::kFloat);
+  auto x = sd.narrow(-1, 1, 1) + sd.narrow(-1, 0, 1) * cf;          // min + scale · c
+  return x.reshape(shape).to(dtype);
+}
+
 RestoreStore::RestoreStore(std::vector<Layer> layers) : layers_(std::move(layers)) {
 #ifdef KAKEYA_CUDA
   desc_ = cuda::restore_store_descriptors(layers_);

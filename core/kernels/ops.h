@@ -71,6 +71,31 @@ struct QKRopeArgs {
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
                               at::Tensor& k_cache, at::Tensor& v_cache);
 
+// ---- coded rows: a restored region stored in 8 or 4 bits per value ----
+// Each row of D values (one position's K or V head) in groups of kCodeGroup consecutive values:
+// per group an affine code x ≈ min + scale · c, c in 0 .. 2^bits - 1, with scale = (max - min) /
+// (2^bits - 1) and min kept in f16 and c = round_half_even((x - min) / scale) computed from the f16
+// values (0 where scale is 0). 4 bits: value 2i in the low nibble of byte i, 2i + 1 in the high one.
+// D = 256 costs 160 bytes per row in 4 bits (bf16: 512), 288 in 8 bits.
+constexpr int64_t kCodeGroup = 32;
+// Bytes of the codes / f16 side values of one row of D values.
+inline int64_t code_bytes(int64_t D, int bits) { return D * bits / 8; }
+inline int64_t side_halves(int64_t D) { return D / kCodeGroup * 2; }
+// x [..., D] (D a multiple of kCodeGroup; any float dtype and device) ->
+// {codes [..., code_bytes(D, bits)] uint8, side [..., side_halves(D)] f16: (scale, min) per group}.
+std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int bits);
+// codes, side as above -> [..., D] in dtype (min + scale · c in f32, then cast).
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, int bits, at::ScalarType dtype);
+
+// A layer's restored region in coded rows (KVCache with RestorePolicy::region_bits): slot s >= ring
+// of the layer (s - ring = row of the region) is read from here; the dense K/V hold the ring only.
+struct CodedSlots {
+  at::Tensor k_codes, v_codes;  // [B, H_kv, R, code_bytes(D, bits)] uint8
+  at::Tensor k_side, v_side;    // [B, H_kv, R, side_halves(D)] f16
+  int bits = 0;                 // 0: no coded region
+  bool defined() const { return bits > 0; }
+};
+
 // Restoration's store for several layers in one launch (infer/restored.h): per layer, the
 // K/V-only qk_norm_rope_store into its restored region (k normed + RoPE'd, v raw; positions
 // < sink copied from its exact ring). Layers, buffers and tables are fixed at construction
@@ -82,6 +107,8 @@ class RestoreStore {
     int64_t k_src = 0, v_src = 0;  // column of the layer's head 0 in the raw k / v rows
     QKRopeArgs args;               // num_heads 0; k_norm, cos/sin, norm, ring, sink, sink_ring, sink_k/v
     at::Tensor k_cache, v_cache;   // [1, H_kv, S, D] the restored region (rows contiguous)
+    CodedSlots codes;              // or, when defined, the region as coded rows (k_cache/v_cache unused):
+                                   // each stored row is what quantize_rows makes of the dense one
   };
   // Every layer has the same H_kv, head dim, dtype, norm spec and sink.
   explicit RestoreStore(std::vector<Layer> layers);
@@ -105,11 +132,13 @@ struct CopyRule {
   int64_t window = 0;
   int64_t block = 0;
   int64_t keep_below = -1;  // >= 0: restored-region slots holding positions >= this are hidden (a dropping layer)
+  CodedSlots codes;         // the restored region stored as coded rows (undefined: as dense K/V)
 };
 
 // Attention of T queries per sequence over a cache whose slots carry absolute
 // positions (split-K flash-decoding; decode steps, verify blocks, drafter blocks).
-// q: [B, T, Hq, D]; k, v: [B, H_kv, S, D]; slot_pos: [S] int64 (-1 empty);
+// q: [B, T, Hq, D]; k, v: [B, H_kv, S, D] ([B, H_kv, ring, D] when copies.codes holds the
+// restored region's S - ring rows); slot_pos: [S] int64 (-1 empty);
 // q_pos: [T] int64 on the device, or [1] shared by all T queries (a drafter block,
 // whose queries all see up to the block's last position). Slot s is visible to query
 // t iff 0 <= p = slot_pos[s] <= q_pos[t], (window == 0 or q_pos[t] - p < window) and

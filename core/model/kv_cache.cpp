@@ -27,6 +27,8 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
     KAKEYA_CHECK(rp.max_chunk <= rp.window,
                  "KV cache: restore chunks of " << rp.max_chunk << " tokens exceed the exact window " << rp.window
                                                 << " (a chunk's queries would need restored K/V of the chunk itself)");
+    KAKEYA_CHECK(rp.region_bits == 0 || rp.region_bits == 8 || rp.region_bits == 4,
+                 "KV cache: restored-region bits expected 0 (the cache dtype), 8 or 4, got " << rp.region_bits);
     KAKEYA_CHECK(rp.full_coded_block >= 0 && !(rp.full && rp.full_coded_block > 0),
                  "KV cache: full-attention layers are either restored or coded (full_coded_block "
                      << rp.full_coded_block << ")");
@@ -64,6 +66,7 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
   auto fopt = at::TensorOptions().dtype(opt.dtype).device(opt.device);
   dk_.resize(cfg.num_layers);
   dv_.resize(cfg.num_layers);
+  codes_.resize(cfg.num_layers);
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     const int64_t H = cfg.kv_heads(l), D = cfg.layer_head_dim[l];
     const TypeState& st = state(l);
@@ -88,9 +91,34 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
       v_.push_back(scratch_v_);
       continue;
     }
+    if (st.policy && rp.region_bits > 0) {
+      KAKEYA_CHECK(D % ops::kCodeGroup == 0, "KV cache: a coded restored region needs head dims that are multiples of "
+                                                 << ops::kCodeGroup << "; layer " << l << " has " << D);
+      ops::CodedSlots& c = codes_[l];
+      c.bits = rp.region_bits;
+      auto bopt = at::TensorOptions().dtype(at::kByte).device(opt.device);
+      auto hopt = at::TensorOptions().dtype(at::kHalf).device(opt.device);
+      c.k_codes = at::zeros({opt.batch, H, st.rest, ops::code_bytes(D, c.bits)}, bopt);
+      c.v_codes = at::zeros({opt.batch, H, st.rest, ops::code_bytes(D, c.bits)}, bopt);
+      c.k_side = at::zeros({opt.batch, H, st.rest, ops::side_halves(D)}, hopt);
+      c.v_side = at::zeros({opt.batch, H, st.rest, ops::side_halves(D)}, hopt);
+      k_.push_back(at::zeros({opt.batch, H, st.ring, D}, fopt));
+      v_.push_back(at::zeros({opt.batch, H, st.ring, D}, fopt));
+      continue;
+    }
     k_.push_back(at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt));
     v_.push_back(at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt));
   }
+}
+
+bool KVCache::region_coded(int64_t layer) const { return codes_[layer].defined(); }
+
+std::pair<at::Tensor, at::Tensor> KVCache::attend_kv(int64_t layer) const {
+  const ops::CodedSlots& c = codes_[layer];
+  if (!c.defined()) return {k_[layer], v_[layer]};
+  const auto dt = k_[layer].scalar_type();
+  return {at::cat({k_[layer], ops::dequantize_rows(c.k_codes, c.k_side, c.bits, dt)}, 2),
+          at::cat({v_[layer], ops::dequantize_rows(c.v_codes, c.v_side, c.bits, dt)}, 2)};
 }
 
 const at::Tensor& KVCache::slot_positions(int64_t layer) const { return state(layer).pos; }
@@ -141,7 +169,8 @@ at::Tensor KVCache::visible(int64_t layer, const at::Tensor& q_pos) const {
 ops::CopyRule KVCache::copy_rule(int64_t layer) const {
   const TypeState& s = state(layer);
   if (!s.policy) return {};
-  return {s.in_restored, s.window, s.coded ? s.block : 0, opt_.restore.drops(layer) ? opt_.restore.sink : -1};
+  return {s.in_restored, s.window, s.coded ? s.block : 0, opt_.restore.drops(layer) ? opt_.restore.sink : -1,
+          codes_[layer]};
 }
 
 void KVCache::mark(const at::Tensor& positions) {
@@ -224,9 +253,25 @@ void KVCache::mark_restored(LayerType type, const at::Tensor& positions) {
 void KVCache::write_restored(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
   const TypeState& s = state(layer);
   KAKEYA_CHECK(s.policy && !s.coded, "KV cache: write_restored on layer " << layer << ", which has no restoration");
+  ops::CodedSlots& c = codes_[layer];
+  if (c.defined()) {
+    auto slot = positions.remainder(s.rest);
+    auto [kc, ks] = ops::quantize_rows(k, c.bits);
+    auto [vc, vs] = ops::quantize_rows(v, c.bits);
+    c.k_codes.index_copy_(2, slot, kc);
+    c.k_side.index_copy_(2, slot, ks);
+    c.v_codes.index_copy_(2, slot, vc);
+    c.v_side.index_copy_(2, slot, vs);
+    return;
+  }
   auto slot = positions.remainder(s.rest) + s.ring;
   k_[layer].index_copy_(2, slot, k);
   v_[layer].index_copy_(2, slot, v);
+}
+
+ops::CodedSlots KVCache::region_codes(int64_t layer) {
+  KAKEYA_CHECK(codes_[layer].defined(), "KV cache: region_codes of layer " << layer << ", whose restored region is not coded");
+  return codes_[layer];
 }
 
 std::pair<at::Tensor, at::Tensor> KVCache::exact_kv(int64_t layer, const at::Tensor& positions) const {
@@ -244,7 +289,8 @@ std::pair<at::Tensor, at::Tensor> KVCache::exact_ring(int64_t layer) {
 
 std::pair<at::Tensor, at::Tensor> KVCache::restored_region(int64_t layer) {
   const TypeState& s = state(layer);
-  KAKEYA_CHECK(s.policy && !s.coded, "KV cache: restored_region of layer " << layer << ", which has no restoration");
+  KAKEYA_CHECK(s.policy && !s.coded && !codes_[layer].defined(),
+               "KV cache: restored_region of layer " << layer << ", which has no dense restored region");
   return {k_[layer].narrow(2, s.ring, s.rest), v_[layer].narrow(2, s.ring, s.rest)};
 }
 
@@ -278,7 +324,20 @@ void KVCache::truncate(int64_t n) {
 int64_t KVCache::layer_bytes(int64_t l) const {
   if (cfg_.kv_shared(l)) return 0;  // aliases kv_layer[l]'s buffers
   const at::Tensor& k = dk_[l].defined() ? dk_[l] : k_[l];
-  return 2 * k.numel() * k.element_size();
+  return 2 * k.numel() * k.element_size() + region_code_bytes(l);
+}
+
+int64_t KVCache::region_code_bytes(int64_t l) const {
+  const ops::CodedSlots& c = codes_[l];
+  if (!c.defined()) return 0;
+  int64_t b = 0;
+  for (const at::Tensor* t : {&c.k_codes, &c.v_codes, &c.k_side, &c.v_side}) b += t->numel() * t->element_size();
+  return b;
+}
+
+// Dense bytes of one slot of layer l (K and V).
+int64_t KVCache::slot_bytes(int64_t l) const {
+  return 2 * opt_.batch * cfg_.kv_heads(l) * cfg_.layer_head_dim[l] * k_[l].element_size();
 }
 
 int64_t KVCache::scratch_bytes() const {
@@ -301,14 +360,15 @@ int64_t KVCache::bytes_per_layer_type(LayerType t) const {
 int64_t KVCache::exact_bytes(LayerType t) const {
   int64_t b = 0;
   for (size_t l = 0; l < k_.size(); ++l)
-    if (cfg_.layer_types[l] == t) b += layer_bytes(l) / (state(l).coded ? state(l).ring : slots(l)) * state(l).ring;
+    if (cfg_.layer_types[l] == t && !cfg_.kv_shared(l)) b += slot_bytes(l) * state(l).ring;
   return b;
 }
 
 int64_t KVCache::restored_bytes(LayerType t) const {
   int64_t b = 0;
   for (size_t l = 0; l < k_.size(); ++l)
-    if (cfg_.layer_types[l] == t && !state(l).coded) b += layer_bytes(l) / slots(l) * state(l).rest;
+    if (cfg_.layer_types[l] == t && !state(l).coded && !cfg_.kv_shared(l))
+      b += codes_[l].defined() ? region_code_bytes(l) : slot_bytes(l) * state(l).rest;
   return b;
 }
 

@@ -19,6 +19,12 @@
 // and `capacity` slots on full-attention layers. A position may sit in both
 // parts at once; the mask shows each query exactly one of the two copies.
 //
+// Coded restored regions (RestorePolicy::region_bits 8 or 4): a restored layer keeps its
+// exact ring dense and its restored region as coded rows (core/kernels/ops.h quantize_rows,
+// about 0.31x of bf16 in 4 bits): keys()/values() then hold the ring only, the attention
+// kernel reads the region's codes itself (copy_rule), and attend_kv() gives the reference
+// paths (prefill chunks, CPU) the whole layer decoded.
+//
 // Coded full-attention layers (RestorePolicy::full_coded_block > 0, the restored
 // decoder's --full-attn codec): every position keeps its exact K/V, but stored
 // through a KV codec once it is old. Each such layer owns only a dense exact ring
@@ -58,6 +64,7 @@ struct RestorePolicy {
   // (evict-only on that layer). Restoration still writes the region; the mask hides it.
   std::vector<bool> drop;
   int64_t sink = 0;
+  int region_bits = 0;    // 8 or 4: restored regions stored as coded rows (0: in the cache dtype)
   bool enabled() const { return window > 0; }
   bool drops(int64_t layer) const { return layer < (int64_t)drop.size() && drop[layer]; }
 };
@@ -79,7 +86,7 @@ class KVCache {
   int64_t capacity() const { return opt_.capacity; }
   const KVCacheOptions& options() const { return opt_; }
   int64_t num_layers() const { return (int64_t)k_.size(); }
-  int64_t slots(int64_t layer) const { return k_[layer].size(2); }
+  int64_t slots(int64_t layer) const { return state(layer).pos.size(0); }
 
   // Writes K/V of T new tokens at absolute `positions` for one layer.
   // k, v: [B, H_kv, T, D] (post-RoPE k). positions: [T] int64 on the cache device.
@@ -92,8 +99,13 @@ class KVCache {
   void truncate(int64_t n);
   void clear() { truncate(0); }
 
-  const at::Tensor& keys(int64_t layer) const { return k_[layer]; }     // [B, H_kv_l, S_l, D_l]
-  const at::Tensor& values(int64_t layer) const { return v_[layer]; }   // [B, H_kv_l, S_l, D_l]
+  // The dense slots: [B, H_kv_l, S_l, D_l], or the exact ring only ([B, H_kv_l, exact_slots, D_l])
+  // on a layer whose restored region is coded (region_coded).
+  const at::Tensor& keys(int64_t layer) const { return k_[layer]; }
+  const at::Tensor& values(int64_t layer) const { return v_[layer]; }
+  // Every slot dense, {k, v} [B, H_kv_l, S_l, D_l]: keys()/values(), or on a coded-region layer
+  // the ring followed by the decoded region (a temporary: the reference attention path).
+  std::pair<at::Tensor, at::Tensor> attend_kv(int64_t layer) const;
   // Writable buffers for kernels that store K/V themselves (slot = position mod S_l;
   // only on layers without restoration, see plain()).
   at::Tensor& k_mut(int64_t layer) { return k_[layer]; }
@@ -115,6 +127,7 @@ class KVCache {
   bool restored(int64_t layer) const;            // the policy restores this layer (f_θ / exact copies)
   bool coded(int64_t layer) const;               // full-attention layer stored through a codec
   bool plain(int64_t layer) const;               // neither: slot = position mod S_l
+  bool region_coded(int64_t layer) const;        // a restored layer whose restored region is coded rows
   int64_t exact_slots(int64_t layer) const;      // exact ring (all slots on plain layers)
   int64_t restored_slots(int64_t layer) const;   // restored region (0 on plain layers)
   // Restored K/V of positions that left the exact window: k (post-RoPE), v: [B, H_kv, N, D].
@@ -127,7 +140,8 @@ class KVCache {
   // position mod n: the exact ring (n = exact_slots) and the restored region (n = restored_slots),
   // for a kernel that stores restored K/V itself (what write_restored and exact_kv address).
   std::pair<at::Tensor, at::Tensor> exact_ring(int64_t layer);
-  std::pair<at::Tensor, at::Tensor> restored_region(int64_t layer);
+  std::pair<at::Tensor, at::Tensor> restored_region(int64_t layer);  // not on coded-region layers:
+  ops::CodedSlots region_codes(int64_t layer);                       // theirs, row = position mod n
 
   // ---- coded full-attention layers ----
   // Positions < coded_below(q) are read by the query at q from their coded copy (whole
@@ -163,11 +177,14 @@ class KVCache {
   TypeState& state(int64_t layer) { return cfg_.is_sliding(layer) ? sliding_ : full_; }
   const TypeState& state(int64_t layer) const { return cfg_.is_sliding(layer) ? sliding_ : full_; }
   int64_t layer_bytes(int64_t layer) const;
+  int64_t region_code_bytes(int64_t layer) const;  // a coded restored region's codes and side values
+  int64_t slot_bytes(int64_t layer) const;         // one dense slot of K and V
 
   const ModelConfig& cfg_;
   KVCacheOptions opt_;
   std::vector<at::Tensor> k_, v_;       // per layer [B, H_kv_l, S_l, D_l] (coded layers: the shared scratch)
   std::vector<at::Tensor> dk_, dv_;     // per coded layer [B, H_kv, ring, D] dense exact ring (else undefined)
+  std::vector<ops::CodedSlots> codes_;  // per coded-region layer: its restored region (else bits 0)
   at::Tensor scratch_k_, scratch_v_;    // [B, H_kv, ring + capacity, D] shared by the coded layers
   HistoryLoader loader_;
   TypeState full_, sliding_;

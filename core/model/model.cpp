@@ -356,7 +356,8 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
                                    sliding ? cfg_.sliding_window : 0, cfg_.attn_scale,
                                    cfg_.attn_logit_softcap.value_or(0.0), cache.copy_rule(l));
     } else {
-      attn = attention(l, q, cache.keys(l), cache.values(l), mask[sliding][cache.options().restore.drops(l)]);
+      const auto [k_all, v_all] = cache.attend_kv(l);
+      attn = attention(l, q, k_all, v_all, mask[sliding][cache.options().restore.drops(l)]);
     }
     at::Tensor a = ops::linear(attn, w.o, w.o_bias);  // [B, T, hidden]
     tap(Tap::AttnOut, a);

@@ -4,6 +4,7 @@
 # build-cuda/ between calls):
 #   STEP=check  tools/device/restored_eval.sh   # CUDA graph path: a=1 == ar, restored == restored-reforward
 #   STEP=bench  tools/device/restored_eval.sh   # kakeya bench decode --restored at 8k, --full-attn exact and codec
+#               (CODES="none int8 int4": also each --restored-code; CHUNK: --chunk, 0 = the window)
 #   STEP=niah   tools/device/restored_eval.sh   # NIAH ladder 1k..16k, --full-attn exact and codec
 #               (FULL_ATTNS="codec" runs one policy per call when both do not fit in 9 minutes)
 #   STEP=sweep  tools/device/restored_eval.sh   # sweep-alpha at 1k
@@ -45,6 +46,10 @@ case ${STEP:-check} in
       $K decode "${COMMON[@]}" --prompt "$P" --max-new-tokens 32 --stats --compare-ar --json "$OUT/check_restored.json"
       $K decode "${COMMON[@]}" --mode restored-reforward --prompt "${P:0:1200}" --max-new-tokens 8 --json "$OUT/check_reforward.json"
       $K decode "${COMMON[@]}" --prompt "${P:0:1200}" --max-new-tokens 8 --json "$OUT/check_incremental.json"
+      # Coded restored regions: the same rules, so incremental == reforward with int4 rows too.
+      $K decode "${COMMON[@]}" --restored-code int4 --mode restored-reforward --prompt "${P:0:1200}" --max-new-tokens 8 \
+        --json "$OUT/check_reforward_int4.json"
+      $K decode "${COMMON[@]}" --restored-code int4 --prompt "${P:0:1200}" --max-new-tokens 8 --json "$OUT/check_incremental_int4.json"
     } > "$OUT/check.log" 2>&1 || { tail -40 "$OUT/check.log"; exit 1; }
     grep -E "^\[decode|identical|differs" "$OUT/check.log"
     python3 - "$OUT" <<'PY'
@@ -55,14 +60,19 @@ print("a=1 restored == ar on CUDA:", a1["ar"]["identical"], "agreeing prefix", a
 inc = json.load(open(f"{d}/check_incremental.json"))["prompts"][0]["generated_ids"]
 ref = json.load(open(f"{d}/check_reforward.json"))["prompts"][0]["generated_ids"]
 print("restored == restored-reforward on CUDA:", inc == ref, inc, ref)
+inc = json.load(open(f"{d}/check_incremental_int4.json"))["prompts"][0]["generated_ids"]
+ref = json.load(open(f"{d}/check_reforward_int4.json"))["prompts"][0]["generated_ids"]
+print("restored == restored-reforward on CUDA, int4 restored region:", inc == ref, inc, ref)
 PY
     ;;
   bench)
     for FA in $FULL_ATTNS; do
-      echo "[restored] bench decode at 8k, --full-attn $FA"
-      $K bench decode --device cuda --model "$MODEL" --prompt-len 8192 --new-tokens 256 --repeats 5 --no-peer \
-        --restored --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" --window "$WINDOW" --full-attn "$FA" \
-        --calib "$CALIB" --json "$OUT/bench_$FA.json" 2>&1 | tail -12
+      for CODE in ${CODES:-none}; do
+        echo "[restored] bench decode at 8k, --full-attn $FA --restored-code $CODE"
+        $K bench decode --device cuda --model "$MODEL" --prompt-len 8192 --new-tokens 256 --repeats 5 --no-peer \
+          --restored --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" --window "$WINDOW" --full-attn "$FA" \
+          --restored-code "$CODE" --chunk "${CHUNK:-0}" --calib "$CALIB" --json "$OUT/bench_${FA}_$CODE.json" 2>&1 | tail -14
+      done
     done ;;
   niah)
     for FA in $FULL_ATTNS; do

@@ -7,6 +7,7 @@
 // PyTorch would materialise a T tensor, we round to T (to_t(from_t(...))).
 #pragma once
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cmath>
@@ -256,8 +257,86 @@ struct RestoreLayerDesc {
   const void* sink_v;
   int64_t head_stride;
   int64_t k_src, v_src;          // column of this layer's head 0 in the k/v raw rows
-  int ring, sink_ring, rot, pad;
+  // A coded region (bits > 0; k and v unused): row (h, slot) at kc + h·code_head_stride +
+  // slot·code_bytes, side values at ks + h·side_head_stride + slot·side_halves (v: vc, vs).
+  void* kc;
+  void* vc;
+  void* ks;
+  void* vs;
+  int64_t code_head_stride, side_head_stride;
+  int ring, sink_ring, rot, bits;
 };
+
+// ---------------------------------------------------------------------------
+// Coded rows (core/kernels/ops.h quantize_rows, whose arithmetic this follows step for step so
+// the codes match the reference): groups of 32 values, x ≈ min + scale · c.
+__device__ __forceinline__ unsigned code_of(float x, float scale, float mn, int levels) {
+  if (!(scale > 0.f)) return 0u;
+  const float c = rintf(__fdiv_rn(__fsub_rn(x, mn), scale));
+  return (unsigned)fminf(fmaxf(c, 0.f), (float)levels);
+}
+
+// One row of D values (a shared-memory copy, already rounded to T) into its codes and side
+// values, one thread per group.
+template <typename T>
+__device__ __forceinline__ void code_row(const T* row, int D, int bits, uint8_t* __restrict__ codes,
+                                         __half* __restrict__ side) {
+  const int levels = (1 << bits) - 1;
+  for (int g = threadIdx.x; g < D / 32; g += blockDim.x) {
+    const T* x = row + g * 32;
+    float mn = from_t<T>(x[0]), mx = mn;
+    for (int i = 1; i < 32; ++i) {
+      const float v = from_t<T>(x[i]);
+      mn = fminf(mn, v);
+      mx = fmaxf(mx, v);
+    }
+    const __half sh = __float2half_rn(__fdiv_rn(__fsub_rn(mx, mn), (float)levels)), mh = __float2half_rn(mn);
+    side[2 * g] = sh;
+    side[2 * g + 1] = mh;
+    const float sf = __half2float(sh), mf = __half2float(mh);
+    if (bits == 8) {
+      for (int i = 0; i < 32; ++i) codes[g * 32 + i] = (uint8_t)code_of(from_t<T>(x[i]), sf, mf, levels);
+    } else {
+      for (int i = 0; i < 32; i += 2)
+        codes[(g * 32 + i) / 2] = (uint8_t)(code_of(from_t<T>(x[i]), sf, mf, levels) |
+                                            (code_of(from_t<T>(x[i + 1]), sf, mf, levels) << 4));
+    }
+  }
+}
+
+// NB bytes from p (NB-aligned: a row's bytes start at a multiple of its 32- or 128-byte size)
+// in one load where the width allows, into b.
+template <int NB>
+__device__ __forceinline__ void load_bytes(const uint8_t* __restrict__ p, uint8_t* b) {
+  if constexpr (NB == 16) *reinterpret_cast<uint4*>(b) = *reinterpret_cast<const uint4*>(p);
+  else if constexpr (NB == 8) *reinterpret_cast<uint2*>(b) = *reinterpret_cast<const uint2*>(p);
+  else if constexpr (NB == 4) *reinterpret_cast<uint32_t*>(b) = *reinterpret_cast<const uint32_t*>(p);
+  else if constexpr (NB == 2) *reinterpret_cast<uint16_t*>(b) = *reinterpret_cast<const uint16_t*>(p);
+  else b[0] = p[0];
+}
+
+// The VPL values lane·VPL .. lane·VPL + VPL - 1 of a coded row (VPL even, within one group):
+// one load of the lane's code bytes and one of its group's (scale, min) pair.
+template <int VPL>
+__device__ __forceinline__ void load_coded(const uint8_t* __restrict__ codes, const __half* __restrict__ side, int bits,
+                                           int lane, float* out) {
+  const int d0 = lane * VPL;
+  const float2 sm = __half22float2(*reinterpret_cast<const __half2*>(side + 2 * (d0 / 32)));  // (scale, min)
+  if (bits == 8) {
+    alignas(16) uint8_t b[VPL];
+    load_bytes<VPL>(codes + d0, b);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) out[i] = sm.y + sm.x * (float)b[i];
+  } else {
+    alignas(16) uint8_t b[VPL / 2];
+    load_bytes<VPL / 2>(codes + d0 / 2, b);
+#pragma unroll
+    for (int i = 0; i < VPL; i += 2) {
+      out[i] = sm.y + sm.x * (float)(b[i / 2] & 15u);
+      out[i + 1] = sm.y + sm.x * (float)(b[i / 2] >> 4);
+    }
+  }
+}
 
 // k_raw/v_raw: [N, row] raw rows (row stride `row`); the head h of layer z at column
 // desc[z].k_src + h·D (v: v_src). positions: [N]. One block per (position, kv head, layer).
@@ -271,6 +350,24 @@ __global__ void restore_store_kernel(const T* __restrict__ k_raw, const T* __res
   const int n = blockIdx.x, h = blockIdx.y;
   const RestoreLayerDesc L = desc[blockIdx.z];
   const int64_t base = (int64_t)h * L.head_stride;
+  if (L.bits > 0) {
+    // The dense rows go to shared memory (a ring of one slot), then into their codes.
+    T* kr = reinterpret_cast<T*>(xs + D);
+    T* vr = kr + D;
+    const int64_t pos = positions[n];
+    store_kv_head<T>(k_raw + (int64_t)n * k_row + L.k_src + (int64_t)h * D,
+                     v_raw + (int64_t)n * v_row + L.v_src + (int64_t)h * D, L.k_w, (const T*)L.cos, (const T*)L.sin, pos,
+                     kr, vr, 1, L.sink_k ? (const T*)L.sink_k + base : nullptr,
+                     L.sink_v ? (const T*)L.sink_v + base : nullptr, L.sink_k ? sink : 0, L.sink_ring, D, L.rot, eps,
+                     unit_offset, xs, red);
+    __syncthreads();
+    const int64_t slot = pos % L.ring, cb = (int64_t)D * L.bits / 8, sh = D / 16;
+    code_row<T>(kr, D, L.bits, (uint8_t*)L.kc + h * L.code_head_stride + slot * cb,
+                (__half*)L.ks + h * L.side_head_stride + slot * sh);
+    code_row<T>(vr, D, L.bits, (uint8_t*)L.vc + h * L.code_head_stride + slot * cb,
+                (__half*)L.vs + h * L.side_head_stride + slot * sh);
+    return;
+  }
   store_kv_head<T>(k_raw + (int64_t)n * k_row + L.k_src + (int64_t)h * D,
                    v_raw + (int64_t)n * v_row + L.v_src + (int64_t)h * D, L.k_w, (const T*)L.cos, (const T*)L.sin,
                    positions[n], (T*)L.k + base, (T*)L.v + base, L.ring,
@@ -283,7 +380,8 @@ void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t
                           int layers, const int64_t* positions, int N, int Hkv, int D, int sink, float eps,
                           bool unit_offset, cudaStream_t s) {
   dim3 grid(N, Hkv, layers);
-  restore_store_kernel<T><<<grid, head_threads(D), D * sizeof(float), s>>>(k_raw, v_raw, k_row, v_row, desc, positions,
+  // xs [D] f32, then (coded regions) the K and V rows in T.
+  restore_store_kernel<T><<<grid, head_threads(D), D * sizeof(float) + 2 * D * sizeof(T), s>>>(k_raw, v_raw, k_row, v_row, desc, positions,
                                                                           D, sink, eps, unit_offset);
 }
 
@@ -301,6 +399,16 @@ void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t
 // region must match whether p is recent for the query: q - p < rwin (rblock == 0),
 // or p >= floor(max(q - rwin + 1, 0) / rblock) · rblock (coded layers); a restored-region
 // slot with p >= keep_below (>= 0: a layer that drops its restored positions) is hidden.
+// A restored region held as coded rows (ops::CodedSlots): slot j >= ring is row j - ring of
+// kc/vc (code_bytes each) with side values ks/vs; the dense k/v then hold the ring's slots only.
+struct CodedRegion {
+  const uint8_t* kc = nullptr;  // nullptr: no coded region
+  const uint8_t* vc = nullptr;
+  const __half* ks = nullptr;
+  const __half* vs = nullptr;
+  int bits = 0, ring = 0, rows = 0;
+};
+
 constexpr int kAttnWarps = 8;
 constexpr int kAttnChunk = 64;  // keys per block: 8 per warp keeps each warp's serial chain short
 
@@ -308,8 +416,8 @@ template <typename T, int VPL>  // VPL: values per lane = D / 32
 __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            const int64_t* __restrict__ slot_pos, const int64_t* __restrict__ q_pos,
                                            int qstride, const bool* __restrict__ in_restored, int rwin, int rblock,
-                                           int64_t keep_below, float* __restrict__ partial, int Tq, int Hq, int Hkv,
-                                           int S, int window, float scale, float softcap) {
+                                           int64_t keep_below, CodedRegion cr, float* __restrict__ partial, int Tq,
+                                           int Hq, int Hkv, int S, int window, float scale, float softcap) {
   constexpr int D = VPL * 32;
   const int chunk = blockIdx.x, bh = blockIdx.y, nchunks = gridDim.x;  // bh: row (b, t, hq) of q
   const int b = bh / (Tq * Hq), t = (bh / Hq) % Tq, hq = bh % Hq, hk = hq / (Hq / Hkv);
@@ -323,8 +431,10 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     acc[i] = 0.f;
   }
   float m = -INFINITY, l = 0.f;
-  const T* kb = k + ((int64_t)b * Hkv + hk) * S * D;
-  const T* vb = v + ((int64_t)b * Hkv + hk) * S * D;
+  const int dense = cr.kc ? cr.ring : S;  // slots the dense k/v hold
+  const T* kb = k + ((int64_t)b * Hkv + hk) * dense * D;
+  const T* vb = v + ((int64_t)b * Hkv + hk) * dense * D;
+  const int64_t crow0 = ((int64_t)b * Hkv + hk) * cr.rows;  // this head's first coded row
   const int start = chunk * kAttnChunk, end = min(S, start + kAttnChunk);
   for (int j = start + warp; j < end; j += kAttnWarps) {
     // Both loads issue together: the restored-region flag must not add a dependent load
@@ -337,16 +447,27 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
       if (recent == restored_slot) continue;  // the other region holds this query's copy
       if (restored_slot && keep_below >= 0 && p >= keep_below) continue;  // dropped on this layer
     }
+    float kv[VPL], vv[VPL];
+    if (cr.kc && j >= cr.ring) {  // warp-uniform
+      const int64_t r = crow0 + (j - cr.ring);
+      load_coded<VPL>(cr.kc + r * (D * cr.bits / 8), cr.ks + r * (D / 16), cr.bits, lane, kv);
+      load_coded<VPL>(cr.vc + r * (D * cr.bits / 8), cr.vs + r * (D / 16), cr.bits, lane, vv);
+    } else {
+      const T* kr = kb + (int64_t)j * D + lane * VPL;
+      const T* vr = vb + (int64_t)j * D + lane * VPL;
+      for (int i = 0; i < VPL; ++i) {
+        kv[i] = from_t<T>(kr[i]);
+        vv[i] = from_t<T>(vr[i]);
+      }
+    }
     float sdot = 0.f;
-    const T* kr = kb + (int64_t)j * D + lane * VPL;
-    for (int i = 0; i < VPL; ++i) sdot += qv[i] * from_t<T>(kr[i]);
+    for (int i = 0; i < VPL; ++i) sdot += qv[i] * kv[i];
     sdot = warp_sum(sdot);
     if (softcap > 0.f) sdot = tanhf(sdot / softcap) * softcap;
     const float m_new = fmaxf(m, sdot);
     const float corr = __expf(m - m_new), pj = __expf(sdot - m_new);
     l = l * corr + pj;
-    const T* vr = vb + (int64_t)j * D + lane * VPL;
-    for (int i = 0; i < VPL; ++i) acc[i] = acc[i] * corr + pj * from_t<T>(vr[i]);
+    for (int i = 0; i < VPL; ++i) acc[i] = acc[i] * corr + pj * vv[i];
     m = m_new;
   }
   // Merge the warps of this block.
@@ -406,16 +527,16 @@ inline int decode_attn_chunks(int S) { return (S + kAttnChunk - 1) / kAttnChunk;
 template <typename T>
 bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, const int64_t* q_pos,
                              int qstride, const bool* in_restored, int rwin, int rblock, int64_t keep_below,
-                             float* partial, T* out, int B, int Tq, int Hq, int Hkv, int S, int D, int window, float scale,
-                             float softcap, cudaStream_t s) {
+                             const CodedRegion& cr, float* partial, T* out, int B, int Tq, int Hq, int Hkv, int S, int D,
+                             int window, float scale, float softcap, cudaStream_t s) {
   const int nchunks = decode_attn_chunks(S);
   dim3 grid(nchunks, B * Tq * Hq);
   const int threads = kAttnWarps * 32;
 #define KAKEYA_ATTN_CASE(DIM, VPL)                                                                                  \
   case DIM:                                                                                                          \
     decode_attn_partial_kernel<T, VPL><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, qstride, in_restored, rwin, \
-                                                                 rblock, keep_below, partial, Tq, Hq, Hkv, S, window, \
-                                                                 scale, softcap);                                     \
+                                                                 rblock, keep_below, cr, partial, Tq, Hq, Hkv, S,     \
+                                                                 window, scale, softcap);                             \
     break;
   switch (D) {
     KAKEYA_ATTN_CASE(64, 2) KAKEYA_ATTN_CASE(128, 4) KAKEYA_ATTN_CASE(256, 8) KAKEYA_ATTN_CASE(512, 16)

@@ -161,6 +161,30 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   return q;
 }
 
+namespace {
+// Coded rows of a region [B, H_kv, R, ...]: contiguous, uint8 codes and f16 side values that fit D.
+void check_coded_slots(const CodedSlots& c, int64_t B, int64_t Hkv, int64_t D, const char* what) {
+  TORCH_CHECK(c.bits == 8 || c.bits == 4, what, ": bits 8 or 4, got ", c.bits);
+  for (const at::Tensor* t : {&c.k_codes, &c.v_codes, &c.k_side, &c.v_side}) {
+    check_cuda(*t, what);
+    TORCH_CHECK(t->is_contiguous() && t->dim() == 4 && t->size(0) == B && t->size(1) == Hkv &&
+                    t->size(2) == c.k_codes.size(2),
+                what, ": expected contiguous [", B, ", ", Hkv, ", R, .], got ", t->sizes());
+  }
+  TORCH_CHECK(c.k_codes.scalar_type() == at::kByte && c.v_codes.scalar_type() == at::kByte &&
+                  c.k_codes.size(3) == code_bytes(D, c.bits) && c.v_codes.size(3) == code_bytes(D, c.bits),
+              what, ": codes uint8 [.., ", code_bytes(D, c.bits), "] expected, got ", c.k_codes.sizes());
+  TORCH_CHECK(c.k_side.scalar_type() == at::kHalf && c.v_side.scalar_type() == at::kHalf &&
+                  c.k_side.size(3) == side_halves(D) && c.v_side.size(3) == side_halves(D),
+              what, ": side values f16 [.., ", side_halves(D), "] expected, got ", c.k_side.sizes());
+}
+// The activation dtype a RestoreStore layer works in: its dense caches', or its sinks' ring when coded.
+at::ScalarType layer_dtype(const RestoreStore::Layer& L) {
+  if (!L.codes.defined()) return L.k_cache.scalar_type();
+  return L.args.sink > 0 ? L.args.sink_k.scalar_type() : L.args.cos.scalar_type();
+}
+}  // namespace
+
 at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& layers) {
   TORCH_CHECK(!layers.empty() && layers.size() <= 65535, "RestoreStore: ", layers.size(), " layers (1 .. 65535)");
   const RestoreStore::Layer& first = layers[0];
@@ -168,32 +192,41 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
   for (size_t i = 0; i < layers.size(); ++i) {
     const RestoreStore::Layer& L = layers[i];
     const QKRopeArgs& a = L.args;
-    const at::Tensor &kc = L.k_cache, &vc = L.v_cache;
+    const CodedSlots& cs = L.codes;
+    // The region's K/V as the kernel addresses them (dense caches, or the codes, whose rows
+    // stand for the slots): dtype from the sink ring or caches, slots from whichever is stored.
+    const at::Tensor &kc = cs.defined() ? cs.k_codes : L.k_cache, &vc = cs.defined() ? cs.v_codes : L.v_cache;
+    const at::ScalarType dt = cs.defined() ? layer_dtype(L) : kc.scalar_type();
     TORCH_CHECK(a.num_heads == 0, "RestoreStore layer ", i, ": K/V only (num_heads 0), got ", a.num_heads);
-    check_cache_rows(kc, kc, "RestoreStore k_cache");
-    check_cache_rows(vc, kc, "RestoreStore v_cache");
-    TORCH_CHECK(kc.scalar_type() == at::kBFloat16 || kc.scalar_type() == at::kFloat, "RestoreStore layer ", i,
-                ": bf16 or f32 caches, got ", kc.scalar_type());
-    TORCH_CHECK(kc.size(0) == 1 && kc.size(1) == a.num_kv_heads && kc.size(3) == a.head_dim && vc.sizes() == kc.sizes() &&
-                    vc.scalar_type() == kc.scalar_type(),
-                "RestoreStore layer ", i, ": k/v caches ", kc.sizes(), " / ", vc.sizes(), " vs [1, ", a.num_kv_heads,
-                ", S, ", a.head_dim, "]");
+    if (cs.defined()) {
+      check_coded_slots(cs, 1, a.num_kv_heads, a.head_dim, "RestoreStore codes");
+    } else {
+      check_cache_rows(kc, kc, "RestoreStore k_cache");
+      check_cache_rows(vc, kc, "RestoreStore v_cache");
+      TORCH_CHECK(kc.size(0) == 1 && kc.size(1) == a.num_kv_heads && kc.size(3) == a.head_dim &&
+                      vc.sizes() == kc.sizes() && vc.scalar_type() == kc.scalar_type(),
+                  "RestoreStore layer ", i, ": k/v caches ", kc.sizes(), " / ", vc.sizes(), " vs [1, ", a.num_kv_heads,
+                  ", S, ", a.head_dim, "]");
+    }
+    TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "RestoreStore layer ", i, ": bf16 or f32 caches, got ", dt);
     TORCH_CHECK(a.num_kv_heads == first.args.num_kv_heads && a.head_dim == first.args.head_dim &&
-                    kc.scalar_type() == first.k_cache.scalar_type() && a.norm.eps == first.args.norm.eps &&
+                    dt == layer_dtype(first) && a.norm.eps == first.args.norm.eps &&
                     a.norm.unit_offset == first.args.norm.unit_offset && a.sink == first.args.sink,
                 "RestoreStore layer ", i, ": kv heads, head dim, dtype, norm and sink must match layer 0's");
     const int64_t ring = a.ring > 0 ? a.ring : kc.size(2);
     TORCH_CHECK(ring <= kc.size(2), "RestoreStore layer ", i, ": ring of ", ring, " slots in a cache of ", kc.size(2));
     TORCH_CHECK(L.k_src >= 0 && L.v_src >= 0, "RestoreStore layer ", i, ": negative source column");
     if (a.k_norm.defined()) check_w(a.k_norm, a.head_dim, "RestoreStore k_norm");
-    const int64_t rot = check_rope(a, kc.scalar_type(), a.head_dim, "RestoreStore");
+    const int64_t rot = check_rope(a, dt, a.head_dim, "RestoreStore");
     if (a.sink > 0) {
       TORCH_CHECK(a.sink_k.defined() && a.sink_v.defined(), "RestoreStore layer ", i, ": sink ", a.sink,
                   " needs sink_k/sink_v");
-      check_cache_rows(a.sink_k, kc, "RestoreStore sink_k");
-      check_cache_rows(a.sink_v, kc, "RestoreStore sink_v");
+      // Uncoded, the sinks' ring shares the region's head stride (one stride in the descriptor).
+      const at::Tensor& like = cs.defined() ? a.sink_k : kc;
+      check_cache_rows(a.sink_k, like, "RestoreStore sink_k");
+      check_cache_rows(a.sink_v, like, "RestoreStore sink_v");
       TORCH_CHECK(a.sink_ring > 0 && a.sink_ring <= a.sink_k.size(2) && a.sink_k.sizes().slice(0, 2) == kc.sizes().slice(0, 2) &&
-                      a.sink_k.sizes() == a.sink_v.sizes() && a.sink_k.scalar_type() == kc.scalar_type(),
+                      a.sink_k.size(3) == a.head_dim && a.sink_k.sizes() == a.sink_v.sizes() && a.sink_k.scalar_type() == dt,
                   "RestoreStore layer ", i, ": sink buffers ", a.sink_k.sizes(), " / ring ", a.sink_ring,
                   " do not match the cache ", kc.sizes());
     }
@@ -201,11 +234,22 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
     d.k_w = a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr;
     d.cos = a.cos.data_ptr();
     d.sin = a.sin.data_ptr();
-    d.k = kc.data_ptr();
-    d.v = vc.data_ptr();
+    if (cs.defined()) {
+      d.kc = cs.k_codes.data_ptr();
+      d.vc = cs.v_codes.data_ptr();
+      d.ks = cs.k_side.data_ptr();
+      d.vs = cs.v_side.data_ptr();
+      d.code_head_stride = cs.k_codes.stride(1);
+      d.side_head_stride = cs.k_side.stride(1);
+      d.bits = cs.bits;
+    } else {
+      d.k = kc.data_ptr();
+      d.v = vc.data_ptr();
+    }
     d.sink_k = a.sink > 0 ? a.sink_k.data_ptr() : nullptr;
     d.sink_v = a.sink > 0 ? a.sink_v.data_ptr() : nullptr;
-    d.head_stride = kc.stride(1);
+    // The sinks' exact ring is addressed with this stride too (the cache's head stride).
+    d.head_stride = cs.defined() ? (a.sink > 0 ? a.sink_k.stride(1) : 0) : kc.stride(1);
     d.k_src = L.k_src;
     d.v_src = L.v_src;
     d.ring = (int)ring;
@@ -215,13 +259,14 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
   }
   auto host = at::empty({(int64_t)(desc.size() * sizeof(k::RestoreLayerDesc))}, at::kByte);
   std::memcpy(host.data_ptr(), desc.data(), host.numel());
-  return host.to(first.k_cache.device());
+  return host.to((first.codes.defined() ? first.codes.k_codes : first.k_cache).device());
 }
 
 void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer>& layers, const at::Tensor& k_raw,
                    const at::Tensor& v_raw, const at::Tensor& positions) {
   const QKRopeArgs& a = layers[0].args;
-  const at::Tensor& kc = layers[0].k_cache;
+  const at::ScalarType dt = layer_dtype(layers[0]);
+  const at::Device dev = (layers[0].codes.defined() ? layers[0].codes.k_codes : layers[0].k_cache).device();
   check_cuda(k_raw, "RestoreStore k_raw");
   check_cuda(v_raw, "RestoreStore v_raw");
   check_cuda(positions, "RestoreStore positions");
@@ -229,17 +274,17 @@ void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer
   TORCH_CHECK(positions.scalar_type() == at::kLong, "RestoreStore positions must be int64");
   TORCH_CHECK(k_raw.dim() == 2 && v_raw.dim() == 2 && k_raw.size(0) == N && v_raw.size(0) == N,
               "RestoreStore: raw rows [N, F] for ", N, " positions expected, got ", k_raw.sizes(), " / ", v_raw.sizes());
-  TORCH_CHECK(k_raw.scalar_type() == kc.scalar_type() && v_raw.scalar_type() == kc.scalar_type(),
-              "RestoreStore: raw rows must be ", kc.scalar_type(), ", got ", k_raw.scalar_type());
+  TORCH_CHECK(k_raw.scalar_type() == dt && v_raw.scalar_type() == dt, "RestoreStore: raw rows must be ", dt, ", got ",
+              k_raw.scalar_type());
   for (const auto& L : layers)
     TORCH_CHECK(L.k_src + Hkv * D <= k_raw.size(1) && L.v_src + Hkv * D <= v_raw.size(1), "RestoreStore: a layer reads columns ",
                 L.k_src, " / ", L.v_src, " + ", Hkv * D, " past the raw rows ", k_raw.sizes(), " / ", v_raw.sizes());
   for (const auto& L : layers)
-    TORCH_CHECK(N <= (L.args.ring > 0 ? L.args.ring : L.k_cache.size(2)), "RestoreStore: ", N,
-                " positions do not fit a ring of ", L.args.ring);
+    TORCH_CHECK(N <= (L.args.ring > 0 ? L.args.ring : (L.codes.defined() ? L.codes.k_codes : L.k_cache).size(2)),
+                "RestoreStore: ", N, " positions do not fit a ring of ", L.args.ring);
   if (N == 0) return;
-  c10::cuda::CUDAGuard g(kc.device());
-  dispatch(kc.scalar_type(), [&](auto* tag) {
+  c10::cuda::CUDAGuard g(dev);
+  dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     k::launch_restore_store<T>(ptr<T>(k_raw), ptr<T>(v_raw), k_raw.size(1), v_raw.size(1),
                                reinterpret_cast<const k::RestoreLayerDesc*>(desc.data_ptr()), (int)layers.size(),
@@ -258,9 +303,26 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   check_cuda(slot_pos, "decode_attention slot_pos");
   check_cuda(q_pos, "decode_attention q_pos");
   TORCH_CHECK(q.dim() == 4, "decode_attention q: expected [B, T, Hq, D], got ", q.sizes());
-  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), S = slot_pos.numel();
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D, "decode_attention k/v: ", k.sizes(), " vs q ",
               q.sizes());
+  const CodedSlots& cs = copies.codes;
+  k::CodedRegion cr;
+  if (cs.defined()) {
+    TORCH_CHECK(copies.in_restored.defined(), "decode_attention: a coded region without a copy rule");
+    check_coded_slots(cs, B, Hkv, D, "decode_attention codes");
+    TORCH_CHECK(k.size(2) + cs.k_codes.size(2) == S, "decode_attention: ", k.size(2), " dense + ", cs.k_codes.size(2),
+                " coded slots vs ", S, " slot positions");
+    cr.kc = cs.k_codes.data_ptr<uint8_t>();
+    cr.vc = cs.v_codes.data_ptr<uint8_t>();
+    cr.ks = reinterpret_cast<const __half*>(cs.k_side.data_ptr());
+    cr.vs = reinterpret_cast<const __half*>(cs.v_side.data_ptr());
+    cr.bits = cs.bits;
+    cr.ring = (int)k.size(2);
+    cr.rows = (int)cs.k_codes.size(2);
+  } else {
+    TORCH_CHECK(k.size(2) == S, "decode_attention: k/v hold ", k.size(2), " slots vs ", S, " slot positions");
+  }
   TORCH_CHECK(Hq % Hkv == 0, "decode_attention: ", Hq, " q heads vs ", Hkv, " kv heads");
   TORCH_CHECK(slot_pos.numel() == S && slot_pos.scalar_type() == at::kLong, "slot_pos: expected [", S, "] int64");
   TORCH_CHECK((q_pos.numel() == T || q_pos.numel() == 1) && q_pos.scalar_type() == at::kLong,
@@ -285,7 +347,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     ok = k::launch_decode_attention<T_>(ptr<T_>(q), ptr<T_>(k), ptr<T_>(v), slot_pos.data_ptr<int64_t>(),
                                         q_pos.data_ptr<int64_t>(), q_pos.numel() == 1 ? 0 : 1, in_restored,
                                         (int)copies.window, (int)copies.block,
-                                        in_restored ? copies.keep_below : (int64_t)-1, partial.data_ptr<float>(), ptr<T_>(out),
+                                        in_restored ? copies.keep_below : (int64_t)-1, cr, partial.data_ptr<float>(), ptr<T_>(out),
                                         B, T, Hq, Hkv, S, D, window, scale, softcap, at::cuda::getCurrentCUDAStream());
   });
   TORCH_CHECK(ok, "decode_attention: head dim ", D, " not supported (64, 128, 256, 512)");
