@@ -94,9 +94,7 @@ struct ConfigRun {
 // A config's restore options as its report writes them (null for the oracle); --resume compares them.
 nlohmann::json restore_json(const ConfigRun& run) {
   if (run.config->oracle()) return nullptr;
-  auto j = run.restore.to_json();
-  j["layers"] = run.restore.layers;
-  return j;
+  return run.restore.to_json();
 }
 
 // Paired mean difference × scale with its 95% interval (null below 2 pairs) and the pair count.

@@ -21,28 +21,23 @@ std::string mib(int64_t b) {
   return buf;
 }
 
-// K/V bytes of `slots` positions on every layer of one type (or all layers).
-int64_t kv_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type /* -1 all, 0 sliding, 1 full */) {
+// Bytes of `slots` positions per layer of one type (-1 all, 0 sliding, 1 full): dense K/V in
+// `elem`-byte values, or (bits 8 or 4) coded rows of a restored region (ops::quantize_rows).
+int64_t region_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type, int bits) {
   int64_t b = 0;
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     if (type >= 0 && cfg.is_sliding(l) != (type == 0)) continue;
     if (cfg.kv_shared(l)) continue;  // reads another layer's K/V
-    b += 2 * cfg.kv_heads(l) * cfg.layer_head_dim[l] * slots * elem;
+    const int64_t D = cfg.layer_head_dim[l];
+    const int64_t row = bits == 0 ? D * elem : ops::code_bytes(D, bits) + 2 * ops::side_halves(D);
+    b += 2 * cfg.kv_heads(l) * slots * row;
   }
   return b;
 }
 
-// A restored region of `slots` positions per layer of one type: dense, or coded rows of `bits`.
-int64_t region_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type, int bits) {
-  if (bits == 0) return kv_bytes_for(cfg, elem, slots, type);
-  int64_t b = 0;
-  for (int64_t l = 0; l < cfg.num_layers; ++l) {
-    if (type >= 0 && cfg.is_sliding(l) != (type == 0)) continue;
-    if (cfg.kv_shared(l)) continue;
-    const int64_t D = cfg.layer_head_dim[l];
-    b += 2 * cfg.kv_heads(l) * slots * (ops::code_bytes(D, bits) + 2 * ops::side_halves(D));
-  }
-  return b;
+// Dense K/V bytes of `slots` positions on every layer of one type (or all layers).
+int64_t kv_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type) {
+  return region_bytes_for(cfg, elem, slots, type, 0);
 }
 
 // The note of a restored region's line: how it is stored.

@@ -375,7 +375,7 @@ int64_t KVCache::restored_bytes(LayerType t) const {
 int64_t KVCache::full_kv_bytes(int64_t n) const {
   int64_t b = 0;
   for (size_t l = 0; l < k_.size(); ++l)
-    if (!cfg_.kv_shared(l)) b += 2 * opt_.batch * cfg_.kv_heads(l) * n * cfg_.layer_head_dim[l] * k_[l].element_size();
+    if (!cfg_.kv_shared(l)) b += slot_bytes(l) * n;
   return b;
 }
 
@@ -384,7 +384,7 @@ int64_t KVCache::native_kv_bytes(int64_t n) const {
   for (size_t l = 0; l < k_.size(); ++l) {
     if (cfg_.kv_shared(l)) continue;
     int64_t m = cfg_.is_sliding(l) && cfg_.sliding_window > 0 ? std::min(n, cfg_.sliding_window) : n;
-    b += 2 * opt_.batch * cfg_.kv_heads(l) * m * cfg_.layer_head_dim[l] * k_[l].element_size();
+    b += slot_bytes(l) * m;
   }
   return b;
 }

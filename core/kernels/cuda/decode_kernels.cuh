@@ -349,30 +349,23 @@ __global__ void restore_store_kernel(const T* __restrict__ k_raw, const T* __res
   extern __shared__ float xs[];
   const int n = blockIdx.x, h = blockIdx.y;
   const RestoreLayerDesc L = desc[blockIdx.z];
-  const int64_t base = (int64_t)h * L.head_stride;
-  if (L.bits > 0) {
-    // The dense rows go to shared memory (a ring of one slot), then into their codes.
-    T* kr = reinterpret_cast<T*>(xs + D);
-    T* vr = kr + D;
-    const int64_t pos = positions[n];
-    store_kv_head<T>(k_raw + (int64_t)n * k_row + L.k_src + (int64_t)h * D,
-                     v_raw + (int64_t)n * v_row + L.v_src + (int64_t)h * D, L.k_w, (const T*)L.cos, (const T*)L.sin, pos,
-                     kr, vr, 1, L.sink_k ? (const T*)L.sink_k + base : nullptr,
-                     L.sink_v ? (const T*)L.sink_v + base : nullptr, L.sink_k ? sink : 0, L.sink_ring, D, L.rot, eps,
-                     unit_offset, xs, red);
-    __syncthreads();
-    const int64_t slot = pos % L.ring, cb = (int64_t)D * L.bits / 8, sh = D / 16;
-    code_row<T>(kr, D, L.bits, (uint8_t*)L.kc + h * L.code_head_stride + slot * cb,
-                (__half*)L.ks + h * L.side_head_stride + slot * sh);
-    code_row<T>(vr, D, L.bits, (uint8_t*)L.vc + h * L.code_head_stride + slot * cb,
-                (__half*)L.vs + h * L.side_head_stride + slot * sh);
-    return;
-  }
+  const int64_t base = (int64_t)h * L.head_stride, pos = positions[n];
+  // A coded region: the dense rows go to shared memory (a ring of one slot), then into their codes.
+  const bool coded = L.bits > 0;  // the same for the whole block
+  T* kr = coded ? reinterpret_cast<T*>(xs + D) : (T*)L.k + base;
+  T* vr = coded ? kr + D : (T*)L.v + base;
   store_kv_head<T>(k_raw + (int64_t)n * k_row + L.k_src + (int64_t)h * D,
-                   v_raw + (int64_t)n * v_row + L.v_src + (int64_t)h * D, L.k_w, (const T*)L.cos, (const T*)L.sin,
-                   positions[n], (T*)L.k + base, (T*)L.v + base, L.ring,
-                   L.sink_k ? (const T*)L.sink_k + base : nullptr, L.sink_v ? (const T*)L.sink_v + base : nullptr,
-                   L.sink_k ? sink : 0, L.sink_ring, D, L.rot, eps, unit_offset, xs, red);
+                   v_raw + (int64_t)n * v_row + L.v_src + (int64_t)h * D, L.k_w, (const T*)L.cos, (const T*)L.sin, pos,
+                   kr, vr, coded ? 1 : L.ring, L.sink_k ? (const T*)L.sink_k + base : nullptr,
+                   L.sink_v ? (const T*)L.sink_v + base : nullptr, L.sink_k ? sink : 0, L.sink_ring, D, L.rot, eps,
+                   unit_offset, xs, red);
+  if (!coded) return;
+  __syncthreads();
+  const int64_t slot = pos % L.ring, cb = (int64_t)D * L.bits / 8, sh = D / 16;
+  code_row<T>(kr, D, L.bits, (uint8_t*)L.kc + h * L.code_head_stride + slot * cb,
+              (__half*)L.ks + h * L.side_head_stride + slot * sh);
+  code_row<T>(vr, D, L.bits, (uint8_t*)L.vc + h * L.code_head_stride + slot * cb,
+              (__half*)L.vs + h * L.side_head_stride + slot * sh);
 }
 
 template <typename T>
