@@ -25,7 +25,13 @@ void DeviceFlags::add(CLI::App* app) {
 at::Device DeviceFlags::torch_device() const {
   if (device == "cuda") {
     KAKEYA_CHECK(at::hasCUDA(), "--device cuda: no CUDA device is available to this build (built with KAKEYA_CUDA=ON?)");
+#ifdef KAKEYA_CUDA
+    // The current GPU: 0, except under `kakeya launch`, where train/dist.h made the rank's own
+    // GPU current before the model is loaded (a fixed 0 put every rank's model on GPU 0).
+    return at::Device(at::kCUDA, at::cuda::current_device());
+#else
     return at::Device(at::kCUDA, 0);
+#endif
   }
   return at::kCPU;
 }
