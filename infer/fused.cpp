@@ -261,6 +261,7 @@ KVCacheOptions fused_cache_options(const Model& v, const FTheta* f, const Restor
   KVCacheOptions co = restored_cache_options(v, f, o, capacity, false);
   co.rollback = B;  // a block's rejected tail sits in the exact ring until the next block overwrites it
   co.restore.max_chunk = std::max(o.resolved_chunk(), B);  // restored regions cover a whole verify block's span
+  co.restore.max_step = B;  // verify blocks write before attending (the attention kernel, graph-captured)
   return co;
 }
 

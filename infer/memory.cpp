@@ -174,9 +174,14 @@ void add_baselines(MemoryReport& m, const ModelConfig& cfg, int64_t elem, int64_
 }  // namespace
 
 MemoryReport ar_memory_report(const Model& v, int64_t capacity) {
+  MemoryReport m = ar_memory_plan(v.config(), v.dtype(), capacity);
+  add_weights(m, v, nullptr, nullptr, nullptr);
+  return m;
+}
+
+MemoryReport ar_memory_plan(const ModelConfig& cfg, at::ScalarType dtype, int64_t capacity) {
   MemoryReport m;
-  const auto& cfg = v.config();
-  const int64_t elem = c10::elementSize(v.dtype());
+  const int64_t elem = c10::elementSize(dtype);
   bool has_sliding = false;
   for (int64_t l = 0; l < cfg.num_layers; ++l) has_sliding |= cfg.is_sliding(l);
   // generate()'s cache: sliding rings of min(capacity, window) slots (rollback 0), full layers capacity.
@@ -185,7 +190,6 @@ MemoryReport ar_memory_report(const Model& v, int64_t capacity) {
                     kv_bytes_for(cfg, elem, std::min(capacity, cfg.sliding_window), 0), "exact, sliding window slots"});
   m.add({MemoryPart::FullExact, "verifier full-attention layers: exact", kv_bytes_for(cfg, elem, capacity, 1), "every position", true});
   add_baselines(m, cfg, elem, capacity);
-  add_weights(m, v, nullptr, nullptr, nullptr);
   return m;
 }
 
@@ -209,7 +213,7 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
   auto slots = [](int64_t n) { return std::to_string(n) + " slots"; };
   if (p.has_sliding) {
     m.add({MemoryPart::SlidingExact, "verifier sliding: exact window ring", p.sliding_ring,
-                    slots(p.sliding_ring_slots) + " (window + chunk - 1); sinks sit in the restored region"});
+                    slots(p.sliding_ring_slots) + " (window; prefill chunks attend over [ring ++ chunk]); sinks sit in the restored region"});
     m.add({MemoryPart::SlidingRestored, "verifier sliding: restored K/V", p.sliding_rest,
                     slots(p.sliding_rest_slots) + " (sliding window - window + chunk - 1)" + region_note(o.region_bits)});
   }
@@ -236,7 +240,7 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
   }
   if (p.pending > 0)
     m.add({MemoryPart::RestorePending, "f_θ inputs: drafter raw K/V + target features not yet restored", p.pending,
-                    "rings of window + chunk positions"});
+                    "rings of window positions"});
   if (p.true_raw > 0)
     m.add({MemoryPart::TrueRaw, "true raw K/V kept (research mode)", p.true_raw,
                     o.mix_alpha > 0 ? "--mix-alpha > 0 blends the verifier's own K/V: not a bounded-memory result"
@@ -283,8 +287,8 @@ MemoryReport restored_memory_report(const Model& v, const Drafter* d, const FThe
 }
 
 
-MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* dc, const RestoreOptions& o,
-                                  at::ScalarType dtype, int64_t n, int64_t served) {
+MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* dc, const FThetaConfig* fc,
+                                  const RestoreOptions& o, at::ScalarType dtype, int64_t n, int64_t served) {
   const int64_t elem = c10::elementSize(dtype), w = o.window, c = o.resolved_chunk();
   KvParts p;
   int64_t first_full = -1;
@@ -295,7 +299,7 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
   p.has_full = first_full >= 0;
   // The KVCache layout (core/model/kv_cache.cpp), rollback 0, written out again on purpose: tests compare the two.
   if (p.has_sliding) {
-    p.sliding_ring_slots = std::min(n, w + c - 1);
+    p.sliding_ring_slots = std::min(n, w);  // decode steps write first (max_step 1)
     p.sliding_rest_slots = std::min(n, std::max<int64_t>(1, cfg.sliding_window - w + c - 1));
     p.sliding_ring = kv_bytes_for(cfg, elem, p.sliding_ring_slots, 0);
     p.sliding_rest = region_bytes_for(cfg, elem, p.sliding_rest_slots, 0, o.region_bits);
@@ -320,17 +324,48 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
     }
     p.full_exact = kv_bytes_for(cfg, elem, p.full_exact_slots, 1);
   }
-  // The Restorer's rings: window + chunk positions (drafter raw K/V in the verifier dtype; true raw K/V).
-  const int64_t ring = w + c;
+  // The Restorer's rings: window positions (drafter raw K/V in the verifier dtype; true raw K/V).
+  const int64_t ring = w;
   if (o.needs_ftheta()) {
-    KAKEYA_CHECK(dc, "memory plan: --mix-alpha < 1 needs the drafter config");
-    p.pending = 2 * ring * dc->num_layers * dc->num_kv_heads * dc->head_dim * elem;
-    p.pending += ring * dc->num_features() * cfg.hidden_size * elem;  // target features (Restorer::start_upkeep)
+    KAKEYA_CHECK(dc && fc, "memory plan: --mix-alpha < 1 needs the drafter and f_θ configs");
+    // Target features (Restorer::start_upkeep); an f_θ that reads the drafter's raw K/V keeps those too.
+    p.pending = ring * dc->num_features() * cfg.hidden_size * elem;
+    if (!fc->reads_features()) p.pending += 2 * ring * dc->num_layers * dc->num_kv_heads * dc->head_dim * elem;
   }
   if (o.needs_true_raw())
     p.true_raw = kv_bytes_for(cfg, elem, ring, o.full_attn == FullAttn::Restored ? -1 : 0);
   return memory_lines(p, cfg, elem, o, n);
 }
 
+
+nlohmann::json BudgetFit::to_json() const {
+  return {{"budget_bytes", budget},          {"longest_context", longest},
+          {"limited_by_model", limited_by_model}, {"context", context},
+          {"session_kv_bytes", session_bytes}, {"sessions", sessions}};
+}
+
+BudgetFit fit_budget(const std::function<int64_t(int64_t)>& kv_bytes_at, int64_t budget, int64_t max_context,
+                     int64_t context) {
+  KAKEYA_CHECK(budget > 0, "memory budget expected > 0 bytes, got " << budget);
+  KAKEYA_CHECK(context >= 1 && context <= max_context,
+               "memory fit: context " << context << " outside [1, the model's " << max_context << "]");
+  BudgetFit f;
+  f.budget = budget;
+  f.context = context;
+  f.session_bytes = kv_bytes_at(context);
+  f.sessions = f.session_bytes > 0 ? budget / f.session_bytes : 0;
+  if (kv_bytes_at(max_context) <= budget) {
+    f.longest = max_context;
+    f.limited_by_model = true;
+    return f;
+  }
+  int64_t lo = 0, hi = max_context;  // bytes(lo) <= budget (lo = 0: nothing), bytes(hi) > budget
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    (kv_bytes_at(mid) <= budget ? lo : hi) = mid;
+  }
+  f.longest = lo;
+  return f;
+}
 
 }  // namespace kakeya

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -21,6 +22,7 @@ class FTheta;
 class KVCache;
 class Restorer;
 struct DrafterConfig;
+struct FThetaConfig;
 
 enum class MemoryPart {
   // K/V-like state (counted in MemoryReport::kv_bytes)
@@ -65,7 +67,9 @@ struct MemoryReport {
   std::string table() const;          // aligned text table with ratios
 };
 
-// The full-KV oracle's cache (AR) of `capacity` positions.
+// The full-KV oracle's cache (AR) of `capacity` positions: the plan (shapes only) and the
+// report (the plan plus the weights).
+MemoryReport ar_memory_plan(const ModelConfig& cfg, at::ScalarType dtype, int64_t capacity);
 MemoryReport ar_memory_report(const Model& verifier, int64_t capacity);
 
 // A restored-cache session (what `restored` reports; fused sets its drafter context).
@@ -75,11 +79,27 @@ MemoryReport restored_memory_report(const Model& verifier, const Drafter* drafte
 
 // What restored_memory_report reports, from the shapes alone (nothing allocated): the K/V lines
 // of a restored decode of `capacity` positions after `served` positions went through the
-// verifier (served decides how many codec blocks exist), in `dtype`. drafter: the config
-// whose raw K/V feed f_θ (null when a = 1). Weights are not listed. Tests check it against
-// the measured report; it answers "what would 8k cost" without an 8k decode.
-MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* drafter, const RestoreOptions& o,
-                                  at::ScalarType dtype, int64_t capacity, int64_t served);
+// verifier (served decides how many codec blocks exist), in `dtype`. drafter, ftheta: the
+// pair whose inputs wait in the pending rings (null when a = 1; f_θ's input decides whether
+// the drafter's raw K/V wait too). Weights are not listed. Tests check it against the
+// measured report; it answers "what would 8k cost" without an 8k decode.
+MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* drafter, const FThetaConfig* ftheta,
+                                  const RestoreOptions& o, at::ScalarType dtype, int64_t capacity, int64_t served);
+
+// What a fixed KV budget holds of one decoder, from its per-session K/V bytes at n positions
+// (kv_bytes_at, non-decreasing in n): the longest context one session fits (up to max_context),
+// and how many sessions of `context` positions fit side by side.
+struct BudgetFit {
+  int64_t budget = 0;           // bytes
+  int64_t longest = 0;          // most positions one session fits (0: not even one)
+  bool limited_by_model = false;  // max_context fits: the model's limit, not the budget, ended it
+  int64_t context = 0;
+  int64_t session_bytes = 0;    // one session at `context`
+  int64_t sessions = 0;         // floor(budget / session_bytes)
+  nlohmann::json to_json() const;
+};
+BudgetFit fit_budget(const std::function<int64_t(int64_t)>& kv_bytes_at, int64_t budget, int64_t max_context,
+                     int64_t context);
 
 // Bytes a tensor holds (0 when undefined).
 int64_t tensor_bytes(const at::Tensor& t);

@@ -148,7 +148,12 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
                "restorer: cache window " << cache.options().restore.window << " vs " << opt.window);
   KAKEYA_CHECK(!opt.needs_ftheta() || (drafter && ftheta), "restorer: --mix-alpha < 1 needs a drafter and f_θ");
   const at::Device dev = verifier.device();
-  ring_ = opt.window + cache.options().restore.max_chunk + cache.options().rollback;
+  // The pending rings hold every committed position not restored yet. A forward's queries read
+  // restored K/V of every j <= (its last position) - window, so before a forward of positions up to
+  // p nothing older than p - window + 1 is pending: window slots, plus the rolled-back tail. (An
+  // upkeep batch from `from` is read by forwards launched at from + window - span + 1 or later;
+  // the ones running beside it write positions <= from + window - 1, never a slot it reads.)
+  ring_ = opt.window + cache.options().rollback;
   if (drafter) {
     capture_ = std::make_unique<TargetFeatureCapture>(verifier, drafter->config().target_layer_ids);
     vtaps_.subscribe(capture_.get());

@@ -16,12 +16,14 @@
 //     incrementally as its reforward reference does;
 //   - restored regions stored as coded rows (--restored-code): incremental = reforward, exact
 //     restoration stays close to the full cache, the region costs the coded bytes of the plan;
+//   - `bench memory`'s fits are the plans' (the longest context under a budget, sessions);
 //   - bad input fails with a clear error.
 #include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <map>
 #include <string>
 
 #include "calib/codec/calib_bundle.h"
@@ -31,7 +33,10 @@
 #include "core/model/ftheta.h"
 #include "core/model/model.h"
 #include "core/io/tokenizer.h"
+#include "infer/bench_memory.h"
 #include "infer/generate.h"
+#include "infer/long_eval.h"
+#include "infer/memory.h"
 #include "infer/decoder.h"
 #include "infer/restored.h"
 #include "infer/session.h"
@@ -343,8 +348,9 @@ TEST(Restored, MemoryReportHasBaselines) {
   EXPECT_EQ(r.memory.positions, n);
   EXPECT_EQ(r.memory.full_kv_bytes, 18 * 2 * 256 * n * 4);
   EXPECT_EQ(r.memory.native_kv_bytes, 18 * 2 * 256 * n * 4);  // n < 512: the native cache keeps everything
-  // Sliding exact ring: window + chunk - 1 = 15 slots; restored region min(n, 512 - 8 + 7) = n slots.
-  EXPECT_EQ(r.memory.kv[0].bytes, 15 * 2 * 256 * 15 * 4);
+  // Sliding exact ring: window = 8 slots (prefill chunks attend over [ring ++ chunk]); restored
+  // region min(n, 512 - 8 + 7) = n slots.
+  EXPECT_EQ(r.memory.kv[0].bytes, 15 * 2 * 256 * 8 * 4);
   EXPECT_EQ(r.memory.kv[1].bytes, 15 * 2 * 256 * n * 4);
   EXPECT_NE(r.memory.table().find("baseline: full KV"), std::string::npos);
 }
@@ -428,7 +434,7 @@ TEST(RestoredCodec, MeasuredBytesEqualThePlan) {
     auto r = decode(model(), &drafter(), &ftheta(), prompt(), o);
     const int64_t n = prompt().size() + 6;
     EXPECT_EQ(r.served_positions, n - 1);
-    auto plan = restored_memory_plan(model().config(), &drafter().config(), o.restore, at::kFloat, n, r.served_positions);
+    auto plan = restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(), o.restore, at::kFloat, n, r.served_positions);
     expect_same_kv_lines(r.memory, plan);
     int64_t coded = 0;
     for (const auto& l : r.memory.kv) coded += l.part == MemoryPart::FullCoded ? l.bytes : 0;
@@ -441,7 +447,7 @@ TEST(RestoredCodec, MeasuredBytesEqualThePlan) {
     auto r = decode(model(), &drafter(), &ftheta(), prompt(), o);
     const int64_t n = prompt().size() + 4;
     expect_same_kv_lines(r.memory,
-                         restored_memory_plan(model().config(), &drafter().config(), o.restore, at::kFloat, n, n - 1));
+                         restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(), o.restore, at::kFloat, n, n - 1));
   }
 }
 
@@ -449,6 +455,7 @@ TEST(RestoredCodec, PlanAt8kIsWithinAFifthOfFullKv) {
   const auto& cfg = model().config();
   KVCodec release(CodecOptions::parse(kRelease), cfg, &bundle(), at::kCPU);
   auto dc = DrafterConfig::from_file(test::shipped_dir("drafter") + "/config.json");
+  auto fc = FThetaConfig::from_file(test::shipped_dir("ftheta") + "/f_theta_config.json");
   RestoreOptions o;
   // Sink 4, window 64, chunk 64: the layout of the measured 0.172x. At the default window 256 the
   // exact ring and the restored region of each sliding layer hold 511 slots, above a fifth.
@@ -457,9 +464,9 @@ TEST(RestoredCodec, PlanAt8kIsWithinAFifthOfFullKv) {
   const int64_t n = 8192;
   for (at::ScalarType dt : {at::kBFloat16, at::kFloat}) {
     o.full_attn = FullAttn::Codec;
-    auto coded = restored_memory_plan(cfg, &dc, o, dt, n, n);
+    auto coded = restored_memory_plan(cfg, &dc, &fc, o, dt, n, n);
     o.full_attn = FullAttn::Exact;
-    auto exact = restored_memory_plan(cfg, &dc, o, dt, n, n);
+    auto exact = restored_memory_plan(cfg, &dc, &fc, o, dt, n, n);
     const double rc = (double)coded.kv_bytes() / coded.full_kv_bytes, re = (double)exact.kv_bytes() / exact.full_kv_bytes;
     std::printf("8k, %s: codec %.4fx of full KV, exact full attention %.4fx\n%s", c10::toString(dt), rc, re,
                 coded.table().c_str());
@@ -501,7 +508,7 @@ TEST(RestoredRegionCode, ExactRestorationStaysCloseAndCostsTheCodedBytes) {
     err[i] = std::abs(score_restored(model(), nullptr, nullptr, prompt(), o.restore).mean_nll() - ar);
     auto r = decode(model(), nullptr, nullptr, prompt(), o);
     const int64_t n = prompt().size() + 4;
-    expect_same_kv_lines(r.memory, restored_memory_plan(model().config(), nullptr, o.restore, at::kFloat, n, n - 1));
+    expect_same_kv_lines(r.memory, restored_memory_plan(model().config(), nullptr, nullptr, o.restore, at::kFloat, n, n - 1));
     // 15 sliding layers, K and V, one KV head, min(n, 512 - window + chunk - 1) = n slots.
     EXPECT_EQ(r.memory.find(MemoryPart::SlidingRestored)->bytes, 15 * 2 * n * (bits == 8 ? 288 : 160));
     EXPECT_NE(r.memory.table().find(bits == 8 ? "int8 coded rows" : "int4 coded rows"), std::string::npos);
@@ -511,6 +518,61 @@ TEST(RestoredRegionCode, ExactRestorationStaysCloseAndCostsTheCodedBytes) {
   EXPECT_LT(err[0], 0.01);
   EXPECT_LT(err[1], 0.1);
   EXPECT_LT(err[0], err[1]);
+}
+
+TEST(Restored, BudgetFitIsTheLongestContextUnderTheBudget) {
+  auto bytes = [](int64_t n) { return 1000 + 7 * std::min<int64_t>(n, 100) + 3 * n; };  // non-decreasing
+  for (int64_t budget : {500, 1007, 1010, 2000, 50000}) {
+    BudgetFit f = fit_budget(bytes, budget, 4000, 64);
+    int64_t brute = 0;
+    for (int64_t n = 1; n <= 4000 && bytes(n) <= budget; ++n) brute = n;
+    EXPECT_EQ(f.longest, brute) << budget;
+    EXPECT_EQ(f.limited_by_model, bytes(4000) <= budget) << budget;
+    EXPECT_EQ(f.sessions, budget / bytes(64)) << budget;
+  }
+  expect_error([&] { fit_budget(bytes, 0, 4000, 64); }, "budget");
+  expect_error([&] { fit_budget(bytes, 100, 4000, 5000); }, "context 5000");
+}
+
+TEST(Restored, BenchMemoryRowsAreWhatThePlansFit) {
+  // The shipped pair's shapes in bf16, no decoding: every row's fit comes from the plans.
+  const auto& cfg = model().config();
+  auto dc = DrafterConfig::from_file(test::shipped_dir("drafter") + "/config.json");
+  auto fc = FThetaConfig::from_file(test::shipped_dir("ftheta") + "/f_theta_config.json");
+  BenchMemoryOptions o;
+  o.configs = {"oracle", "evict:256", "restored:256", "restored-int4:256"};
+  o.budgets = {40ll << 20, 256ll << 20};
+  auto r = bench_memory(cfg, at::kBFloat16, &dc, &fc, o);
+  std::printf("%s", bench_memory_table(r).c_str());
+  ASSERT_EQ(r["configs"].size(), 4u);
+  std::map<std::string, int64_t> at_context;
+  for (const auto& row : r["configs"]) {
+    const auto c = parse_long_eval_config(row["config"], o.restore);
+    auto bytes = [&](int64_t n) {
+      return c.oracle() ? ar_memory_plan(cfg, at::kBFloat16, n).kv_bytes()
+                        : restored_memory_plan(cfg, &dc, &fc, c.restore, at::kBFloat16, n, n).kv_bytes();
+    };
+    at_context[c.name] = row["kv_bytes_at_context"];
+    EXPECT_EQ(row["kv_bytes_at_context"].get<int64_t>(), bytes(8192));
+    for (const auto& f : row["budgets"]) {
+      const int64_t budget = f["budget_bytes"], n = f["longest_context"];
+      EXPECT_EQ(f["sessions"].get<int64_t>(), budget / bytes(8192)) << c.name;
+      EXPECT_LE(bytes(n), budget) << c.name;
+      if (!f["limited_by_model"].get<bool>()) EXPECT_GT(bytes(n + 1), budget) << c.name;
+      else EXPECT_EQ(n, cfg.max_position_embeddings) << c.name;
+    }
+  }
+  EXPECT_DOUBLE_EQ(r["configs"][0]["ratio_vs_native_at_context"].get<double>(), 1.0);  // the oracle is the native cache
+  EXPECT_LT(at_context["restored-int4:256"], at_context["restored:256"]);
+  // Bad input names the flag.
+  BenchMemoryOptions bad = o;
+  bad.context = cfg.max_position_embeddings + 1;
+  expect_error([&] { bench_memory(cfg, at::kBFloat16, &dc, &fc, bad); }, "--context");
+  bad = o;
+  bad.configs = {"restored-codec:256"};
+  expect_error([&] { bench_memory(cfg, at::kBFloat16, &dc, &fc, bad); }, "--calib");
+  bad.configs = {"restored:abc"};
+  expect_error([&] { bench_memory(cfg, at::kBFloat16, &dc, &fc, bad); }, "--configs");
 }
 
 TEST(Restored, BadInput) {

@@ -65,6 +65,23 @@ std::vector<int64_t> encode(const Tokenizer& tok, const std::string& text, bool 
   return std::vector<int64_t>(ids.begin(), ids.end());
 }
 
+// A deterministic prompt of exactly n tokens: prose repeated, BOS first.
+std::vector<int64_t> bench_prompt(const Tokenizer& tok, int64_t n) {
+  const std::string para =
+      "The history of the lighthouse keeper's island is told in the logbooks that line the tower's "
+      "lower room. Each entry notes the weather, the ships that passed, the oil burned and the repairs "
+      "made to the lamp. Over a century the handwriting changes many times, but the order of the entries "
+      "never does. ";
+  std::string text;
+  std::vector<int64_t> ids;
+  while ((int64_t)ids.size() < n) {
+    text += para;
+    ids = encode(tok, text);
+  }
+  ids.resize(n);
+  return ids;
+}
+
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   KAKEYA_CHECK(f.good(), path << ": cannot open file");

@@ -29,6 +29,8 @@ Tokenizer load_tokenizer(const std::string& model_dir);
 Model load_model(const std::string& dir, const DeviceFlags& df, int64_t max_positions);
 
 std::vector<int64_t> encode(const Tokenizer& tok, const std::string& text, bool add_special = true);
+// A deterministic benchmark prompt of exactly n tokens: one prose paragraph repeated, BOS first.
+std::vector<int64_t> bench_prompt(const Tokenizer& tok, int64_t n);
 std::string read_file(const std::string& path);
 // Writes JSON atomically (temp file + rename), so a crash never leaves half a report.
 void write_json(const std::string& path, const nlohmann::json& j);
@@ -54,7 +56,8 @@ class Progress {
 void register_generate(CLI::App& app);
 void register_score(CLI::App& app);
 void register_bench(CLI::App& app);
-void register_bench_train_ftheta(CLI::App& bench);  // cmd_bench_train.cpp: `kakeya bench train-ftheta`
+void register_bench_train_ftheta(CLI::App& bench);
+void register_bench_memory(CLI::App& bench);         // cmd_bench_memory.cpp: `kakeya bench memory`  // cmd_bench_train.cpp: `kakeya bench train-ftheta`
 void register_bench_spec(CLI::App& bench);          // cmd_bench_spec.cpp: `kakeya bench spec` (kakeya.cpp registers it)
 void register_calibrate(CLI::App& app);   // cmd_calibrate.cpp
 void register_codec_eval(CLI::App& app);  // cmd_codec_eval.cpp

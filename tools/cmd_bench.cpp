@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/io/fs.h"
+#include "infer/bench_memory.h"
 #include "infer/generate.h"
 #include "infer/decoder.h"
 #include "infer/restored.h"
@@ -14,31 +15,12 @@
 #include "tools/restored_flags.h"
 
 namespace kakeya::cli {
-namespace {
-
-// A deterministic prompt of exactly n tokens: prose repeated, BOS first.
-std::vector<int64_t> bench_prompt(const Tokenizer& tok, int64_t n) {
-  const std::string para =
-      "The history of the lighthouse keeper's island is told in the logbooks that line the tower's "
-      "lower room. Each entry notes the weather, the ships that passed, the oil burned and the repairs "
-      "made to the lamp. Over a century the handwriting changes many times, but the order of the entries "
-      "never does. ";
-  std::string text;
-  std::vector<int64_t> ids;
-  while ((int64_t)ids.size() < n) {
-    text += para;
-    ids = encode(tok, text);
-  }
-  ids.resize(n);
-  return ids;
-}
-
-}  // namespace
 
 void register_bench(CLI::App& app) {
   auto* bench = app.add_subcommand("bench", "Benchmarks: print a table, write JSON");
   bench->require_subcommand(1);
   register_bench_train_ftheta(*bench);
+  register_bench_memory(*bench);
   struct Opts {
     std::string model = "checkpoints/models/gemma3-270m";
     std::string json, python = "python3", peer = "tools/hf_bench.py";
@@ -95,44 +77,33 @@ void register_bench(CLI::App& app) {
     const int64_t capacity = o->prompt_len + o->new_tokens;
     ArDecoder ar(model, capacity, g);
     std::unique_ptr<Decoder> rest;
-    if (o->restored) rest = make_decoder(model, st.d(), st.f(), d, capacity);
-    std::vector<double> decode_tps, e2e_tps, rd, re;
-    ar.run(prompt, g);  // warm-up: allocator, cuBLAS handles, graph capture
-    if (o->restored) rest->run(prompt, d);
-    DecodeResult last;
-    for (int64_t r = 0; r < o->repeats; ++r) {
-      auto res = ar.run(prompt, g);
-      KAKEYA_CHECK((int64_t)res.tokens.size() == o->new_tokens, "bench: generated " << res.tokens.size() << " tokens");
-      decode_tps.push_back(res.decode_tokens_per_second());
-      e2e_tps.push_back(o->new_tokens / (res.prefill_seconds + res.decode_seconds));
-      if (!o->restored) continue;
-      last = rest->run(prompt, d);
-      rd.push_back(last.decode_tokens_per_second());
-      re.push_back(o->new_tokens / (last.prefill_seconds + last.decode_seconds));
+    std::vector<TimedDecoder> timed{{&ar, g}};
+    if (o->restored) {
+      rest = make_decoder(model, st.d(), st.f(), d, capacity);
+      timed.push_back({rest.get(), d});
     }
-    auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      return v[v.size() / 2];
-    };
-    const double ours_decode = median(decode_tps), ours_e2e = median(e2e_tps);
+    time_in_rounds(timed, prompt, o->repeats, o->new_tokens);
+    const auto& decode_tps = timed[0].decode_tps;
+    const double ours_decode = timed[0].median_decode_tps(), ours_e2e = timed[0].median_e2e_tps();
     nlohmann::json restored = nullptr;
     double rest_decode = 0, rest_e2e = 0;
     std::vector<double> pairs;  // restored / ar of each interleaved pair of runs: the ratio's own spread
     if (o->restored) {
-      rest_decode = median(rd);
-      rest_e2e = median(re);
-      for (size_t i = 0; i < rd.size(); ++i) pairs.push_back(rd[i] / decode_tps[i]);
+      const TimedDecoder& t = timed[1];
+      rest_decode = t.median_decode_tps();
+      rest_e2e = t.median_e2e_tps();
+      for (size_t i = 0; i < t.decode_tps.size(); ++i) pairs.push_back(t.decode_tps[i] / decode_tps[i]);
       restored = {{"restore", d.restore.to_json()},
                   {"drafter", o->rf.drafter},
                   {"ftheta", o->rf.ftheta},
                   {"decode_tps", rest_decode},
                   {"e2e_tps", rest_e2e},
-                  {"decode_runs", rd},
+                  {"decode_runs", t.decode_tps},
                   {"decode_ratio_vs_ar", rest_decode / ours_decode},
                   {"decode_ratio_pairs", pairs},
                   {"runs_interleaved_with_ar", true},
                   {"decoders_kept_across_runs", true},
-                  {"memory", last.memory.to_json()}};
+                  {"memory", t.last.memory.to_json()}};
     }
     const double weight_bytes = (double)model.weight_bytes();
     const double bound = 3.0e12 / weight_bytes;  // H100 SXM measured ~3.0 TB/s (README: bench notes)

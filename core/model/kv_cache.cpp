@@ -24,6 +24,8 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
     KAKEYA_CHECK(cfg.num_kv_shared() == 0, "KV cache: restoration is not supported with KV sharing (config field "
                                                << "'num_kv_shared_layers' = " << cfg.num_kv_shared() << ")");
     KAKEYA_CHECK(rp.max_chunk >= 1, "KV cache: restore max_chunk expected >= 1, got " << rp.max_chunk);
+    KAKEYA_CHECK(rp.max_step >= 1 && rp.max_step <= rp.max_chunk,
+                 "KV cache: restore max_step expected in [1, max_chunk " << rp.max_chunk << "], got " << rp.max_step);
     KAKEYA_CHECK(rp.max_chunk <= rp.window,
                  "KV cache: restore chunks of " << rp.max_chunk << " tokens exceed the exact window " << rp.window
                                                 << " (a chunk's queries would need restored K/V of the chunk itself)");
@@ -48,7 +50,10 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
       s.rest = opt.capacity;
     } else if (s.policy) {
       s.window = rp.window;
-      s.ring = rp.linear ? opt.capacity : std::min(opt.capacity, rp.window + std::max(rp.max_chunk - 1, opt.rollback));
+      // Sliding layers write-first only forwards of <= max_step tokens (Model::forward attends a
+      // longer chunk over [ring ++ chunk]); full-attention layers write every chunk first.
+      const int64_t step = sliding ? rp.max_step : rp.max_chunk;
+      s.ring = rp.linear ? opt.capacity : std::min(opt.capacity, rp.window + std::max(step - 1, opt.rollback));
       s.rest = sliding && !rp.linear
                    ? std::min(opt.capacity, std::max<int64_t>(1, cfg.sliding_window - rp.window + rp.max_chunk - 1))
                    : opt.capacity;
@@ -146,23 +151,35 @@ bool KVCache::write_first(int64_t layer, int64_t t) const {
 }
 
 at::Tensor KVCache::visible(int64_t layer, const at::Tensor& q_pos) const {
+  return visible_over(layer, state(layer).pos, state(layer).in_restored, q_pos);
+}
+
+at::Tensor KVCache::visible_concat(int64_t layer, const at::Tensor& old_pos, const at::Tensor& q_pos) const {
+  const TypeState& s = state(layer);
+  at::Tensor in_restored;  // the chunk's own slots are exact
+  if (s.policy) in_restored = at::cat({s.in_restored, at::zeros({q_pos.size(0)}, s.in_restored.options())});
+  return visible_over(layer, at::cat({old_pos, q_pos}), in_restored, q_pos);
+}
+
+at::Tensor KVCache::visible_over(int64_t layer, const at::Tensor& pos, const at::Tensor& in_restored,
+                                 const at::Tensor& q_pos) const {
   const TypeState& s = state(layer);
   const int64_t span = cfg_.is_sliding(layer) ? cfg_.sliding_window : 0;
-  auto m = causal_visible(s.pos, q_pos, span);
+  auto m = causal_visible(pos, q_pos, span);
   if (!s.policy) return m;
   // Exact copies serve the recent window, restored copies everything older; on coded
   // layers the exact copies serve everything from coded_below(q) on.
   at::Tensor recent;  // [T, S] bool
   if (s.coded) {
     auto below = (q_pos - (s.window - 1)).clamp_min(0).div(s.block, "floor") * s.block;  // [T]
-    recent = s.pos.unsqueeze(0).ge(below.unsqueeze(1));
+    recent = pos.unsqueeze(0).ge(below.unsqueeze(1));
   } else {
-    recent = (q_pos.unsqueeze(1) - s.pos.unsqueeze(0)).lt(s.window);
+    recent = (q_pos.unsqueeze(1) - pos.unsqueeze(0)).lt(s.window);
   }
-  m = m.logical_and(recent.ne(s.in_restored.unsqueeze(0)));
+  m = m.logical_and(recent.ne(in_restored.unsqueeze(0)));
   if (!opt_.restore.drops(layer)) return m;
   // A dropping layer sees only the sinks of its restored region.
-  auto dropped = s.in_restored.logical_and(s.pos.ge(opt_.restore.sink));  // [S]
+  auto dropped = in_restored.logical_and(pos.ge(opt_.restore.sink));  // [S]
   return m.logical_and(dropped.logical_not().unsqueeze(0));
 }
 

@@ -14,9 +14,12 @@
 // positions of its span (its sliding window, or everything on full layers),
 // which the caller writes with write_restored() before the forward whose
 // queries first need them. Such a layer's buffer is [exact ring | restored
-// region]: the exact ring holds window + max(chunk - 1, rollback) slots, the
-// restored region (sliding window - window + chunk - 1) slots on sliding layers
-// and `capacity` slots on full-attention layers. A position may sit in both
+// region]. On sliding layers the exact ring holds window + max(step - 1, rollback)
+// slots (step: the longest forward that writes before attending, 1 for decode steps):
+// a longer prefill chunk attends over [ring as it was ++ chunk] and is written after,
+// so the ring does not grow with the chunk; the restored region holds (sliding window -
+// window + chunk - 1) slots. Full-attention layers keep window + max(chunk - 1,
+// rollback) exact slots and `capacity` restored ones. A position may sit in both
 // parts at once; the mask shows each query exactly one of the two copies.
 //
 // Coded restored regions (RestorePolicy::region_bits 8 or 4): a restored layer keeps its
@@ -56,6 +59,8 @@ struct RestorePolicy {
   bool sliding = true;    // restore on sliding-attention layers
   bool full = false;      // restore on full-attention layers
   int64_t max_chunk = 1;  // most tokens one forward writes (prefill chunks, verify blocks)
+  int64_t max_step = 1;   // most tokens a forward on sliding layers writes before attending (decode
+                          // steps 1, verify blocks B); longer ones attend over [ring ++ chunk]
   bool linear = false;    // one slot per position in both regions, no rings (reference decoders)
   int64_t full_coded_block = 0;  // > 0: full-attention layers stored through a codec in blocks of this
                                  // many tokens (exclusive with `full`)
@@ -119,6 +124,9 @@ class KVCache {
   // Which slots of `layer` each query at q_pos [T] attends to: [T, S_l] bool (the
   // layer's causal/sliding rule, and the restoration rule where the policy applies).
   at::Tensor visible(int64_t layer, const at::Tensor& q_pos) const;
+  // The same over [slots as old_pos [S_l] held them before this forward's mark() ++ the
+  // forward's own positions q_pos [T]] ([T, S_l + T] bool): a chunk that !write_first.
+  at::Tensor visible_concat(int64_t layer, const at::Tensor& old_pos, const at::Tensor& q_pos) const;
   // The restoration / coding rule of visible() for the attention kernel, which applies
   // it per query on the device (core/kernels/ops.h CopyRule; in_restored undefined on plain layers).
   ops::CopyRule copy_rule(int64_t layer) const;
@@ -176,6 +184,9 @@ class KVCache {
   };
   TypeState& state(int64_t layer) { return cfg_.is_sliding(layer) ? sliding_ : full_; }
   const TypeState& state(int64_t layer) const { return cfg_.is_sliding(layer) ? sliding_ : full_; }
+  // visible() over the slots of `pos` (in_restored: which of them are restored copies).
+  at::Tensor visible_over(int64_t layer, const at::Tensor& pos, const at::Tensor& in_restored,
+                          const at::Tensor& q_pos) const;
   int64_t layer_bytes(int64_t layer) const;
   int64_t region_code_bytes(int64_t layer) const;  // a coded restored region's codes and side values
   int64_t slot_bytes(int64_t layer) const;         // one dense slot of K and V

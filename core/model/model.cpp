@@ -256,12 +256,11 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   KAKEYA_CHECK(positions.size(0) == T, "forward: positions has " << positions.size(0) << " entries for " << T << " tokens");
 
   // Masks are shared by all layers of a type. A sliding chunk too long to write
-  // first attends over [ring as it was ++ chunk], so keep the ring's positions.
+  // first (the model's own ring, or a restored layer's exact ring) attends over
+  // [slots as they were ++ chunk], so keep the slots' positions.
   int64_t first_sliding = -1, first_full = -1;
   for (int64_t l = cfg_.num_layers - 1; l >= 0; --l) (cfg_.is_sliding(l) ? first_sliding : first_full) = l;
   const bool sliding_concat = first_sliding >= 0 && !cache.write_first(first_sliding, T);
-  KAKEYA_CHECK(!sliding_concat || cache.plain(first_sliding),
-               "forward: a chunk of " << T << " tokens is too long for the restored cache's exact ring");
   KAKEYA_CHECK(first_full < 0 || cache.write_first(first_full, T),
                "forward: a chunk of " << T << " tokens is too long for the restored cache's exact ring");
   at::Tensor old_sliding_pos = sliding_concat ? cache.slot_positions(first_sliding).clone() : at::Tensor();
@@ -287,7 +286,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       const bool sl = cfg_.is_sliding(l), dr = cache.options().restore.drops(l);
       at::Tensor& m = mask[sl][dr];
       if (m.defined()) continue;
-      if (sl && sliding_concat) m = causal_visible(at::cat({old_sliding_pos, positions}), positions, cfg_.sliding_window);
+      if (sl && sliding_concat) m = cache.visible_concat(l, old_sliding_pos, positions);
       else if (!attn_kernel) m = cache.visible(l, positions);
     }
   }
@@ -346,9 +345,12 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
 
     at::Tensor attn;  // [B, T, Hq·D]
     if (!write_first) {
-      // [ring as it was ++ chunk], written after attending; KV-shared sliding layers attend
+      // [slots as they were ++ chunk], written after attending; KV-shared sliding layers attend
       // over the one their source layer built (the ring no longer holds what it overwrote).
-      if (!shared) sliding_kv = {at::cat({cache.keys(l), kc}, 2), at::cat({cache.values(l), vc}, 2)};
+      if (!shared) {
+        const auto [k_all, v_all] = cache.attend_kv(l);  // a coded restored region decoded
+        sliding_kv = {at::cat({k_all, kc}, 2), at::cat({v_all, vc}, 2)};
+      }
       attn = attention(l, q, sliding_kv.first, sliding_kv.second, mask[1][cache.options().restore.drops(l)]);
       if (!shared) cache.write(l, kc, vc, positions);
     } else if (attn_kernel) {

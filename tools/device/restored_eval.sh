@@ -5,6 +5,7 @@
 #   STEP=check  tools/device/restored_eval.sh   # CUDA graph path: a=1 == ar, restored == restored-reforward
 #   STEP=bench  tools/device/restored_eval.sh   # kakeya bench decode --restored at 8k, --full-attn exact and codec
 #               (CODES="none int8 int4": also each --restored-code; CHUNK: --chunk, 0 = the window)
+#   STEP=memory tools/device/restored_eval.sh   # kakeya bench memory --speed at 8k (MEMORY_CONFIGS, BUDGETS, CHUNK, TAG)
 #   STEP=niah   tools/device/restored_eval.sh   # NIAH ladder 1k..16k, --full-attn exact and codec
 #               (FULL_ATTNS="codec" runs one policy per call when both do not fit in 9 minutes)
 #   STEP=sweep  tools/device/restored_eval.sh   # sweep-alpha at 1k
@@ -83,5 +84,10 @@ PY
   sweep)
     $K sweep-alpha "${COMMON[@]}" --full-attn "$FULL_ATTN" --contexts 1024 --depths "$DEPTHS" --samples "$SAMPLES" \
       --json "$OUT/sweep.json" --plot "$OUT/sweep.png" --python python3 2>&1 | tr '\r' '\n' | grep -v "samples$" | tail -12 ;;
-  *) echo "unknown STEP=$STEP (check | bench | niah | sweep)"; exit 2 ;;
+  memory)
+    # What a KV budget fits per config (plans), and every config's decode speed at 8k against AR (same run).
+    $K bench memory --device cuda --verifier "$MODEL" --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" \
+      --chunk "${CHUNK:-0}" --calib "$CALIB" --configs "${MEMORY_CONFIGS:-oracle,evict:256,restored:256,restored-int8:256,restored-int4:256,restored-int4:128}" \
+      --budget-mb "${BUDGETS:-64,256}" --context 8192 --speed --repeats "${REPEATS:-3}" --json "$OUT/memory${TAG:-}.json" 2>&1 | tail -14 ;;
+  *) echo "unknown STEP=$STEP (check | bench | memory | niah | sweep)"; exit 2 ;;
 esac

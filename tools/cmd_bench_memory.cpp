@@ -1,0 +1,68 @@
+// kakeya bench memory: for fixed KV budgets, the longest context one session fits and how many
+// sessions of --context positions fit side by side, per decoder config (infer/bench_memory.h);
+// with --speed, every config's decode tok/s at --context next to AR's, in the same run.
+#include <cstdio>
+#include <sstream>
+
+#include "core/error.h"
+#include "infer/bench_memory.h"
+#include "tools/cli_common.h"
+#include "tools/restored_flags.h"
+
+namespace kakeya::cli {
+
+void register_bench_memory(CLI::App& bench) {
+  struct Opts {
+    RestoreFlags rf;  // the models, and the options the configs start from (sink, chunk, …)
+    std::string configs = "oracle,evict:256,restored:256,restored-int4:256";
+    std::vector<int64_t> budget_mb{64, 256};
+    bool speed = false;
+    std::string json;
+    BenchMemoryOptions b;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = bench.add_subcommand("memory", "What a KV budget fits per decoder config: longest context, sessions, decode speed");
+  o->rf.add(c, false);
+  c->add_option("--configs", o->configs,
+                "comma-separated configs: oracle | evict:W | restored:W | restored-all:W | restored-codec:W | "
+                "restored-int8:W | restored-int4:W")
+      ->capture_default_str();
+  c->add_option("--budget-mb", o->budget_mb, "KV budgets in MiB")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--context", o->b.context, "positions per session for the session count (and the timing)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  c->add_option("--max-context", o->b.max_context, "longest context considered (0: the model's limit)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  c->add_flag("--speed", o->speed, "also time every config's decoding at --context against AR (greedy, no stop)");
+  c->add_option("--new-tokens", o->b.new_tokens, "--speed: generated tokens per run")->capture_default_str()->check(CLI::Range(2, 1 << 20));
+  c->add_option("--repeats", o->b.repeats, "--speed: timed runs per config (median)")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--json", o->json, "write the results here");
+  c->callback([o] {
+    BenchMemoryOptions b = o->b;
+    KAKEYA_CHECK(!o->speed || b.new_tokens < b.context, "--new-tokens " << b.new_tokens << " must be below --context " << b.context);
+    b.configs.clear();
+    std::string item;
+    for (std::stringstream ss(o->configs); std::getline(ss, item, ',');)
+      if (!item.empty()) b.configs.push_back(item);
+    b.budgets.clear();
+    for (int64_t mb : o->budget_mb) b.budgets.push_back(mb << 20);
+    // The models: for the configs' shapes (and the timing). A codec config needs the codec.
+    RestoreFlags rf = o->rf;
+    if (o->configs.find("restored-codec:") != std::string::npos) rf.full_attn = "codec";
+    DecodeStack st = load_decode_stack(rf, b.context, true);
+    b.restore = o->rf.options(st.c());
+    BenchMemoryModels m;
+    if (o->speed) m = {st.model.get(), st.d(), st.f(), bench_prompt(*st.tok, b.context - b.new_tokens)};
+    auto report = bench_memory(st.model->config(), st.model->dtype(), &st.d()->config(), &st.f()->config(), b, m);
+    report["commit"] = git_commit();
+    report["device"] = device_description(st.model->device());
+    report["dtype"] = c10::toString(st.model->dtype());
+    report["command"] = command_line();
+    report["models"] = o->rf.to_json();
+    std::printf("%s", bench_memory_table(report).c_str());
+    if (!o->json.empty()) write_json(o->json, report);
+  });
+}
+
+}  // namespace kakeya::cli
