@@ -27,7 +27,10 @@ void register_bench_memory(CLI::App& bench) {
                 "comma-separated configs: oracle | evict:W | restored:W | restored-all:W | restored-codec:W | "
                 "restored-int8:W | restored-int4:W")
       ->capture_default_str();
-  c->add_option("--budget-mb", o->budget_mb, "KV budgets in MiB")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--budget-mb", o->budget_mb, "KV budgets in MiB, comma-separated")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   c->add_option("--context", o->b.context, "positions per session for the session count (and the timing)")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
