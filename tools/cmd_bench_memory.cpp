@@ -30,16 +30,18 @@ void register_bench_memory(CLI::App& bench) {
   c->add_option("--budget-mb", o->budget_mb, "KV budgets in MiB, comma-separated")
       ->delimiter(',')
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   c->add_option("--context", o->b.context, "positions per session for the session count (and the timing)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 30));
   c->add_option("--max-context", o->b.max_context, "longest context considered (0: the model's limit)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   c->add_flag("--speed", o->speed, "also time every config's decoding at --context against AR (greedy, no stop)");
   c->add_option("--new-tokens", o->b.new_tokens, "--speed: generated tokens per run")->capture_default_str()->check(CLI::Range(2, 1 << 20));
-  c->add_option("--repeats", o->b.repeats, "--speed: timed runs per config (median)")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--repeats", o->b.repeats, "--speed: timed runs per config (median)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   c->add_option("--json", o->json, "write the results here");
   c->callback([o] {
     BenchMemoryOptions b = o->b;
