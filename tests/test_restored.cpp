@@ -458,7 +458,7 @@ TEST(RestoredCodec, PlanAt8kIsWithinAFifthOfFullKv) {
   auto fc = FThetaConfig::from_file(test::shipped_dir("ftheta") + "/f_theta_config.json");
   RestoreOptions o;
   // Sink 4, window 64, chunk 64: the layout of the measured 0.172x. At the default window 256 the
-  // exact ring and the restored region of each sliding layer hold 511 slots, above a fifth.
+  // exact ring (256 slots) and the restored region (511) of each sliding layer stay above a fifth.
   o.window = 64;
   o.codec = &release;
   const int64_t n = 8192;
