@@ -93,6 +93,13 @@ nlohmann::json bench_memory(const ModelConfig& cfg, at::ScalarType dtype, const 
     time_in_rounds(timers, m.prompt, o.repeats, o.new_tokens);
   }
 
+  // The contexts the curves are drawn at: 256 · 2^k up to the longest considered, and that one.
+  std::vector<int64_t> ladder;
+  for (int64_t n = 256; n < max_context; n *= 2) ladder.push_back(n);
+  ladder.push_back(max_context);
+  nlohmann::json native_curve = nlohmann::json::array();
+  for (int64_t n : ladder) native_curve.push_back({{"context", n}, {"kv_bytes", ar_memory_plan(cfg, dtype, n).native_kv_bytes}});
+
   nlohmann::json rows = nlohmann::json::array();
   for (const auto& c : configs) {
     const auto f = bytes_at(c);
@@ -101,6 +108,7 @@ nlohmann::json bench_memory(const ModelConfig& cfg, at::ScalarType dtype, const 
                        {"kv_bytes_at_context", f(o.context)},
                        {"ratio_vs_native_at_context", (double)f(o.context) / native}};
     for (int64_t b : o.budgets) row["budgets"].push_back(fit_budget(f, b, max_context, o.context).to_json());
+    for (int64_t n : ladder) row["curve"].push_back({{"context", n}, {"kv_bytes", f(n)}});
     if (timed) {
       const TimedDecoder* t = nullptr;
       for (const auto& x : timers)
@@ -118,6 +126,7 @@ nlohmann::json bench_memory(const ModelConfig& cfg, at::ScalarType dtype, const 
           {"max_context", max_context},
           {"budgets_bytes", o.budgets},
           {"native_kv_bytes_at_context", native},
+          {"native_curve", native_curve},
           {"new_tokens", timed ? nlohmann::json(o.new_tokens) : nlohmann::json(nullptr)},
           {"repeats", timed ? nlohmann::json(o.repeats) : nlohmann::json(nullptr)},
           {"ar_decode_tps", timed ? nlohmann::json(timers.front().median_decode_tps()) : nlohmann::json(nullptr)},

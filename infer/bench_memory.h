@@ -43,7 +43,8 @@ struct BenchMemoryModels {
 };
 
 // {"configs": [{"config", "restore", "kv_bytes_at_context", "ratio_vs_native_at_context", "budgets": [BudgetFit],
-//   "decode_tps", "decode_ratio_vs_ar", "memory_measured"}], "context", "max_context", "budgets", …}.
+//   "curve": [{"context", "kv_bytes"}], "decode_tps", "decode_ratio_vs_ar", "memory_measured"}], "context",
+//   "max_context", "budgets_bytes", "native_curve", …}; curves at 256 · 2^k positions up to max_context.
 // Throws naming the config or flag at fault (a codec config without a codec, a context past the limit).
 nlohmann::json bench_memory(const ModelConfig& cfg, at::ScalarType dtype, const DrafterConfig* drafter,
                             const FThetaConfig* ftheta, const BenchMemoryOptions& o,

@@ -554,6 +554,9 @@ TEST(Restored, BenchMemoryRowsAreWhatThePlansFit) {
     };
     at_context[c.name] = row["kv_bytes_at_context"];
     EXPECT_EQ(row["kv_bytes_at_context"].get<int64_t>(), bytes(8192));
+    ASSERT_FALSE(row["curve"].empty());
+    EXPECT_EQ(row["curve"].back()["context"].get<int64_t>(), cfg.max_position_embeddings);  // the curve's ladder
+    for (const auto& p : row["curve"]) EXPECT_EQ(p["kv_bytes"].get<int64_t>(), bytes(p["context"].get<int64_t>()));
     for (const auto& f : row["budgets"]) {
       const int64_t budget = f["budget_bytes"], n = f["longest_context"];
       EXPECT_EQ(f["sessions"].get<int64_t>(), budget / bytes(8192)) << c.name;

@@ -82,6 +82,16 @@ std::vector<int64_t> bench_prompt(const Tokenizer& tok, int64_t n) {
   return ids;
 }
 
+bool run_plot(const std::string& python, const std::string& script_args) {
+  std::string py = python;
+  if (py.empty() && std::getenv("KAKEYA_PYTHON")) py = std::getenv("KAKEYA_PYTHON");
+  if (py.empty()) py = fs::exists(".venv/bin/python") ? ".venv/bin/python" : "python3";
+  const std::string cmd = py + " " + script_args;
+  const int rc = std::system(cmd.c_str());
+  if (rc != 0) std::fprintf(stderr, "warning: plot failed (exit %d; matplotlib missing?); rerun: %s\n", rc, cmd.c_str());
+  return rc == 0;
+}
+
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   KAKEYA_CHECK(f.good(), path << ": cannot open file");

@@ -35,6 +35,9 @@ std::string read_file(const std::string& path);
 // Writes JSON atomically (temp file + rename), so a crash never leaves half a report.
 void write_json(const std::string& path, const nlohmann::json& j);
 std::string device_description(const at::Device& dev);
+// Runs `PYTHON SCRIPT_ARGS` to draw a PNG (PYTHON: `python`, else $KAKEYA_PYTHON, .venv/bin/python,
+// python3). A failed plot only warns, with the command to rerun: the results stand without it.
+bool run_plot(const std::string& python, const std::string& script_args);
 // Runs a shell command and returns its stdout; throws with the output when it fails.
 std::string run_capture(const std::string& cmd);
 std::string git_commit();  // $KAKEYA_COMMIT, else the short HEAD hash of the working directory's repo, else "unknown"

@@ -1,6 +1,7 @@
 // kakeya bench memory: for fixed KV budgets, the longest context one session fits and how many
 // sessions of --context positions fit side by side, per decoder config (infer/bench_memory.h);
-// with --speed, every config's decode tok/s at --context next to AR's, in the same run.
+// with --speed, every config's decode tok/s at --context next to AR's, in the same run; with --plot,
+// K/V bytes against the context per config (tools/plot_bench_memory.py).
 #include <cstdio>
 #include <sstream>
 
@@ -17,7 +18,7 @@ void register_bench_memory(CLI::App& bench) {
     std::string configs = "oracle,evict:256,restored:256,restored-int4:256";
     std::vector<int64_t> budget_mb{64, 256};
     bool speed = false;
-    std::string json;
+    std::string json, png, python;
     BenchMemoryOptions b;
   };
   auto o = std::make_shared<Opts>();
@@ -43,7 +44,10 @@ void register_bench_memory(CLI::App& bench) {
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
   c->add_option("--json", o->json, "write the results here");
+  c->add_option("--plot", o->png, "draw K/V bytes against the context per config, with the budgets (needs --json)");
+  c->add_option("--python", o->python, "python for the plot (default: $KAKEYA_PYTHON, .venv/bin/python, python3)");
   c->callback([o] {
+    KAKEYA_CHECK(o->png.empty() || !o->json.empty(), "bench memory: --plot needs --json (the plot is drawn from it)");
     BenchMemoryOptions b = o->b;
     KAKEYA_CHECK(!o->speed || b.new_tokens < b.context, "--new-tokens " << b.new_tokens << " must be below --context " << b.context);
     b.configs.clear();
@@ -67,6 +71,7 @@ void register_bench_memory(CLI::App& bench) {
     report["models"] = o->rf.to_json();
     std::printf("%s", bench_memory_table(report).c_str());
     if (!o->json.empty()) write_json(o->json, report);
+    if (!o->png.empty()) run_plot(o->python, "tools/plot_bench_memory.py '" + o->json + "' '" + o->png + "'");
   });
 }
 

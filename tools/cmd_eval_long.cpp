@@ -138,15 +138,6 @@ std::string table(const nlohmann::json& rep) {
   return out;
 }
 
-void plot(const std::string& json, const std::string& png, const std::string& python) {
-  if (png.empty()) return;
-  std::string py = python;
-  if (py.empty() && std::getenv("KAKEYA_PYTHON")) py = std::getenv("KAKEYA_PYTHON");
-  if (py.empty()) py = fs::exists(".venv/bin/python") ? ".venv/bin/python" : "python3";
-  const std::string cmd = py + " tools/plot_eval_long.py '" + json + "' '" + png + "'";
-  const int rc = std::system(cmd.c_str());
-  if (rc != 0) std::fprintf(stderr, "warning: plot failed (exit %d; matplotlib missing?); rerun: %s\n", rc, cmd.c_str());
-}
 
 }  // namespace
 
@@ -274,7 +265,7 @@ void register_eval_long(CLI::App& app) {
     if (!o->json.empty()) {
       write_json(o->json, rep);
       std::fprintf(stderr, "-> %s\n", o->json.c_str());
-      plot(o->json, o->png, o->python);
+      if (!o->png.empty()) run_plot(o->python, "tools/plot_eval_long.py '" + o->json + "' '" + o->png + "'");
     }
   });
 }

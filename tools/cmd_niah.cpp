@@ -150,13 +150,8 @@ NiahRun run_rung(const DecodeStack& st, const NiahFlags& nf, int64_t context, co
 
 void plot(const std::string& kind, const std::string& json, const std::string& png, const std::string& python) {
   if (png.empty()) return;
-  std::string py = python;
-  if (py.empty() && std::getenv("KAKEYA_PYTHON")) py = std::getenv("KAKEYA_PYTHON");
-  if (py.empty()) py = fs::exists(".venv/bin/python") ? ".venv/bin/python" : "python3";
-  const std::string cmd = py + " tools/plot_restored.py " + kind + " '" + json + "' '" + png + "'";
-  int rc = std::system(cmd.c_str());
-  if (rc == 0) std::fprintf(stderr, "-> %s\n", png.c_str());
-  else std::fprintf(stderr, "warning: plot failed (exit %d; matplotlib missing?); rerun: %s\n", rc, cmd.c_str());
+  if (run_plot(python, "tools/plot_restored.py " + kind + " '" + json + "' '" + png + "'"))
+    std::fprintf(stderr, "-> %s\n", png.c_str());
 }
 
 std::string pct(double v) {
