@@ -121,6 +121,15 @@ TEST(ConfigErrors, UnknownModelType) {
   expect_error("unknown_model_type", j, {"model_type", "mamba"});
 }
 
+TEST(ConfigErrors, HeadDimNotDerivable) {
+  // No head_dim and hidden_size not a multiple of the heads (a fuzzer's 48 / 54 made head_dim 0).
+  json j = llama();
+  j.erase("head_dim");
+  j["num_attention_heads"] = 54;
+  j["num_key_value_heads"] = 2;
+  expect_error("head_dim_not_derivable", j, {"no 'head_dim'", "hidden_size=48", "num_attention_heads=54"});
+}
+
 TEST(ConfigErrors, MissingModelType) {
   json j = llama();
   j.erase("model_type");

@@ -141,6 +141,11 @@ void parse_common(const Reader& r, ModelConfig& c) {
   c.num_layers = r.positive("num_hidden_layers");
   c.num_heads = r.positive("num_attention_heads");
   c.num_kv_heads = r.positive_or("num_key_value_heads", c.num_heads);
+  // Without head_dim, HF derives it as hidden_size / num_attention_heads: it must divide exactly
+  // (a fuzzed config with 48 / 54 gave head_dim 0).
+  KAKEYA_CHECK(r.has("head_dim") || c.hidden_size % c.num_heads == 0,
+               r.origin << ": no 'head_dim', and hidden_size=" << c.hidden_size << " is not a multiple of num_attention_heads="
+                        << c.num_heads << " (expected head_dim or hidden_size = heads · head_dim)");
   c.head_dim = r.positive_or("head_dim", c.hidden_size / c.num_heads);
   c.rms_norm_eps = r.number_or("rms_norm_eps", 1e-6);
   c.max_position_embeddings = r.positive_or("max_position_embeddings", 8192);
