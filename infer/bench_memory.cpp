@@ -50,11 +50,7 @@ nlohmann::json bench_memory(const ModelConfig& cfg, at::ScalarType dtype, const 
   KAKEYA_CHECK(o.context >= 1 && o.context <= max_context,
                "--context " << o.context << ": expected 1 .. " << max_context << " (--max-context / the model's limit)");
   KAKEYA_CHECK(!o.budgets.empty(), "--budget-mb: expected at least one budget");
-  const auto configs = parse_long_eval_configs([&] {
-    std::string s;
-    for (const auto& c : o.configs) s += (s.empty() ? "" : ",") + c;
-    return s;
-  }(), o.restore);
+  const auto configs = parse_long_eval_configs(o.configs, o.restore);
   for (const auto& c : configs)
     KAKEYA_CHECK(c.restore.full_attn != FullAttn::Codec || c.restore.codec,
                  "--configs: '" << c.name << "' stores full-attention layers through the codec: pass --calib");
@@ -72,14 +68,12 @@ nlohmann::json bench_memory(const ModelConfig& cfg, at::ScalarType dtype, const 
   const bool timed = m.verifier != nullptr;
   std::vector<std::unique_ptr<Decoder>> owned;
   std::vector<TimedDecoder> timers;
+  std::vector<size_t> timer_of(configs.size(), 0);  // per config its timer (the oracle: AR's, the first)
   if (timed) {
     KAKEYA_CHECK((int64_t)m.prompt.size() + o.new_tokens == o.context,
                  "bench memory: the timed prompt has " << m.prompt.size() << " tokens; expected --context - --new-tokens = "
                                                        << o.context - o.new_tokens);
-    std::vector<LongEvalConfig> order{parse_long_eval_config("oracle", o.restore)};
-    for (const auto& c : configs)
-      if (!c.oracle()) order.push_back(c);
-    for (const auto& c : order) {
+    auto add = [&](const LongEvalConfig& c) {
       DecodeOptions d;
       d.mode = c.mode;
       d.restore = c.restore;
@@ -87,7 +81,13 @@ nlohmann::json bench_memory(const ModelConfig& cfg, at::ScalarType dtype, const 
       d.stream = false;  // no stop tokens either: every run generates exactly new_tokens
       owned.push_back(make_decoder(*m.verifier, m.drafter, m.ftheta, d, o.context));
       timers.push_back({owned.back().get(), d});
-    }
+    };
+    add(parse_long_eval_config("oracle", o.restore));
+    for (size_t i = 0; i < configs.size(); ++i)
+      if (!configs[i].oracle()) {
+        timer_of[i] = timers.size();
+        add(configs[i]);
+      }
     std::fprintf(stderr, "[bench memory] timing %zu decoders at %lld positions, %lld rounds\n", timers.size(),
                  (long long)o.context, (long long)o.repeats);
     time_in_rounds(timers, m.prompt, o.repeats, o.new_tokens);
@@ -101,23 +101,23 @@ nlohmann::json bench_memory(const ModelConfig& cfg, at::ScalarType dtype, const 
   for (int64_t n : ladder) native_curve.push_back({{"context", n}, {"kv_bytes", ar_memory_plan(cfg, dtype, n).native_kv_bytes}});
 
   nlohmann::json rows = nlohmann::json::array();
-  for (const auto& c : configs) {
+  for (size_t i = 0; i < configs.size(); ++i) {
+    const LongEvalConfig& c = configs[i];
     const auto f = bytes_at(c);
+    const int64_t at_context = f(o.context);
     nlohmann::json row{{"config", c.name},
                        {"restore", c.oracle() ? nlohmann::json(nullptr) : c.restore.to_json()},
-                       {"kv_bytes_at_context", f(o.context)},
-                       {"ratio_vs_native_at_context", (double)f(o.context) / native}};
+                       {"kv_bytes_at_context", at_context},
+                       {"ratio_vs_native_at_context", (double)at_context / native}};
     for (int64_t b : o.budgets) row["budgets"].push_back(fit_budget(f, b, max_context, o.context).to_json());
     for (int64_t n : ladder) row["curve"].push_back({{"context", n}, {"kv_bytes", f(n)}});
     if (timed) {
-      const TimedDecoder* t = nullptr;
-      for (const auto& x : timers)
-        if (x.options.mode == c.mode && (c.oracle() || x.options.restore.to_json() == c.restore.to_json())) t = &x;
-      row["decode_tps"] = t->median_decode_tps();
-      row["e2e_tps"] = t->median_e2e_tps();
-      row["decode_runs"] = t->decode_tps;
-      row["decode_ratio_vs_ar"] = t->median_decode_tps() / timers.front().median_decode_tps();
-      row["memory_measured"] = t->decoder->memory().to_json();
+      const TimedDecoder& t = timers[timer_of[i]];
+      row["decode_tps"] = t.median_decode_tps();
+      row["e2e_tps"] = t.median_e2e_tps();
+      row["decode_runs"] = t.decode_tps;
+      row["decode_ratio_vs_ar"] = t.median_decode_tps() / timers.front().median_decode_tps();
+      row["memory_measured"] = t.decoder->memory().to_json();
     }
     rows.push_back(row);
   }

@@ -24,7 +24,7 @@
 namespace kakeya {
 
 struct BenchMemoryOptions {
-  std::vector<std::string> configs{"oracle", "evict:256", "restored:256", "restored-int4:256"};  // eval-long specs
+  std::string configs = "oracle,evict:256,restored:256,restored-int4:256";  // comma-separated eval-long specs
   RestoreOptions restore;             // the restore options the configs start from (sink, chunk, codec, …)
   std::vector<int64_t> budgets{64ll << 20, 256ll << 20};  // KV bytes per budget
   int64_t context = 8192;             // positions per session for the session count and the timing
@@ -55,6 +55,7 @@ std::string bench_memory_table(const nlohmann::json& report);  // aligned text t
 // each (allocator, cuBLAS handles, CUDA-graph capture): a clock that drifts during the run
 // weighs on every decoder alike. Every run must generate exactly new_tokens tokens.
 struct TimedDecoder {
+  TimedDecoder(Decoder* d, const DecodeOptions& o) : decoder(d), options(o) {}
   Decoder* decoder = nullptr;
   DecodeOptions options;
   std::vector<double> decode_tps, e2e_tps;  // per timed run

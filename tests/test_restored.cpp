@@ -540,7 +540,7 @@ TEST(Restored, BenchMemoryRowsAreWhatThePlansFit) {
   auto dc = DrafterConfig::from_file(test::shipped_dir("drafter") + "/config.json");
   auto fc = FThetaConfig::from_file(test::shipped_dir("ftheta") + "/f_theta_config.json");
   BenchMemoryOptions o;
-  o.configs = {"oracle", "evict:256", "restored:256", "restored-int4:256"};
+  o.configs = "oracle,evict:256,restored:256,restored-int4:256";
   o.budgets = {40ll << 20, 256ll << 20};
   auto r = bench_memory(cfg, at::kBFloat16, &dc, &fc, o);
   std::printf("%s", bench_memory_table(r).c_str());
@@ -572,9 +572,9 @@ TEST(Restored, BenchMemoryRowsAreWhatThePlansFit) {
   bad.context = cfg.max_position_embeddings + 1;
   expect_error([&] { bench_memory(cfg, at::kBFloat16, &dc, &fc, bad); }, "--context");
   bad = o;
-  bad.configs = {"restored-codec:256"};
+  bad.configs = "restored-codec:256";
   expect_error([&] { bench_memory(cfg, at::kBFloat16, &dc, &fc, bad); }, "--calib");
-  bad.configs = {"restored:abc"};
+  bad.configs = "restored:abc";
   expect_error([&] { bench_memory(cfg, at::kBFloat16, &dc, &fc, bad); }, "--configs");
 }
 

@@ -3,7 +3,6 @@
 // with --speed, every config's decode tok/s at --context next to AR's, in the same run; with --plot,
 // K/V bytes against the context per config (tools/plot_bench_memory.py).
 #include <cstdio>
-#include <sstream>
 
 #include "core/error.h"
 #include "infer/bench_memory.h"
@@ -15,7 +14,6 @@ namespace kakeya::cli {
 void register_bench_memory(CLI::App& bench) {
   struct Opts {
     RestoreFlags rf;  // the models, and the options the configs start from (sink, chunk, …)
-    std::string configs = "oracle,evict:256,restored:256,restored-int4:256";
     std::vector<int64_t> budget_mb{64, 256};
     bool speed = false;
     std::string json, png, python;
@@ -24,7 +22,7 @@ void register_bench_memory(CLI::App& bench) {
   auto o = std::make_shared<Opts>();
   auto* c = bench.add_subcommand("memory", "What a KV budget fits per decoder config: longest context, sessions, decode speed");
   o->rf.add(c, false);
-  c->add_option("--configs", o->configs,
+  c->add_option("--configs", o->b.configs,
                 "comma-separated configs: oracle | evict:W | restored:W | restored-all:W | restored-codec:W | "
                 "restored-int8:W | restored-int4:W")
       ->capture_default_str();
@@ -50,15 +48,11 @@ void register_bench_memory(CLI::App& bench) {
     KAKEYA_CHECK(o->png.empty() || !o->json.empty(), "bench memory: --plot needs --json (the plot is drawn from it)");
     BenchMemoryOptions b = o->b;
     KAKEYA_CHECK(!o->speed || b.new_tokens < b.context, "--new-tokens " << b.new_tokens << " must be below --context " << b.context);
-    b.configs.clear();
-    std::string item;
-    for (std::stringstream ss(o->configs); std::getline(ss, item, ',');)
-      if (!item.empty()) b.configs.push_back(item);
     b.budgets.clear();
     for (int64_t mb : o->budget_mb) b.budgets.push_back(mb << 20);
     // The models: for the configs' shapes (and the timing). A codec config needs the codec.
     RestoreFlags rf = o->rf;
-    if (o->configs.find("restored-codec:") != std::string::npos) rf.full_attn = "codec";
+    if (b.configs.find("restored-codec:") != std::string::npos) rf.full_attn = "codec";
     DecodeStack st = load_decode_stack(rf, b.context, true);
     b.restore = o->rf.options(st.c());
     BenchMemoryModels m;

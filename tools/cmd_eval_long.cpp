@@ -138,7 +138,6 @@ std::string table(const nlohmann::json& rep) {
   return out;
 }
 
-
 }  // namespace
 
 void register_eval_long(CLI::App& app) {
