@@ -51,15 +51,12 @@ nlohmann::json bench_memory(const ModelConfig& cfg, at::ScalarType dtype, const 
                "--context " << o.context << ": expected 1 .. " << max_context << " (--max-context / the model's limit)");
   KAKEYA_CHECK(!o.budgets.empty(), "--budget-mb: expected at least one budget");
   const auto configs = parse_long_eval_configs(o.configs, o.restore);
-  for (const auto& c : configs)
-    KAKEYA_CHECK(c.restore.full_attn != FullAttn::Codec || c.restore.codec,
-                 "--configs: '" << c.name << "' stores full-attention layers through the codec: pass --calib");
 
   // Per-session K/V bytes of each config at n positions, from the plans.
   auto bytes_at = [&](const LongEvalConfig& c) {
     return [&, c](int64_t n) -> int64_t {
       if (c.oracle()) return ar_memory_plan(cfg, dtype, n).kv_bytes();
-      return restored_memory_plan(cfg, drafter, ftheta, c.restore, dtype, n, n).kv_bytes();
+      return restored_memory_plan(cfg, drafter, ftheta, c.restore, dtype, n).kv_bytes();
     };
   };
   const int64_t native = ar_memory_plan(cfg, dtype, o.context).native_kv_bytes;

@@ -25,7 +25,7 @@ namespace kakeya {
 
 struct BenchMemoryOptions {
   std::string configs = "oracle,evict:256,restored:256,restored-int4:256";  // comma-separated eval-long specs
-  RestoreOptions restore;             // the restore options the configs start from (sink, chunk, codec, …)
+  RestoreOptions restore;             // the restore options the configs start from (sink, chunk, codes, …)
   std::vector<int64_t> budgets{64ll << 20, 256ll << 20};  // KV bytes per budget
   int64_t context = 8192;             // positions per session for the session count and the timing
   int64_t max_context = 0;            // the longest context considered (0: the model's limit)
@@ -45,7 +45,7 @@ struct BenchMemoryModels {
 // {"configs": [{"config", "restore", "kv_bytes_at_context", "ratio_vs_native_at_context", "budgets": [BudgetFit],
 //   "curve": [{"context", "kv_bytes"}], "decode_tps", "decode_ratio_vs_ar", "memory_measured"}], "context",
 //   "max_context", "budgets_bytes", "native_curve", …}; curves at 256 · 2^k positions up to max_context.
-// Throws naming the config or flag at fault (a codec config without a codec, a context past the limit).
+// Throws naming the config or flag at fault (a bad config, a context past the limit).
 nlohmann::json bench_memory(const ModelConfig& cfg, at::ScalarType dtype, const DrafterConfig* drafter,
                             const FThetaConfig* ftheta, const BenchMemoryOptions& o,
                             const BenchMemoryModels& models = {});

@@ -27,8 +27,6 @@ std::vector<std::string> validate_fused(const Model& v, const Drafter* d, const 
                "loaded with: load it against this verifier)");
   KAKEYA_CHECK(d->device() == v.device(), "fused: drafter on " << d->device() << ", verifier on " << v.device());
   validate_restore(v, d, f, ro, n_prompt, max_new);
-  KAKEYA_CHECK(ro.full_attn != FullAttn::Codec,
-               "fused: --full-attn codec is not supported by --mode fused yet (use exact or restored)");
   KAKEYA_CHECK(!ro.stats, "fused: --stats is a diagnostic of --mode restored (fused re-restores positions per block)");
   const int64_t trained = d->config().block_size;
   const int64_t B = block_size > 0 ? block_size : trained;

@@ -124,7 +124,7 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
 
 #ifdef KAKEYA_CUDA
   LoopGraphs& g = *loop.graphs;
-  if (!g.step && dev.is_cuda() && opt.cuda_graph && !loop.before && opt.max_new_tokens > 2 && !stopped) {
+  if (!g.step && dev.is_cuda() && opt.cuda_graph && opt.max_new_tokens > 2 && !stopped) {
     // Capture on a side stream (required by CUDA graphs). Capture records the
     // kernels without running them, so the cache is left untouched.
     auto tc = Clock::now();
@@ -163,7 +163,6 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
   int64_t allocs0 = -1;  // allocator count before the first replay
   while (!stopped && (int64_t)res.tokens.size() + pending < opt.max_new_tokens) {
     const int64_t p = n_fed + (int64_t)res.tokens.size() + pending - 1;  // position fed by this step
-    if (loop.before) loop.before(p);
     upkeep(p);
 #ifdef KAKEYA_CUDA
     if (g.step) {

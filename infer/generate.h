@@ -29,10 +29,9 @@ struct LoopGraphs;
 // The one-token-per-forward decode loop generate() and the restored decoder share.
 // `step` runs one decode step on the static buffers (feeds `cur` at its device-side
 // position, samples into out[step_idx] and back into `cur`, advances both); on CUDA it
-// is captured once as a graph and replayed, unless `before` is set.
+// is captured once as a graph and replayed.
 struct DecodeLoop {
   std::function<void()> step;
-  std::function<void(int64_t p)> before;  // host work before the step feeding p (forces eager steps)
   std::function<void(int64_t p)> after;   // host bookkeeping after that step
   at::Tensor cur;       // [1, 1] int64: the token the next step feeds
   at::Tensor step_idx;  // [1] int64: index into out of the next sampled token

@@ -20,8 +20,8 @@ namespace kakeya {
 namespace {
 
 constexpr const char* kConfigForms =
-    "oracle | evict:W | restored:W | restored-all:W | restored-codec:W | restored-int8:W | restored-int4:W (W: the exact "
-    "window, a positive integer)";
+    "oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W, e.g. restored:W, restored-int4:W, "
+    "restored-codec-lm3:W (W: the exact window, a positive integer; CODE: int8 | int4 | lm4 | lm3 | lm2)";
 
 double mean(const std::vector<double>& x) {
   double s = 0;
@@ -275,12 +275,31 @@ LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOpti
                "--configs: bad spec '" << spec << "': window '" << w << "' is not a positive integer; expected " << kConfigForms);
   c.mode = DecodeMode::Restored;
   c.restore.window = std::stoll(w);
-  if (kind == "evict") c.restore.layers = "none";
-  else if (kind == "restored-all") c.restore.layers = "all";
-  else if (kind == "restored-codec") c.restore.full_attn = FullAttn::Codec;
-  else if (kind == "restored-int8") c.restore.region_bits = 8;
-  else if (kind == "restored-int4") c.restore.region_bits = 4;
-  else KAKEYA_CHECK(kind == "restored", "--configs: bad spec '" << spec << "': unknown kind '" << kind << "'; expected " << kConfigForms);
+  if (kind == "evict") {
+    c.restore.layers = "none";
+    return c;
+  }
+  // restored, then modifiers: all | CODE (the restored regions) | codec [CODE] (the full-attention layers).
+  std::vector<std::string> parts;
+  std::stringstream ks(kind);
+  for (std::string p; std::getline(ks, p, '-');) parts.push_back(p);
+  auto bad = [&](const std::string& why) {
+    KAKEYA_FAIL("--configs: bad spec '" << spec << "': " << why << "; expected " << kConfigForms);
+  };
+  auto is_code = [](const std::string& p) { return p == "int8" || p == "int4" || p == "lm4" || p == "lm3" || p == "lm2"; };
+  if (parts.empty() || parts[0] != "restored") bad("unknown kind '" + kind + "'");
+  for (size_t i = 1; i < parts.size(); ++i) {
+    if (parts[i] == "all") {
+      c.restore.layers = "all";
+    } else if (parts[i] == "codec") {
+      c.restore.full_attn = FullAttn::Codec;
+      if (i + 1 < parts.size() && is_code(parts[i + 1])) c.restore.full_code = ops::parse_row_code(parts[++i], "--configs");
+    } else if (is_code(parts[i])) {
+      c.restore.region_code = ops::parse_row_code(parts[i], "--configs");
+    } else {
+      bad("unknown modifier '" + parts[i] + "' in '" + kind + "'");
+    }
+  }
   return c;
 }
 
@@ -405,9 +424,9 @@ LongEvalPlan plan_long_eval(const Tokenizer& tok, const ModelConfig& cfg, const 
 
 // ---------------------------------------------------------------- run
 
-nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FTheta* ftheta, const KVCodec* codec,
-                             const Tokenizer& tok, const std::vector<LongEvalConfig>& configs,
-                             const LongEvalOptions& opt, const LongEvalPlan& plan, const LongEvalProgress& progress) {
+nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FTheta* ftheta, const Tokenizer& tok,
+                             const std::vector<LongEvalConfig>& configs, const LongEvalOptions& opt,
+                             const LongEvalPlan& plan, const LongEvalProgress& progress) {
   const auto t0 = Clock::now();
   KAKEYA_CHECK(!configs.empty(), "eval-long: no configs (--configs)");
   KAKEYA_CHECK(plan.samples.size() == opt.tasks.size() && (plan.docs.empty() == (opt.ppl_docs == 0)),
@@ -435,7 +454,6 @@ nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FThet
     ConfigRun& r = runs[k];
     r.config = &configs[k];
     r.restore = configs[k].restore;
-    if (r.restore.full_attn == FullAttn::Codec) r.restore.codec = codec;
     if (configs[k].oracle()) {
       if (!oracle) oracle = &r;
     } else {
@@ -597,10 +615,10 @@ nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FThet
   return report(partial);
 }
 
-nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FTheta* ftheta, const KVCodec* codec,
-                             const Tokenizer& tok, const std::vector<LongEvalConfig>& configs,
-                             const LongEvalOptions& opt, const LongEvalProgress& progress) {
-  return run_long_eval(v, drafter, ftheta, codec, tok, configs, opt, plan_long_eval(tok, v.config(), opt), progress);
+nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FTheta* ftheta, const Tokenizer& tok,
+                             const std::vector<LongEvalConfig>& configs, const LongEvalOptions& opt,
+                             const LongEvalProgress& progress) {
+  return run_long_eval(v, drafter, ftheta, tok, configs, opt, plan_long_eval(tok, v.config(), opt), progress);
 }
 
 }  // namespace kakeya

@@ -19,7 +19,6 @@
 #include <utility>
 #include <vector>
 
-#include "calib/codec/codec.h"
 #include "core/model/drafter.h"
 #include "core/model/ftheta.h"
 #include "core/model/model.h"
@@ -41,9 +40,12 @@ struct LongEvalConfig {
 //   oracle            DecodeMode::Ar, full KV
 //   evict:W           restored mode with layers "none": sinks + the window, older positions dropped
 //   restored:W        restored mode, layers as in base (the caller's default, "auto")
-//   restored-all:W    restored mode, every covered layer reads its restored positions
-//   restored-codec:W  restored:W with full-attention layers stored through the KV codec
-//   restored-int8:W   restored:W with the restored regions stored as 8-bit coded rows (int4: 4-bit)
+// and modifiers after "restored", joined by '-', in any order:
+//   all               every covered layer reads its restored positions (restored-all:W)
+//   CODE              the restored regions stored as CODE coded rows (int8 | int4 | lm4 | lm3 | lm2,
+//                     core/kernels/ops.h): restored-int4:W
+//   codec [CODE]      full-attention layers as coded rows (--full-attn codec), in CODE right after
+//                     it, else base's full_code: restored-codec:W, restored-int4-codec-lm3:W
 // Errors name the bad spec and list the forms.
 LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOptions& base);
 // A comma-separated list of specs; names must be unique.
@@ -101,7 +103,7 @@ LongEvalPlan plan_long_eval(const Tokenizer& tok, const ModelConfig& cfg, const 
 using LongEvalProgress = std::function<void(int64_t done, int64_t total)>;
 
 // Runs every config over `plan` (plan_long_eval of the same options). drafter/ftheta: needed by configs that read restored
-// positions (not by the oracle or evict:W); codec: by restored-codec:W. Before any decoding:
+// positions (not by the oracle or evict:W). Before any decoding:
 // the plan fits the model's RoPE table, config names are unique, and validate_restore accepts
 // every restored config at every prompt. Decoding is greedy up to the sample's max_new_tokens,
 // stopping at the model's EOS ids and <end_of_turn> when the tokenizer has it.
@@ -114,13 +116,13 @@ using LongEvalProgress = std::function<void(int64_t done, int64_t total)>;
 // and document by document: the score difference in points per task and per family with its 95%
 // interval, the share of generated texts identical to the oracle's, and the perplexity ratio with its
 // interval (exp of the mean per-document NLL difference ± its 95% half-width).
-nlohmann::json run_long_eval(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const KVCodec* codec,
-                             const Tokenizer& tok, const std::vector<LongEvalConfig>& configs,
-                             const LongEvalOptions& opt, const LongEvalPlan& plan, const LongEvalProgress& progress = {});
+nlohmann::json run_long_eval(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const Tokenizer& tok,
+                             const std::vector<LongEvalConfig>& configs, const LongEvalOptions& opt,
+                             const LongEvalPlan& plan, const LongEvalProgress& progress = {});
 // plan_long_eval with the verifier's config, then the run above.
-nlohmann::json run_long_eval(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const KVCodec* codec,
-                             const Tokenizer& tok, const std::vector<LongEvalConfig>& configs,
-                             const LongEvalOptions& opt, const LongEvalProgress& progress = {});
+nlohmann::json run_long_eval(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const Tokenizer& tok,
+                             const std::vector<LongEvalConfig>& configs, const LongEvalOptions& opt,
+                             const LongEvalProgress& progress = {});
 
 // 95% interval of a mean score in [0, 1]: Wilson when every score is 0 or 1 (or there is a single
 // score, whose sample deviation is undefined), else the normal approximation with the sample

@@ -4,7 +4,6 @@
 #include <cstdio>
 #include <sstream>
 
-#include "calib/codec/codec.h"
 #include "core/error.h"
 #include "core/model/drafter.h"
 #include "core/model/ftheta.h"
@@ -22,14 +21,14 @@ std::string mib(int64_t b) {
 }
 
 // Bytes of `slots` positions per layer of one type (-1 all, 0 sliding, 1 full): dense K/V in
-// `elem`-byte values, or (bits 8 or 4) coded rows of a restored region (ops::quantize_rows).
-int64_t region_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type, int bits) {
+// `elem`-byte values, or (code defined) coded rows (ops::quantize_rows).
+int64_t region_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type, const ops::RowCode& code) {
   int64_t b = 0;
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     if (type >= 0 && cfg.is_sliding(l) != (type == 0)) continue;
     if (cfg.kv_shared(l)) continue;  // reads another layer's K/V
     const int64_t D = cfg.layer_head_dim[l];
-    const int64_t row = bits == 0 ? D * elem : ops::code_bytes(D, bits) + 2 * ops::side_halves(D);
+    const int64_t row = code.defined() ? ops::code_bytes(D, code) + 2 * ops::side_halves(D, code) : D * elem;
     b += 2 * cfg.kv_heads(l) * slots * row;
   }
   return b;
@@ -37,12 +36,12 @@ int64_t region_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, in
 
 // Dense K/V bytes of `slots` positions on every layer of one type (or all layers).
 int64_t kv_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type) {
-  return region_bytes_for(cfg, elem, slots, type, 0);
+  return region_bytes_for(cfg, elem, slots, type, {});
 }
 
 // The note of a restored region's line: how it is stored.
-std::string region_note(int bits) {
-  return bits == 0 ? "" : std::string(", stored as ") + region_code_name(bits) + " coded rows";
+std::string region_note(const ops::RowCode& code) {
+  return code.defined() ? ", stored as " + ops::row_code_name(code) + " coded rows" : "";
 }
 
 }  // namespace
@@ -54,21 +53,18 @@ const char* memory_part_key(MemoryPart p) {
     case MemoryPart::FullExact: return "full_exact";
     case MemoryPart::FullRestored: return "full_restored";
     case MemoryPart::FullCoded: return "full_coded";
-    case MemoryPart::CodecScratch: return "codec_scratch";
     case MemoryPart::RestorePending: return "restore_pending";
     case MemoryPart::TrueRaw: return "true_raw";
     case MemoryPart::DrafterContext: return "drafter_context";
     case MemoryPart::VerifierWeights: return "verifier_weights";
     case MemoryPart::DrafterWeights: return "drafter_weights";
     case MemoryPart::FThetaWeights: return "ftheta_weights";
-    case MemoryPart::CodecData: return "codec_data";
   }
   return "?";
 }
 
 bool is_weights(MemoryPart p) {
-  return p == MemoryPart::VerifierWeights || p == MemoryPart::DrafterWeights || p == MemoryPart::FThetaWeights ||
-         p == MemoryPart::CodecData;
+  return p == MemoryPart::VerifierWeights || p == MemoryPart::DrafterWeights || p == MemoryPart::FThetaWeights;
 }
 
 void MemoryReport::add(MemoryLine line) { (is_weights(line.part) ? weights : kv).push_back(std::move(line)); }
@@ -160,8 +156,6 @@ void add_weights(MemoryReport& m, const Model& v, const Drafter* d, const FTheta
   if (d && uses_drafter)
     m.add({MemoryPart::DrafterWeights, "drafter weights", d->weight_bytes(), "embedding and lm_head shared with the verifier"});
   if (f && uses_drafter) m.add({MemoryPart::FThetaWeights, "f_θ weights", ftheta_weight_bytes(*f), ""});
-  if (o && o->full_attn == FullAttn::Codec)
-    m.add({MemoryPart::CodecData, "codec bundle data", o->codec->shared_bytes(), "shared bases and tables the codec reads"});
 }
 
 void add_baselines(MemoryReport& m, const ModelConfig& cfg, int64_t elem, int64_t positions) {
@@ -201,9 +195,7 @@ struct KvParts {
   bool has_sliding = false, has_full = false;
   int64_t sliding_ring = 0, sliding_ring_slots = 0, sliding_rest = 0, sliding_rest_slots = 0;
   int64_t full_exact = 0, full_exact_slots = 0;  // every position (exact), or the exact ring (restored, codec)
-  int64_t full_rest = 0, full_rest_slots = 0;    // restored region (restored)
-  int64_t coded = 0, coded_positions = 0;        // codec bytes (codec)
-  int64_t scratch = 0, scratch_slots = 0;        // decode scratch of one layer (codec)
+  int64_t full_rest = 0, full_rest_slots = 0;    // restored region (restored), coded rows (codec)
   int64_t pending = 0, true_raw = 0;
 };
 
@@ -215,7 +207,7 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
     m.add({MemoryPart::SlidingExact, "verifier sliding: exact window ring", p.sliding_ring,
                     slots(p.sliding_ring_slots) + " (window; prefill chunks attend over [ring ++ chunk]); sinks sit in the restored region"});
     m.add({MemoryPart::SlidingRestored, "verifier sliding: restored K/V", p.sliding_rest,
-                    slots(p.sliding_rest_slots) + " (sliding window - window + chunk - 1)" + region_note(o.region_bits)});
+                    slots(p.sliding_rest_slots) + " (sliding window - window + chunk - 1)" + region_note(o.region_code)});
   }
   if (p.has_full) {
     switch (o.full_attn) {
@@ -226,15 +218,14 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
       case FullAttn::Restored:
         m.add({MemoryPart::FullExact, "verifier full-attention: exact window ring", p.full_exact, slots(p.full_exact_slots)});
         m.add({MemoryPart::FullRestored, "verifier full-attention: restored K/V", p.full_rest,
-                        slots(p.full_rest_slots) + " (every position: not bounded)" + region_note(o.region_bits), true});
+                        slots(p.full_rest_slots) + " (every position: not bounded)" + region_note(o.region_code), true});
         break;
       case FullAttn::Codec:
-        m.add({MemoryPart::FullExact, "verifier full-attention: exact window ring", p.full_exact,
-                        slots(p.full_exact_slots) + " (window + codec block + chunk - 2)"});
-        m.add({MemoryPart::FullCoded, "verifier full-attention: coded K/V", p.coded,
-                        std::to_string(p.coded_positions) + " positions through " + o.codec->options().label, true});
-        m.add({MemoryPart::CodecScratch, "full-attention decode scratch (one layer)", p.scratch,
-                        slots(p.scratch_slots) + " (ring + capacity), shared by every full layer", true});
+        m.add({MemoryPart::FullExact, "verifier full-attention: exact window ring + sinks", p.full_exact,
+                        slots(p.full_exact_slots) + " (window + chunk - 1 + sink)"});
+        m.add({MemoryPart::FullCoded, "verifier full-attention: coded K/V", p.full_rest,
+                        std::to_string(p.full_rest_slots) + " positions (every one) as " + ops::row_code_name(o.full_code) +
+                            " coded rows", true});
         break;
     }
   }
@@ -271,13 +262,10 @@ MemoryReport restored_memory_report(const Model& v, const Drafter* d, const FThe
     p.full_exact_slots = cache.slots(first_full);
   } else if (p.has_full) {
     p.full_exact = cache.exact_bytes(LayerType::Full);
-    p.full_exact_slots = cache.exact_slots(first_full);
+    p.full_exact_slots = cache.dense_slots(first_full);
     p.full_rest = cache.restored_bytes(LayerType::Full);
-    p.full_rest_slots = cache.restored(first_full) ? cache.restored_slots(first_full) : 0;
-    p.coded = r.coded_bytes();
-    p.coded_positions = r.coded_positions();
-    p.scratch = cache.scratch_bytes();
-    p.scratch_slots = cache.coded(first_full) ? cache.slots(first_full) : 0;
+    p.full_rest_slots = cache.restored_slots(first_full);
+    if (cache.coded(first_full)) p.full_rest = cache.coded_bytes();
   }
   p.pending = r.pending_bytes();
   p.true_raw = r.true_raw_bytes();
@@ -288,7 +276,7 @@ MemoryReport restored_memory_report(const Model& v, const Drafter* d, const FThe
 
 
 MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* dc, const FThetaConfig* fc,
-                                  const RestoreOptions& o, at::ScalarType dtype, int64_t n, int64_t served) {
+                                  const RestoreOptions& o, at::ScalarType dtype, int64_t n) {
   const int64_t elem = c10::elementSize(dtype), w = o.window, c = o.resolved_chunk();
   KvParts p;
   int64_t first_full = -1;
@@ -302,25 +290,21 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
     p.sliding_ring_slots = std::min(n, w);  // decode steps write first (max_step 1)
     p.sliding_rest_slots = std::min(n, std::max<int64_t>(1, cfg.sliding_window - w + c - 1));
     p.sliding_ring = kv_bytes_for(cfg, elem, p.sliding_ring_slots, 0);
-    p.sliding_rest = region_bytes_for(cfg, elem, p.sliding_rest_slots, 0, o.region_bits);
+    p.sliding_rest = region_bytes_for(cfg, elem, p.sliding_rest_slots, 0, o.region_code);
   }
   if (p.has_full) {
     if (o.full_attn == FullAttn::Exact) {
       p.full_exact_slots = n;
-    } else if (o.full_attn == FullAttn::Restored) {
-      p.full_exact_slots = std::min(n, w + c - 1);
-      p.full_rest_slots = n;
-      p.full_rest = region_bytes_for(cfg, elem, n, 1, o.region_bits);
     } else {
-      KAKEYA_CHECK(o.codec, "memory plan: --full-attn codec without a codec");
-      const int64_t B = o.codec->options().block;
-      p.full_exact_slots = std::min(n, w + B - 1 + c - 1);
-      p.scratch_slots = p.full_exact_slots + n;
-      p.scratch = 2 * cfg.kv_heads(first_full) * cfg.layer_head_dim[first_full] * p.scratch_slots * elem;
-      p.coded_positions = std::max<int64_t>(0, served - w) / B * B;  // coded_below(served - 1)
-      for (int64_t l = 0; l < cfg.num_layers; ++l)
-        for (int64_t s = 0; !cfg.is_sliding(l) && s < p.coded_positions; s += B)
-          p.coded += o.codec->coded_bytes(l, Stream::K, B, s) + o.codec->coded_bytes(l, Stream::V, B, s);
+      // Restored: a restored region of every position; codec: every position as coded rows.
+      // Codec: the exact sinks beside the ring.
+      p.full_exact_slots = std::min(n, w + c - 1) + (o.full_attn == FullAttn::Codec ? o.sink : 0);
+      p.full_rest_slots = n;
+      p.full_rest = region_bytes_for(cfg, elem, n, 1, o.full_attn == FullAttn::Codec ? o.full_code : o.region_code);
+      // Rotated codes on coded layers: the session's K and V means, f32.
+      if (o.full_attn == FullAttn::Codec && o.full_code.rotated())
+        for (int64_t l = 0; l < cfg.num_layers; ++l)
+          if (!cfg.is_sliding(l) && !cfg.kv_shared(l)) p.full_rest += 2 * cfg.kv_heads(l) * cfg.layer_head_dim[l] * 4;
     }
     p.full_exact = kv_bytes_for(cfg, elem, p.full_exact_slots, 1);
   }

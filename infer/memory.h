@@ -30,8 +30,7 @@ enum class MemoryPart {
   SlidingRestored,  // sliding layers: restored region
   FullExact,        // full-attention layers: every position (AR, --full-attn exact) or the exact ring
   FullRestored,     // full-attention layers: restored region (--full-attn restored)
-  FullCoded,        // full-attention layers: coded history (--full-attn codec)
-  CodecScratch,     // one full layer's decoded history (--full-attn codec)
+  FullCoded,        // full-attention layers: every position as coded rows (--full-attn codec)
   RestorePending,   // f_θ inputs of positions not restored yet
   TrueRaw,          // true raw K/V kept for --mix-alpha / statistics
   DrafterContext,   // the drafter's context cache (modes that draft)
@@ -39,7 +38,6 @@ enum class MemoryPart {
   VerifierWeights,
   DrafterWeights,
   FThetaWeights,
-  CodecData,
 };
 const char* memory_part_key(MemoryPart p);  // stable JSON key, e.g. "sliding_exact"
 bool is_weights(MemoryPart p);
@@ -78,13 +76,12 @@ MemoryReport restored_memory_report(const Model& verifier, const Drafter* drafte
                                     int64_t positions);
 
 // What restored_memory_report reports, from the shapes alone (nothing allocated): the K/V lines
-// of a restored decode of `capacity` positions after `served` positions went through the
-// verifier (served decides how many codec blocks exist), in `dtype`. drafter, ftheta: the
+// of a restored decode of `capacity` positions, in `dtype`. drafter, ftheta: the
 // pair whose inputs wait in the pending rings (null when a = 1; f_θ's input decides whether
 // the drafter's raw K/V wait too). Weights are not listed. Tests check it against the
 // measured report; it answers "what would 8k cost" without an 8k decode.
 MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* drafter, const FThetaConfig* ftheta,
-                                  const RestoreOptions& o, at::ScalarType dtype, int64_t capacity, int64_t served);
+                                  const RestoreOptions& o, at::ScalarType dtype, int64_t capacity);
 
 // What a fixed KV budget holds of one decoder, from its per-session K/V bytes at n positions
 // (kv_bytes_at, non-decreasing in n): the longest context one session fits (up to max_context),

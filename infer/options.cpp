@@ -1,6 +1,5 @@
 #include "infer/options.h"
 
-#include "calib/codec/codec.h"
 #include "core/error.h"
 
 namespace kakeya {
@@ -39,29 +38,13 @@ FullAttn parse_full_attn(const std::string& s) {
   KAKEYA_FAIL("--full-attn: expected exact | restored | codec, got '" << s << "'");
 }
 
-const char* region_code_name(int bits) {
-  switch (bits) {
-    case 0: return "none";
-    case 8: return "int8";
-    case 4: return "int4";
-  }
-  return "?";
-}
-
-int parse_region_code(const std::string& s) {
-  if (s == "none") return 0;
-  if (s == "int8") return 8;
-  if (s == "int4") return 4;
-  KAKEYA_FAIL("--restored-code: expected none | int8 | int4, got '" << s << "'");
-}
-
 nlohmann::json RestoreOptions::to_json() const {
   nlohmann::json j{{"sink", sink},        {"window", window},          {"full_attn", full_attn_name(full_attn)},
                    {"mix_alpha", mix_alpha}, {"chunk", resolved_chunk()}, {"stats", stats},
                    {"layers", layers}};
-  if (full_attn == FullAttn::Codec && codec) j["codec"] = codec->options().describe();
+  if (full_attn == FullAttn::Codec) j["full_code"] = ops::row_code_name(full_code);
   // Only when coded: reports written before the option existed describe the same runs.
-  if (region_bits > 0) j["restored_code"] = region_code_name(region_bits);
+  if (region_code.defined()) j["restored_code"] = ops::row_code_name(region_code);
   return j;
 }
 

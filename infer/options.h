@@ -8,11 +8,10 @@
 #include <string>
 #include <vector>
 
+#include "core/kernels/ops.h"
 #include "core/model/sampling.h"
 
 namespace kakeya {
-
-class KVCodec;
 
 enum class DecodeMode { Ar, RestoredReforward, Restored, Fused };
 const char* decode_mode_name(DecodeMode m);               // "ar" | "restored-reforward" | "restored" | "fused"
@@ -21,9 +20,6 @@ DecodeMode parse_decode_mode(const std::string& name);    // throws on anything 
 enum class FullAttn { Exact, Restored, Codec };
 const char* full_attn_name(FullAttn f);                   // "exact" | "restored" | "codec"
 FullAttn parse_full_attn(const std::string& name);
-// --restored-code: "none" | "int8" | "int4" <-> RestoreOptions::region_bits 0 | 8 | 4.
-const char* region_code_name(int bits);
-int parse_region_code(const std::string& name);           // throws naming the flag and the choices
 
 // How the restored modes treat positions that leave the exact window (infer/restorer.h
 // states the rules).
@@ -38,10 +34,11 @@ struct RestoreOptions {
   int64_t chunk = 0;         // prefill tokens per forward, 1..window; 0: window
   bool kernels = true;       // CUDA: restore through the fused store kernel where it applies (false: reference ops)
   bool stats = false;        // relative error of restored vs true K/V (keeps true raw K/V too)
-  const KVCodec* codec = nullptr;  // FullAttn::Codec: full-attention history stored through it (blocks of its block size)
-  // Restored regions stored as coded rows of this many bits per value (8 or 4; 0: in the model
-  // dtype): core/kernels/ops.h quantize_rows; the attention kernel reads the codes.
-  int region_bits = 0;
+  // FullAttn::Codec: every position of the full-attention layers stored as these coded rows
+  // (--full-code; core/kernels/ops.h), the exact window beside them; the attention kernel reads the codes.
+  ops::RowCode full_code{ops::RowKind::Rotated, 4};
+  // Restored regions stored as coded rows (--restored-code; undefined: in the model dtype).
+  ops::RowCode region_code;
   // Which of the covered layers read their restored positions (beyond the sinks); the others drop
   // them (evict-only on that layer: sinks + the exact window, nothing older). "auto": the layers
   // f_θ's config lists as measured better than eviction (every covered layer when it lists none),

@@ -58,8 +58,6 @@ RestoredDecoder::RestoredDecoder(const Model& v, const Drafter* d, const FTheta*
   loop_.out = out_;
   loop_.upkeep = upkeep_.get();
   loop_.upkeep_due = [this](int64_t p) { return rest_.next_upkeep(p); };
-  // --full-attn codec encodes codec blocks on the host between steps: eager steps (no CUDA graph).
-  if (rest_.needs_host_steps()) loop_.before = [this](int64_t p) { rest_.prepare_coded(p); };
 }
 
 RestoredDecoder::~RestoredDecoder() = default;
@@ -89,7 +87,6 @@ DecodeResult RestoredDecoder::feed(const std::vector<int64_t>& tokens, const Dec
   res.attention_fraction_sliding = attention_fraction(cache_, v_.config(), true, q);
   res.attention_fraction_full = attention_fraction(cache_, v_.config(), false, q);
   res.restored_positions = std::max<int64_t>(0, rest_.restored_upto() + 1);
-  res.coded_positions = rest_.coded_positions();
   res.served_positions = cache_.length();
   res.memory = memory();
   if (ro.stats) res.stats = rest_.stats();
@@ -136,7 +133,6 @@ DecodeResult ReforwardDecoder::feed(const std::vector<int64_t>& prompt, const De
       res.attention_fraction_sliding = attention_fraction(cache, v_.config(), true, q);
       res.attention_fraction_full = attention_fraction(cache, v_.config(), false, q);
       res.restored_positions = std::max<int64_t>(0, rest.restored_upto() + 1);
-      res.coded_positions = rest.coded_positions();
       res.served_positions = n;
       res.memory = last_memory_ = restored_memory_report(v_, d_, f_, cache, rest, ro, n);
       if (ro.stats) res.stats = rest.stats();

@@ -39,14 +39,15 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
                "decode: --chunk expected in [1, window=" << o.window << "] (0: window), got " << o.chunk
                                                          << " (a longer chunk would need restored K/V of itself)");
   KAKEYA_CHECK(o.mix_alpha >= 0.0 && o.mix_alpha <= 1.0, "decode: --mix-alpha expected in [0, 1], got " << o.mix_alpha);
-  KAKEYA_CHECK(o.region_bits == 0 || o.region_bits == 8 || o.region_bits == 4,
-               "decode: --restored-code expected none | int8 | int4 (bits 0, 8, 4), got " << o.region_bits << " bits");
-  if (o.region_bits > 0)
-    for (int64_t l = 0; l < cfg.num_layers; ++l)
-      KAKEYA_CHECK(cfg.layer_head_dim[l] % ops::kCodeGroup == 0,
-                   "decode: --restored-code " << region_code_name(o.region_bits) << " codes rows in groups of "
-                                              << ops::kCodeGroup << " values; layer " << l << " has head_dim "
-                                              << cfg.layer_head_dim[l]);
+  KAKEYA_CHECK(o.full_attn != FullAttn::Codec || o.full_code.defined(),
+               "decode: --full-attn codec needs a --full-code (int8 | int4 | lm4 | lm3 | lm2)");
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    if (o.region_code.defined())
+      ops::check_row_code(cfg.layer_head_dim[l], o.region_code,
+                          "decode: --restored-code on layer " + std::to_string(l));
+    if (o.full_attn == FullAttn::Codec && !cfg.is_sliding(l))
+      ops::check_row_code(cfg.layer_head_dim[l], o.full_code, "decode: --full-code on layer " + std::to_string(l));
+  }
   bool has_sliding = false, has_full = false;
   for (int64_t l = 0; l < cfg.num_layers; ++l) (cfg.is_sliding(l) ? has_sliding : has_full) = true;
   if (has_sliding)
@@ -58,13 +59,8 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
   KAKEYA_CHECK(has_sliding || o.full_attn == FullAttn::Restored,
                "decode: the model has no sliding-attention layers and --full-attn is " << full_attn_name(o.full_attn)
                                                                                         << ": nothing to restore");
-  KAKEYA_CHECK(o.full_attn != FullAttn::Codec || o.codec,
-               "decode: --full-attn codec needs the calibration bundle's codec (--calib DIR)");
   if (o.full_attn == FullAttn::Codec) {
     KAKEYA_CHECK(has_full, "decode: --full-attn codec on a model without full-attention layers");
-    KAKEYA_CHECK(o.codec->options().block > 0,
-                 "decode: --full-attn codec needs a codec with a fixed block (block > 0), got '"
-                     << o.codec->options().describe() << "'");
   }
   if (o.needs_ftheta()) {
     KAKEYA_CHECK(drafter, "decode: restoration with --mix-alpha < 1 needs a drafter (--drafter DIR)");
@@ -179,10 +175,6 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
     dk_ = at::zeros({ring_, dc.num_layers, dc.num_kv_heads, dc.head_dim}, dopt);
     dv_ = at::zeros({ring_, dc.num_layers, dc.num_kv_heads, dc.head_dim}, dopt);
   }
-  if (opt.full_attn == FullAttn::Codec) {
-    KAKEYA_CHECK(opt.codec, "restorer: --full-attn codec without a codec");
-    coded_ = std::make_unique<CodedHistory>(verifier, *opt.codec, cache);
-  }
   dtap_.self = this;
   dtaps_.subscribe(&dtap_);
   if (opt.stats) acc_ = at::zeros({2, 2, 2, 2}, at::TensorOptions().dtype(at::kDouble).device(dev));
@@ -237,7 +229,6 @@ void Restorer::prepare(int64_t p0, int64_t t) {
   KAKEYA_CHECK(t >= 1 && t <= cache_.options().restore.max_chunk,
                "restorer: a forward of " << t << " tokens exceeds the policy's chunk of "
                                          << cache_.options().restore.max_chunk);
-  if (coded_) coded_->prepare(p0 + t - 1);
   // The forward's queries p0 .. p0+t-1 read restored K/V of every j <= p0 + t - 1 - window.
   const int64_t last = p0 + t - 1 - opt_.window;
   if (last <= restored_upto_) return;
@@ -333,11 +324,6 @@ void Restorer::reset() {
   stat_positions_ = 0;
   if (acc_.defined()) acc_.zero_();
   if (capture_) capture_->clear();
-  if (coded_) coded_ = std::make_unique<CodedHistory>(model_, *opt_.codec, cache_);
-}
-
-void Restorer::prepare_coded(int64_t q) {
-  if (coded_) coded_->prepare(q);
 }
 
 void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv) {
@@ -468,51 +454,6 @@ RestoreStats Restorer::stats() const {
   return s;
 }
 
-// ---------------------------------------------------------------- CodedHistory
-
-CodedHistory::CodedHistory(const Model& model, const KVCodec& codec, KVCache& cache)
-    : model_(model), codec_(codec), cache_(cache) {
-  const ModelConfig& cfg = model.config();
-  KAKEYA_CHECK(cache.options().batch == 1, "coded history: batch " << cache.options().batch << ", expected 1");
-  bool any = false;
-  for (int64_t l = 0; l < cfg.num_layers; ++l) any |= cache.coded(l);
-  KAKEYA_CHECK(any, "coded history: the KV cache has no coded full-attention layers");
-  KAKEYA_CHECK(cache.options().restore.full_coded_block == codec.options().block,
-               "coded history: cache block " << cache.options().restore.full_coded_block << " vs codec block "
-                                             << codec.options().block);
-  blocks_.resize(cfg.num_layers);
-  cache.set_history_loader([this](int64_t l, at::Tensor& k, at::Tensor& v) { load(l, k, v); });
-}
-
-void CodedHistory::prepare(int64_t q) {
-  const int64_t upto = cache_.coded_below(q), blk = codec_.options().block;
-  auto iopt = at::TensorOptions().dtype(at::kLong).device(model_.device());
-  for (; coded_upto_ < upto; coded_upto_ += blk) {
-    auto pos = at::arange(coded_upto_, coded_upto_ + blk, iopt);  // [blk]
-    for (int64_t l = 0; l < (int64_t)blocks_.size(); ++l) {
-      if (!cache_.coded(l)) continue;
-      auto [k, v] = cache_.exact_kv(l, pos);  // [1, H_kv, blk, D] from the dense ring
-      blocks_[l].push_back(codec_.encode_kv(l, k.select(0, 0), v.select(0, 0), coded_upto_, model_.rope(l)));
-    }
-    cache_.mark_restored(LayerType::Full, pos);
-  }
-}
-
-void CodedHistory::load(int64_t l, at::Tensor& k, at::Tensor& v) {
-  for (const CodedKV& c : blocks_[l]) {
-    auto [bk, bv] = codec_.decode_kv(c, model_.rope(l), model_.dtype());  // [H_kv, N, D]
-    k.select(0, 0).narrow(1, c.pos0, c.k.tokens).copy_(bk);
-    v.select(0, 0).narrow(1, c.pos0, c.k.tokens).copy_(bv);
-  }
-}
-
-int64_t CodedHistory::bytes() const {
-  int64_t b = 0;
-  for (const auto& layer : blocks_)
-    for (const auto& c : layer) b += c.bytes();
-  return b;
-}
-
 // Share of the span of the query at q that each layer type sees through exactly one copy per position.
 double attention_fraction(const KVCache& cache, const ModelConfig& cfg, bool sliding, int64_t q) {
   int64_t layer = -1;
@@ -545,10 +486,10 @@ KVCacheOptions restored_cache_options(const Model& v, const FTheta* f, const Res
   co.restore.window = o.window;
   co.restore.sliding = true;
   co.restore.full = o.full_attn == FullAttn::Restored;
-  co.restore.full_coded_block = o.full_attn == FullAttn::Codec ? o.codec->options().block : 0;
+  if (o.full_attn == FullAttn::Codec) co.restore.full_code = o.full_code;
   co.restore.max_chunk = o.resolved_chunk();
   co.restore.linear = linear;
-  co.restore.region_bits = o.region_bits;
+  co.restore.region_code = o.region_code;
   return co;
 }
 

@@ -17,10 +17,9 @@
 // (Tap::KProj/VProj), a = --mix-alpha (0: pure f_θ), and finish_kv = the
 // verifier's own k_norm/v_norm + RoPE (Model::finish_kv). Full-attention layers
 // under --full-attn exact keep every position exact (the seeds' S5). Under
-// --full-attn codec they keep every position's exact K/V too, but stored through the
-// calibration bundle's codec: the query at p reads positions j < coded_below(p) (whole
-// codec blocks outside its window, core/model/kv_cache.h) from their coded copy and newer
-// ones exactly; the codes are decoded into one shared scratch per forward (CodedHistory).
+// --full-attn codec they keep every position's K/V as coded rows (--full-code,
+// core/kernels/ops.h), written by the forward that computes them, and the exact K/V of
+// the window: the query at p reads j exactly when p - j < window, else its coded row.
 //
 // Modes:
 //   ar                  the full-KV oracle (infer/generate.h), nothing restored.
@@ -53,7 +52,6 @@
 #include <string>
 #include <vector>
 
-#include "calib/codec/codec.h"
 #include "core/model/drafter.h"
 #include "core/model/ftheta.h"
 #include "core/model/kv_cache.h"
@@ -85,28 +83,6 @@ std::vector<bool> resolve_restore_layers(const ModelConfig& cfg, const FTheta* f
 // The cache policy's per-layer drop mask (covered layers that do not restore) and sink.
 void set_dropped_layers(RestorePolicy& p, const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o);
 
-// --full-attn codec: full-attention K/V of positions in whole codec blocks outside the
-// exact window, stored through the calibrated codec and decoded into the cache's shared
-// scratch whenever a full-attention layer attends (KVCache coded layers, set_history_loader).
-class CodedHistory {
- public:
-  CodedHistory(const Model& model, const KVCodec& codec, KVCache& cache);
-  CodedHistory(const CodedHistory&) = delete;
-  CodedHistory& operator=(const CodedHistory&) = delete;
-  // Encodes every block the query at q reads coded (positions < KVCache::coded_below(q)) from
-  // the dense ring: host work, once per block, before the ring overwrites it.
-  void prepare(int64_t q);
-  int64_t coded_positions() const { return coded_upto_; }
-  int64_t bytes() const;  // every stored byte of every block (codes and side information)
-
- private:
-  void load(int64_t layer, at::Tensor& k, at::Tensor& v);  // k, v: [1, H_kv, capacity, D], slot = position
-  const Model& model_;
-  const KVCodec& codec_;
-  KVCache& cache_;
-  std::vector<std::vector<CodedKV>> blocks_;  // per layer (coded layers only), per block
-  int64_t coded_upto_ = 0;                    // positions [0, coded_upto_) are coded
-};
 
 // Keeps the cache's restored region up to date around every forward on it.
 //   restorer.prepare(p0, t);                       // before a forward of t tokens at p0
@@ -165,12 +141,6 @@ class Restorer : public TapSubscriber {
   at::Tensor* feature_ring() { return feat_.defined() ? &feat_ : nullptr; }  // [ring, n·H], row = position mod ring
   // A new session on the same cache (which the caller clear()s): nothing restored, no statistics.
   void reset();
-  // --full-attn codec: codec blocks are encoded on the host before the step that feeds
-  // position q first reads them coded (prepare() does it for chunks); steps are then eager.
-  bool needs_host_steps() const { return coded_ != nullptr; }
-  void prepare_coded(int64_t q);
-  int64_t coded_bytes() const { return coded_ ? coded_->bytes() : 0; }
-  int64_t coded_positions() const { return coded_ ? coded_->coded_positions() : 0; }
   int64_t restored_upto() const { return restored_upto_; }  // every position <= this is restored
   int64_t pending_bytes() const;   // f_θ inputs of positions not restored yet (drafter raw K/V, target features)
   int64_t true_raw_bytes() const;  // true raw K/V kept for --mix-alpha / stats
@@ -207,7 +177,6 @@ class Restorer : public TapSubscriber {
   std::vector<int64_t> layers_;                  // verifier layers the policy covers
   bool has_sliding_ = false, has_full_ = false;  // layer types among them
   std::unique_ptr<TargetFeatureCapture> capture_;
-  std::unique_ptr<CodedHistory> coded_;          // --full-attn codec
   DrafterTap dtap_;
   Taps vtaps_, dtaps_;
   int64_t ring_ = 0;                             // positions the pending rings hold

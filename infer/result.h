@@ -53,7 +53,6 @@ struct DecodeResult {
   // exact or restored copy per position (1.0 = nothing lost, nothing twice); -1: no such layers.
   double attention_fraction_sliding = -1, attention_fraction_full = -1;
   int64_t restored_positions = 0;       // positions that left the exact window
-  int64_t coded_positions = 0;          // --full-attn codec: positions whose full-attention K/V are coded
   // Speculative modes (fused, spec).
   std::vector<int64_t> committed;       // tokens committed by each verify forward
   FusedTiming split;                    // fused: per-part times

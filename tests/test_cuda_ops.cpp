@@ -224,12 +224,33 @@ TEST_P(CudaOps, RestoreStoreLayersWithSinks) {
   }
 }
 
+// The N(0,1) Lloyd-Max distortion of a rotated code's levels (per coordinate, relative to the
+// row's mean square): what decoding a rotated row may lose, with room for rounding and the norm.
+double rotated_distortion(int bits) { return bits == 4 ? 0.0095 : bits == 3 ? 0.0345 : 0.1175; }
+
+// A coded row against the dense one it stands for: affine codes within one step of their group,
+// rotated ones within their code's distortion (relative squared error per row).
+void expect_coded_like(const at::Tensor& codes, const at::Tensor& side, const ops::RowCode& code, const at::Tensor& dense,
+                       const std::string& tag) {
+  auto have = ops::dequantize_rows(codes, side, code, at::kFloat), want = dense.to(at::kFloat);
+  if (code.rotated()) {
+    auto rel = (have - want).pow(2).sum(-1) / want.pow(2).sum(-1).clamp_min(1e-12);
+    EXPECT_TRUE(rel.le(rotated_distortion(code.bits) * 2.5).all().item<bool>())
+        << tag << ": worst relative squared error " << rel.max().item<double>();
+    EXPECT_LT(rel.mean().item<double>(), rotated_distortion(code.bits) * 1.3) << tag;
+  }
+}
+
 // RestoreStore into coded regions (--restored-code): the rows it stores are what quantize_rows
 // makes of the dense rows the reference computes (above): side values and codes may differ only
-// where the kernel's dense row differs from the reference's by a bf16 rounding, by one step.
+// where the kernel's dense row differs from the reference's by a bf16 rounding (or, rotated, where
+// a coordinate falls within rounding of a level boundary), by one step.
 TEST_P(CudaOps, RestoreStoreCodedRegion) {
-  for (int bits : {8, 4}) {
+  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 8}, {ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 4},
+                            {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}}) {
     for (const auto& [Hkv, D, sink] : {std::tuple<int64_t, int64_t, int64_t>{1, 256, 4}, {2, 64, 3}, {3, 128, 0}}) {
+      if (code.rotated() && (D / 32) * code.bits % 8 != 0) continue;  // refused by check_row_code (tested on the CPU)
+      const int bits = code.bits;
       const int64_t P = 100, kvd = Hkv * D, ring = 11, rest = 23;
       auto positions = at::tensor(std::vector<int64_t>{2, 0, 13, 5, 1, 30, 8}, at::kLong);
       const int64_t N = positions.numel();
@@ -262,28 +283,30 @@ TEST_P(CudaOps, RestoreStoreCodedRegion) {
       R.args.sink_ring = ring;
       R.args.sink_k = exact_k.to(kCuda);
       R.args.sink_v = exact_v.to(kCuda);
-      R.codes.bits = bits;
-      R.codes.k_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, bits)}, bopt);
-      R.codes.v_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, bits)}, bopt);
-      R.codes.k_side = at::zeros({1, Hkv, rest, ops::side_halves(D)}, hopt);
-      R.codes.v_side = at::zeros({1, Hkv, rest, ops::side_halves(D)}, hopt);
+      R.codes.code = code;
+      R.codes.k_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, code)}, bopt);
+      R.codes.v_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, code)}, bopt);
+      R.codes.k_side = at::zeros({1, Hkv, rest, ops::side_halves(D, code)}, hopt);
+      R.codes.v_side = at::zeros({1, Hkv, rest, ops::side_halves(D, code)}, hopt);
       ops::CodedSlots got = R.codes;
       ops::RestoreStore store({R});
       store.run(k_raw.to(kCuda), v_raw.to(kCuda), positions.to(kCuda));
       const auto slot = positions.remainder(rest);
       for (int kv = 0; kv < 2; ++kv) {
-        const std::string tag = std::string(kv ? "v" : "k") + " bits=" + std::to_string(bits) + " D=" + std::to_string(D);
-        auto [want_c, want_s] = ops::quantize_rows(kv ? v_ref : k_ref, bits);  // [1, H, N, .]
+        const std::string tag = std::string(kv ? "v " : "k ") + ops::row_code_name(code) + " D=" + std::to_string(D);
+        auto [want_c, want_s] = ops::quantize_rows(kv ? v_ref : k_ref, code);  // [1, H, N, .]
         auto gc = (kv ? got.v_codes : got.k_codes).cpu().index_select(2, slot);
         auto gs = (kv ? got.v_side : got.k_side).cpu().index_select(2, slot);
-        auto want = ops::dequantize_rows(want_c, want_s, bits, at::kFloat);
-        auto have = ops::dequantize_rows(gc, gs, bits, at::kFloat);
+        const bool f32 = dt() == at::kFloat;
+        EXPECT_GE(gc.eq(want_c).to(at::kFloat).mean().item<double>(), f32 ? 0.99 : 0.95) << tag;
+        expect_coded_like(gc, gs, code, kv ? v_ref : k_ref, tag);
+        if (code.rotated()) continue;
+        auto want = ops::dequantize_rows(want_c, want_s, code, at::kFloat);
+        auto have = ops::dequantize_rows(gc, gs, code, at::kFloat);
         auto step = want_s.view({1, Hkv, N, D / 32, 2}).select(-1, 0).to(at::kFloat).repeat_interleave(32, -1).view_as(want);
         auto err = (have - want).abs();
-        const bool f32 = dt() == at::kFloat;
         EXPECT_TRUE(err.le(step * 1.01 + want.abs() * (f32 ? 1e-4 : 2e-2) + 1e-4).all().item<bool>())
             << tag << ": max err " << err.max().item<double>();
-        EXPECT_GE(gc.eq(want_c).to(at::kFloat).mean().item<double>(), f32 ? 0.99 : 0.95) << tag;
       }
     }
   }
@@ -320,15 +343,15 @@ TEST_P(CudaOps, DecodeAttention) {
     double softcap;
     int64_t T;            // queries per sequence (1: a decode step; more: verify / drafter blocks)
     bool shared_qpos;     // one q_pos for all T queries (drafter blocks)
-    int64_t rwin, block;  // copy rule: 0 = plain layer; block > 0 = coded layer
+    int64_t rwin;         // copy rule: 0 = plain layer
     int64_t keep_below = -1;  // copy rule: a layer that drops restored positions >= this
   };
-  for (auto c : {Case{4, 1, 256, 300, 0, 0.0, 1, false, 0, 0}, Case{6, 2, 64, 37, 16, 0.0, 1, false, 0, 0},
-                 Case{8, 8, 128, 129, 0, 30.0, 1, false, 0, 0}, Case{4, 2, 512, 700, 100, 0.0, 1, false, 0, 0},
-                 Case{4, 1, 256, 333, 0, 0.0, 16, false, 0, 0}, Case{8, 1, 64, 201, 0, 0.0, 13, true, 0, 0},
-                 Case{4, 1, 256, 399, 512, 0.0, 16, false, 64, 0}, Case{6, 3, 128, 250, 0, 0.0, 7, false, 40, 0},
-                 Case{4, 2, 64, 517, 0, 0.0, 5, false, 70, 64}, Case{4, 1, 256, 130, 0, 0.0, 1, false, 64, 0},
-                 Case{4, 1, 256, 399, 512, 0.0, 3, false, 64, 0, 9}, Case{6, 3, 128, 250, 0, 0.0, 1, false, 40, 0, 77}}) {
+  for (auto c : {Case{4, 1, 256, 300, 0, 0.0, 1, false, 0}, Case{6, 2, 64, 37, 16, 0.0, 1, false, 0},
+                 Case{8, 8, 128, 129, 0, 30.0, 1, false, 0}, Case{4, 2, 512, 700, 100, 0.0, 1, false, 0},
+                 Case{4, 1, 256, 333, 0, 0.0, 16, false, 0}, Case{8, 1, 64, 201, 0, 0.0, 13, true, 0},
+                 Case{4, 1, 256, 399, 512, 0.0, 16, false, 64}, Case{6, 3, 128, 250, 0, 0.0, 7, false, 40},
+                 Case{4, 2, 64, 517, 0, 0.0, 5, false, 70}, Case{4, 1, 256, 130, 0, 0.0, 1, false, 64},
+                 Case{4, 1, 256, 399, 512, 0.0, 3, false, 64, 9}, Case{6, 3, 128, 250, 0, 0.0, 1, false, 40, 77}}) {
     const int64_t B = 2, T = c.T;
     auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
     auto k = at::randn({B, c.Hkv, c.S, c.D}).to(dt()), v = at::randn({B, c.Hkv, c.S, c.D}).to(dt());
@@ -339,15 +362,14 @@ TEST_P(CudaOps, DecodeAttention) {
     ops::CopyRule rule;
     if (c.rwin > 0) {
       // A random split of the slots into exact ring and restored/coded region.
-      rule = {at::rand({c.S}).lt(0.5), c.rwin, c.block, c.keep_below};
+      rule = {at::rand({c.S}).lt(0.5), c.rwin, 0, c.keep_below};
     }
     const double scale = 1.0 / std::sqrt((double)c.D);
     auto sp = slot_pos.unsqueeze(0), qp = q_pos.expand({T}).unsqueeze(1);  // [1, S], [T, 1]
     auto mask = sp.ge(0).logical_and(sp.le(qp));                          // [T, S]
     if (c.window) mask = mask.logical_and((qp - sp).lt(c.window));
     if (c.rwin > 0) {
-      at::Tensor recent = c.block > 0 ? sp.ge((qp - (c.rwin - 1)).clamp_min(0).div(c.block, "floor") * c.block)
-                                      : (qp - sp).lt(c.rwin);
+      at::Tensor recent = (qp - sp).lt(c.rwin);
       mask = mask.logical_and(recent.ne(rule.in_restored.unsqueeze(0)));
       if (c.keep_below >= 0)
         mask = mask.logical_and(rule.in_restored.logical_and(slot_pos.ge(c.keep_below)).logical_not().unsqueeze(0));
@@ -369,7 +391,7 @@ TEST_P(CudaOps, DecodeAttention) {
                                      c.window, scale, c.softcap, gpu_rule);
     expect_close(got, ref,
                  "decode_attention D=" + std::to_string(c.D) + " S=" + std::to_string(c.S) + " T=" + std::to_string(T) +
-                     " rwin=" + std::to_string(c.rwin) + " block=" + std::to_string(c.block) +
+                     " rwin=" + std::to_string(c.rwin) +
                      " keep_below=" + std::to_string(c.keep_below));
   }
 }
@@ -377,17 +399,31 @@ TEST_P(CudaOps, DecodeAttention) {
 // decode_attention over a layer whose restored region is coded rows: the reference decodes the
 // region (dequantize_rows, f32) and attends over [ring ++ region] as above.
 TEST_P(CudaOps, DecodeAttentionCodedRegion) {
-  struct Case { int64_t Hq, Hkv, D, ring, rows, T, window, rwin, keep_below; int bits; };
-  for (auto c : {Case{4, 1, 256, 271, 511, 1, 512, 256, -1, 4}, Case{4, 1, 256, 40, 77, 16, 0, 33, -1, 8},
-                 Case{6, 2, 64, 19, 45, 3, 50, 13, -1, 4}, Case{8, 1, 128, 37, 101, 1, 0, 30, 9, 4},
-                 Case{4, 2, 512, 23, 59, 5, 70, 21, -1, 8}}) {
+  using ops::RowKind;
+  struct Case { int64_t Hq, Hkv, D, ring, rows, T, window, rwin, keep_below; ops::RowCode code; int64_t code_from = 0; };
+  for (auto c : {Case{4, 1, 256, 271, 511, 1, 512, 256, -1, {RowKind::Affine, 4}},
+                 Case{4, 1, 256, 40, 77, 16, 0, 33, -1, {RowKind::Affine, 8}},
+                 Case{6, 2, 64, 19, 45, 3, 50, 13, -1, {RowKind::Affine, 4}},
+                 Case{8, 1, 128, 37, 101, 1, 0, 30, 9, {RowKind::Affine, 4}},
+                 Case{4, 2, 512, 23, 59, 5, 70, 21, -1, {RowKind::Affine, 8}},
+                 Case{4, 1, 256, 271, 1023, 1, 0, 256, -1, {RowKind::Rotated, 3}, 4},
+                 Case{4, 1, 256, 40, 77, 16, 0, 33, 9, {RowKind::Rotated, 4}},
+                 Case{6, 2, 64, 19, 45, 3, 50, 13, -1, {RowKind::Rotated, 4}, 30},
+                 Case{8, 1, 128, 37, 101, 1, 0, 30, -1, {RowKind::Rotated, 2}},
+                 Case{4, 2, 512, 23, 59, 5, 70, 21, -1, {RowKind::Rotated, 3}}}) {
     const int64_t B = 2, T = c.T, S = c.ring + c.rows;
     auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
     auto k = at::randn({B, c.Hkv, S, c.D}).to(dt()), v = (at::randn({B, c.Hkv, S, c.D}) * 2).to(dt());
-    auto [kc, ks] = ops::quantize_rows(k.narrow(2, c.ring, c.rows), c.bits);
-    auto [vc, vs] = ops::quantize_rows(v.narrow(2, c.ring, c.rows), c.bits);
-    auto kf = at::cat({k.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(kc, ks, c.bits, at::kFloat)}, 2);
-    auto vf = at::cat({v.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(vc, vs, c.bits, at::kFloat)}, 2);
+    // Rotated codes: rows coded less per-head means (a coded layer's session means), read back plus them.
+    at::Tensor km = at::zeros({B, c.Hkv, 1, c.D}), vm = at::zeros({B, c.Hkv, 1, c.D});
+    if (c.code.rotated()) {
+      km = at::randn({B, c.Hkv, 1, c.D}) * 2;
+      vm = at::randn({B, c.Hkv, 1, c.D});
+    }
+    auto [kc, ks] = ops::quantize_rows(k.narrow(2, c.ring, c.rows).to(at::kFloat) - km, c.code);
+    auto [vc, vs] = ops::quantize_rows(v.narrow(2, c.ring, c.rows).to(at::kFloat) - vm, c.code);
+    auto kf = at::cat({k.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(kc, ks, c.code, at::kFloat) + km}, 2);
+    auto vf = at::cat({v.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(vc, vs, c.code, at::kFloat) + vm}, 2);
     // Ring slots hold recent positions, region slots older ones (as a restored layer's do), a few empty.
     auto slot_pos = at::cat({at::randperm(c.ring, at::kLong) + c.rows, at::randperm(c.rows, at::kLong)});
     slot_pos.index_put_({at::arange(0, S, 11)}, -1);
@@ -398,6 +434,8 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
     if (c.window) mask = mask.logical_and((qp - sp).lt(c.window));
     mask = mask.logical_and((qp - sp).lt(c.rwin).ne(in_restored.unsqueeze(0)));
     if (c.keep_below >= 0) mask = mask.logical_and(in_restored.logical_and(slot_pos.ge(c.keep_below)).logical_not().unsqueeze(0));
+    // Coded rows below code_from are hidden (exact sinks hold them on a coded layer).
+    mask = mask.logical_and(in_restored.logical_and(slot_pos.lt(c.code_from)).logical_not().unsqueeze(0));
     const double scale = 1.0 / std::sqrt((double)c.D);
     const int64_t G = c.Hq / c.Hkv;
     auto qf = q.to(at::kFloat).permute({0, 2, 1, 3}).reshape({B, c.Hkv, G, T, c.D});
@@ -405,22 +443,81 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
     sc = sc.masked_fill(mask.logical_not(), -INFINITY);
     auto ref = at::nan_to_num(at::matmul(at::softmax(sc, -1), vf.unsqueeze(2)), 0.0)
                    .reshape({B, c.Hq, T, c.D}).permute({0, 2, 1, 3}).reshape({B, T, c.Hq * c.D}).to(dt());
-    ops::CopyRule rule{in_restored.to(kCuda), c.rwin, 0, c.keep_below};
-    rule.codes = {kc.to(kCuda), vc.to(kCuda), ks.to(kCuda), vs.to(kCuda), c.bits};
+    ops::CopyRule rule{in_restored.to(kCuda), c.rwin, c.code_from, c.keep_below};
+    rule.codes = {kc.to(kCuda), vc.to(kCuda), ks.to(kCuda), vs.to(kCuda), c.code};
+    if (c.code.rotated()) {
+      rule.codes.k_mean = km.squeeze(2).contiguous().to(kCuda);
+      rule.codes.v_mean = vm.squeeze(2).contiguous().to(kCuda);
+    }
     auto got = ops::decode_attention(q.to(kCuda), k.narrow(2, 0, c.ring).contiguous().to(kCuda),
                                      v.narrow(2, 0, c.ring).contiguous().to(kCuda), slot_pos.to(kCuda), q_pos.to(kCuda),
                                      c.window, scale, 0.0, rule);
-    expect_close(got, ref, "coded decode_attention D=" + std::to_string(c.D) + " bits=" + std::to_string(c.bits) +
+    expect_close(got, ref, "coded decode_attention D=" + std::to_string(c.D) + " " + ops::row_code_name(c.code) +
                                " T=" + std::to_string(T));
   }
   // A coded region whose rows do not add up to the slot positions: refused, naming the counts.
   auto q = at::randn({1, 1, 4, 64}).to(dt()).to(kCuda);
   auto k = at::randn({1, 1, 8, 64}).to(dt()).to(kCuda);
-  auto [kc, ks] = ops::quantize_rows(at::randn({1, 1, 5, 64}), 4);
+  const ops::RowCode int4{ops::RowKind::Affine, 4};
+  auto [kc, ks] = ops::quantize_rows(at::randn({1, 1, 5, 64}), int4);
   ops::CopyRule rule{at::arange(12, at::kLong).ge(8).to(kCuda), 4, 0, -1};
-  rule.codes = {kc.to(kCuda), kc.to(kCuda), ks.to(kCuda), ks.to(kCuda), 4};
+  rule.codes = {kc.to(kCuda), kc.to(kCuda), ks.to(kCuda), ks.to(kCuda), int4};
   auto pos = at::arange(12, at::TensorOptions().dtype(at::kLong).device(kCuda));
   EXPECT_THROW(ops::decode_attention(q, k, k, pos, pos.narrow(0, 11, 1), 0, 0.125, 0.0, rule), c10::Error);
+}
+
+// code_rows (the coded full-attention layers' store): the rows at the given ring slots become the
+// coded rows quantize_rows makes of them, at the given rows; other rows untouched; rows below the
+// sink also copied to their exact slots.
+TEST_P(CudaOps, CodeRows) {
+  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 4}, {ops::RowKind::Rotated, 3},
+                            {ops::RowKind::Rotated, 2}}) {
+    for (const auto& [Hkv, D] : {std::pair<int64_t, int64_t>{1, 256}, {2, 128}, {3, 512}, {2, 64}}) {
+      if (code.rotated() && (D / 32) * code.bits % 8 != 0) continue;
+      const int64_t B = 2, S = 19, R = 37;
+      auto k = (at::randn({B, Hkv, S, D}) * 3).to(dt()), v = at::randn({B, Hkv, S, D}).to(dt());
+      auto src = at::tensor(std::vector<int64_t>{4, 0, 18, 7, 11}, at::kLong);
+      auto dst = at::tensor(std::vector<int64_t>{30, 2, 36, 9, 0}, at::kLong);
+      auto bopt = at::TensorOptions().dtype(at::kByte).device(kCuda);
+      auto hopt = at::TensorOptions().dtype(at::kHalf).device(kCuda);
+      ops::CodedSlots c;
+      c.code = code;
+      at::Tensor km, vm;  // rotated: rows coded less these means ([B, H, D])
+      if (code.rotated()) {
+        km = at::randn({B, Hkv, D}) * 2;
+        vm = at::randn({B, Hkv, D});
+        c.k_mean = km.to(kCuda);
+        c.v_mean = vm.to(kCuda);
+      }
+      c.k_codes = at::full({B, Hkv, R, ops::code_bytes(D, code)}, 7, bopt);
+      c.v_codes = at::full({B, Hkv, R, ops::code_bytes(D, code)}, 7, bopt);
+      c.k_side = at::zeros({B, Hkv, R, ops::side_halves(D, code)}, hopt);
+      c.v_side = at::zeros({B, Hkv, R, ops::side_halves(D, code)}, hopt);
+      // Rows coded at rows 0 and 2 (< sink 3) are also copied to slots 15 + row: 15 and 17.
+      auto gk = k.to(kCuda), gv = v.to(kCuda);
+      ops::code_rows(gk, gv, src.to(kCuda), dst.to(kCuda), c, 3, 15);
+      for (int kv = 0; kv < 2; ++kv) {
+        auto want = (kv ? v : k).clone();
+        want.narrow(2, 17, 1).copy_(want.narrow(2, 0, 1));   // dst 2 <- src 0
+        want.narrow(2, 15, 1).copy_(want.narrow(2, 11, 1));  // dst 0 <- src 11
+        EXPECT_TRUE((kv ? gv : gk).cpu().equal(want)) << "sink copies, " << ops::row_code_name(code) << " D=" << D;
+      }
+      for (int kv = 0; kv < 2; ++kv) {
+        const std::string tag = std::string(kv ? "v " : "k ") + ops::row_code_name(code) + " D=" + std::to_string(D);
+        auto dense = (kv ? v : k).index_select(2, src);
+        if (code.rotated()) dense = dense.to(at::kFloat) - (kv ? vm : km).unsqueeze(2);
+        auto [want_c, want_s] = ops::quantize_rows(dense, code);
+        auto gc = (kv ? c.v_codes : c.k_codes).cpu(), gs = (kv ? c.v_side : c.k_side).cpu();
+        auto hc = gc.index_select(2, dst), hs = gs.index_select(2, dst);
+        EXPECT_GE(hc.eq(want_c).to(at::kFloat).mean().item<double>(), 0.995) << tag;
+        auto have = ops::dequantize_rows(hc, hs, code, at::kFloat), want = ops::dequantize_rows(want_c, want_s, code, at::kFloat);
+        EXPECT_LT(((have - want).pow(2).sum() / want.pow(2).sum()).item<double>(), 1e-3) << tag;
+        expect_coded_like(hc, hs, code, dense, tag);
+        EXPECT_TRUE(gc.index_select(2, at::tensor(std::vector<int64_t>{1, 3, 35}, at::kLong)).eq(7).all().item<bool>())
+            << tag << ": rows not named were written";
+      }
+    }
+  }
 }
 
 TEST_P(CudaOps, Linear) {

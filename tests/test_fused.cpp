@@ -165,6 +165,28 @@ TEST(Fused, EqualsRestoredDecoderWithRandomFTheta) {
   EXPECT_TRUE(acts) << "a random f_θ changed no continuation: restoration does not act";
 }
 
+// Full-attention layers as coded rows (--full-attn codec): verify blocks write and read the codes
+// by the same rules as single steps (rejected positions' rows are overwritten), so fused = restored.
+TEST(Fused, EqualsRestoredDecoderWithCodedFullAttention) {
+  for (double alpha : {1.0, 0.0}) {
+    SCOPED_TRACE("a = " + std::to_string(alpha));
+    const FTheta* f = alpha < 1.0 ? &ftheta() : nullptr;
+    DecodeOptions d;
+    d.mode = DecodeMode::Restored;
+    d.restore = restore_options(alpha);
+    d.restore.full_attn = FullAttn::Codec;
+    d.restore.full_code = {ops::RowKind::Rotated, 3};
+    d.max_new_tokens = 16;
+    auto ref = decode(model(), &drafter(), f, prompts()[1], d);
+    DecodeOptions fo;
+    fo.block_size = 8;
+    fo.max_new_tokens = 16;
+    auto r = fused_run(model(), drafter(), f, d.restore, prompts()[1], fo);
+    EXPECT_EQ(r.tokens, ref.tokens);
+    EXPECT_GT(r.memory.find(MemoryPart::FullCoded)->bytes, 0) << r.memory.table();
+  }
+}
+
 // A FusedDecoder kept across prompts (its caches and buffers reused, graphs captured once on
 // CUDA) decodes each prompt as a fresh one does: nothing of an earlier prompt leaks into the
 // next, in any order, also after a longer prompt and with stops and shorter budgets.

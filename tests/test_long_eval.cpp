@@ -65,7 +65,7 @@ std::vector<LongEvalConfig> configs(const std::string& specs = "oracle,evict:64,
 }
 
 nlohmann::json run(const LongEvalOptions& o, const std::vector<LongEvalConfig>& c) {
-  return run_long_eval(model(), &drafter(), &ftheta(), nullptr, tokenizer(), c, o);
+  return run_long_eval(model(), &drafter(), &ftheta(), tokenizer(), c, o);
 }
 
 }  // namespace
@@ -160,7 +160,7 @@ TEST(LongEval, SmokeAt1kOracleEvictRestored) {
   ro.resume = rep;
   RestoreOptions other;
   other.sink = 8;
-  expect_error([&] { run_long_eval(model(), &drafter(), &ftheta(), nullptr, tokenizer(),
+  expect_error([&] { run_long_eval(model(), &drafter(), &ftheta(), tokenizer(),
                                    parse_long_eval_configs("oracle,evict:64", other), ro); },
                "config 'evict:64' had restore options");
 }
@@ -208,8 +208,9 @@ TEST(LongEval, BadInput) {
   expect_error([&] { run(o, configs()); }, "--ppl-tail 1024");
   o = options();
   o.ppl_docs = 0;
-  expect_error([&] { run(o, configs("oracle,restored-codec:64")); }, "config 'restored-codec:64'");
-  for (const char* bad : {"restored:x", "restored:0", "stream:64", "evict", "oracle,oracle"})
+  expect_error([&] { run(o, configs("oracle,restored:600")); }, "config 'restored:600'");
+  for (const char* bad : {"restored:x", "restored:0", "stream:64", "evict", "oracle,oracle", "restored-lm5:64",
+                          "restored-codec-all-foo:64"})
     expect_error([&] { configs(bad); }, "--configs");
   expect_error([&] { configs("restored:x"); }, "'restored:x'");
   expect_error([&] { configs("stream:64"); }, "evict:W");
@@ -219,8 +220,9 @@ TEST(LongEval, ConfigSpecs) {
   RestoreOptions base;
   base.sink = 2;
   base.layers = "3,5";
-  const auto c = parse_long_eval_configs("oracle,evict:32,restored:48,restored-all:16,restored-codec:64", base);
-  ASSERT_EQ(c.size(), 5u);
+  const auto c = parse_long_eval_configs(
+      "oracle,evict:32,restored:48,restored-all:16,restored-codec:64,restored-int4-codec-lm3:64,restored-lm4:64", base);
+  ASSERT_EQ(c.size(), 7u);
   EXPECT_TRUE(c[0].oracle());
   EXPECT_EQ(c[1].mode, DecodeMode::Restored);
   EXPECT_EQ(c[1].restore.window, 32);
@@ -230,6 +232,13 @@ TEST(LongEval, ConfigSpecs) {
   EXPECT_EQ(c[3].restore.layers, "all");
   EXPECT_EQ(c[4].restore.full_attn, FullAttn::Codec);
   EXPECT_EQ(c[4].name, "restored-codec:64");
+  EXPECT_EQ(c[4].restore.full_code, base.full_code);
+  EXPECT_FALSE(c[4].restore.region_code.defined());
+  EXPECT_EQ(c[5].restore.full_attn, FullAttn::Codec);
+  EXPECT_EQ(c[5].restore.full_code, (ops::RowCode{ops::RowKind::Rotated, 3}));
+  EXPECT_EQ(c[5].restore.region_code, (ops::RowCode{ops::RowKind::Affine, 4}));
+  EXPECT_EQ(c[6].restore.full_attn, FullAttn::Exact);
+  EXPECT_EQ(c[6].restore.region_code, (ops::RowCode{ops::RowKind::Rotated, 4}));
 }
 
 TEST(LongEval, Intervals) {

@@ -1,9 +1,12 @@
 // Coded rows (core/kernels/ops.h quantize_rows / dequantize_rows) on the CPU: the stored layout
-// (nibble order, side values), the round-trip error bound of an affine code, and clear errors.
+// (nibble order, side values; the rotated code's bit stream), the round-trip error bound of an
+// affine code, the rotated code's distortion (the N(0,1) Lloyd-Max levels, fitted independently by
+// calib/codec/lloyd_max.h) and kept norms, the Hadamard transform against its matrix, clear errors.
 // The CUDA kernels that store and read the same rows are checked against these in test_cuda_ops.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include "calib/codec/lloyd_max.h"
 #include "core/kernels/ops.h"
 #include "tests/test_util.h"
 
@@ -12,10 +15,12 @@ using test::expect_error;
 
 namespace {
 
+const ops::RowCode kInt8{ops::RowKind::Affine, 8}, kInt4{ops::RowKind::Affine, 4};
+
 // One group 0, 1, ..., 31 in 4 bits: min 0, scale 31/15; code i = round(i · 15/31).
 TEST(CodedRows, LayoutOfOneGroup) {
   auto x = at::arange(32, at::kFloat).view({1, 32});
-  auto [codes, side] = ops::quantize_rows(x, 4);
+  auto [codes, side] = ops::quantize_rows(x, kInt4);
   ASSERT_EQ(codes.sizes(), (std::vector<int64_t>{1, 16}));
   ASSERT_EQ(side.sizes(), (std::vector<int64_t>{1, 2}));
   EXPECT_EQ(side.scalar_type(), at::kHalf);
@@ -38,10 +43,11 @@ TEST(CodedRows, RoundTripWithinHalfAStep) {
       auto x = (at::randn({3, 5, 7, 96}) * 4 + 1).to(dt);
       x.select(-1, 0).fill_(1e-3);  // one tiny value among large ones
       x[1][2][3].fill_(-2.5);       // one constant row: scale 0
-      auto [codes, side] = ops::quantize_rows(x, bits);
+      const ops::RowCode code{ops::RowKind::Affine, bits};
+      auto [codes, side] = ops::quantize_rows(x, code);
       ASSERT_EQ(codes.sizes(), (std::vector<int64_t>{3, 5, 7, 96 * bits / 8}));
       ASSERT_EQ(side.sizes(), (std::vector<int64_t>{3, 5, 7, 6}));
-      auto y = ops::dequantize_rows(codes, side, bits, at::kFloat);
+      auto y = ops::dequantize_rows(codes, side, code, at::kFloat);
       ASSERT_EQ(y.sizes(), x.sizes());
       auto xf = x.to(at::kFloat).view({-1, 3, 32});
       auto range = std::get<0>(xf.max(-1, true)) - std::get<0>(xf.min(-1, true));  // [N, 3, 1]
@@ -60,11 +66,95 @@ TEST(CodedRows, RoundTripWithinHalfAStep) {
   }
 }
 
+// H·x / sqrt(D) against the Sylvester matrix (kron of [[1, 1], [1, -1]]), over leading shapes.
+TEST(CodedRows, HadamardTransformIsTheMatrix) {
+  at::manual_seed(3);
+  for (int64_t D : {2, 8, 64, 256}) {
+    auto h = at::ones({1, 1});
+    auto h2 = at::tensor({1.f, 1.f, 1.f, -1.f}).view({2, 2});
+    while (h.size(0) < D) h = at::kron(h, h2);
+    auto x = at::randn({3, 5, D});
+    auto want = at::matmul(x, h.t()) / std::sqrt((double)D);
+    EXPECT_TRUE(at::allclose(ops::fwht(x), want, 1e-5, 1e-5)) << D;
+    EXPECT_TRUE(at::allclose(ops::fwht(ops::fwht(x)), x, 1e-5, 1e-5)) << D << ": the transform is its own inverse";
+  }
+  expect_error([] { ops::fwht(at::zeros({2, 48})); }, "not a power of two");
+}
+
+TEST(CodedRows, RotatedLevelsAreTheGaussianLloydMaxTables) {
+  for (int bits : {2, 3, 4}) {
+    const auto& lv = ops::rotated_levels(bits);
+    const auto& fit = gaussian_codebook(bits).centroids;
+    ASSERT_EQ(lv.size(), fit.size());
+    for (size_t i = 0; i < lv.size(); ++i) EXPECT_NEAR(lv[i], fit[i], 2e-5) << bits << " bits, level " << i;
+  }
+}
+
+// The bit stream: value i's index at bits i·b .. i·b + b - 1. Hand-packed indices i mod 2^b (scale
+// g = 1) decode to x̂ whose rotation H·(s ⊙ x̂)/sqrt(D) is exactly those levels.
+TEST(CodedRows, RotatedLayout) {
+  for (int bits : {2, 3, 4}) {
+    const int64_t D = 256;
+    std::vector<uint8_t> bytes(D * bits / 8, 0);
+    for (int64_t i = 0; i < D; ++i)
+      for (int b = 0; b < bits; ++b)
+        if (((i % (1 << bits)) >> b) & 1) bytes[(i * bits + b) / 8] |= (uint8_t)(1u << ((i * bits + b) % 8));
+    auto codes = at::from_blob(bytes.data(), {1, (int64_t)bytes.size()}, at::kByte).clone();
+    auto side = at::ones({1, 1}, at::kFloat).view(at::kHalf);
+    const ops::RowCode code{ops::RowKind::Rotated, bits};
+    auto x = ops::dequantize_rows(codes, side, code, at::kFloat);  // [1, D]
+    std::vector<float> s(D);
+    for (int64_t i = 0; i < D; ++i) s[i] = ops::rotation_sign(i);
+    auto y = ops::fwht(x * at::tensor(s));
+    const auto& lv = ops::rotated_levels(bits);
+    for (int64_t i = 0; i < D; ++i) EXPECT_NEAR(y[0][i].item<float>(), lv[i % (1 << bits)], 1e-5) << bits << " bits, " << i;
+  }
+}
+
+// Any row (here Gaussian rows with a few large outlier channels, as K has): the decoded row keeps
+// its norm, and the mean relative squared error is the N(0,1) Lloyd-Max distortion of the bits.
+TEST(CodedRows, RotatedRoundTripKeepsTheNormAtTheGaussianDistortion) {
+  at::manual_seed(11);
+  for (int bits : {2, 3, 4}) {
+    for (auto dt : {at::kFloat, at::kBFloat16}) {
+      const int64_t D = 256;
+      auto x = at::randn({4, 7, D});
+      x.select(-1, 3).mul_(20);  // outlier channels
+      x.select(-1, 100).add_(15);
+      x = x.to(dt);
+      const ops::RowCode code{ops::RowKind::Rotated, bits};
+      auto [codes, side] = ops::quantize_rows(x, code);
+      ASSERT_EQ(codes.sizes(), (std::vector<int64_t>{4, 7, D * bits / 8}));
+      ASSERT_EQ(side.sizes(), (std::vector<int64_t>{4, 7, 2}));
+      auto y = ops::dequantize_rows(codes, side, code, at::kFloat);
+      auto xf = x.to(at::kFloat);
+      auto n = xf.pow(2).sum(-1);
+      EXPECT_TRUE(at::allclose(y.pow(2).sum(-1), n, 1e-4, 0)) << bits << " bits: the norm is kept";
+      const double rel = ((y - xf).pow(2).sum(-1) / n).mean().item<double>();
+      const double want = gaussian_mse(gaussian_codebook(bits));
+      EXPECT_GT(rel, want * 0.8) << bits << " bits";
+      EXPECT_LT(rel, want * 1.2) << bits << " bits";
+      // A zero row decodes to zeros.
+      auto [zc, zs] = ops::quantize_rows(at::zeros({1, D}), code);
+      EXPECT_TRUE(ops::dequantize_rows(zc, zs, code, at::kFloat).eq(0).all().item<bool>());
+    }
+  }
+}
+
 TEST(CodedRows, BadInput) {
-  expect_error([] { ops::quantize_rows(at::zeros({2, 48}), 4); }, "not a multiple of the code group 32");
-  expect_error([] { ops::quantize_rows(at::zeros({2, 64}), 3); }, "bits expected 8 or 4");
-  auto [codes, side] = ops::quantize_rows(at::zeros({2, 64}), 8);
-  expect_error([&] { ops::dequantize_rows(codes, side.to(at::kFloat), 8, at::kFloat); }, "side f16");
+  expect_error([] { ops::quantize_rows(at::zeros({2, 48}), kInt4); }, "not a multiple of the code group 32");
+  expect_error([] { ops::quantize_rows(at::zeros({2, 64}), ops::RowCode{ops::RowKind::Affine, 3}); },
+               "affine codes take 8 or 4 bits");
+  expect_error([] { ops::quantize_rows(at::zeros({2, 128}), ops::RowCode{ops::RowKind::Rotated, 3}); },
+               "lm3 codes rows of a power-of-two length in 64..512 whose 32nds are whole bytes of codes; the head dim is 128 (use lm4 or lm2)");
+  expect_error([] { ops::quantize_rows(at::zeros({2, 96}), ops::RowCode{ops::RowKind::Rotated, 4}); }, "the head dim is 96");
+  auto [codes, side] = ops::quantize_rows(at::zeros({2, 64}), kInt8);
+  expect_error([&] { ops::dequantize_rows(codes, side.to(at::kFloat), kInt8, at::kFloat); }, "side f16");
+  EXPECT_EQ(ops::parse_row_code("lm3", "--x"), (ops::RowCode{ops::RowKind::Rotated, 3}));
+  EXPECT_EQ(ops::parse_row_code("int8", "--x"), kInt8);
+  EXPECT_FALSE(ops::parse_row_code("none", "--x").defined());
+  EXPECT_EQ(ops::row_code_name(kInt4), "int4");
+  expect_error([] { ops::parse_row_code("lm5", "--full-code"); }, "--full-code: expected none | int8 | int4 | lm4 | lm3 | lm2, got 'lm5'");
 }
 
 }  // namespace

@@ -7,9 +7,10 @@
 //     token with a seeded random drafter and f_θ (a = 0, a mix, full-attention
 //     layers restored too, other prefill chunkings);
 //   - every query sees each position of its span exactly once;
-//   - --full-attn codec (the shipped bundle's release recipe, small blocks so that
-//     positions get coded): close to --full-attn exact, incremental = reforward, its
-//     measured bytes = restored_memory_plan, and the plan at 8k within 1/5 of full KV;
+//   - --full-attn codec (full-attention K/V as lm4 coded rows): close to --full-attn exact,
+//     incremental = reforward, its measured bytes = restored_memory_plan, and the plan at 8k
+//     (window 128, int4 restored regions) within 1/5 of full KV, and with lm3 rows 0.35x of the
+//     native cache;
 //   - evict-only (--restore-layers none: sinks + the exact window) ignores f_θ entirely,
 //     equals its reforward reference, and loses against the full cache; a layer list
 //     restores exactly those layers; an f_θ reading the target features restores
@@ -26,8 +27,6 @@
 #include <map>
 #include <string>
 
-#include "calib/codec/calib_bundle.h"
-#include "calib/codec/codec.h"
 #include "core/model/drafter.h"
 #include "core/error.h"
 #include "core/model/ftheta.h"
@@ -355,22 +354,11 @@ TEST(Restored, MemoryReportHasBaselines) {
   EXPECT_NE(r.memory.table().find("baseline: full KV"), std::string::npos);
 }
 
-// The shipped bundle and its release recipe (what `--calib checkpoints/gemma3-270m/calib` loads).
-const CalibBundle& bundle() {
-  static CalibBundle b = CalibBundle::load(test::shipped_dir("calib"), model().config());
-  return b;
-}
-const std::string kRelease = "kakeya:sink=1,kbasis=calib,kalloc=3.3,vbasis=calib,valloc=3";
-// Blocks of 16 tokens: the short CPU prompts get several coded blocks (the release uses 512).
-const KVCodec& small_block_codec() {
-  static KVCodec c(CodecOptions::parse(kRelease + ",block=16"), model().config(), &bundle(), at::kCPU);
-  return c;
-}
-
+// Full-attention layers as lm4 rows (the default --full-code); the window of 8 sends most of
+// the short CPU prompts' positions through the codes.
 DecodeOptions codec_options(DecodeMode mode, int64_t max_new, FullAttn fa = FullAttn::Codec) {
   auto o = options(mode, 1.0, max_new);  // exact restoration on sliding layers: only the codec differs
   o.restore.full_attn = fa;
-  o.restore.codec = &small_block_codec();
   return o;
 }
 
@@ -393,7 +381,7 @@ TEST(RestoredCodec, CloseToExactFullAttention) {
     auto coded = decode(model(), nullptr, nullptr, p, codec_options(DecodeMode::Restored, 32));
     ASSERT_EQ(exact.tokens.size(), 32u);
     ASSERT_EQ(coded.tokens.size(), 32u);
-    EXPECT_GE(coded.coded_positions, 32) << "positions really went through the codec";
+    EXPECT_GT(coded.memory.find(MemoryPart::FullCoded)->bytes, 0) << "positions really went through the codec";
     EXPECT_DOUBLE_EQ(coded.attention_fraction_full, 1.0);
     for (size_t i = 0; i < 32; ++i) same_free += exact.tokens[i] == coded.tokens[i];
     std::vector<int64_t> seq = p;
@@ -408,10 +396,12 @@ TEST(RestoredCodec, CloseToExactFullAttention) {
   EXPECT_GE(same_free, total / 2);
 }
 
+// The session's first forward sets the coded layers' means: the same first chunk in both.
 TEST(RestoredCodec, IncrementalEqualsReforward) {
-  auto inc = decode(model(), nullptr, nullptr, prompt(), codec_options(DecodeMode::Restored, 4));
-  auto o = codec_options(DecodeMode::RestoredReforward, 4);
+  auto o = codec_options(DecodeMode::Restored, 4);
   o.restore.chunk = 5;
+  auto inc = decode(model(), nullptr, nullptr, prompt(), o);
+  o.mode = DecodeMode::RestoredReforward;
   auto ref = decode(model(), nullptr, nullptr, prompt(), o);
   EXPECT_EQ(inc.tokens, ref.tokens);
 }
@@ -434,7 +424,7 @@ TEST(RestoredCodec, MeasuredBytesEqualThePlan) {
     auto r = decode(model(), &drafter(), &ftheta(), prompt(), o);
     const int64_t n = prompt().size() + 6;
     EXPECT_EQ(r.served_positions, n - 1);
-    auto plan = restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(), o.restore, at::kFloat, n, r.served_positions);
+    auto plan = restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(), o.restore, at::kFloat, n);
     expect_same_kv_lines(r.memory, plan);
     int64_t coded = 0;
     for (const auto& l : r.memory.kv) coded += l.part == MemoryPart::FullCoded ? l.bytes : 0;
@@ -447,51 +437,56 @@ TEST(RestoredCodec, MeasuredBytesEqualThePlan) {
     auto r = decode(model(), &drafter(), &ftheta(), prompt(), o);
     const int64_t n = prompt().size() + 4;
     expect_same_kv_lines(r.memory,
-                         restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(), o.restore, at::kFloat, n, n - 1));
+                         restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(), o.restore, at::kFloat, n));
   }
 }
 
 TEST(RestoredCodec, PlanAt8kIsWithinAFifthOfFullKv) {
   const auto& cfg = model().config();
-  KVCodec release(CodecOptions::parse(kRelease), cfg, &bundle(), at::kCPU);
   auto dc = DrafterConfig::from_file(test::shipped_dir("drafter") + "/config.json");
   auto fc = FThetaConfig::from_file(test::shipped_dir("ftheta") + "/f_theta_config.json");
   RestoreOptions o;
-  // Sink 4, window 64, chunk 64: the layout of the measured 0.172x. At the default window 256 the
-  // exact ring (256 slots) and the restored region (511) of each sliding layer stay above a fifth.
-  o.window = 64;
-  o.codec = &release;
+  // Sink 4, window 128, chunk 64, int4 restored regions: the compact layout in bf16.
+  o.window = 128;
+  o.chunk = 64;
+  o.region_code = {ops::RowKind::Affine, 4};
   const int64_t n = 8192;
-  for (at::ScalarType dt : {at::kBFloat16, at::kFloat}) {
+  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Rotated, 4}, ops::RowCode{ops::RowKind::Rotated, 3}}) {
+    o.full_code = code;
     o.full_attn = FullAttn::Codec;
-    auto coded = restored_memory_plan(cfg, &dc, &fc, o, dt, n, n);
+    auto coded = restored_memory_plan(cfg, &dc, &fc, o, at::kBFloat16, n);
     o.full_attn = FullAttn::Exact;
-    auto exact = restored_memory_plan(cfg, &dc, &fc, o, dt, n, n);
+    auto exact = restored_memory_plan(cfg, &dc, &fc, o, at::kBFloat16, n);
     const double rc = (double)coded.kv_bytes() / coded.full_kv_bytes, re = (double)exact.kv_bytes() / exact.full_kv_bytes;
-    std::printf("8k, %s: codec %.4fx of full KV, exact full attention %.4fx\n%s", c10::toString(dt), rc, re,
-                coded.table().c_str());
+    const double nc = (double)coded.kv_bytes() / coded.native_kv_bytes;
+    std::printf("8k, %s: codec %.4fx of full KV (%.4fx native), exact full attention %.4fx\n%s",
+                ops::row_code_name(code).c_str(), rc, nc, re, coded.table().c_str());
     EXPECT_LE(rc, 0.2);
-    EXPECT_GT(re, 0.2);  // the codec is what brings it under a fifth
+    EXPECT_GT((double)exact.kv_bytes() / exact.native_kv_bytes, 0.9);  // the codec is what shrinks it
+    if (code.bits == 3) EXPECT_LE(nc, 0.35);
   }
 }
 
 // ---- restored regions stored as coded rows (--restored-code int8 | int4) ----
 
-DecodeOptions coded_region_options(DecodeMode mode, int bits, double alpha, int64_t max_new) {
+DecodeOptions coded_region_options(DecodeMode mode, int bits, double alpha, int64_t max_new,
+                                   ops::RowKind kind = ops::RowKind::Affine) {
   auto o = options(mode, alpha, max_new);
-  o.restore.region_bits = bits;
+  o.restore.region_code = {kind, bits};
   return o;
 }
 
 // The coded region changes what restored positions hold, not the rules: the incremental decoder
 // and its reforward reference quantize the same restored rows, so they agree token for token.
 TEST(RestoredRegionCode, IncrementalEqualsReforward) {
-  auto inc = decode(model(), &drafter(), &ftheta(), prompt(), coded_region_options(DecodeMode::Restored, 4, 0.0, 4));
-  auto o = coded_region_options(DecodeMode::RestoredReforward, 4, 0.0, 4);
-  o.restore.chunk = 5;
-  auto ref = decode(model(), &drafter(), &ftheta(), prompt(), o);
-  EXPECT_EQ(inc.tokens, ref.tokens);
-  EXPECT_DOUBLE_EQ(inc.attention_fraction_sliding, 1.0);
+  for (auto kind : {ops::RowKind::Affine, ops::RowKind::Rotated}) {
+    auto inc = decode(model(), &drafter(), &ftheta(), prompt(), coded_region_options(DecodeMode::Restored, 4, 0.0, 4, kind));
+    auto o = coded_region_options(DecodeMode::RestoredReforward, 4, 0.0, 4, kind);
+    o.restore.chunk = 5;
+    auto ref = decode(model(), &drafter(), &ftheta(), prompt(), o);
+    EXPECT_EQ(inc.tokens, ref.tokens);
+    EXPECT_DOUBLE_EQ(inc.attention_fraction_sliding, 1.0);
+  }
 }
 
 // Exact restoration (a = 1) through coded regions: the teacher-forced NLL of the prompt stays
@@ -508,7 +503,7 @@ TEST(RestoredRegionCode, ExactRestorationStaysCloseAndCostsTheCodedBytes) {
     err[i] = std::abs(score_restored(model(), nullptr, nullptr, prompt(), o.restore).mean_nll() - ar);
     auto r = decode(model(), nullptr, nullptr, prompt(), o);
     const int64_t n = prompt().size() + 4;
-    expect_same_kv_lines(r.memory, restored_memory_plan(model().config(), nullptr, nullptr, o.restore, at::kFloat, n, n - 1));
+    expect_same_kv_lines(r.memory, restored_memory_plan(model().config(), nullptr, nullptr, o.restore, at::kFloat, n));
     // 15 sliding layers, K and V, one KV head, min(n, 512 - window + chunk - 1) = n slots.
     EXPECT_EQ(r.memory.find(MemoryPart::SlidingRestored)->bytes, 15 * 2 * n * (bits == 8 ? 288 : 160));
     EXPECT_NE(r.memory.table().find(bits == 8 ? "int8 coded rows" : "int4 coded rows"), std::string::npos);
@@ -550,7 +545,7 @@ TEST(Restored, BenchMemoryRowsAreWhatThePlansFit) {
     const auto c = parse_long_eval_config(row["config"], o.restore);
     auto bytes = [&](int64_t n) {
       return c.oracle() ? ar_memory_plan(cfg, at::kBFloat16, n).kv_bytes()
-                        : restored_memory_plan(cfg, &dc, &fc, c.restore, at::kBFloat16, n, n).kv_bytes();
+                        : restored_memory_plan(cfg, &dc, &fc, c.restore, at::kBFloat16, n).kv_bytes();
     };
     at_context[c.name] = row["kv_bytes_at_context"];
     EXPECT_EQ(row["kv_bytes_at_context"].get<int64_t>(), bytes(8192));
@@ -572,8 +567,8 @@ TEST(Restored, BenchMemoryRowsAreWhatThePlansFit) {
   bad.context = cfg.max_position_embeddings + 1;
   expect_error([&] { bench_memory(cfg, at::kBFloat16, &dc, &fc, bad); }, "--context");
   bad = o;
-  bad.configs = "restored-codec:256";
-  expect_error([&] { bench_memory(cfg, at::kBFloat16, &dc, &fc, bad); }, "--calib");
+  bad.configs = "restored-int3:256";
+  expect_error([&] { bench_memory(cfg, at::kBFloat16, &dc, &fc, bad); }, "unknown modifier 'int3'");
   bad.configs = "restored:abc";
   expect_error([&] { bench_memory(cfg, at::kBFloat16, &dc, &fc, bad); }, "--configs");
 }
@@ -601,7 +596,11 @@ TEST(Restored, BadInput) {
   auto foreign = FTheta::random(FThetaConfig::for_pair(other_verifier, drafter().config(), 16), 1, at::kFloat, at::kCPU);
   expect_error([&] { decode(model(), &drafter(), &foreign, prompt(), o); }, "trained for another verifier");
   o.restore.full_attn = FullAttn::Codec;
-  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--calib DIR");
+  o.restore.full_code = {ops::RowKind::Affine, 3};
+  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--full-code on layer 5: affine codes take 8 or 4 bits");
+  o.restore.full_code = {};
+  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "needs a --full-code");
+  o.restore.full_code = {ops::RowKind::Rotated, 4};
   o.restore.full_attn = FullAttn::Exact;
   o.restore.chunk = 9;
   expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--chunk");
@@ -618,9 +617,9 @@ TEST(Restored, BadInput) {
   expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--stats");
   o.restore.layers = "auto";
   o.restore.stats = false;
-  o.restore.region_bits = 3;
-  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--restored-code");
-  expect_error([] { parse_region_code("int2"); }, "--restored-code: expected none | int8 | int4");
+  o.restore.region_code = {ops::RowKind::Rotated, 5};
+  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--restored-code on layer 0: lm5: bits expected 2, 3 or 4");
+  expect_error([] { ops::parse_row_code("int2", "--restored-code"); }, "--restored-code: expected none | int8 | int4 | lm4 | lm3 | lm2");
 }
 
 }  // namespace

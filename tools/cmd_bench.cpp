@@ -47,11 +47,11 @@ void register_bench(CLI::App& app) {
   c->add_option("--chunk", o->rf.chunk, "--restored: prefill tokens per forward, 1..window (0: window)")
       ->capture_default_str();
   c->add_option("--full-attn", o->rf.full_attn, "--restored: exact | restored | codec")->capture_default_str();
-  c->add_option("--restored-code", o->rf.region_code, "--restored: restored regions stored as none | int8 | int4")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"none", "int8", "int4"}));
-  c->add_option("--calib", o->rf.calib, "--restored --full-attn codec: calibration bundle directory");
-  c->add_option("--codec", o->rf.codec, "--restored --full-attn codec: codec spec (default: the bundle's release recipe)");
+  c->add_option("--restored-code", o->rf.region_code,
+                "--restored: restored regions stored as none | int8 | int4 | lm4 | lm3 | lm2")
+      ->capture_default_str();
+  c->add_option("--full-code", o->rf.full_code, "--restored --full-attn codec: full-attention rows as int8 | int4 | lm4 | lm3 | lm2")
+      ->capture_default_str();
   o->df.add(c);
   c->callback([o] {
     auto tok = load_tokenizer(o->model);
@@ -68,7 +68,7 @@ void register_bench(CLI::App& app) {
     if (o->restored) {
       load_restoration(o->rf, model, tok, st);
       d.mode = DecodeMode::Restored;
-      d.restore = o->rf.options(st.c());
+      d.restore = o->rf.options();
       d.max_new_tokens = o->new_tokens;
       d.stream = false;
     }

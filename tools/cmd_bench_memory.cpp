@@ -23,8 +23,7 @@ void register_bench_memory(CLI::App& bench) {
   auto* c = bench.add_subcommand("memory", "What a KV budget fits per decoder config: longest context, sessions, decode speed");
   o->rf.add(c, false);
   c->add_option("--configs", o->b.configs,
-                "comma-separated configs: oracle | evict:W | restored:W | restored-all:W | restored-codec:W | "
-                "restored-int8:W | restored-int4:W")
+                "comma-separated configs: oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W (as eval-long's)")
       ->capture_default_str();
   c->add_option("--budget-mb", o->budget_mb, "KV budgets in MiB, comma-separated")
       ->delimiter(',')
@@ -50,11 +49,9 @@ void register_bench_memory(CLI::App& bench) {
     KAKEYA_CHECK(!o->speed || b.new_tokens < b.context, "--new-tokens " << b.new_tokens << " must be below --context " << b.context);
     b.budgets.clear();
     for (int64_t mb : o->budget_mb) b.budgets.push_back(mb << 20);
-    // The models: for the configs' shapes (and the timing). A codec config needs the codec.
-    RestoreFlags rf = o->rf;
-    if (b.configs.find("restored-codec:") != std::string::npos) rf.full_attn = "codec";
-    DecodeStack st = load_decode_stack(rf, b.context, true);
-    b.restore = o->rf.options(st.c());
+    // The models: for the configs' shapes (and the timing).
+    DecodeStack st = load_decode_stack(o->rf, b.context, true);
+    b.restore = o->rf.options();
     BenchMemoryModels m;
     if (o->speed) m = {st.model.get(), st.d(), st.f(), bench_prompt(*st.tok, b.context - b.new_tokens)};
     auto report = bench_memory(st.model->config(), st.model->dtype(), &st.d()->config(), &st.f()->config(), b, m);

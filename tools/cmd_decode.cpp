@@ -105,7 +105,6 @@ void register_decode(CLI::App& app) {
     // fused: the last verify block reaches up to block_size (<= window) positions past the budget.
     auto st = load_decode_stack(o->rf, longest + (mode == DecodeMode::Fused ? ro.window : 0), need_restore);
     const Model& model = *st.model;
-    ro.codec = st.c();
 
     nlohmann::json report{{"command", command_line()},
                           {"mode", o->mode},

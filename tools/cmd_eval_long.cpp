@@ -158,8 +158,8 @@ void register_eval_long(CLI::App& app) {
                                             "perplexity) over decoder configs side by side");
   o->rf.add(c);
   c->add_option("--configs", o->configs,
-                "decoder configs: oracle | evict:W | restored:W | restored-all:W | restored-codec:W | restored-int8:W | "
-                "restored-int4:W (W: exact window; "
+                "decoder configs: oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W, e.g. restored-int4:W, "
+                "restored-codec-lm4:W (W: exact window; CODE: int8 | int4 | lm4 | lm3 | lm2; "
                 "the other restore options come from the flags above)")
       ->capture_default_str();
   c->add_option("--tasks", o->tasks, "all | none (perplexity only) | comma list of data/longeval.h tasks")
@@ -219,18 +219,9 @@ void register_eval_long(CLI::App& app) {
     lo.chat = o->chat == "auto" ? data::detect_chat_format(*st.tok) : data::parse_chat_format(o->chat);
     const auto plan = plan_long_eval(*st.tok, ModelConfig::from_file(o->rf.verifier + "/config.json"), lo);
     st.model = std::make_unique<Model>(load_model(o->rf.verifier, o->rf.df, plan.positions));
-    bool need_restore = false, need_codec = false;
-    for (const auto& cf : configs)
-      if (!cf.oracle()) {
-        need_restore |= cf.restore.needs_ftheta();
-        need_codec |= cf.restore.full_attn == FullAttn::Codec;
-      }
+    bool need_restore = false;
+    for (const auto& cf : configs) need_restore |= !cf.oracle() && cf.restore.needs_ftheta();
     if (need_restore) load_restoration(o->rf, *st.model, *st.tok, st);
-    if (need_codec && !st.codec) {
-      RestoreFlags coded = o->rf;
-      coded.full_attn = "codec";
-      load_codec(coded, *st.model, st);
-    }
 
     // The report so far, with what identifies the run, where --resume finds it.
     auto stamp = [&](nlohmann::json& rep) {
@@ -252,7 +243,7 @@ void register_eval_long(CLI::App& app) {
         write_json(o->json, rep);
       };
     std::unique_ptr<Progress> bar;
-    auto rep = run_long_eval(*st.model, st.d(), st.f(), st.c(), *st.tok, configs, lo, plan,
+    auto rep = run_long_eval(*st.model, st.d(), st.f(), *st.tok, configs, lo, plan,
                              [&](int64_t done, int64_t total) {
                                if (!bar) bar = std::make_unique<Progress>("[eval-long]", total, "tok");
                                bar->update(done);

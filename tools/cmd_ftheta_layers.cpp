@@ -40,7 +40,7 @@ void register_ftheta_layers(CLI::App& app) {
     KAKEYA_CHECK((int64_t)seqs.size() == o->seqs, o->text << ": " << seqs.size() << " sequences of " << o->seq_len
                                                           << " tokens, --seqs asks for " << o->seqs);
     train::LayerSelectOptions lo;
-    lo.restore = o->rf.options(s.c());
+    lo.restore = o->rf.options();
     lo.min_gain = o->min_gain;
     std::unique_ptr<Progress> prog;  // the total (configurations x sequences) comes with the first report
     json report = train::select_restore_layers(*s.model, *s.drafter, *s.ftheta, seqs, lo, [&](int64_t done, int64_t total) {

@@ -193,7 +193,6 @@ void register_niah(CLI::App& app) {
     RestoreOptions ro = o->rf.options();
     auto st = load_decode_stack(o->rf, longest, ro.needs_ftheta());
     const Model& model = *st.model;
-    ro.codec = st.c();
     DecodeOptions base;
     base.mode = parse_decode_mode(o->mode);
     base.restore = ro;
@@ -248,7 +247,7 @@ void register_niah(CLI::App& app) {
           {"checked", bounded_checked},
           {"meaning", "every K/V term except those marked grows_with_context (exact full-attention K/V under "
                       "--full-attn exact, restored full-attention K/V under --full-attn restored, coded full-attention K/V "
-                      "and its one-layer decode scratch under --full-attn codec) is the same at "
+                      "under --full-attn codec) is the same at "
                       "every rung >= the sliding window"}}},
         {"kv_at_8k_le_fifth_of_full_kv", target}};
     std::fprintf(stderr, "gates: |delta| <= %.1fpp %s, attention fraction = 1.0 %s, memory bounded %s\n",
@@ -321,7 +320,7 @@ void register_sweep_alpha(CLI::App& app) {
     for (double a : alphas) {
       DecodeOptions d;
       d.mode = DecodeMode::Restored;
-      d.restore = o->rf.options(st.c());
+      d.restore = o->rf.options();
       d.restore.mix_alpha = a;
       d.restore.stats = true;
       double recall = 0;
@@ -347,7 +346,7 @@ void register_sweep_alpha(CLI::App& app) {
                            {"device", device_description(model.device())},
                            {"dtype", c10::toString(model.dtype())},
                            {"models", o->rf.to_json()},
-                           {"restore", o->rf.options(st.c()).to_json()},
+                           {"restore", o->rf.options().to_json()},
                            {"contexts", contexts},
                            {"depths", depths},
                            {"samples_per_depth", o->nf.samples},

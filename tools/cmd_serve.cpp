@@ -98,7 +98,6 @@ void register_serve(CLI::App& app) {
     so.decode.block_size = o->block_size;
     const bool need_restore = mode != DecodeMode::Ar && (ro.needs_ftheta() || mode == DecodeMode::Fused);
     auto st = load_decode_stack(o->rf, serve_capacity(so), need_restore);
-    so.decode.restore.codec = st.c();
 
     std::unique_ptr<ChatTemplate> chat;
     if (!o->chat_template.empty()) {

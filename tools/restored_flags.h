@@ -6,8 +6,6 @@
 #include <memory>
 #include <string>
 
-#include "calib/codec/calib_bundle.h"
-#include "calib/codec/codec.h"
 #include "core/model/drafter.h"
 #include "core/model/ftheta.h"
 #include "core/model/model.h"
@@ -22,16 +20,15 @@ struct RestoreFlags {
   // A directory, or "random[:SEED]" (seeded random weights: plumbing runs and tests before training).
   std::string drafter = "checkpoints/gemma3-270m/drafter";
   std::string ftheta = "checkpoints/gemma3-270m/ftheta";
-  std::string calib;
-  std::string codec;  // --full-attn codec: codec spec; empty: the bundle's release recipe
   int64_t sink = RestoreOptions{}.sink, window = RestoreOptions{}.window, chunk = 0;
   std::string full_attn = "exact";
   std::string layers = "auto";  // --restore-layers (RestoreOptions::layers)
-  std::string region_code = "none";  // --restored-code (RestoreOptions::region_bits)
+  std::string region_code = "none";  // --restored-code (RestoreOptions::region_code)
+  std::string full_code = ops::row_code_name(RestoreOptions{}.full_code);  // --full-code
   double mix_alpha = 0.0;
   DeviceFlags df;
   void add(CLI::App* app, bool with_alpha = true);
-  RestoreOptions options(const KVCodec* codec = nullptr) const;
+  RestoreOptions options() const;
   nlohmann::json to_json() const;
 };
 
@@ -42,19 +39,13 @@ struct DecodeStack {
   std::unique_ptr<Drafter> drafter;
   std::unique_ptr<FTheta> ftheta;
   std::string ftheta_origin;
-  std::unique_ptr<CalibBundle> bundle;  // --full-attn codec
-  std::unique_ptr<KVCodec> codec;
   std::unique_ptr<Tokenizer> tok;
   const Drafter* d() const { return drafter.get(); }
   const FTheta* f() const { return ftheta.get(); }
-  const KVCodec* c() const { return codec.get(); }
 };
 DecodeStack load_decode_stack(const RestoreFlags& f, int64_t max_positions, bool need_restore);
 // The drafter (bound to `model`) and f_θ of the flags, checked against each other and the
-// model, and the codec when --full-attn codec.
+// model.
 void load_restoration(const RestoreFlags& f, const Model& model, const Tokenizer& tok, DecodeStack& s);
-// --full-attn codec: the bundle of --calib (checked against the model) and the codec of --codec,
-// or of the bundle's release recipe (manifest.json entries.release); nothing otherwise.
-void load_codec(const RestoreFlags& f, const Model& model, DecodeStack& s);
 
 }  // namespace kakeya::cli

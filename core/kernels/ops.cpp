@@ -2,6 +2,8 @@
 
 #include "core/error.h"
 
+#include <cmath>
+
 #ifdef KAKEYA_CUDA
 #include <ATen/core/grad_mode.h>
 
@@ -88,18 +90,108 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 #endif
 }
 
+RowCode parse_row_code(const std::string& s, const std::string& flag) {
+  if (s == "none") return {};
+  if (s == "int8") return {RowKind::Affine, 8};
+  if (s == "int4") return {RowKind::Affine, 4};
+  if (s == "lm4") return {RowKind::Rotated, 4};
+  if (s == "lm3") return {RowKind::Rotated, 3};
+  if (s == "lm2") return {RowKind::Rotated, 2};
+  KAKEYA_FAIL(flag << ": expected none | int8 | int4 | lm4 | lm3 | lm2, got '" << s << "'");
+}
+
+std::string row_code_name(const RowCode& c) {
+  if (!c.defined()) return "none";
+  return (c.rotated() ? "lm" : "int") + std::to_string(c.bits);
+}
+
+void check_row_code(int64_t D, const RowCode& c, const std::string& what) {
+  if (c.rotated()) {
+    KAKEYA_CHECK(c.bits >= 2 && c.bits <= 4, what << ": " << row_code_name(c) << ": bits expected 2, 3 or 4");
+    // The attention kernel gives each of a warp's 32 lanes D/32 values, whose codes must be whole bytes.
+    KAKEYA_CHECK(D >= 64 && D <= 512 && (D & (D - 1)) == 0 && (D / 32) * c.bits % 8 == 0,
+                 what << ": " << row_code_name(c) << " codes rows of a power-of-two length in 64..512 whose 32nds are "
+                      << "whole bytes of codes; the head dim is " << D
+                      << (D == 128 ? " (use lm4 or lm2)" : D == 64 ? " (use lm4)" : ""));
+  } else {
+    KAKEYA_CHECK(c.bits == 8 || c.bits == 4, what << ": affine codes take 8 or 4 bits, got " << c.bits);
+    KAKEYA_CHECK(D > 0 && D % kCodeGroup == 0,
+                 what << ": row length " << D << " is not a multiple of the code group " << kCodeGroup);
+  }
+}
+
+const std::vector<float>& rotated_levels(int bits) {
+  // N(0,1) Lloyd-Max levels (positive half; the tables are symmetric). tests/test_ops.cpp checks them
+  // against the numerically fitted tables of calib/codec/lloyd_max.h.
+  static const std::vector<float> t2 = {-1.5104176f, -0.4527800f, 0.4527800f, 1.5104176f};
+  static const std::vector<float> t3 = {-2.1519457f, -1.3439093f, -0.7560053f, -0.2450942f,
+                                        0.2450942f,  0.7560053f,  1.3439093f,  2.1519457f};
+  static const std::vector<float> t4 = {-2.7325896f, -2.0690172f, -1.6180464f, -1.2562312f, -0.9423405f, -0.6567591f,
+                                        -0.3880483f, -0.1283950f, 0.1283950f,  0.3880483f,  0.6567591f,  0.9423405f,
+                                        1.2562312f,  1.6180464f,  2.0690172f,  2.7325896f};
+  KAKEYA_CHECK(bits >= 2 && bits <= 4, "rotated row code: bits expected 2, 3 or 4, got " << bits);
+  return bits == 2 ? t2 : bits == 3 ? t3 : t4;
+}
+
+at::Tensor fwht(const at::Tensor& x) {
+  const int64_t D = x.size(-1);
+  KAKEYA_CHECK(D > 0 && (D & (D - 1)) == 0, "fwht: length " << D << " is not a power of two");
+  auto y = x.to(at::kFloat).reshape({-1, D});
+  for (int64_t h = 1; h < D; h *= 2) {
+    auto p = y.view({-1, D / (2 * h), 2, h});
+    auto a = p.select(2, 0), b = p.select(2, 1);
+    y = at::stack({a + b, a - b}, 2).view({-1, D});
+  }
+  return (y * (float)(1.0 / std::sqrt((double)D))).view(x.sizes());
+}
+
 namespace {
-void check_code_args(int64_t D, int bits, const char* what) {
-  KAKEYA_CHECK(bits == 8 || bits == 4, what << ": bits expected 8 or 4, got " << bits);
-  KAKEYA_CHECK(D > 0 && D % kCodeGroup == 0,
-               what << ": row length " << D << " is not a multiple of the code group " << kCodeGroup);
+at::Tensor rotation_signs(int64_t D, at::Device dev) {
+  std::vector<float> s(D);
+  for (int64_t i = 0; i < D; ++i) s[i] = rotation_sign(i);
+  return at::tensor(s).to(dev);
+}
+// idx [N, D] uint8 (< 2^bits) -> [N, D·bits/8] uint8, little-endian bit stream.
+at::Tensor pack_indices(const at::Tensor& idx, int bits) {
+  const int64_t N = idx.size(0), D = idx.size(1);
+  auto shifts = at::arange(bits, idx.options().dtype(at::kLong));
+  auto bitv = idx.to(at::kLong).unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and(1);  // [N, D, bits]
+  auto w = at::arange(8, idx.options().dtype(at::kLong));
+  return bitv.reshape({N, D * bits / 8, 8}).bitwise_left_shift(w).sum(-1).to(at::kByte);
+}
+at::Tensor unpack_indices(const at::Tensor& codes, int64_t D, int bits) {
+  const int64_t N = codes.size(0);
+  auto w = at::arange(8, codes.options().dtype(at::kLong));
+  auto bitv = codes.to(at::kLong).unsqueeze(-1).bitwise_right_shift(w).bitwise_and(1).reshape({N, D, bits});
+  auto shifts = at::arange(bits, codes.options().dtype(at::kLong));
+  return bitv.bitwise_left_shift(shifts).sum(-1);  // [N, D] int64
 }
 }  // namespace
 
-std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int bits) {
-  const int64_t D = x.size(-1), G = D / kCodeGroup;
-  check_code_args(D, bits, "quantize_rows");
+std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const RowCode& code) {
+  const int64_t D = x.size(-1);
+  check_row_code(D, code, "quantize_rows");
   std::vector<int64_t> lead(x.sizes().begin(), x.sizes().end() - 1);
+  auto codes_shape = lead, side_shape = lead;
+  codes_shape.push_back(code_bytes(D, code));
+  side_shape.push_back(side_halves(D, code));
+  if (code.rotated()) {
+    const auto& lv = rotated_levels(code.bits);
+    std::vector<float> mid(lv.size() - 1);
+    for (size_t i = 0; i + 1 < lv.size(); ++i) mid[i] = 0.5f * (lv[i] + lv[i + 1]);
+    auto xf = x.to(at::kFloat).reshape({-1, D});                       // [N, D]
+    auto y = fwht(xf * rotation_signs(D, x.device()));                 // [N, D]
+    auto n = xf.pow(2).sum(-1, true).sqrt();                           // [N, 1]
+    auto inv = at::where(n.gt(0), (float)std::sqrt((double)D) / n, at::zeros_like(n));
+    auto u = y * inv;
+    auto idx = at::bucketize(u, at::tensor(mid).to(x.device()));       // count of thresholds < u
+    auto c = at::tensor(lv).to(x.device()).index_select(0, idx.flatten()).view(idx.sizes());  // [N, D]
+    auto g = n / c.pow(2).sum(-1, true).sqrt();                        // the row's norm kept
+    auto side = g.contiguous().view(at::kHalf);                         // [N, 2]: f32 bytes as halves
+    return {pack_indices(idx.to(at::kByte), code.bits).reshape(codes_shape), side.reshape(side_shape)};
+  }
+  const int bits = code.bits;
+  const int64_t G = D / kCodeGroup;
   auto xf = x.to(at::kFloat).reshape({-1, G, kCodeGroup});          // [N, G, 32]
   auto mn = std::get<0>(xf.min(-1, true)), mx = std::get<0>(xf.max(-1, true));
   const double levels = (1 << bits) - 1;
@@ -112,26 +204,57 @@ std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int bits) {
     c = pairs.select(-1, 0).bitwise_or(pairs.select(-1, 1).bitwise_left_shift(4));  // [N, D/2]
   }
   auto side = at::cat({scale_h, min_h}, -1).reshape({-1, 2 * G});   // [N, 2G]: (scale, min) per group
-  auto codes_shape = lead, side_shape = lead;
-  codes_shape.push_back(code_bytes(D, bits));
-  side_shape.push_back(2 * G);
   return {c.reshape(codes_shape), side.reshape(side_shape)};
 }
 
-at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, int bits, at::ScalarType dtype) {
-  const int64_t D = codes.size(-1) * 8 / bits, G = D / kCodeGroup;
-  check_code_args(D, bits, "dequantize_rows");
-  KAKEYA_CHECK(codes.scalar_type() == at::kByte && side.scalar_type() == at::kHalf && side.size(-1) == 2 * G,
-               "dequantize_rows: codes uint8 [..., " << code_bytes(D, bits) << "] and side f16 [..., " << 2 * G
-                                                     << "] expected, got " << codes.sizes() << " / " << side.sizes());
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, const RowCode& code, at::ScalarType dtype) {
+  KAKEYA_CHECK(code.defined() && codes.dim() >= 1, "dequantize_rows: no code");
+  const int64_t D = codes.size(-1) * 8 / code.bits;
+  check_row_code(D, code, "dequantize_rows");
+  KAKEYA_CHECK(codes.scalar_type() == at::kByte && side.scalar_type() == at::kHalf &&
+                   side.size(-1) == side_halves(D, code) && codes.size(-1) == code_bytes(D, code),
+               "dequantize_rows: codes uint8 [..., " << code_bytes(D, code) << "] and side f16 [..., "
+                                                     << side_halves(D, code) << "] expected, got " << codes.sizes()
+                                                     << " / " << side.sizes());
   std::vector<int64_t> shape(codes.sizes().begin(), codes.sizes().end() - 1);
   shape.push_back(D);
   auto c = codes.reshape({-1, codes.size(-1)});
-  if (bits == 4) c = at::stack({c.bitwise_and(15), c.bitwise_right_shift(4)}, -1);  // [N, D/2, 2]
+  if (code.rotated()) {
+    auto idx = unpack_indices(c, D, code.bits);                                // [N, D]
+    auto g = side.reshape({-1, 2}).contiguous().view(at::kFloat);             // [N, 1]
+    auto y = at::tensor(rotated_levels(code.bits)).to(codes.device()).index_select(0, idx.flatten()).view(idx.sizes()) * g;
+    return (fwht(y) * rotation_signs(D, codes.device())).reshape(shape).to(dtype);
+  }
+  const int64_t G = D / kCodeGroup;
+  if (code.bits == 4) c = at::stack({c.bitwise_and(15), c.bitwise_right_shift(4)}, -1);  // [N, D/2, 2]
   auto cf = c.reshape({-1, G, kCodeGroup}).to(at::kFloat);
   auto sd = side.reshape({-1, G, 2}).to(at::kFloat);
   auto x = sd.narrow(-1, 1, 1) + sd.narrow(-1, 0, 1) * cf;          // min + scale · c
   return x.reshape(shape).to(dtype);
+}
+
+void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const at::Tensor& dst_rows, CodedSlots& to,
+               int64_t sink, int64_t sink_slot0) {
+#ifdef KAKEYA_CUDA
+  if (k.is_cuda()) return cuda::code_rows(k, v, src_slots, dst_rows, to, sink, sink_slot0);
+#endif
+  auto rk = k.index_select(2, src_slots), rv = v.index_select(2, src_slots);
+  auto centred = [](const at::Tensor& x, const at::Tensor& mean) {
+    return mean.defined() ? x.to(at::kFloat) - mean.unsqueeze(2) : x;
+  };
+  auto [kc, ks] = quantize_rows(centred(rk, to.k_mean), to.code);
+  auto [vc, vs] = quantize_rows(centred(rv, to.v_mean), to.code);
+  if (sink > 0) {
+    auto t = dst_rows.lt(sink).nonzero().view({-1});  // SYNC: the reference path (CPU)
+    if (t.numel() > 0) {
+      k.index_copy_(2, dst_rows.index_select(0, t) + sink_slot0, rk.index_select(2, t));
+      v.index_copy_(2, dst_rows.index_select(0, t) + sink_slot0, rv.index_select(2, t));
+    }
+  }
+  to.k_codes.index_copy_(2, dst_rows, kc);
+  to.k_side.index_copy_(2, dst_rows, ks);
+  to.v_codes.index_copy_(2, dst_rows, vc);
+  to.v_side.index_copy_(2, dst_rows, vs);
 }
 
 RestoreStore::RestoreStore(std::vector<Layer> layers) : layers_(std::move(layers)) {

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -71,30 +72,74 @@ struct QKRopeArgs {
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
                               at::Tensor& k_cache, at::Tensor& v_cache);
 
-// ---- coded rows: a restored region stored in 8 or 4 bits per value ----
-// Each row of D values (one position's K or V head) in groups of kCodeGroup consecutive values:
-// per group an affine code x ≈ min + scale · c, c in 0 .. 2^bits - 1, with scale = (max - min) /
-// (2^bits - 1) and min kept in f16 and c = round_half_even((x - min) / scale) computed from the f16
-// values (0 where scale is 0). 4 bits: value 2i in the low nibble of byte i, 2i + 1 in the high one.
-// D = 256 costs 160 bytes per row in 4 bits (bf16: 512), 288 in 8 bits.
+// ---- coded rows: K/V rows (restored regions, coded full-attention history) in a few bits ----
+// Two kinds of code, each per row of D values (one position's K or V head):
+//  Affine (int8, int4): groups of kCodeGroup consecutive values, per group x ≈ min + scale · c with
+//    c in 0 .. 2^bits - 1, scale = (max - min) / (2^bits - 1) and min kept in f16, c =
+//    round_half_even((x - min) / scale) computed from the f16 values (0 where scale is 0).
+//    Side values: (scale, min) per group, f16. D = 256 costs 160 bytes in 4 bits (bf16: 512).
+//  Rotated (lm4, lm3, lm2): y = H·(s ⊙ x) / sqrt(D) (H the Sylvester Hadamard matrix, s the fixed
+//    signs rotation_sign(i)), whose coordinates are close to N(0, |x|²/D) for any row; each
+//    coordinate of u = y · sqrt(D) / |x| coded by the N(0,1) Lloyd-Max table of `bits` bits
+//    (index of the nearest level); one f32 side value per row, the scale g = |x| / |c| (c the levels
+//    of the row's indices), so the decoded row x̂ = s ⊙ H·(g · c) / sqrt(D) keeps the row's norm.
+//    Attention needs no per-row rotation: q·x̂ = (H(s ⊙ q)/sqrt(D))·(g · c), and the value rows'
+//    weighted sum is rotated back once. D = 256 costs 100 bytes in 3 bits. D a power of two.
+//    Indices are packed little-endian: value i at bits i·b .. i·b + b - 1 of the row's bytes.
+// Both kinds: codes [..., code_bytes] uint8 and side [..., side_halves] f16 (the rotated kind's f32
+// scale is stored as the two halves of its bytes: side.view(at::kFloat)).
 constexpr int64_t kCodeGroup = 32;
-// Bytes of the codes / f16 side values of one row of D values.
-inline int64_t code_bytes(int64_t D, int bits) { return D * bits / 8; }
-inline int64_t side_halves(int64_t D) { return D / kCodeGroup * 2; }
-// x [..., D] (D a multiple of kCodeGroup; any float dtype and device) ->
-// {codes [..., code_bytes(D, bits)] uint8, side [..., side_halves(D)] f16: (scale, min) per group}.
-std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int bits);
-// codes, side as above -> [..., D] in dtype (min + scale · c in f32, then cast).
-at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, int bits, at::ScalarType dtype);
-
-// A layer's restored region in coded rows (KVCache with RestorePolicy::region_bits): slot s >= ring
-// of the layer (s - ring = row of the region) is read from here; the dense K/V hold the ring only.
-struct CodedSlots {
-  at::Tensor k_codes, v_codes;  // [B, H_kv, R, code_bytes(D, bits)] uint8
-  at::Tensor k_side, v_side;    // [B, H_kv, R, side_halves(D)] f16
-  int bits = 0;                 // 0: no coded region
+enum class RowKind { Affine, Rotated };
+struct RowCode {
+  RowKind kind = RowKind::Affine;
+  int bits = 0;  // 0: not coded
   bool defined() const { return bits > 0; }
+  bool rotated() const { return kind == RowKind::Rotated; }
+  bool operator==(const RowCode& o) const { return kind == o.kind && bits == o.bits; }
 };
+// "none" (undefined) | "int8" | "int4" | "lm4" | "lm3" | "lm2"; `flag` names the option in errors.
+RowCode parse_row_code(const std::string& s, const std::string& flag);
+std::string row_code_name(const RowCode& c);  // "none" for an undefined code
+// Bytes of the codes / f16 halves of side values of one row of D values.
+inline int64_t code_bytes(int64_t D, const RowCode& c) { return D * c.bits / 8; }
+inline int64_t side_halves(int64_t D, const RowCode& c) { return c.rotated() ? 2 : D / kCodeGroup * 2; }
+// Throws unless `c` can code rows of D values (`what` names the caller in the error).
+void check_row_code(int64_t D, const RowCode& c, const std::string& what);
+// The rotation's sign of coordinate i (+1 or -1): a fixed hash of i, the same for every row.
+inline float rotation_sign(int64_t i) { return ((uint32_t)i * 0x9E3779B1u) >> 31 ? -1.f : 1.f; }
+// The N(0,1) Lloyd-Max levels of a rotated code, ascending: [2^bits] (bits 2, 3 or 4).
+const std::vector<float>& rotated_levels(int bits);
+// x [..., D] (any float dtype and device) -> {codes [..., code_bytes] uint8, side [..., side_halves] f16}.
+std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const RowCode& c);
+// codes, side as above -> [..., D] in dtype (computed in f32, then cast).
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, const RowCode& c, at::ScalarType dtype);
+// x [..., D] -> H·x / sqrt(D) along the last dim in f32 (butterflies of span 1, 2, 4, ... in that
+// order, as the kernels compute it), D a power of two; the rotation is fwht(s ⊙ x), its inverse s ⊙ fwht(y).
+at::Tensor fwht(const at::Tensor& x);
+
+// A layer's coded region (KVCache: a restored region with RestorePolicy::region_code, or a coded
+// full-attention layer's history with full_code): slot s >= ring of the layer (s - ring = row of the
+// region) is read from here; the dense K/V hold the ring only.
+struct CodedSlots {
+  at::Tensor k_codes, v_codes;  // [B, H_kv, R, code_bytes(D, code)] uint8
+  at::Tensor k_side, v_side;    // [B, H_kv, R, side_halves(D, code)] f16
+  RowCode code;                 // undefined: no coded region
+  // [B, H_kv, D] f32, or undefined: rows are coded as x - mean and read as the decoded row + mean.
+  // K rows share a large common part (most of their energy on full-attention layers), which a
+  // row code would otherwise spend its bits on.
+  at::Tensor k_mean, v_mean;
+  bool defined() const { return code.defined(); }
+};
+
+// Codes rows of a dense cache into coded rows: for each t, the K and V rows at slot src_slots[t]
+// of k, v [B, H_kv, S, D] become row dst_rows[t] of `to` (what quantize_rows makes of them, less
+// to.k_mean / v_mean when defined);
+// rows with dst_rows[t] < sink are also copied as they are to slot sink_slot0 + dst_rows[t] of
+// k and v (a coded layer's exact attention sinks). src_slots, dst_rows: [T] int64 on the device.
+// One launch on CUDA (the coded full-attention layers' store, once per forward); elsewhere the
+// reference ops.
+void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const at::Tensor& dst_rows, CodedSlots& to,
+               int64_t sink = 0, int64_t sink_slot0 = 0);
 
 // Restoration's store for several layers in one launch (infer/restored.h): per layer, the
 // K/V-only qk_norm_rope_store into its restored region (k normed + RoPE'd, v raw; positions
@@ -121,18 +166,16 @@ class RestoreStore {
 };
 
 // Which copy of a position a query reads on a layer with restoration or coding
-// (core/model/kv_cache.h): slot s sits either in the restored/coded region (in_restored[s])
-// or in the exact ring; the query at q reads a slot's copy iff the slot is in the
-// exact ring exactly when the position is "recent" for q:
-//   q - p < window                                            (restored layers, block == 0)
-//   p >= floor(max(q - window + 1, 0) / block) · block        (coded layers, block > 0)
+// (core/model/kv_cache.h): slot s sits either in the exact ring or among the older copies
+// (in_restored[s]: a restored region, a coded layer's exact sinks and coded rows); the query
+// at q reads a slot's copy iff the slot is in the exact ring exactly when q - p < window.
 // in_restored undefined: a plain layer, every slot is read (the causal/sliding rule only).
 struct CopyRule {
   at::Tensor in_restored;  // [S] bool, or undefined
   int64_t window = 0;
-  int64_t block = 0;
+  int64_t code_from = 0;    // coded rows holding positions < this are hidden (a coded layer's exact sinks serve them)
   int64_t keep_below = -1;  // >= 0: restored-region slots holding positions >= this are hidden (a dropping layer)
-  CodedSlots codes;         // the restored region stored as coded rows (undefined: as dense K/V)
+  CodedSlots codes;         // the region stored as coded rows (undefined: as dense K/V)
 };
 
 // Attention of T queries per sequence over a cache whose slots carry absolute

@@ -29,26 +29,15 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
     KAKEYA_CHECK(rp.max_chunk <= rp.window,
                  "KV cache: restore chunks of " << rp.max_chunk << " tokens exceed the exact window " << rp.window
                                                 << " (a chunk's queries would need restored K/V of the chunk itself)");
-    KAKEYA_CHECK(rp.region_bits == 0 || rp.region_bits == 8 || rp.region_bits == 4,
-                 "KV cache: restored-region bits expected 0 (the cache dtype), 8 or 4, got " << rp.region_bits);
-    KAKEYA_CHECK(rp.full_coded_block >= 0 && !(rp.full && rp.full_coded_block > 0),
-                 "KV cache: full-attention layers are either restored or coded (full_coded_block "
-                     << rp.full_coded_block << ")");
+    KAKEYA_CHECK(!(rp.full && rp.full_code.defined()),
+                 "KV cache: full-attention layers are either restored or coded (full_code "
+                     << ops::row_code_name(rp.full_code) << ")");
   }
   auto iopt = at::TensorOptions().dtype(at::kLong).device(opt.device);
   auto setup = [&](TypeState& s, bool sliding) {
-    s.coded = rp.enabled() && !sliding && rp.full_coded_block > 0;
+    s.coded = rp.enabled() && !sliding && rp.full_code.defined();
     s.policy = rp.enabled() && (sliding ? rp.sliding : rp.full || s.coded);
-    if (s.coded) {
-      // The ring holds every position from coded_below(first query) to the chunk's last:
-      // at most window + block - 2 + chunk of them.
-      s.window = rp.window;
-      s.block = rp.full_coded_block;
-      s.ring = rp.linear ? opt.capacity
-                         : std::min(opt.capacity, rp.window + rp.full_coded_block - 1 +
-                                                      std::max(rp.max_chunk - 1, opt.rollback));
-      s.rest = opt.capacity;
-    } else if (s.policy) {
+    if (s.policy) {
       s.window = rp.window;
       // Sliding layers write-first only forwards of <= max_step tokens (Model::forward attends a
       // longer chunk over [ring ++ chunk]); full-attention layers write every chunk first.
@@ -57,20 +46,22 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
       s.rest = sliding && !rp.linear
                    ? std::min(opt.capacity, std::max<int64_t>(1, cfg.sliding_window - rp.window + rp.max_chunk - 1))
                    : opt.capacity;
+      if (s.coded) {
+        s.held = rp.sink;
+        s.held_pos = at::arange(s.held, iopt);
+      }
     } else {
       s.window = sliding ? cfg.sliding_window : 0;
       s.ring = sliding ? std::min(opt.capacity, cfg.sliding_window + opt.rollback) : opt.capacity;
       s.rest = 0;
     }
-    s.pos = at::full({s.ring + s.rest}, -1, iopt);
+    s.pos = at::full({s.ring + s.held + s.rest}, -1, iopt);
     if (s.policy)
-      s.in_restored = at::arange(s.ring + s.rest, iopt).ge(s.ring);
+      s.in_restored = at::arange(s.ring + s.held + s.rest, iopt).ge(s.ring);
   };
   setup(full_, false);
   setup(sliding_, true);
   auto fopt = at::TensorOptions().dtype(opt.dtype).device(opt.device);
-  dk_.resize(cfg.num_layers);
-  dv_.resize(cfg.num_layers);
   codes_.resize(cfg.num_layers);
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     const int64_t H = cfg.kv_heads(l), D = cfg.layer_head_dim[l];
@@ -81,34 +72,23 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
       v_.push_back(v);
       continue;
     }
-    if (st.coded) {
-      if (!scratch_k_.defined()) {
-        scratch_k_ = at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt);
-        scratch_v_ = at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt);
-      }
-      KAKEYA_CHECK(scratch_k_.size(1) == H && scratch_k_.size(3) == D,
-                   "KV cache: coded full-attention layers share one scratch, but layer "
-                       << l << " has [H_kv=" << H << ", D=" << D << "] vs [" << scratch_k_.size(1) << ", "
-                       << scratch_k_.size(3) << "]");
-      dk_[l] = at::zeros({opt.batch, H, st.ring, D}, fopt);
-      dv_[l] = at::zeros({opt.batch, H, st.ring, D}, fopt);
-      k_.push_back(scratch_k_);
-      v_.push_back(scratch_v_);
-      continue;
-    }
-    if (st.policy && rp.region_bits > 0) {
-      KAKEYA_CHECK(D % ops::kCodeGroup == 0, "KV cache: a coded restored region needs head dims that are multiples of "
-                                                 << ops::kCodeGroup << "; layer " << l << " has " << D);
+    const ops::RowCode code = st.coded ? rp.full_code : st.policy ? rp.region_code : ops::RowCode{};
+    if (code.defined()) {
+      ops::check_row_code(D, code, "KV cache: layer " + std::to_string(l) + (st.coded ? " (full_code)" : " (region_code)"));
       ops::CodedSlots& c = codes_[l];
-      c.bits = rp.region_bits;
+      c.code = code;
       auto bopt = at::TensorOptions().dtype(at::kByte).device(opt.device);
       auto hopt = at::TensorOptions().dtype(at::kHalf).device(opt.device);
-      c.k_codes = at::zeros({opt.batch, H, st.rest, ops::code_bytes(D, c.bits)}, bopt);
-      c.v_codes = at::zeros({opt.batch, H, st.rest, ops::code_bytes(D, c.bits)}, bopt);
-      c.k_side = at::zeros({opt.batch, H, st.rest, ops::side_halves(D)}, hopt);
-      c.v_side = at::zeros({opt.batch, H, st.rest, ops::side_halves(D)}, hopt);
-      k_.push_back(at::zeros({opt.batch, H, st.ring, D}, fopt));
-      v_.push_back(at::zeros({opt.batch, H, st.ring, D}, fopt));
+      c.k_codes = at::zeros({opt.batch, H, st.rest, ops::code_bytes(D, code)}, bopt);
+      c.v_codes = at::zeros({opt.batch, H, st.rest, ops::code_bytes(D, code)}, bopt);
+      c.k_side = at::zeros({opt.batch, H, st.rest, ops::side_halves(D, code)}, hopt);
+      c.v_side = at::zeros({opt.batch, H, st.rest, ops::side_halves(D, code)}, hopt);
+      if (st.coded && code.rotated()) {  // the session's means, set by its first forward (code_stored)
+        c.k_mean = at::zeros({opt.batch, H, D}, at::TensorOptions().dtype(at::kFloat).device(opt.device));
+        c.v_mean = at::zeros_like(c.k_mean);
+      }
+      k_.push_back(at::zeros({opt.batch, H, st.ring + st.held, D}, fopt));
+      v_.push_back(at::zeros({opt.batch, H, st.ring + st.held, D}, fopt));
       continue;
     }
     k_.push_back(at::zeros({opt.batch, H, st.ring + st.rest, D}, fopt));
@@ -122,8 +102,12 @@ std::pair<at::Tensor, at::Tensor> KVCache::attend_kv(int64_t layer) const {
   const ops::CodedSlots& c = codes_[layer];
   if (!c.defined()) return {k_[layer], v_[layer]};
   const auto dt = k_[layer].scalar_type();
-  return {at::cat({k_[layer], ops::dequantize_rows(c.k_codes, c.k_side, c.bits, dt)}, 2),
-          at::cat({v_[layer], ops::dequantize_rows(c.v_codes, c.v_side, c.bits, dt)}, 2)};
+  auto rows = [&](const at::Tensor& codes, const at::Tensor& side, const at::Tensor& mean) {
+    if (!mean.defined()) return ops::dequantize_rows(codes, side, c.code, dt);
+    return (ops::dequantize_rows(codes, side, c.code, at::kFloat) + mean.unsqueeze(2)).to(dt);
+  };
+  return {at::cat({k_[layer], rows(c.k_codes, c.k_side, c.k_mean)}, 2),
+          at::cat({v_[layer], rows(c.v_codes, c.v_side, c.v_mean)}, 2)};
 }
 
 const at::Tensor& KVCache::slot_positions(int64_t layer) const { return state(layer).pos; }
@@ -132,12 +116,8 @@ bool KVCache::restored(int64_t layer) const { return state(layer).policy && !sta
 bool KVCache::coded(int64_t layer) const { return state(layer).coded; }
 bool KVCache::plain(int64_t layer) const { return !state(layer).policy; }
 
-int64_t KVCache::coded_below(int64_t q) const {
-  const TypeState& s = full_;
-  KAKEYA_CHECK(s.coded, "KV cache: coded_below without coded full-attention layers");
-  return std::max<int64_t>(0, q - s.window + 1) / s.block * s.block;
-}
 int64_t KVCache::exact_slots(int64_t layer) const { return state(layer).ring; }
+int64_t KVCache::dense_slots(int64_t layer) const { return state(layer).ring + state(layer).held; }
 int64_t KVCache::restored_slots(int64_t layer) const { return state(layer).rest; }
 
 bool KVCache::write_first(int64_t layer, int64_t t) const {
@@ -167,16 +147,14 @@ at::Tensor KVCache::visible_over(int64_t layer, const at::Tensor& pos, const at:
   const int64_t span = cfg_.is_sliding(layer) ? cfg_.sliding_window : 0;
   auto m = causal_visible(pos, q_pos, span);
   if (!s.policy) return m;
-  // Exact copies serve the recent window, restored copies everything older; on coded
-  // layers the exact copies serve everything from coded_below(q) on.
-  at::Tensor recent;  // [T, S] bool
-  if (s.coded) {
-    auto below = (q_pos - (s.window - 1)).clamp_min(0).div(s.block, "floor") * s.block;  // [T]
-    recent = pos.unsqueeze(0).ge(below.unsqueeze(1));
-  } else {
-    recent = (q_pos.unsqueeze(1) - pos.unsqueeze(0)).lt(s.window);
-  }
+  // Exact copies serve the recent window, restored (or coded) copies everything older.
+  auto recent = (q_pos.unsqueeze(1) - pos.unsqueeze(0)).lt(s.window);  // [T, S] bool
   m = m.logical_and(recent.ne(in_restored.unsqueeze(0)));
+  if (s.held > 0) {
+    // A coded layer's sinks: their coded rows are hidden (the exact sink slots serve them).
+    auto coded_row = at::arange(pos.size(0), pos.options()).ge(s.ring + s.held).logical_and(in_restored);
+    m = m.logical_and(coded_row.logical_and(pos.lt(s.held)).logical_not().unsqueeze(0));
+  }
   if (!opt_.restore.drops(layer)) return m;
   // A dropping layer sees only the sinks of its restored region.
   auto dropped = in_restored.logical_and(pos.ge(opt_.restore.sink));  // [S]
@@ -186,8 +164,7 @@ at::Tensor KVCache::visible_over(int64_t layer, const at::Tensor& pos, const at:
 ops::CopyRule KVCache::copy_rule(int64_t layer) const {
   const TypeState& s = state(layer);
   if (!s.policy) return {};
-  return {s.in_restored, s.window, s.coded ? s.block : 0, opt_.restore.drops(layer) ? opt_.restore.sink : -1,
-          codes_[layer]};
+  return {s.in_restored, s.window, s.held, opt_.restore.drops(layer) ? opt_.restore.sink : -1, codes_[layer]};
 }
 
 void KVCache::mark(const at::Tensor& positions) {
@@ -201,6 +178,12 @@ void KVCache::mark(const at::Tensor& positions) {
                    "KV cache: a forward of " << t << " tokens exceeds the restore policy's chunk of "
                                              << opt_.restore.max_chunk);
       s->pos.narrow(0, 0, s->ring).index_copy_(0, positions.remainder(s->ring), positions);
+      // A coded layer's rows hold every position (row = position), coded as it is written; its
+      // sink slots hold the sinks (re-marked: a truncation below them cleared them).
+      if (s->coded) {
+        s->pos.narrow(0, s->ring + s->held, s->rest).index_copy_(0, positions, positions);
+        if (s->held > 0) s->pos.narrow(0, s->ring, s->held).copy_(s->held_pos);
+      }
     } else if (s == &full_) {
       s->pos.index_copy_(0, positions, positions);
     } else if (t >= s->ring) {
@@ -220,25 +203,11 @@ void KVCache::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, con
   auto& vb = v_[layer];
   const TypeState& st = state(layer);
   int64_t t = k.size(2);
-  if (st.coded) {
-    // This layer attends next: the shared scratch gets its dense ring and its decoded history.
-    scratch_k_.narrow(2, 0, st.ring).copy_(dk_[layer]);
-    scratch_v_.narrow(2, 0, st.ring).copy_(dv_[layer]);
-    if (loader_) {
-      auto rk = scratch_k_.narrow(2, st.ring, st.rest), rv = scratch_v_.narrow(2, st.ring, st.rest);
-      loader_(layer, rk, rv);
-    }
-    auto slot = positions.remainder(st.ring);
-    dk_[layer].index_copy_(2, slot, k);
-    dv_[layer].index_copy_(2, slot, v);
-    kb.index_copy_(2, slot, k);
-    vb.index_copy_(2, slot, v);
-    return;
-  }
   if (st.policy) {
     auto slot = positions.remainder(st.ring);
     kb.index_copy_(2, slot, k);
     vb.index_copy_(2, slot, v);
+    if (st.coded) code_stored(layer, positions);
     return;
   }
   int64_t s = kb.size(2);
@@ -263,7 +232,7 @@ void KVCache::mark_restored(LayerType type, const at::Tensor& positions) {
   KAKEYA_CHECK(s.policy, "KV cache: mark_restored on a layer type without restoration");
   KAKEYA_CHECK(positions.size(0) <= s.rest, "KV cache: " << positions.size(0) << " restored positions at once exceed the "
                                                          << s.rest << " restored slots");
-  KAKEYA_CHECK(!s.coded || loader_, "KV cache: coded positions marked without a history loader");
+  KAKEYA_CHECK(!s.coded, "KV cache: mark_restored on coded layers (their rows are marked with their positions)");
   s.pos.narrow(0, s.ring, s.rest).index_copy_(0, positions.remainder(s.rest), positions);
 }
 
@@ -273,8 +242,8 @@ void KVCache::write_restored(int64_t layer, const at::Tensor& k, const at::Tenso
   ops::CodedSlots& c = codes_[layer];
   if (c.defined()) {
     auto slot = positions.remainder(s.rest);
-    auto [kc, ks] = ops::quantize_rows(k, c.bits);
-    auto [vc, vs] = ops::quantize_rows(v, c.bits);
+    auto [kc, ks] = ops::quantize_rows(k, c.code);
+    auto [vc, vs] = ops::quantize_rows(v, c.code);
     c.k_codes.index_copy_(2, slot, kc);
     c.k_side.index_copy_(2, slot, ks);
     c.v_codes.index_copy_(2, slot, vc);
@@ -286,15 +255,31 @@ void KVCache::write_restored(int64_t layer, const at::Tensor& k, const at::Tenso
   v_[layer].index_copy_(2, slot, v);
 }
 
+void KVCache::code_stored(int64_t layer, const at::Tensor& positions) {
+  const TypeState& s = state(layer);
+  KAKEYA_CHECK(s.coded, "KV cache: code_stored on layer " << layer << ", which is not a coded layer");
+  ops::CodedSlots& c = codes_[layer];
+  if (length_ == 0 && c.k_mean.defined()) {
+    // A session's first forward: its rows past the sinks give the means every later row is coded
+    // against (any fixed offset is exact: the reader adds it back; a good one saves bits).
+    auto slot = positions.remainder(s.ring);
+    auto keep = positions.ge(s.held).to(at::kFloat).view({1, 1, -1, 1});  // [1, 1, T, 1]
+    auto n = keep.sum().clamp_min(1);
+    c.k_mean.copy_((k_[layer].index_select(2, slot).to(at::kFloat) * keep).sum(2) / n);
+    c.v_mean.copy_((v_[layer].index_select(2, slot).to(at::kFloat) * keep).sum(2) / n);
+  }
+  ops::code_rows(k_[layer], v_[layer], positions.remainder(s.ring), positions, codes_[layer], s.held, s.ring);
+}
+
 ops::CodedSlots KVCache::region_codes(int64_t layer) {
-  KAKEYA_CHECK(codes_[layer].defined(), "KV cache: region_codes of layer " << layer << ", whose restored region is not coded");
+  KAKEYA_CHECK(codes_[layer].defined() && !state(layer).coded,
+               "KV cache: region_codes of layer " << layer << ", whose restored region is not coded");
   return codes_[layer];
 }
 
 std::pair<at::Tensor, at::Tensor> KVCache::exact_kv(int64_t layer, const at::Tensor& positions) const {
   const TypeState& s = state(layer);
   auto slot = s.policy ? positions.remainder(s.ring) : (cfg_.is_sliding(layer) ? positions.remainder(s.ring) : positions);
-  if (s.coded) return {dk_[layer].index_select(2, slot), dv_[layer].index_select(2, slot)};
   return {k_[layer].index_select(2, slot), v_[layer].index_select(2, slot)};
 }
 
@@ -323,10 +308,8 @@ void KVCache::truncate(int64_t n) {
   if (n == length_) return;
   // Position n-1's query window starts at n - window; everything from there must still be in the ring.
   // Nothing evicted yet (max_evicted = -1) is always fine, also when n < window.
-  // Coded layers read exact K/V from coded_below(n - 1) on.
   for (TypeState* s : {&full_, &sliding_})
-    KAKEYA_CHECK(n == 0 || s->window == 0 ||
-                     s->max_evicted < (s->coded ? coded_below(n - 1) : std::max<int64_t>(0, n - s->window)),
+    KAKEYA_CHECK(n == 0 || s->window == 0 || s->max_evicted < std::max<int64_t>(0, n - s->window),
                  "KV cache: truncate(" << n << ") rolls back past what the " << (s == &full_ ? "full" : "sliding")
                                        << " ring still holds (rollback=" << opt_.rollback << ", length=" << length_
                                        << ")");
@@ -337,18 +320,17 @@ void KVCache::truncate(int64_t n) {
   length_ = n;
 }
 
-// A coded layer owns its dense ring; the scratch it attends through is shared (scratch_bytes).
 int64_t KVCache::layer_bytes(int64_t l) const {
   if (cfg_.kv_shared(l)) return 0;  // aliases kv_layer[l]'s buffers
-  const at::Tensor& k = dk_[l].defined() ? dk_[l] : k_[l];
-  return 2 * k.numel() * k.element_size() + region_code_bytes(l);
+  return 2 * k_[l].numel() * k_[l].element_size() + region_code_bytes(l);
 }
 
 int64_t KVCache::region_code_bytes(int64_t l) const {
   const ops::CodedSlots& c = codes_[l];
   if (!c.defined()) return 0;
   int64_t b = 0;
-  for (const at::Tensor* t : {&c.k_codes, &c.v_codes, &c.k_side, &c.v_side}) b += t->numel() * t->element_size();
+  for (const at::Tensor* t : {&c.k_codes, &c.v_codes, &c.k_side, &c.v_side, &c.k_mean, &c.v_mean})
+    if (t->defined()) b += t->numel() * t->element_size();
   return b;
 }
 
@@ -357,12 +339,15 @@ int64_t KVCache::slot_bytes(int64_t l) const {
   return 2 * opt_.batch * cfg_.kv_heads(l) * cfg_.layer_head_dim[l] * k_[l].element_size();
 }
 
-int64_t KVCache::scratch_bytes() const {
-  return scratch_k_.defined() ? 2 * scratch_k_.numel() * scratch_k_.element_size() : 0;
+int64_t KVCache::coded_bytes() const {
+  int64_t b = 0;
+  for (size_t l = 0; l < k_.size(); ++l)
+    if (state(l).coded && !cfg_.kv_shared(l)) b += region_code_bytes(l);
+  return b;
 }
 
 int64_t KVCache::bytes() const {
-  int64_t b = scratch_bytes();
+  int64_t b = 0;
   for (size_t l = 0; l < k_.size(); ++l) b += layer_bytes(l);
   return b;
 }
@@ -377,7 +362,7 @@ int64_t KVCache::bytes_per_layer_type(LayerType t) const {
 int64_t KVCache::exact_bytes(LayerType t) const {
   int64_t b = 0;
   for (size_t l = 0; l < k_.size(); ++l)
-    if (cfg_.layer_types[l] == t && !cfg_.kv_shared(l)) b += slot_bytes(l) * state(l).ring;
+    if (cfg_.layer_types[l] == t && !cfg_.kv_shared(l)) b += slot_bytes(l) * (state(l).ring + state(l).held);
   return b;
 }
 

@@ -22,26 +22,22 @@
 // rollback) exact slots and `capacity` restored ones. A position may sit in both
 // parts at once; the mask shows each query exactly one of the two copies.
 //
-// Coded restored regions (RestorePolicy::region_bits 8 or 4): a restored layer keeps its
-// exact ring dense and its restored region as coded rows (core/kernels/ops.h quantize_rows,
-// about 0.31x of bf16 in 4 bits): keys()/values() then hold the ring only, the attention
-// kernel reads the region's codes itself (copy_rule), and attend_kv() gives the reference
-// paths (prefill chunks, CPU) the whole layer decoded.
-//
-// Coded full-attention layers (RestorePolicy::full_coded_block > 0, the restored
-// decoder's --full-attn codec): every position keeps its exact K/V, but stored
-// through a KV codec once it is old. Each such layer owns only a dense exact ring
-// (window + block + max(chunk - 1, rollback) - 1 slots); positions below
-// coded_below(q) (whole codec blocks outside q's window) are read from their
-// coded copy. The coded bytes live with the caller (infer/restored.h
-// CodedHistory); attention reads ONE scratch buffer [ring | capacity] shared by
-// every coded layer, which write() fills for its layer (dense ring copied in,
-// coded history decoded by the HistoryLoader) just before that layer attends.
+// Coded regions (core/kernels/ops.h coded rows): a restored layer with RestorePolicy::
+// region_code keeps its exact ring dense and its restored region as coded rows (int4 about
+// 0.31x of bf16, lm3 about 0.2x); a full-attention layer with full_code (the restored
+// decoder's --full-attn codec) keeps every position's K/V too, but as coded rows, written
+// by the forward that computes them (row = position), and a dense exact ring of the recent
+// window, which serves the same exactness rule as a restored layer's: positions older
+// than the window are read from their coded copy, except the attention sinks (positions <
+// RestorePolicy::sink), whose exact K/V the layer keeps in `sink` dense slots after its ring
+// (their coded rows are hidden: a sink draws much of the attention, so its coding error would
+// cost far more than any other row's). keys()/values() then hold the ring (and sinks) only;
+// the attention kernel reads the codes itself (copy_rule), and attend_kv() gives the
+// reference paths (prefill chunks, CPU) the whole layer decoded.
 #pragma once
 #include <ATen/ATen.h>
 
 #include <cstdint>
-#include <functional>
 #include <vector>
 
 #include "core/model/config.h"
@@ -62,14 +58,13 @@ struct RestorePolicy {
   int64_t max_step = 1;   // most tokens a forward on sliding layers writes before attending (decode
                           // steps 1, verify blocks B); longer ones attend over [ring ++ chunk]
   bool linear = false;    // one slot per position in both regions, no rings (reference decoders)
-  int64_t full_coded_block = 0;  // > 0: full-attention layers stored through a codec in blocks of this
-                                 // many tokens (exclusive with `full`)
+  ops::RowCode full_code;  // defined: full-attention layers keep every position as coded rows (exclusive with `full`)
   // Per layer (empty: none): a covered layer that drops its restored positions — its restored
   // region shows only the sinks (positions < sink), so it attends sinks + the exact window
   // (evict-only on that layer). Restoration still writes the region; the mask hides it.
   std::vector<bool> drop;
   int64_t sink = 0;
-  int region_bits = 0;    // 8 or 4: restored regions stored as coded rows (0: in the cache dtype)
+  ops::RowCode region_code;  // defined: restored regions stored as coded rows (else in the cache dtype)
   bool enabled() const { return window > 0; }
   bool drops(int64_t layer) const { return layer < (int64_t)drop.size() && drop[layer]; }
 };
@@ -105,14 +100,14 @@ class KVCache {
   void clear() { truncate(0); }
 
   // The dense slots: [B, H_kv_l, S_l, D_l], or the exact ring only ([B, H_kv_l, exact_slots, D_l])
-  // on a layer whose restored region is coded (region_coded).
+  // on a layer with a coded region (region_coded, coded).
   const at::Tensor& keys(int64_t layer) const { return k_[layer]; }
   const at::Tensor& values(int64_t layer) const { return v_[layer]; }
-  // Every slot dense, {k, v} [B, H_kv_l, S_l, D_l]: keys()/values(), or on a coded-region layer
-  // the ring followed by the decoded region (a temporary: the reference attention path).
+  // Every slot dense, {k, v} [B, H_kv_l, S_l, D_l]: keys()/values(), or on a layer with a coded
+  // region the ring followed by the decoded region (a temporary: the reference attention path).
   std::pair<at::Tensor, at::Tensor> attend_kv(int64_t layer) const;
-  // Writable buffers for kernels that store K/V themselves (slot = position mod S_l;
-  // only on layers without restoration, see plain()).
+  // Writable buffers for kernels that store K/V themselves (slot = position mod exact_slots;
+  // on a coded layer, code_stored() must follow).
   at::Tensor& k_mut(int64_t layer) { return k_[layer]; }
   at::Tensor& v_mut(int64_t layer) { return v_[layer]; }
   // Absolute position held by each slot of this layer's buffers, -1 if empty: [S_l] int64.
@@ -133,10 +128,11 @@ class KVCache {
 
   // ---- restoration (layers the policy covers) ----
   bool restored(int64_t layer) const;            // the policy restores this layer (f_θ / exact copies)
-  bool coded(int64_t layer) const;               // full-attention layer stored through a codec
+  bool coded(int64_t layer) const;               // full-attention layer stored as coded rows (full_code)
   bool plain(int64_t layer) const;               // neither: slot = position mod S_l
-  bool region_coded(int64_t layer) const;        // a restored layer whose restored region is coded rows
+  bool region_coded(int64_t layer) const;        // a restored or coded layer whose region is coded rows
   int64_t exact_slots(int64_t layer) const;      // exact ring (all slots on plain layers)
+  int64_t dense_slots(int64_t layer) const;      // the ring and a coded layer's exact sinks
   int64_t restored_slots(int64_t layer) const;   // restored region (0 on plain layers)
   // Restored K/V of positions that left the exact window: k (post-RoPE), v: [B, H_kv, N, D].
   // Mark once per position set (per layer type) with mark_restored, then write every layer.
@@ -152,14 +148,10 @@ class KVCache {
   ops::CodedSlots region_codes(int64_t layer);                       // theirs, row = position mod n
 
   // ---- coded full-attention layers ----
-  // Positions < coded_below(q) are read by the query at q from their coded copy (whole
-  // codec blocks that left its exact window): floor(max(q - window + 1, 0) / block) · block.
-  int64_t coded_below(int64_t q) const;
-  // Fills the coded region of the shared scratch for `layer`: k, v [B, H_kv, capacity, D],
-  // slot = position; only positions marked with mark_restored(Full, ...) are read.
-  using HistoryLoader = std::function<void(int64_t layer, at::Tensor& k, at::Tensor& v)>;
-  void set_history_loader(HistoryLoader f) { loader_ = std::move(f); }
-  int64_t scratch_bytes() const;         // the shared scratch (0 without coded layers)
+  // After a kernel stored `positions` [T] into the exact ring (k_mut/v_mut), their coded rows
+  // (row = position); write() does this itself.
+  void code_stored(int64_t layer, const at::Tensor& positions);
+  int64_t coded_bytes() const;            // the coded rows of the coded full-attention layers
 
   int64_t bytes() const;                 // allocated K/V bytes (what the cache costs)
   int64_t bytes_per_layer_type(LayerType t) const;
@@ -175,10 +167,11 @@ class KVCache {
     at::Tensor pos;               // [S] slot positions: [ring | restored region]
     at::Tensor in_restored;       // [S] bool: slot belongs to the restored region (policy only)
     int64_t ring = 0;             // exact ring slots
+    int64_t held = 0;             // exact sink slots after the ring (coded layers)
+    at::Tensor held_pos;          // [held] int64: 0 .. held - 1, what they hold
     int64_t rest = 0;             // restored region slots
     bool policy = false;
     bool coded = false;           // coded full-attention layers (policy is set too: same visibility machinery)
-    int64_t block = 0;            // codec block (coded only)
     int64_t window = 0;           // recent window of the exactness rule (policy) / the layer's own window
     int64_t max_evicted = -1;     // highest position overwritten in the exact ring
   };
@@ -188,16 +181,13 @@ class KVCache {
   at::Tensor visible_over(int64_t layer, const at::Tensor& pos, const at::Tensor& in_restored,
                           const at::Tensor& q_pos) const;
   int64_t layer_bytes(int64_t layer) const;
-  int64_t region_code_bytes(int64_t layer) const;  // a coded restored region's codes and side values
+  int64_t region_code_bytes(int64_t layer) const;  // a coded region's codes and side values
   int64_t slot_bytes(int64_t layer) const;         // one dense slot of K and V
 
   const ModelConfig& cfg_;
   KVCacheOptions opt_;
-  std::vector<at::Tensor> k_, v_;       // per layer [B, H_kv_l, S_l, D_l] (coded layers: the shared scratch)
-  std::vector<at::Tensor> dk_, dv_;     // per coded layer [B, H_kv, ring, D] dense exact ring (else undefined)
-  std::vector<ops::CodedSlots> codes_;  // per coded-region layer: its restored region (else bits 0)
-  at::Tensor scratch_k_, scratch_v_;    // [B, H_kv, ring + capacity, D] shared by the coded layers
-  HistoryLoader loader_;
+  std::vector<at::Tensor> k_, v_;       // per layer [B, H_kv_l, S_l, D_l] (the ring only where codes_ holds the region)
+  std::vector<ops::CodedSlots> codes_;  // per layer with a coded region: its rows (else undefined)
   TypeState full_, sliding_;
   int64_t length_ = 0;
 };

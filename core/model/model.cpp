@@ -311,11 +311,12 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     const bool shared = cfg_.kv_shared(l);
     // The fused kernel reads raw v from the qkv rows and stores it as is: it knows
     // nothing of v_norm or K=V layers (no v rows), so Gemma 4 takes the unfused branch.
-    // It stores at position mod the exact ring, as KVCache::write does on plain and restored
-    // layers (coded layers also keep a dense copy: their write() does more).
-    if (cuda_fused && !qkv_tapped && write_first && !cfg_.v_norm && !shared && !cache.coded(l)) {
+    // It stores at position mod the exact ring, as KVCache::write does; a coded layer then codes
+    // the rows it stored.
+    if (cuda_fused && !qkv_tapped && write_first && !cfg_.v_norm && !shared) {
       q = ops::qk_norm_rope_store(qkv, positions, rope_args(l, Hq, cache.exact_slots(l)), cache.k_mut(l),
                                   cache.v_mut(l));
+      if (cache.coded(l)) cache.code_stored(l, positions);
     } else {
       q = qkv.slice(-1, 0, qd).view({B, T, Hq, D});
       at::Tensor k, v;  // raw [B, T, H_kv, D]; none on KV-shared layers

@@ -6,7 +6,7 @@
 # start: the build's time is taken from the run's, and eval-long ends before a prompt that would
 # pass its --budget, writing what is done with "partial": true.
 # Env: MODEL (/tmp/models/gemma3-270m), DRAFTER (checkpoints/gemma3-270m/drafter),
-#      FTHETA (checkpoints/gemma3-270m/ftheta), CALIB (checkpoints/gemma3-270m/calib: restored-codec:W),
+#      FTHETA (checkpoints/gemma3-270m/ftheta),
 #      CONFIGS (oracle,evict:256,restored:256: the default window), TASKS (all), CONTEXTS (1024,2048,4096,8192,16384),
 #      SAMPLES (3), PPL_DOCS (4), SINK (4), RESTORE_LAYERS (auto), EXTRA (more eval-long flags),
 #      BUDGET (540 s), OUT (/tmp/eval-long-out),
@@ -18,7 +18,6 @@ set -euo pipefail
 MODEL=${MODEL:-/tmp/models/gemma3-270m}
 DRAFTER=${DRAFTER:-checkpoints/gemma3-270m/drafter}
 FTHETA=${FTHETA:-checkpoints/gemma3-270m/ftheta}
-CALIB=${CALIB:-checkpoints/gemma3-270m/calib}
 CONFIGS=${CONFIGS:-oracle,evict:256,restored:256}
 TASKS=${TASKS:-all}
 CONTEXTS=${CONTEXTS:-1024,2048,4096,8192,16384}
@@ -44,7 +43,7 @@ LEFT=$((BUDGET - SECONDS - 30))
 echo "[eval-long] configs $CONFIGS, contexts $CONTEXTS, $SAMPLES sample(s), f_theta $FTHETA, budget ${LEFT}s"
 # shellcheck disable=SC2086  # EXTRA is a list of flags
 timeout --signal=KILL $((LEFT + 25)) build-cuda/kakeya eval-long --device cuda --verifier "$MODEL" --drafter "$DRAFTER" \
-  --ftheta "$FTHETA" --calib "$CALIB" --sink "$SINK" --restore-layers "$RESTORE_LAYERS" --configs "$CONFIGS" \
+  --ftheta "$FTHETA" --sink "$SINK" --restore-layers "$RESTORE_LAYERS" --configs "$CONFIGS" \
   --tasks "$TASKS" --contexts "$CONTEXTS" --samples "$SAMPLES" --ppl-docs "$PPL_DOCS" --budget "$LEFT" ${EXTRA:-} \
   $RESUME_FLAG --json "$REPORT" --plot "$OUT/eval_long.png" --python python3 > "$OUT/eval_long.log" 2>&1 || {
   rc=$?; tr '\r' '\n' < "$OUT/eval_long.log" | tail -30; echo "[eval-long] exit $rc"; exit $rc; }

@@ -12,7 +12,7 @@
 # Env: MODEL (default /tmp/models/gemma3-270m), DRAFTER (default checkpoints/gemma3-270m/drafter),
 #      FTHETA (default checkpoints/gemma3-270m/ftheta if it exists, else random:1 = plumbing only),
 #      WINDOW (64), SINK (4), FULL_ATTN (exact: check, sweep), FULL_ATTNS ("exact codec": niah, bench),
-#      CALIB (checkpoints/gemma3-270m/calib: --full-attn codec), CONTEXTS (1024,2048,4096,8192,16384), SAMPLES (1),
+#      FULL_CODE (lm4: --full-attn codec's rows), CONTEXTS (1024,2048,4096,8192,16384), SAMPLES (1),
 #      DEPTHS (0.1,0.3,0.5,0.7,0.9), OUT (default /tmp/restored-out).
 # Results in $OUT: check.log, bench_{exact,codec}.json, niah_{exact,codec}.json + .png, sweep.json + sweep.png.
 set -euo pipefail
@@ -22,7 +22,7 @@ if [ -z "${FTHETA:-}" ]; then
   if [ -f checkpoints/gemma3-270m/ftheta/f_theta_config.json ]; then FTHETA=checkpoints/gemma3-270m/ftheta; else FTHETA=random:1; fi
 fi
 WINDOW=${WINDOW:-64}; SINK=${SINK:-4}; FULL_ATTN=${FULL_ATTN:-exact}; FULL_ATTNS=${FULL_ATTNS:-exact codec}
-CALIB=${CALIB:-checkpoints/gemma3-270m/calib}
+FULL_CODE=${FULL_CODE:-lm4}
 CONTEXTS=${CONTEXTS:-1024,2048,4096,8192,16384}; SAMPLES=${SAMPLES:-1}; DEPTHS=${DEPTHS:-0.1,0.3,0.5,0.7,0.9}
 OUT=${OUT:-/tmp/restored-out}
 mkdir -p "$OUT"
@@ -34,7 +34,7 @@ fi
 cmake --build build-cuda -j 16 --target kakeya > /tmp/restored-build.log 2>&1 || { tail -50 /tmp/restored-build.log; exit 1; }
 K=build-cuda/kakeya
 COMMON=(--device cuda --verifier "$MODEL" --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" --window "$WINDOW"
-        --calib "$CALIB")
+        --full-code "$FULL_CODE")
 echo "[restored] f_theta: $FTHETA"
 
 case ${STEP:-check} in
@@ -51,6 +51,9 @@ case ${STEP:-check} in
       $K decode "${COMMON[@]}" --restored-code int4 --mode restored-reforward --prompt "${P:0:1200}" --max-new-tokens 8 \
         --json "$OUT/check_reforward_int4.json"
       $K decode "${COMMON[@]}" --restored-code int4 --prompt "${P:0:1200}" --max-new-tokens 8 --json "$OUT/check_incremental_int4.json"
+      # Coded full-attention layers (--full-attn codec, $FULL_CODE rows) and lm3 restored regions: the same rules.
+      $K decode "${COMMON[@]}" --full-attn codec --restored-code lm3 --mode restored-reforward --prompt "${P:0:1200}"         --max-new-tokens 8 --json "$OUT/check_reforward_codec.json"
+      $K decode "${COMMON[@]}" --full-attn codec --restored-code lm3 --prompt "${P:0:1200}" --max-new-tokens 8         --json "$OUT/check_incremental_codec.json"
     } > "$OUT/check.log" 2>&1 || { tail -40 "$OUT/check.log"; exit 1; }
     grep -E "^\[decode|identical|differs" "$OUT/check.log"
     python3 - "$OUT" <<'PY'
@@ -64,6 +67,9 @@ print("restored == restored-reforward on CUDA:", inc == ref, inc, ref)
 inc = json.load(open(f"{d}/check_incremental_int4.json"))["prompts"][0]["generated_ids"]
 ref = json.load(open(f"{d}/check_reforward_int4.json"))["prompts"][0]["generated_ids"]
 print("restored == restored-reforward on CUDA, int4 restored region:", inc == ref, inc, ref)
+inc = json.load(open(f"{d}/check_incremental_codec.json"))["prompts"][0]["generated_ids"]
+ref = json.load(open(f"{d}/check_reforward_codec.json"))["prompts"][0]["generated_ids"]
+print("restored == restored-reforward on CUDA, coded full-attention layers + lm3 restored region:", inc == ref, inc, ref)
 PY
     ;;
   bench)
@@ -72,7 +78,7 @@ PY
         echo "[restored] bench decode at 8k, --full-attn $FA --restored-code $CODE"
         $K bench decode --device cuda --model "$MODEL" --prompt-len 8192 --new-tokens 256 --repeats 5 --no-peer \
           --restored --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" --window "$WINDOW" --full-attn "$FA" \
-          --restored-code "$CODE" --chunk "${CHUNK:-0}" --calib "$CALIB" --json "$OUT/bench_${FA}_$CODE.json" 2>&1 | tail -14
+          --restored-code "$CODE" --chunk "${CHUNK:-0}" --full-code "$FULL_CODE" --json "$OUT/bench_${FA}_$CODE.json" 2>&1 | tail -14
       done
     done ;;
   niah)
@@ -87,7 +93,7 @@ PY
   memory)
     # What a KV budget fits per config (plans), and every config's decode speed at 8k against AR (same run).
     $K bench memory --device cuda --verifier "$MODEL" --drafter "$DRAFTER" --ftheta "$FTHETA" --sink "$SINK" \
-      --chunk "${CHUNK:-0}" --calib "$CALIB" --configs "${MEMORY_CONFIGS:-oracle,evict:256,restored:256,restored-int8:256,restored-int4:256,restored-int4:128}" \
+      --chunk "${CHUNK:-0}" --full-code "$FULL_CODE" --configs "${MEMORY_CONFIGS:-oracle,evict:256,restored:256,restored-int8:256,restored-int4:256,restored-int4:128}" \
       --budget-mb "${BUDGETS:-64,256}" --context 8192 --speed --repeats "${REPEATS:-3}" --json "$OUT/memory${TAG:-}.json" 2>&1 | tail -14 ;;
   *) echo "unknown STEP=$STEP (check | bench | memory | niah | sweep)"; exit 2 ;;
 esac

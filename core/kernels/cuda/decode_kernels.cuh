@@ -265,6 +265,7 @@ struct RestoreLayerDesc {
   void* vs;
   int64_t code_head_stride, side_head_stride;
   int ring, sink_ring, rot, bits;
+  bool rotated;                  // the code's kind (ops::RowCode): rotated Lloyd-Max, else affine
 };
 
 // ---------------------------------------------------------------------------
@@ -302,6 +303,119 @@ __device__ __forceinline__ void code_row(const T* row, int D, int bits, uint8_t*
                                             (code_of(from_t<T>(x[i + 1]), sf, mf, levels) << 4));
     }
   }
+}
+
+// Rotated codes (core/kernels/ops.h RowKind::Rotated; the reference is ops::quantize_rows).
+// The N(0,1) Lloyd-Max levels of 2, 3 and 4 bits, the same numbers as ops::rotated_levels (in
+// constant memory: a table local to a function would be rebuilt on the stack at every lookup).
+static __constant__ float kRotLevels[3][16] = {
+    {-1.5104176f, -0.4527800f, 0.4527800f, 1.5104176f},
+    {-2.1519457f, -1.3439093f, -0.7560053f, -0.2450942f, 0.2450942f, 0.7560053f, 1.3439093f, 2.1519457f},
+    {-2.7325896f, -2.0690172f, -1.6180464f, -1.2562312f, -0.9423405f, -0.6567591f, -0.3880483f, -0.1283950f,
+     0.1283950f, 0.3880483f, 0.6567591f, 0.9423405f, 1.2562312f, 1.6180464f, 2.0690172f, 2.7325896f}};
+__device__ __forceinline__ float rot_level(int bits, int i) { return kRotLevels[bits - 2][i]; }
+__device__ __forceinline__ float rot_sign(int i) { return ((unsigned)i * 0x9E3779B1u) >> 31 ? -1.f : 1.f; }
+// 1 / sqrt(D) as the host computes it ((float)(1.0 / std::sqrt((double)D))).
+__device__ __forceinline__ float inv_sqrt_dim(int D) { return (float)(1.0 / sqrt((double)D)); }
+
+// H·v / sqrt(D) of a row spread over a warp, lane holding values lane·VPL .. lane·VPL + VPL - 1:
+// butterflies within the lane (spans 1 .. VPL/2), then across lanes (spans VPL .. 16·VPL), the
+// order ops::fwht uses.
+template <int VPL>
+__device__ __forceinline__ void warp_fwht(float* v, int lane) {
+#pragma unroll
+  for (int h = 1; h < VPL; h *= 2)
+#pragma unroll
+    for (int i = 0; i < VPL; ++i)
+      if (!(i & h)) {
+        const float a = v[i], b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }
+#pragma unroll
+  for (int m = 1; m < 32; m *= 2)
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      const float o = __shfl_xor_sync(0xffffffffu, v[i], m);
+      v[i] = (lane & m) ? o - v[i] : v[i] + o;
+    }
+  const float rs = inv_sqrt_dim(VPL * 32);
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) v[i] *= rs;
+}
+
+// One row of D = 32·VPL values (any memory, in T) into its rotated code by one warp, each lane
+// holding VPL consecutive values (whose codes are the lane's VPL·bits/8 bytes of the row): no
+// barriers. The arithmetic follows ops::quantize_rows step for step (the norm's sum order aside).
+// held: when not null, the row is also copied there as it is. mean: when not null, coded is
+// row - mean ([D] f32).
+template <typename T, int VPL>
+__device__ __forceinline__ void warp_rot_code(const T* row, int bits, uint8_t* __restrict__ codes, float* __restrict__ side,
+                                              T* held, const float* __restrict__ mean, int lane) {
+  constexpr int D = VPL * 32;
+  float v[VPL];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const T x = row[lane * VPL + i];
+    if (held) held[lane * VPL + i] = x;
+    v[i] = from_t<T>(x);
+    if (mean) v[i] -= mean[lane * VPL + i];
+    ss += v[i] * v[i];
+    v[i] *= rot_sign(lane * VPL + i);
+  }
+  const float n = sqrtf(warp_sum(ss));
+  warp_fwht<VPL>(v, lane);
+  const float inv = n > 0.f ? __fdiv_rn((float)sqrt((double)D), n) : 0.f;
+  const int L = 1 << bits;
+  uint64_t w = 0;
+  float cs = 0.f;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    // The nearest level: past every midpoint u exceeds (the warp walks the table in step).
+    const float u = v[i] * inv;
+    int c = 0;
+    float lv = rot_level(bits, 0);
+    for (int j = 0; j + 1 < L; ++j) {
+      const float lo = rot_level(bits, j), hi = rot_level(bits, j + 1);
+      if (u > 0.5f * (lo + hi)) {
+        c = j + 1;
+        lv = hi;
+      }
+    }
+    w |= (uint64_t)c << (i * bits);
+    cs += lv * lv;
+  }
+  const float csum = warp_sum(cs);
+  const int nb = VPL * bits / 8;
+  for (int b = 0; b < nb; ++b) codes[lane * nb + b] = (uint8_t)(w >> (8 * b));
+  if (lane == 0) *side = __fdiv_rn(n, sqrtf(csum));
+}
+
+// warp_rot_code for a head dim known at run time (64, 128, 256 or 512).
+template <typename T>
+__device__ __forceinline__ void warp_rot_code_d(const T* row, int D, int bits, uint8_t* codes, float* side, T* held,
+                                                const float* mean, int lane) {
+  switch (D) {
+    case 64: warp_rot_code<T, 2>(row, bits, codes, side, held, mean, lane); break;
+    case 128: warp_rot_code<T, 4>(row, bits, codes, side, held, mean, lane); break;
+    case 256: warp_rot_code<T, 8>(row, bits, codes, side, held, mean, lane); break;
+    default: warp_rot_code<T, 16>(row, bits, codes, side, held, mean, lane); break;
+  }
+}
+
+// The VPL levels of a rotated row's lane (g · level, in the rotated frame); lv: the levels in shared memory.
+template <int VPL>
+__device__ __forceinline__ void load_rotated(const uint8_t* __restrict__ codes, const float* __restrict__ side,
+                                             int bits, int lane, const float* lv, float* out) {
+  const int nb = VPL * bits / 8;
+  const uint8_t* p = codes + lane * nb;
+  uint64_t w = 0;
+  for (int b = 0; b < nb; ++b) w |= (uint64_t)p[b] << (8 * b);
+  const float g = *side;
+  const unsigned mask = (1u << bits) - 1u;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) out[i] = g * lv[(w >> (i * bits)) & mask];
 }
 
 // NB bytes from p (NB-aligned: a row's bytes start at a multiple of its 32- or 128-byte size)
@@ -361,11 +475,20 @@ __global__ void restore_store_kernel(const T* __restrict__ k_raw, const T* __res
                    unit_offset, xs, red);
   if (!coded) return;
   __syncthreads();
-  const int64_t slot = pos % L.ring, cb = (int64_t)D * L.bits / 8, sh = D / 16;
-  code_row<T>(kr, D, L.bits, (uint8_t*)L.kc + h * L.code_head_stride + slot * cb,
-              (__half*)L.ks + h * L.side_head_stride + slot * sh);
-  code_row<T>(vr, D, L.bits, (uint8_t*)L.vc + h * L.code_head_stride + slot * cb,
-              (__half*)L.vs + h * L.side_head_stride + slot * sh);
+  const int64_t slot = pos % L.ring, cb = (int64_t)D * L.bits / 8;
+  uint8_t* kc = (uint8_t*)L.kc + h * L.code_head_stride + slot * cb;
+  uint8_t* vc = (uint8_t*)L.vc + h * L.code_head_stride + slot * cb;
+  if (L.rotated) {  // warp 0 codes K, warp 1 V
+    const int warp = threadIdx.x >> 5;
+    if (warp < 2)
+      warp_rot_code_d<T>(warp ? vr : kr, D, L.bits, warp ? vc : kc,
+                         reinterpret_cast<float*>((__half*)(warp ? L.vs : L.ks) + h * L.side_head_stride + slot * 2),
+                         (T*)nullptr, nullptr, threadIdx.x & 31);
+    return;
+  }
+  const int64_t sh = D / 16;
+  code_row<T>(kr, D, L.bits, kc, (__half*)L.ks + h * L.side_head_stride + slot * sh);
+  code_row<T>(vr, D, L.bits, vc, (__half*)L.vs + h * L.side_head_stride + slot * sh);
 }
 
 template <typename T>
@@ -374,8 +497,56 @@ void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t
                           bool unit_offset, cudaStream_t s) {
   dim3 grid(N, Hkv, layers);
   // xs [D] f32, then (coded regions) the K and V rows in T.
-  restore_store_kernel<T><<<grid, head_threads(D), D * sizeof(float) + 2 * D * sizeof(T), s>>>(k_raw, v_raw, k_row, v_row, desc, positions,
+  // At least two warps: a rotated code takes one per row (K, V).
+  restore_store_kernel<T><<<grid, head_threads(D) < 64 ? 64 : head_threads(D), D * sizeof(float) + 2 * D * sizeof(T), s>>>(k_raw, v_raw, k_row, v_row, desc, positions,
                                                                           D, sink, eps, unit_offset);
+}
+
+// Rows of a dense cache into coded rows (ops::code_rows): block (t, h, b) codes the K and V rows
+// at slot src[t] of head h into row dst[t], and copies them to slot sink_slot0 + dst[t] when
+// dst[t] < sink. k, v: [B, Hkv, S, D] (strides cache_bs, cache_hs); codes [B, Hkv, R, cb] and
+// side [B, Hkv, R, sh halves], contiguous; km, vm: [B, Hkv, D] f32 means coded rows leave out
+// (rotated codes; nullptr: none). 64 threads: a rotated code takes a warp per row (K, V).
+template <typename T>
+__global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int64_t* __restrict__ src,
+                                 const int64_t* __restrict__ dst, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs,
+                                 const float* km, const float* vm, int Hkv, int R, int D, bool rotated, int bits,
+                                 int64_t sink, int64_t sink_slot0) {
+  extern __shared__ float row_f[];  // affine: the row in T
+  const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int64_t p = dst[t], base = b * cache_bs + h * cache_hs, r = ((int64_t)b * Hkv + h) * R + p;
+  const int cb = D * bits / 8;
+  if (rotated) {
+    const int kv = threadIdx.x >> 5;
+    T* x = kv ? v : k;
+    const float* mean = kv ? vm : km;
+    warp_rot_code_d<T>(x + base + src[t] * D, D, bits, (kv ? vc : kc) + r * cb,
+                       reinterpret_cast<float*>((kv ? vs : ks) + r * 2),
+                       p < sink ? x + base + (sink_slot0 + p) * D : nullptr,
+                       mean ? mean + ((int64_t)b * Hkv + h) * D : nullptr, threadIdx.x & 31);
+    return;
+  }
+  T* row = reinterpret_cast<T*>(row_f);
+  for (int kv = 0; kv < 2; ++kv) {
+    T* x = (kv ? v : k) + base;
+    T* held = p < sink ? x + (sink_slot0 + p) * D : nullptr;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      row[i] = x[src[t] * D + i];
+      if (held) held[i] = row[i];
+    }
+    __syncthreads();
+    code_row<T>(row, D, bits, (kv ? vc : kc) + r * cb, (kv ? vs : ks) + r * (D / 16));
+    __syncthreads();
+  }
+}
+
+template <typename T>
+void launch_code_rows(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int64_t* src, const int64_t* dst,
+                      uint8_t* kc, uint8_t* vc, __half* ks, __half* vs, const float* km, const float* vm, int B, int Hkv,
+                      int Tn, int R, int D, bool rotated, int bits, int64_t sink, int64_t sink_slot0, cudaStream_t s) {
+  dim3 grid(Tn, Hkv, B);
+  code_rows_kernel<T><<<grid, 64, rotated ? 0 : D * sizeof(T), s>>>(k, v, cache_bs, cache_hs, src, dst, kc, vc, ks, vs,
+                                                                   km, vm, Hkv, R, D, rotated, bits, sink, sink_slot0);
 }
 
 // ---------------------------------------------------------------------------
@@ -389,17 +560,22 @@ void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t
 //   partial: [B·T·Hq, chunks, D + 2] f32 (acc, max, sum); out: [B, T, Hq, D]
 // Visibility: 0 <= p <= q_pos[t] and (window == 0 or q_pos[t] - p < window), and
 // where in_restored != nullptr (restored / coded layers, core/model/kv_cache.h) the slot's
-// region must match whether p is recent for the query: q - p < rwin (rblock == 0),
-// or p >= floor(max(q - rwin + 1, 0) / rblock) · rblock (coded layers); a restored-region
+// region must match whether p is recent for the query (q - p < rwin); a coded row holding
+// p < code_from is hidden (a coded layer's exact sinks serve those positions); a restored-region
 // slot with p >= keep_below (>= 0: a layer that drops its restored positions) is hidden.
 // A restored region held as coded rows (ops::CodedSlots): slot j >= ring is row j - ring of
 // kc/vc (code_bytes each) with side values ks/vs; the dense k/v then hold the ring's slots only.
+// A rotated code's rows are attended in the rotated frame: the query is rotated once per block
+// (q·x̂ = rot(q)·(g·c)), the coded slots' value rows summed there and rotated back once at the end.
 struct CodedRegion {
   const uint8_t* kc = nullptr;  // nullptr: no coded region
   const uint8_t* vc = nullptr;
   const __half* ks = nullptr;
   const __half* vs = nullptr;
+  const float* km = nullptr;  // rotated codes: [B, Hkv, D] f32 means the rows left out (nullptr: none)
+  const float* vm = nullptr;
   int bits = 0, ring = 0, rows = 0;
+  bool rotated = false;
 };
 
 constexpr int kAttnWarps = 8;
@@ -408,7 +584,7 @@ constexpr int kAttnChunk = 64;  // keys per block: 8 per warp keeps each warp's 
 template <typename T, int VPL>  // VPL: values per lane = D / 32
 __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            const int64_t* __restrict__ slot_pos, const int64_t* __restrict__ q_pos,
-                                           int qstride, const bool* __restrict__ in_restored, int rwin, int rblock,
+                                           int qstride, const bool* __restrict__ in_restored, int rwin, int64_t code_from,
                                            int64_t keep_below, CodedRegion cr, float* __restrict__ partial, int Tq,
                                            int Hq, int Hkv, int S, int window, float scale, float softcap) {
   constexpr int D = VPL * 32;
@@ -416,12 +592,27 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
   const int b = bh / (Tq * Hq), t = (bh / Hq) % Tq, hq = bh % Hq, hk = hq / (Hq / Hkv);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t qp = q_pos[t * qstride];
-  // Coded layers: positions below this are read from the coded region, newer ones from the ring.
-  const int64_t below = rblock > 0 ? (max(qp - rwin + 1, (int64_t)0) / rblock) * rblock : 0;
-  float qv[VPL], acc[VPL];
+  float qv[VPL], acc[VPL], qr[VPL], accr[VPL];  // qr, accr: the rotated frame (rotated codes only)
   for (int i = 0; i < VPL; ++i) {
     qv[i] = from_t<T>(q[(int64_t)bh * D + lane * VPL + i]) * scale;
     acc[i] = 0.f;
+    accr[i] = 0.f;
+  }
+  const bool rot = cr.kc && cr.rotated;  // the same for the whole grid
+  __shared__ float lv[16];
+  // Coded rows with means: score q·(x̂ + mean_k) = rot(q)·(g·c) + q·mean_k; value rows add
+  // (Σ of their weights)·mean_v once at the end (lc: that sum, rescaled as l is).
+  float qmu = 0.f, lc = 0.f;
+  if (rot) {
+    if (cr.km) {
+      const float* km = cr.km + ((int64_t)b * Hkv + hk) * D + lane * VPL;
+      for (int i = 0; i < VPL; ++i) qmu += qv[i] * km[i];
+      qmu = warp_sum(qmu);
+    }
+    for (int i = 0; i < VPL; ++i) qr[i] = qv[i] * rot_sign(lane * VPL + i);
+    warp_fwht<VPL>(qr, lane);
+    if (threadIdx.x < (1 << cr.bits)) lv[threadIdx.x] = rot_level(cr.bits, threadIdx.x);
+    __syncthreads();
   }
   float m = -INFINITY, l = 0.f;
   const int dense = cr.kc ? cr.ring : S;  // slots the dense k/v hold
@@ -436,11 +627,31 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     const bool restored_slot = in_restored && in_restored[j];
     if (p < 0 || p > qp || (window > 0 && qp - p >= window)) continue;  // warp-uniform
     if (in_restored) {
-      const bool recent = rblock > 0 ? p >= below : qp - p < rwin;
+      const bool recent = qp - p < rwin;
       if (recent == restored_slot) continue;  // the other region holds this query's copy
+      if (restored_slot && cr.kc && j >= cr.ring && p < code_from) continue;  // an exact sink holds it
       if (restored_slot && keep_below >= 0 && p >= keep_below) continue;  // dropped on this layer
     }
     float kv[VPL], vv[VPL];
+    if (rot && j >= cr.ring) {  // warp-uniform: a rotated row, attended in the rotated frame
+      const int64_t r = crow0 + (j - cr.ring);
+      load_rotated<VPL>(cr.kc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.ks) + r, cr.bits, lane, lv, kv);
+      load_rotated<VPL>(cr.vc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.vs) + r, cr.bits, lane, lv, vv);
+      float sdot = 0.f;
+      for (int i = 0; i < VPL; ++i) sdot += qr[i] * kv[i];
+      sdot = warp_sum(sdot) + qmu;
+      if (softcap > 0.f) sdot = tanhf(sdot / softcap) * softcap;
+      const float m_new = fmaxf(m, sdot);
+      const float corr = __expf(m - m_new), pj = __expf(sdot - m_new);
+      l = l * corr + pj;
+      lc = lc * corr + pj;
+      for (int i = 0; i < VPL; ++i) {
+        acc[i] *= corr;
+        accr[i] = accr[i] * corr + pj * vv[i];
+      }
+      m = m_new;
+      continue;
+    }
     if (cr.kc && j >= cr.ring) {  // warp-uniform
       const int64_t r = crow0 + (j - cr.ring);
       load_coded<VPL>(cr.kc + r * (D * cr.bits / 8), cr.ks + r * (D / 16), cr.bits, lane, kv);
@@ -461,7 +672,16 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     const float corr = __expf(m - m_new), pj = __expf(sdot - m_new);
     l = l * corr + pj;
     for (int i = 0; i < VPL; ++i) acc[i] = acc[i] * corr + pj * vv[i];
+    if (rot) {
+      for (int i = 0; i < VPL; ++i) accr[i] *= corr;
+      lc *= corr;
+    }
     m = m_new;
+  }
+  if (rot) {  // the coded slots' value sum back from the rotated frame: s ⊙ H·accr / sqrt(D), + lc·mean_v
+    warp_fwht<VPL>(accr, lane);
+    const float* vm = cr.vm ? cr.vm + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
+    for (int i = 0; i < VPL; ++i) acc[i] += accr[i] * rot_sign(lane * VPL + i) + (vm ? lc * vm[i] : 0.f);
   }
   // Merge the warps of this block.
   __shared__ float sm[kAttnWarps], sl[kAttnWarps];
@@ -519,7 +739,7 @@ inline int decode_attn_chunks(int S) { return (S + kAttnChunk - 1) / kAttnChunk;
 // Returns false if D is not one of the supported head dims (64, 128, 256, 512).
 template <typename T>
 bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, const int64_t* q_pos,
-                             int qstride, const bool* in_restored, int rwin, int rblock, int64_t keep_below,
+                             int qstride, const bool* in_restored, int rwin, int64_t code_from, int64_t keep_below,
                              const CodedRegion& cr, float* partial, T* out, int B, int Tq, int Hq, int Hkv, int S, int D,
                              int window, float scale, float softcap, cudaStream_t s) {
   const int nchunks = decode_attn_chunks(S);
@@ -528,7 +748,7 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
 #define KAKEYA_ATTN_CASE(DIM, VPL)                                                                                  \
   case DIM:                                                                                                          \
     decode_attn_partial_kernel<T, VPL><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, qstride, in_restored, rwin, \
-                                                                 rblock, keep_below, cr, partial, Tq, Hq, Hkv, S,     \
+                                                                 code_from, keep_below, cr, partial, Tq, Hq, Hkv, S,  \
                                                                  window, scale, softcap);                             \
     break;
   switch (D) {

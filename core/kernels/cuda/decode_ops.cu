@@ -164,7 +164,7 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
 namespace {
 // Coded rows of a region [B, H_kv, R, ...]: contiguous, uint8 codes and f16 side values that fit D.
 void check_coded_slots(const CodedSlots& c, int64_t B, int64_t Hkv, int64_t D, const char* what) {
-  TORCH_CHECK(c.bits == 8 || c.bits == 4, what, ": bits 8 or 4, got ", c.bits);
+  check_row_code(D, c.code, what);
   for (const at::Tensor* t : {&c.k_codes, &c.v_codes, &c.k_side, &c.v_side}) {
     check_cuda(*t, what);
     TORCH_CHECK(t->is_contiguous() && t->dim() == 4 && t->size(0) == B && t->size(1) == Hkv &&
@@ -172,11 +172,19 @@ void check_coded_slots(const CodedSlots& c, int64_t B, int64_t Hkv, int64_t D, c
                 what, ": expected contiguous [", B, ", ", Hkv, ", R, .], got ", t->sizes());
   }
   TORCH_CHECK(c.k_codes.scalar_type() == at::kByte && c.v_codes.scalar_type() == at::kByte &&
-                  c.k_codes.size(3) == code_bytes(D, c.bits) && c.v_codes.size(3) == code_bytes(D, c.bits),
-              what, ": codes uint8 [.., ", code_bytes(D, c.bits), "] expected, got ", c.k_codes.sizes());
+                  c.k_codes.size(3) == code_bytes(D, c.code) && c.v_codes.size(3) == code_bytes(D, c.code),
+              what, ": codes uint8 [.., ", code_bytes(D, c.code), "] expected, got ", c.k_codes.sizes());
   TORCH_CHECK(c.k_side.scalar_type() == at::kHalf && c.v_side.scalar_type() == at::kHalf &&
-                  c.k_side.size(3) == side_halves(D) && c.v_side.size(3) == side_halves(D),
-              what, ": side values f16 [.., ", side_halves(D), "] expected, got ", c.k_side.sizes());
+                  c.k_side.size(3) == side_halves(D, c.code) && c.v_side.size(3) == side_halves(D, c.code),
+              what, ": side values f16 [.., ", side_halves(D, c.code), "] expected, got ", c.k_side.sizes());
+  TORCH_CHECK(c.k_mean.defined() == c.v_mean.defined() && (!c.k_mean.defined() || c.code.rotated()), what,
+              ": means go with rotated codes, both K and V");
+  for (const at::Tensor* m : {&c.k_mean, &c.v_mean})
+    if (m->defined()) {
+      check_cuda(*m, what);
+      TORCH_CHECK(m->scalar_type() == at::kFloat && m->dim() == 3 && m->size(0) == B && m->size(1) == Hkv && m->size(2) == D,
+                  what, ": means f32 [", B, ", ", Hkv, ", ", D, "] expected, got ", m->sizes());
+    }
 }
 // The activation dtype a RestoreStore layer works in: its dense caches', or its sinks' ring when coded.
 at::ScalarType layer_dtype(const RestoreStore::Layer& L) {
@@ -241,7 +249,8 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
       d.vs = cs.v_side.data_ptr();
       d.code_head_stride = cs.k_codes.stride(1);
       d.side_head_stride = cs.k_side.stride(1);
-      d.bits = cs.bits;
+      d.bits = cs.code.bits;
+      d.rotated = cs.code.rotated();
     } else {
       d.k = kc.data_ptr();
       d.v = vc.data_ptr();
@@ -293,6 +302,33 @@ void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer
   });
 }
 
+void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const at::Tensor& dst_rows, CodedSlots& to,
+               int64_t sink, int64_t sink_slot0) {
+  check_act(v, "code_rows v");
+  check_cache_rows(k, v, "code_rows k");
+  check_cuda(src_slots, "code_rows src_slots");
+  check_cuda(dst_rows, "code_rows dst_rows");
+  const int64_t B = k.size(0), Hkv = k.size(1), D = k.size(3), Tn = src_slots.numel();
+  TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "code_rows: k ", k.sizes(), " vs v ", v.sizes());
+  check_coded_slots(to, B, Hkv, D, "code_rows codes");
+  TORCH_CHECK(src_slots.scalar_type() == at::kLong && dst_rows.scalar_type() == at::kLong && dst_rows.numel() == Tn,
+              "code_rows: src_slots / dst_rows int64 [T] expected, got ", src_slots.sizes(), " / ", dst_rows.sizes());
+  TORCH_CHECK(Tn <= 2147483647, "code_rows: too many rows");
+  TORCH_CHECK(sink >= 0 && (sink == 0 || (sink_slot0 >= 0 && sink_slot0 + sink <= k.size(2))), "code_rows: sink slots ",
+              sink_slot0, " + ", sink, " outside the cache's ", k.size(2), " slots");
+  if (Tn == 0) return;
+  c10::cuda::CUDAGuard g(k.device());
+  dispatch(k.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    k::launch_code_rows<T>(ptr<T>(k), ptr<T>(v), k.stride(0), k.stride(1), src_slots.data_ptr<int64_t>(),
+                           dst_rows.data_ptr<int64_t>(), to.k_codes.data_ptr<uint8_t>(), to.v_codes.data_ptr<uint8_t>(),
+                           reinterpret_cast<__half*>(to.k_side.data_ptr()), reinterpret_cast<__half*>(to.v_side.data_ptr()),
+                           to.k_mean.defined() ? to.k_mean.data_ptr<float>() : nullptr,
+                           to.v_mean.defined() ? to.v_mean.data_ptr<float>() : nullptr, (int)B, (int)Hkv, (int)Tn, (int)to.k_codes.size(2), (int)D, to.code.rotated(), to.code.bits,
+                           sink, sink_slot0, at::cuda::getCurrentCUDAStream());
+  });
+}
+
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
                             const CopyRule& copies) {
@@ -317,7 +353,12 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     cr.vc = cs.v_codes.data_ptr<uint8_t>();
     cr.ks = reinterpret_cast<const __half*>(cs.k_side.data_ptr());
     cr.vs = reinterpret_cast<const __half*>(cs.v_side.data_ptr());
-    cr.bits = cs.bits;
+    cr.bits = cs.code.bits;
+    cr.rotated = cs.code.rotated();
+    if (cs.k_mean.defined()) {
+      cr.km = cs.k_mean.data_ptr<float>();
+      cr.vm = cs.v_mean.data_ptr<float>();
+    }
     cr.ring = (int)k.size(2);
     cr.rows = (int)cs.k_codes.size(2);
   } else {
@@ -334,8 +375,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     check_cuda(copies.in_restored, "decode_attention in_restored");
     TORCH_CHECK(copies.in_restored.scalar_type() == at::kBool && copies.in_restored.numel() == S,
                 "in_restored: expected [", S, "] bool");
-    TORCH_CHECK(copies.window > 0 && copies.block >= 0, "decode_attention: copy rule window ", copies.window,
-                " block ", copies.block);
+    TORCH_CHECK(copies.window > 0 && copies.code_from >= 0, "decode_attention: copy rule window ", copies.window,
+                " code_from ", copies.code_from);
     in_restored = copies.in_restored.data_ptr<bool>();
   }
   c10::cuda::CUDAGuard g(q.device());
@@ -346,7 +387,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     using T_ = std::remove_pointer_t<decltype(tag)>;
     ok = k::launch_decode_attention<T_>(ptr<T_>(q), ptr<T_>(k), ptr<T_>(v), slot_pos.data_ptr<int64_t>(),
                                         q_pos.data_ptr<int64_t>(), q_pos.numel() == 1 ? 0 : 1, in_restored,
-                                        (int)copies.window, (int)copies.block,
+                                        (int)copies.window, copies.code_from,
                                         in_restored ? copies.keep_below : (int64_t)-1, cr, partial.data_ptr<float>(), ptr<T_>(out),
                                         B, T, Hq, Hkv, S, D, window, scale, softcap, at::cuda::getCurrentCUDAStream());
   });

@@ -23,6 +23,8 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& layers);
 void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer>& layers, const at::Tensor& k_raw,
                    const at::Tensor& v_raw, const at::Tensor& positions);
+void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const at::Tensor& dst_rows, CodedSlots& to,
+               int64_t sink, int64_t sink_slot0);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
                             const CopyRule& copies);
