@@ -72,10 +72,10 @@ job codec_eval $K codec-eval --model $MODEL --bundle "$OUT/calib_toy" --text dat
 # The shipped f_θ when it exists, the toy one otherwise.
 if [ -f $SHIPPED/ftheta/f_theta_config.json ]; then FTHETA=$SHIPPED/ftheta; else FTHETA=$OUT/ftheta_toy; fi
 echo "f_θ for the decoder: $FTHETA"
-R=(--verifier $MODEL --drafter $SHIPPED/drafter --ftheta "$FTHETA" --calib $SHIPPED/calib)
+R=(--verifier $MODEL --drafter $SHIPPED/drafter --ftheta "$FTHETA")
 
-# 3. Decode sessions on a prompt past the sliding window (512): sliding layers restore, the
-#    full-attention codec codes a whole block.
+# 3. Decode sessions on a prompt past the sliding window (512): sliding layers restore; under
+#    --full-attn codec the full-attention layers read positions past the window from lm4 coded rows.
 $PY -c 'import sys; t=open("data/codec/eval.txt", encoding="utf-8").read(); print(t[:2600])' > "$OUT/prompt.txt"
 P="$(cat "$OUT/prompt.txt")"
 job decode_ar $K decode "${R[@]}" --mode ar --prompt "$P" --max-new-tokens 32 --json "$OUT/decode_ar.json"
