@@ -76,13 +76,16 @@ DecodeResult RestoredDecoder::feed(const std::vector<int64_t>& tokens, const Dec
   sampler_.reset(opt.sampling.seed);
   auto t0 = Clock::now();
   auto ids = at::tensor(tokens, at::kLong).view({1, (int64_t)tokens.size()}).to(dev);
-  auto logits = run_chunks(v_, cache_, rest_, ids, p0, ro.resolved_chunk(), true);
+  const bool had_graph = chunks_.captured();
+  auto logits =
+      run_chunks(v_, cache_, rest_, ids, p0, ro.resolved_chunk(), true, opt_.cuda_graph ? &chunks_ : nullptr);
   pos_.fill_(n_fed);
   step_.zero_();
   // Sampling draws through the graph's captured generator offsets: recapture per run (greedy reuses).
   if (!sampler_.greedy()) loop_.graphs.reset();
   DecodeResult res;
   run_decode_loop(loop_, sampler_.sample(logits.select(1, 0)), cache_, n_fed, opt, t0, dev, res);
+  if (!had_graph) res.capture_seconds += chunks_.capture_seconds();  // inside prefill_seconds too
   const int64_t q = cache_.length() - 1;
   res.attention_fraction_sliding = attention_fraction(cache_, v_.config(), true, q);
   res.attention_fraction_full = attention_fraction(cache_, v_.config(), false, q);

@@ -16,9 +16,9 @@
 namespace kakeya {
 
 // The incremental restored decoder: its KV cache for `capacity` positions, Restorer, step
-// buffers, restoration runner and CUDA graphs are built once (as ArDecoder's).
-// drafter/ftheta: required unless a = 1 or evict-only. `--full-attn codec` encodes codec
-// blocks on the host between steps (eager steps).
+// buffers, restoration runner and CUDA graphs (the decode step's, the restoration batch's and
+// the steady prefill chunk's) are built once (as ArDecoder's). drafter/ftheta: required unless
+// a = 1 or evict-only.
 class RestoredDecoder : public Decoder {
  public:
   RestoredDecoder(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const DecodeOptions& opt,
@@ -39,6 +39,7 @@ class RestoredDecoder : public Decoder {
   at::Tensor cur_, pos_, step_, out_;  // [1, 1], [1], [1], [capacity] int64: the step's static buffers
   std::unique_ptr<UpkeepRunner> upkeep_;
   DecodeLoop loop_;
+  ChunkGraph chunks_;  // the steady prefill chunk's graph (CUDA)
 };
 
 // The slow reference (DecodeMode::RestoredReforward): per generated token the whole prefix

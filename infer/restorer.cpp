@@ -8,6 +8,11 @@
 #include "infer/loop_util.h"
 #include "infer/memory.h"
 
+#ifdef KAKEYA_CUDA
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
 namespace kakeya {
 
 void check_restores_something(const RestoreOptions& o, int64_t n_prompt, int64_t max_new) {
@@ -234,7 +239,11 @@ void Restorer::prepare(int64_t p0, int64_t t) {
   if (last <= restored_upto_) return;
   KAKEYA_CHECK(last < p0, "restorer: chunk of " << t << " tokens at " << p0 << " needs restored K/V of itself");
   const int64_t first = restored_upto_ + 1;
-  auto js = at::arange(first, last + 1, at::TensorOptions().dtype(at::kLong).device(model_.device()));
+  restore_at(at::arange(first, last + 1, at::TensorOptions().dtype(at::kLong).device(model_.device())));
+  note_restored(last);
+}
+
+void Restorer::restore_at(const at::Tensor& js) {
   at::Tensor dk, dv;  // f_θ's inputs the commits kept: the drafter raw K/V, or the target features (both)
   if (features_in_) {
     dk = dv = feat_.index_select(0, js.remainder(ring_));
@@ -244,8 +253,12 @@ void Restorer::prepare(int64_t p0, int64_t t) {
     dv = dv_.index_select(0, dsl);
   }
   restore(js, dk, dv);
-  stat_positions_ += std::max<int64_t>(0, last + 1 - std::max(first, opt_.sink));
-  restored_upto_ = last;
+}
+
+bool Restorer::commits_on_device() const {
+  // commit() projects the drafter context on the host's schedule unless f_θ reads the features
+  // the forward stores; a = 1 and evict-only read nothing the commits keep.
+  return !opt_.needs_ftheta() || (features_in_ && feat_.defined());
 }
 
 int64_t Restorer::ahead_gap() const {
@@ -493,22 +506,80 @@ KVCacheOptions restored_cache_options(const Model& v, const FTheta* f, const Res
   return co;
 }
 
-// Runs ids [1, n] at positions [p0, p0+n) through the restored cache in chunks; logits of the last position.
+struct ChunkGraph::Impl {
+#ifdef KAKEYA_CUDA
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+#endif
+  int64_t chunk = 0;
+  at::Tensor ids;     // [1, chunk] int64: the chunk's tokens
+  at::Tensor pos;     // [chunk] int64: its positions
+  at::Tensor logits;  // [1, 1, V]: its last position's logits (the graph's output)
+  double capture_seconds = 0.0;
+};
+
+ChunkGraph::ChunkGraph() : impl_(std::make_unique<Impl>()) {}
+ChunkGraph::~ChunkGraph() = default;
+double ChunkGraph::capture_seconds() const { return impl_->capture_seconds; }
+
+bool ChunkGraph::captured() const {
+#ifdef KAKEYA_CUDA
+  return impl_->graph != nullptr;
+#else
+  return false;
+#endif
+}
+
 at::Tensor run_chunks(const Model& v, KVCache& cache, Restorer& r, const at::Tensor& ids, int64_t p0, int64_t chunk,
-                      bool want_logits) {
-  const int64_t n = ids.size(1);
+                      bool want_logits, ChunkGraph* graph) {
+  const int64_t n = ids.size(1), window = r.options().window;
   auto iopt = at::TensorOptions().dtype(at::kLong).device(v.device());
+  const bool graphs = graph && v.device().is_cuda() && r.commits_on_device();
   at::Tensor logits;
   for (int64_t s = 0; s < n; s += chunk) {
-    const int64_t len = std::min(chunk, n - s);
+    const int64_t len = std::min(chunk, n - s), q0 = p0 + s;
     const bool last = s + len == n;
-    r.prepare(p0 + s, len);
+    const bool steady = len == chunk && q0 >= window && r.restored_upto() == q0 - window - 1;
+#ifdef KAKEYA_CUDA
+    if (graphs && steady) {
+      ChunkGraph::Impl& g = *graph->impl_;
+      if (g.graph && g.chunk != chunk) g.graph.reset();
+      if (!g.graph) {
+        // Captured on a side stream; capture records without running, so the chunk replays after.
+        auto t0 = Clock::now();
+        g.chunk = chunk;
+        g.ids = at::zeros({1, chunk}, iopt);
+        g.pos = at::arange(q0, q0 + chunk, iopt);
+        c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+        g.graph = std::make_unique<at::cuda::CUDAGraph>();
+        g.graph->capture_begin();
+        r.restore_at(g.pos - window);
+        ForwardOptions fo;
+        fo.taps = r.verifier_taps();
+        fo.last_logits_only = true;  // one row of the lm_head: cheap enough to take always
+        fo.advance_cache = false;
+        g.logits = v.forward(g.ids, g.pos, cache, fo);
+        r.stash_step(g.pos);
+        g.graph->capture_end();
+        g.capture_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+      }
+      g.ids.copy_(ids.slice(1, s, s + len));
+      at::arange_out(g.pos, at::Scalar(q0), at::Scalar(q0 + chunk), at::Scalar(1));
+      g.graph->replay();
+      cache.advance(chunk);
+      r.note_restored(q0 + chunk - 1 - window);
+      logits = g.logits;
+      continue;
+    }
+#endif
+    (void)graphs;
+    (void)steady;
+    r.prepare(q0, len);
     ForwardOptions fo;
     fo.taps = r.verifier_taps();
     fo.last_logits_only = true;
     fo.skip_logits = !(last && want_logits);
-    logits = v.forward(ids.slice(1, s, s + len), at::arange(p0 + s, p0 + s + len, iopt), cache, fo);
-    r.commit(p0 + s, len);
+    logits = v.forward(ids.slice(1, s, s + len), at::arange(q0, q0 + len, iopt), cache, fo);
+    r.commit(q0, len);
   }
   return logits;
 }

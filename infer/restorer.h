@@ -105,6 +105,16 @@ class Restorer : public TapSubscriber {
   const Taps* drafter_taps() const { return &dtaps_; }   // Drafter::extend / context_kv on committed positions
   void prepare(int64_t p0, int64_t t);
   void commit(int64_t p0, int64_t n, DrafterCache* dcache = nullptr);
+  // The device work of prepare() for positions js [N] on the device (capturable: run_chunks'
+  // chunk graph), without its host bookkeeping: the caller reports them with note_restored().
+  // Only where commits need no host work (commits_on_device()).
+  void restore_at(const at::Tensor& js);
+  // Every position <= j is restored (or in a batch in flight): the host bookkeeping of a
+  // restoration the device ran from a graph.
+  void note_restored(int64_t j);
+  // The forwards' stash_step() leaves nothing for commit() to do: f_θ reads the target features
+  // the forward stores (start_upkeep + stash_in_forward), or restoration needs no f_θ inputs.
+  bool commits_on_device() const;
   // Restoring ahead, in batches: a committed position may get its restored copy before it
   // leaves the window (the mask shows each query one copy), as long as the restored region's
   // ring does not overwrite a slot a later query still reads there: a forward whose first
@@ -129,7 +139,7 @@ class Restorer : public TapSubscriber {
   UpkeepBatch next_upkeep(int64_t s);
   void upkeep_from(int64_t from);
   void upkeep();
-  void stash_step(const at::Tensor& pos);  // the last forward's target features at pos [1]
+  void stash_step(const at::Tensor& pos);  // the last forward's target features at pos [T]
   // From now on the verifier's forwards write the target features into the ring themselves
   // (TargetFeatureCapture::store_into: inside the residual kernel), so stash_step has no work.
   void stash_in_forward();
@@ -167,7 +177,6 @@ class Restorer : public TapSubscriber {
   // copied from the exact ring): what finish_kv + write_restored do, without ~a dozen ops per layer.
   void restore_kernel(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv);
   at::Tensor take_features(int64_t n);
-  void note_restored(int64_t j);  // every position <= j is restored (or in a batch in flight)
 
   const Model& model_;
   const Drafter* drafter_;
@@ -198,11 +207,37 @@ class Restorer : public TapSubscriber {
 KVCacheOptions restored_cache_options(const Model& verifier, const FTheta* ftheta, const RestoreOptions& o,
                                       int64_t capacity, bool linear);
 
+// A prefill chunk is launch-bound when run op by op: ~500 small kernels per 256 tokens, each
+// launched from the host. On CUDA this keeps one graph of a *steady* chunk, captured by the
+// first prefill that reaches one and replayed by every later steady chunk, of that prefill and
+// of the later ones on the same cache and Restorer (the graph reads their buffers in place).
+// A chunk at q0 is steady when it is `chunk` tokens long and every position before
+// q0 - window is restored: then its prepare() restores exactly q0 - window .. q0 - window +
+// chunk - 1, which the graph does from the chunk's positions on the device (Restorer::
+// restore_at), before the forward and the stash of its target features. Other chunks (the
+// first window, a short tail, an extend() that does not start on the chunk grid) run eagerly.
+// Empty off CUDA, and where the Restorer's commits need the host (!commits_on_device()).
+class ChunkGraph {
+ public:
+  ChunkGraph();
+  ~ChunkGraph();
+  ChunkGraph(const ChunkGraph&) = delete;
+  ChunkGraph& operator=(const ChunkGraph&) = delete;
+  bool captured() const;
+  double capture_seconds() const;  // wall seconds the capture took (0 before it)
+
+ private:
+  friend at::Tensor run_chunks(const Model&, KVCache&, Restorer&, const at::Tensor&, int64_t, int64_t, bool,
+                               ChunkGraph*);
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
 // Runs ids [1, n] at positions [p0, p0 + n) through the restored cache in chunks of <= chunk
-// tokens (prepare / forward / commit each); the logits [1, 1, V] of the last position when
-// want_logits.
+// tokens (prepare / forward / commit each, or a replay of `graph`); the logits [1, 1, V] of the
+// last position when want_logits.
 at::Tensor run_chunks(const Model& verifier, KVCache& cache, Restorer& r, const at::Tensor& ids, int64_t p0,
-                      int64_t chunk, bool want_logits);
+                      int64_t chunk, bool want_logits, ChunkGraph* graph = nullptr);
 
 // Share of the span of the query at q that each layer type sees through exactly one copy per
 // position (1.0 = nothing lost, nothing twice); -1 without such layers. SYNC: diagnostics.

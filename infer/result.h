@@ -43,7 +43,7 @@ struct DecodeResult {
   std::vector<int64_t> tokens;          // generated ids (prompt excluded)
   double prefill_seconds = 0;           // from the call to the first generated token
   double decode_seconds = 0;            // from the first generated token to the last
-  double capture_seconds = 0;           // CUDA graph capture inside decode_seconds (a decoder's first run)
+  double capture_seconds = 0;           // CUDA graph captures of a decoder's first run (in decode_seconds; the restored prefill chunk's in prefill_seconds)
   int64_t steady_allocations = -1;      // CUDA allocations from the first graph replay to the end (-1: no replay)
   MemoryReport memory;
   int64_t served_positions = 0;         // positions that went through the verifier (prompt + fed tokens)

@@ -6,7 +6,8 @@
 //   - teacher-forced scores of a 300-token text through the restored cache (every
 //     position past the window restored, the sinks among them) agree per token in f32;
 //     in bf16 the kernel path is as close to the f32 scores as the reference ops;
-//   - `restored` and `fused` decodes give the same tokens either way (f32).
+//   - `restored` and `fused` decodes give the same tokens either way (f32);
+//   - prefill chunks replayed from a CUDA graph give what eager chunks give (f32).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -21,6 +22,7 @@
 #include "core/model/model.h"
 #include "infer/decoder.h"
 #include "infer/restored.h"
+#include "infer/session.h"
 #include "tests/test_util.h"
 
 using namespace kakeya;
@@ -157,6 +159,31 @@ TEST_F(CudaRestoredF32, GraphsWithOverlappedRestorationEqualEagerInPlace) {
       EXPECT_EQ(want.steady_allocations, -1);
     }
   }
+}
+
+// The steady prefill chunk replayed from its CUDA graph (infer/restorer.h ChunkGraph) leaves the
+// cache as eager chunks leave it: a session's turns decode the same tokens either way, the second
+// turn starting off the chunk grid (eager chunks, then replays of the graph the first turn captured).
+TEST_F(CudaRestoredF32, PrefillChunkGraphEqualsEagerChunks) {
+  DecodeOptions d;
+  d.mode = DecodeMode::Restored;
+  d.max_new_tokens = 16;
+  d.stream = false;
+  d.restore = options(true);
+  DecodeOptions eager = d;
+  eager.cuda_graph = false;
+  const int64_t capacity = ids_.size() + 2 * d.max_new_tokens;
+  Session graphs(*target_, drafter_.get(), ftheta_.get(), d, capacity);
+  Session plain(*target_, drafter_.get(), ftheta_.get(), eager, capacity);
+  std::vector<int64_t> turn1(ids_.begin(), ids_.begin() + 150), turn2(ids_.begin() + 150, ids_.end());
+  auto got = graphs.send(turn1, d);
+  auto want = plain.send(turn1, eager);
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_GT(got.capture_seconds, 0.0);  // 150 tokens at window 32: chunks from 32 on are steady
+  got = graphs.send(turn2, d);
+  want = plain.send(turn2, eager);
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(graphs.history(), plain.history());
 }
 
 }  // namespace

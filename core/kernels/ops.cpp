@@ -3,6 +3,9 @@
 #include "core/error.h"
 
 #include <cmath>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #ifdef KAKEYA_CUDA
 #include <ATen/core/grad_mode.h>
@@ -146,11 +149,29 @@ at::Tensor fwht(const at::Tensor& x) {
 }
 
 namespace {
-at::Tensor rotation_signs(int64_t D, at::Device dev) {
-  std::vector<float> s(D);
-  for (int64_t i = 0; i < D; ++i) s[i] = rotation_sign(i);
-  return at::tensor(s).to(dev);
+// The rotated code's small tables, copied to a device once per (table, size, device): the
+// reference path also runs inside captured CUDA graphs (restored prefill chunks decode coded
+// regions through it), where no copy from host memory may be enqueued. Never freed: the
+// tensors must not outlive the CUDA context at exit.
+enum class Table { Levels, Mids, Signs };
+const at::Tensor& device_table(Table what, int64_t n, const at::Device& dev) {
+  static std::mutex m;
+  static auto* tables = new std::map<std::tuple<int, int64_t, int, int>, at::Tensor>();
+  std::lock_guard<std::mutex> lk(m);
+  at::Tensor& t = (*tables)[{(int)what, n, (int)dev.type(), dev.has_index() ? (int)dev.index() : -1}];
+  if (t.defined()) return t;
+  std::vector<float> v;
+  if (what == Table::Signs) {
+    for (int64_t i = 0; i < n; ++i) v.push_back(rotation_sign(i));
+  } else {
+    const auto& lv = rotated_levels((int)n);
+    if (what == Table::Levels) v = lv;
+    for (size_t i = 0; what == Table::Mids && i + 1 < lv.size(); ++i) v.push_back(0.5f * (lv[i] + lv[i + 1]));
+  }
+  t = at::tensor(v).to(dev);
+  return t;
 }
+at::Tensor rotation_signs(int64_t D, at::Device dev) { return device_table(Table::Signs, D, dev); }
 // idx [N, D] uint8 (< 2^bits) -> [N, D·bits/8] uint8, little-endian bit stream.
 at::Tensor pack_indices(const at::Tensor& idx, int bits) {
   const int64_t N = idx.size(0), D = idx.size(1);
@@ -176,16 +197,13 @@ std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const RowCo
   codes_shape.push_back(code_bytes(D, code));
   side_shape.push_back(side_halves(D, code));
   if (code.rotated()) {
-    const auto& lv = rotated_levels(code.bits);
-    std::vector<float> mid(lv.size() - 1);
-    for (size_t i = 0; i + 1 < lv.size(); ++i) mid[i] = 0.5f * (lv[i] + lv[i + 1]);
     auto xf = x.to(at::kFloat).reshape({-1, D});                       // [N, D]
     auto y = fwht(xf * rotation_signs(D, x.device()));                 // [N, D]
     auto n = xf.pow(2).sum(-1, true).sqrt();                           // [N, 1]
     auto inv = at::where(n.gt(0), (float)std::sqrt((double)D) / n, at::zeros_like(n));
     auto u = y * inv;
-    auto idx = at::bucketize(u, at::tensor(mid).to(x.device()));       // count of thresholds < u
-    auto c = at::tensor(lv).to(x.device()).index_select(0, idx.flatten()).view(idx.sizes());  // [N, D]
+    auto idx = at::bucketize(u, device_table(Table::Mids, code.bits, x.device()));  // count of thresholds < u
+    auto c = device_table(Table::Levels, code.bits, x.device()).index_select(0, idx.flatten()).view(idx.sizes());  // [N, D]
     auto g = n / c.pow(2).sum(-1, true).sqrt();                        // the row's norm kept
     auto side = g.contiguous().view(at::kHalf);                         // [N, 2]: f32 bytes as halves
     return {pack_indices(idx.to(at::kByte), code.bits).reshape(codes_shape), side.reshape(side_shape)};
@@ -222,7 +240,7 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, cons
   if (code.rotated()) {
     auto idx = unpack_indices(c, D, code.bits);                                // [N, D]
     auto g = side.reshape({-1, 2}).contiguous().view(at::kFloat);             // [N, 1]
-    auto y = at::tensor(rotated_levels(code.bits)).to(codes.device()).index_select(0, idx.flatten()).view(idx.sizes()) * g;
+    auto y = device_table(Table::Levels, code.bits, codes.device()).index_select(0, idx.flatten()).view(idx.sizes()) * g;
     return (fwht(y) * rotation_signs(D, codes.device())).reshape(shape).to(dtype);
   }
   const int64_t G = D / kCodeGroup;
