@@ -28,6 +28,7 @@ std::string mb(int64_t b) {
 
 double TimedDecoder::median_decode_tps() const { return median(decode_tps); }
 double TimedDecoder::median_e2e_tps() const { return median(e2e_tps); }
+double TimedDecoder::median_prefill_tps() const { return median(prefill_tps); }
 
 void time_in_rounds(std::vector<TimedDecoder>& ds, const std::vector<int64_t>& prompt, int64_t repeats,
                     int64_t new_tokens) {
@@ -39,6 +40,7 @@ void time_in_rounds(std::vector<TimedDecoder>& ds, const std::vector<int64_t>& p
                    "bench: generated " << d.last.tokens.size() << " tokens, expected " << new_tokens);
       d.decode_tps.push_back(d.last.decode_tokens_per_second());
       d.e2e_tps.push_back(new_tokens / (d.last.prefill_seconds + d.last.decode_seconds));
+      d.prefill_tps.push_back(prompt.size() / d.last.prefill_seconds);
     }
 }
 
@@ -114,6 +116,8 @@ nlohmann::json bench_memory(const ModelConfig& cfg, at::ScalarType dtype, const 
       row["e2e_tps"] = t.median_e2e_tps();
       row["decode_runs"] = t.decode_tps;
       row["decode_ratio_vs_ar"] = t.median_decode_tps() / timers.front().median_decode_tps();
+      row["prefill_tps"] = t.median_prefill_tps();
+      row["prefill_ratio_vs_ar"] = t.median_prefill_tps() / timers.front().median_prefill_tps();
       row["memory_measured"] = t.decoder->memory().to_json();
     }
     rows.push_back(row);
@@ -141,7 +145,7 @@ std::string bench_memory_table(const nlohmann::json& r) {
     std::snprintf(buf, sizeof buf, " %14s %10s", (name + ": ctx").c_str(), "sessions");
     os << buf;
   }
-  os << (r["ar_decode_tps"].is_null() ? "" : "   decode tok/s  vs AR") << "\n";
+  os << (r["ar_decode_tps"].is_null() ? "" : "   decode tok/s  vs AR  prefill tok/s  vs AR") << "\n";
   for (const auto& row : r["configs"]) {
     std::snprintf(buf, sizeof buf, "%-22s %12s %8.3fx", row["config"].get<std::string>().c_str(),
                   mb(row["kv_bytes_at_context"]).c_str(), row["ratio_vs_native_at_context"].get<double>());
@@ -152,7 +156,9 @@ std::string bench_memory_table(const nlohmann::json& r) {
       os << buf;
     }
     if (row.contains("decode_tps")) {
-      std::snprintf(buf, sizeof buf, "   %12.1f %6.3fx", row["decode_tps"].get<double>(), row["decode_ratio_vs_ar"].get<double>());
+      std::snprintf(buf, sizeof buf, "   %12.1f %6.3fx %14.0f %6.3fx", row["decode_tps"].get<double>(),
+                    row["decode_ratio_vs_ar"].get<double>(), row["prefill_tps"].get<double>(),
+                    row["prefill_ratio_vs_ar"].get<double>());
       os << buf;
     }
     os << "\n";

@@ -58,10 +58,11 @@ struct TimedDecoder {
   TimedDecoder(Decoder* d, const DecodeOptions& o) : decoder(d), options(o) {}
   Decoder* decoder = nullptr;
   DecodeOptions options;
-  std::vector<double> decode_tps, e2e_tps;  // per timed run
-  DecodeResult last;                        // the last timed run
+  std::vector<double> decode_tps, e2e_tps, prefill_tps;  // per timed run (prefill: prompt tokens / prefill seconds)
+  DecodeResult last;                                     // the last timed run
   double median_decode_tps() const;
   double median_e2e_tps() const;
+  double median_prefill_tps() const;
 };
 void time_in_rounds(std::vector<TimedDecoder>& ds, const std::vector<int64_t>& prompt, int64_t repeats,
                     int64_t new_tokens);

@@ -84,14 +84,16 @@ void register_bench(CLI::App& app) {
     }
     time_in_rounds(timed, prompt, o->repeats, o->new_tokens);
     const auto& decode_tps = timed[0].decode_tps;
-    const double ours_decode = timed[0].median_decode_tps(), ours_e2e = timed[0].median_e2e_tps();
+    const double ours_decode = timed[0].median_decode_tps(), ours_e2e = timed[0].median_e2e_tps(),
+                 ours_prefill = timed[0].median_prefill_tps();
     nlohmann::json restored = nullptr;
-    double rest_decode = 0, rest_e2e = 0;
+    double rest_decode = 0, rest_e2e = 0, rest_prefill = 0;
     std::vector<double> pairs;  // restored / ar of each interleaved pair of runs: the ratio's own spread
     if (o->restored) {
       const TimedDecoder& t = timed[1];
       rest_decode = t.median_decode_tps();
       rest_e2e = t.median_e2e_tps();
+      rest_prefill = t.median_prefill_tps();
       for (size_t i = 0; i < t.decode_tps.size(); ++i) pairs.push_back(t.decode_tps[i] / decode_tps[i]);
       restored = {{"restore", d.restore.to_json()},
                   {"drafter", o->rf.drafter},
@@ -101,6 +103,9 @@ void register_bench(CLI::App& app) {
                   {"decode_runs", t.decode_tps},
                   {"decode_ratio_vs_ar", rest_decode / ours_decode},
                   {"decode_ratio_pairs", pairs},
+                  {"prefill_tps", rest_prefill},
+                  {"prefill_runs", t.prefill_tps},
+                  {"prefill_ratio_vs_ar", rest_prefill / ours_prefill},
                   {"runs_interleaved_with_ar", true},
                   {"decoders_kept_across_runs", true},
                   {"memory", t.last.memory.to_json()}};
@@ -138,6 +143,8 @@ void register_bench(CLI::App& app) {
       std::printf("restored / ar decode tok/s = %.3fx (same run; interleaved pairs %.3f .. %.3f)\n",
                   rest_decode / ours_decode, *std::min_element(pairs.begin(), pairs.end()),
                   *std::max_element(pairs.begin(), pairs.end()));
+      std::printf("prefill of the %lld-token prompt: ar %.0f tok/s, restored %.0f tok/s = %.3fx\n",
+                  (long long)prompt.size(), ours_prefill, rest_prefill, rest_prefill / ours_prefill);
     }
     std::printf("weights %.0f MB/token; bandwidth bound at 3.0 TB/s: %.0f tok/s; kakeya decode = %.1f%% of it\n",
                 weight_bytes / 1e6, bound, 100.0 * ours_decode / bound);
@@ -153,6 +160,7 @@ void register_bench(CLI::App& app) {
                         {"kakeya_e2e_tps", ours_e2e},
                         {"kakeya_decode_tps", ours_decode},
                         {"kakeya_decode_runs", decode_tps},
+                        {"kakeya_prefill_tps", ours_prefill},
                         {"weight_bytes", weight_bytes},
                         {"bandwidth_bound_tps_at_3TBps", bound},
                         {"fraction_of_bound", ours_decode / bound},
