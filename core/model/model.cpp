@@ -232,8 +232,21 @@ at::Tensor Model::attention(int64_t layer, const at::Tensor& q, const at::Tensor
   // HF's repeat_kv): [B, H_kv, G·T, D] attends to K/V without copying them.
   auto qg = q.permute({0, 2, 1, 3}).reshape({B, Hkv, G * T, D});
   auto m = G == 1 ? mask : mask.repeat({G, 1});
+  const int64_t S = k.size(2), rows = B * Hkv * G * T;
+  // Fused SDPA kernels split the work over query rows and heads only: a restored prefill chunk
+  // (256 queries × 4 heads of Gemma 3 270M, one KV head) gets 8 thread blocks, and spends ~1 ms
+  // on a full-attention layer of 8k slots. With few query rows, two batched GEMMs around an f32
+  // softmax spread over the whole GPU instead (scores f32 from the dtype's inputs, as the
+  // fused kernels keep them), while the score matrix stays small (<= 1 GiB).
+  const bool few_rows = q.is_cuda() && rows <= 8192 && rows * S * 4 <= (int64_t{1} << 30);
   at::Tensor out;
-  if (cfg_.attn_logit_softcap) {
+  if (few_rows && !cfg_.attn_logit_softcap) {
+    auto qb = qg.reshape({B * Hkv, G * T, D});
+    auto kb = k.reshape({B * Hkv, S, D}).transpose(1, 2);                                    // [B·H_kv, D, S]
+    auto s = q.scalar_type() == at::kFloat ? at::bmm(qb, kb) : at::bmm(qb, kb, at::kFloat);  // [B·H_kv, G·T, S] f32
+    s.mul_(cfg_.attn_scale).masked_fill_(m.logical_not(), -INFINITY);
+    out = at::bmm(at::softmax(s, -1).to(q.scalar_type()), v.reshape({B * Hkv, S, D}));
+  } else if (cfg_.attn_logit_softcap) {
     double c = *cfg_.attn_logit_softcap;
     auto s = at::matmul(qg, k.transpose(-1, -2)) * cfg_.attn_scale;
     s = at::tanh(s / c) * c;
