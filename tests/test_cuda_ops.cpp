@@ -520,6 +520,28 @@ TEST_P(CudaOps, CodeRows) {
   }
 }
 
+// Coded rows decoded on the device (one warp per row; rotated rows rotated back in registers)
+// against the reference ops on the host, every code and head dim the kernel takes, odd row counts.
+TEST_P(CudaOps, DequantizeRows) {
+  for (const char* name : {"int8", "int4", "lm4", "lm3", "lm2"}) {
+    const ops::RowCode code = ops::parse_row_code(name, "code");
+    for (int64_t D : {64, 128, 256, 512}) {
+      if (code.rotated() && code.bits == 3 && D < 256) continue;  // refused by check_row_code (CodedRows.BadInput)
+      const std::string tag = std::string(name) + " D=" + std::to_string(D);
+      auto x = at::randn({3, 37, D}) * 1.7 + 0.3;
+      auto [c, sd] = ops::quantize_rows(x, code);
+      auto want = ops::dequantize_rows(c, sd, code, dt());
+      auto have = ops::dequantize_rows(c.to(kCuda), sd.to(kCuda), code, dt());
+      ASSERT_EQ(have.sizes(), want.sizes()) << tag;
+      EXPECT_EQ(have.scalar_type(), dt()) << tag;
+      auto err = (have.cpu().to(at::kFloat) - want.to(at::kFloat)).abs();
+      const double rel = dt() == at::kFloat ? 1e-5 : 8e-3;  // bf16: one rounding step apart at most
+      EXPECT_TRUE(err.le(want.to(at::kFloat).abs() * rel + 1e-5).all().item<bool>())
+          << tag << ": max err " << err.max().item<double>();
+    }
+  }
+}
+
 TEST_P(CudaOps, Linear) {
   for (int64_t M : {1, 3, 8, 13})  // 13 rows: the cuBLAS fallback
     for (auto nk : {std::pair<int64_t, int64_t>{7, 640}, {1536, 640}, {640, 2048}, {1001, 24}})

@@ -234,6 +234,9 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, cons
                "dequantize_rows: codes uint8 [..., " << code_bytes(D, code) << "] and side f16 [..., "
                                                      << side_halves(D, code) << "] expected, got " << codes.sizes()
                                                      << " / " << side.sizes());
+#ifdef KAKEYA_CUDA
+  if (codes.is_cuda() && cuda::dequantize_rows_supported(D, dtype)) return cuda::dequantize_rows(codes, side, code, dtype);
+#endif
   std::vector<int64_t> shape(codes.sizes().begin(), codes.sizes().end() - 1);
   shape.push_back(D);
   auto c = codes.reshape({-1, codes.size(-1)});

@@ -549,6 +549,44 @@ void launch_code_rows(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int6
                                                                    km, vm, Hkv, R, D, rotated, bits, sink, sink_slot0);
 }
 
+// Coded rows back to dense ones (ops::dequantize_rows, the reference): one warp per row of
+// D = 32·VPL values, lane holding VPL consecutive ones; rotated rows are rotated back in
+// registers (warp_fwht, then the signs), as the attention kernel does with its value sum.
+template <typename T, int VPL>
+__global__ void dequantize_rows_kernel(const uint8_t* __restrict__ codes, const __half* __restrict__ side,
+                                       int64_t rows, bool rotated, int bits, T* __restrict__ out) {
+  constexpr int D = VPL * 32;
+  const int lane = threadIdx.x & 31;
+  const int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+  if (r >= rows) return;
+  const int64_t cb = D * bits / 8;
+  float v[VPL];
+  if (rotated) {
+    load_rotated<VPL>(codes + r * cb, reinterpret_cast<const float*>(side) + r, bits, lane, kRotLevels[bits - 2], v);
+    warp_fwht<VPL>(v, lane);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) v[i] *= rot_sign(lane * VPL + i);
+  } else {
+    load_coded<VPL>(codes + r * cb, side + r * 2 * (D / 32), bits, lane, v);
+  }
+  T* o = out + r * D + lane * VPL;
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) o[i] = to_t<T>(v[i]);
+}
+
+template <typename T>
+void launch_dequantize_rows(const uint8_t* codes, const __half* side, int64_t rows, int D, bool rotated, int bits,
+                            T* out, cudaStream_t s) {
+  constexpr int kWarps = 4;
+  const unsigned blocks = (unsigned)((rows + kWarps - 1) / kWarps);
+  switch (D) {
+    case 64: dequantize_rows_kernel<T, 2><<<blocks, 32 * kWarps, 0, s>>>(codes, side, rows, rotated, bits, out); break;
+    case 128: dequantize_rows_kernel<T, 4><<<blocks, 32 * kWarps, 0, s>>>(codes, side, rows, rotated, bits, out); break;
+    case 256: dequantize_rows_kernel<T, 8><<<blocks, 32 * kWarps, 0, s>>>(codes, side, rows, rotated, bits, out); break;
+    default: dequantize_rows_kernel<T, 16><<<blocks, 32 * kWarps, 0, s>>>(codes, side, rows, rotated, bits, out); break;
+  }
+}
+
 // ---------------------------------------------------------------------------
 // Decode attention (T queries per sequence: decode steps, verify and drafter
 // blocks) over a cache whose slots carry absolute positions (-1 = empty), split

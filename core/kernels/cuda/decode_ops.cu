@@ -329,6 +329,33 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
   });
 }
 
+bool dequantize_rows_supported(int64_t D, at::ScalarType dtype) {
+  return (D == 64 || D == 128 || D == 256 || D == 512) && (dtype == at::kFloat || dtype == at::kBFloat16);
+}
+
+at::Tensor dequantize_rows(const at::Tensor& codes_in, const at::Tensor& side_in, const RowCode& code,
+                           at::ScalarType dtype) {
+  const int64_t D = codes_in.size(-1) * 8 / code.bits;
+  TORCH_CHECK(dequantize_rows_supported(D, dtype), "dequantize_rows: row length ", D, " in ", dtype,
+              " (the kernel takes 64, 128, 256 or 512 values, f32 or bf16)");
+  check_cuda(codes_in, "dequantize_rows codes");
+  check_cuda(side_in, "dequantize_rows side");
+  auto codes = codes_in.contiguous(), side = side_in.contiguous();
+  const int64_t rows = codes.numel() / codes.size(-1);
+  TORCH_CHECK(side.numel() == rows * side_halves(D, code), "dequantize_rows: side ", side.sizes(), " for ", rows, " rows");
+  std::vector<int64_t> shape(codes.sizes().begin(), codes.sizes().end() - 1);
+  shape.push_back(D);
+  auto out = at::empty(shape, codes.options().dtype(dtype));
+  if (rows == 0) return out;
+  c10::cuda::CUDAGuard g(codes.device());
+  dispatch(dtype, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    k::launch_dequantize_rows<T>(codes.data_ptr<uint8_t>(), reinterpret_cast<const __half*>(side.data_ptr()), rows,
+                                 (int)D, code.rotated(), code.bits, ptr<T>(out), at::cuda::getCurrentCUDAStream());
+  });
+  return out;
+}
+
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
                             const CopyRule& copies) {

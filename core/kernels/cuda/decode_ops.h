@@ -25,6 +25,10 @@ void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer
                    const at::Tensor& v_raw, const at::Tensor& positions);
 void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const at::Tensor& dst_rows, CodedSlots& to,
                int64_t sink, int64_t sink_slot0);
+// ops::dequantize_rows on the device: codes [..., code_bytes] uint8, side [..., side_halves] f16 ->
+// [..., D] in dtype (f32 or bf16), D = 64, 128, 256 or 512 (dequantize_rows_supported).
+bool dequantize_rows_supported(int64_t D, at::ScalarType dtype);
+at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, const RowCode& code, at::ScalarType dtype);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
                             const CopyRule& copies);
