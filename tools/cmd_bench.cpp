@@ -1,5 +1,6 @@
 // kakeya bench decode: our AR decode tok/s next to HF transformers' generate
-// (default dynamic cache and static cache), same prompt ids, same run.
+// (default dynamic cache and static cache), same prompt ids, same run; with --llama-bench,
+// llama.cpp's llama-bench on GGUF files of the same model in the same run (infer/llama_peer.h).
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include "infer/bench_memory.h"
 #include "infer/generate.h"
 #include "infer/decoder.h"
+#include "infer/llama_peer.h"
 #include "infer/restored.h"
 #include "tools/cli_common.h"
 #include "tools/restored_flags.h"
@@ -26,6 +28,8 @@ void register_bench(CLI::App& app) {
     std::string json, python = "python3", peer = "tools/hf_bench.py";
     int64_t prompt_len = 512, new_tokens = 256, repeats = 3;
     bool no_peer = false, restored = false;
+    std::string llama_bench;         // llama-bench binary (tools/device/llama_bench.sh builds it)
+    std::vector<std::string> ggufs;  // GGUF files of the same model for it (e.g. BF16, Q4_K_M)
     RestoreFlags rf;  // --restored: drafter, f_θ, sink/window/full-attn
     DeviceFlags df;
   };
@@ -39,6 +43,11 @@ void register_bench(CLI::App& app) {
   c->add_option("--python", o->python, "python with transformers for the peer")->capture_default_str();
   c->add_option("--peer", o->peer, "HF peer script")->capture_default_str();
   c->add_flag("--no-peer", o->no_peer, "skip the HF transformers peer");
+  c->add_option("--llama-bench", o->llama_bench, "llama.cpp's llama-bench binary: a llama.cpp peer on --gguf")
+      ->check(CLI::ExistingFile);
+  c->add_option("--gguf", o->ggufs, "--llama-bench: GGUF files of the same model (comma-separated)")
+      ->delimiter(',')
+      ->check(CLI::ExistingFile);
   c->add_flag("--restored", o->restored, "also time the restored decoder (infer/restored.h), ratio vs ar in this run");
   c->add_option("--drafter", o->rf.drafter, "--restored: DFlash drafter directory, or random[:SEED]")->capture_default_str();
   c->add_option("--ftheta", o->rf.ftheta, "--restored: f_θ directory, or random[:SEED]")->capture_default_str();
@@ -54,6 +63,8 @@ void register_bench(CLI::App& app) {
       ->capture_default_str();
   o->df.add(c);
   c->callback([o] {
+    KAKEYA_CHECK(o->llama_bench.empty() == o->ggufs.empty(),
+                 "bench decode: --llama-bench and --gguf go together (the binary and the GGUF files it runs)");
     auto tok = load_tokenizer(o->model);
     auto prompt = bench_prompt(tok, o->prompt_len);
     auto model = load_model(o->model, o->df, o->prompt_len + o->new_tokens);
@@ -128,6 +139,16 @@ void register_bench(CLI::App& app) {
       peer = nlohmann::json::parse(out.substr(pos));
     }
 
+    nlohmann::json llama = nlohmann::json::array();
+    for (const auto& gguf : o->ggufs) {
+      const std::string cmd = llama_bench_command(o->llama_bench, gguf, (int64_t)prompt.size(), o->new_tokens,
+                                                  o->repeats);
+      std::fprintf(stderr, "[bench] llama.cpp peer: %s\n", cmd.c_str());
+      auto r = parse_llama_bench(run_capture(cmd + " 2>/dev/null"), gguf, (int64_t)prompt.size(), o->new_tokens);
+      r["command"] = cmd;
+      llama.push_back(r);
+    }
+
     const std::string engine = std::string("engine (batch 1, ") + (model.dtype() == at::kBFloat16 ? "bf16" : "f32") + ")";
     std::printf("\n%-34s %12s %12s %10s\n", engine.c_str(), "e2e tok/s", "decode tok/s", "vs HF static");
     double hf_static = peer.value("static_e2e_tps", 0.0);
@@ -137,6 +158,10 @@ void register_bench(CLI::App& app) {
     };
     if (peer.contains("default_e2e_tps")) row("HF generate (dynamic cache)", peer["default_e2e_tps"], peer["default_decode_tps"]);
     if (peer.contains("static_e2e_tps")) row("HF generate (static cache)", peer["static_e2e_tps"], peer["static_decode_tps"]);
+    for (const auto& r : llama) {
+      const std::string name = "llama.cpp " + r["model_type"].get<std::string>();
+      row(name.substr(0, 34).c_str(), r["e2e_tps"], r["decode_tps"]);
+    }
     row("kakeya ar", ours_e2e, ours_decode);
     if (o->restored) {
       row("kakeya restored", rest_e2e, rest_decode);
@@ -146,6 +171,10 @@ void register_bench(CLI::App& app) {
       std::printf("prefill of the %lld-token prompt: ar %.0f tok/s, restored %.0f tok/s = %.3fx\n",
                   (long long)prompt.size(), ours_prefill, rest_prefill, rest_prefill / ours_prefill);
     }
+    for (const auto& r : llama)
+      std::printf("kakeya ar / llama.cpp %s: decode %.3fx, prefill %.3fx (llama.cpp prefill %.0f tok/s, ours %.0f)\n",
+                  r["model_type"].get<std::string>().c_str(), ours_decode / r["decode_tps"].get<double>(),
+                  ours_prefill / r["prefill_tps"].get<double>(), r["prefill_tps"].get<double>(), ours_prefill);
     std::printf("weights %.0f MB/token; bandwidth bound at 3.0 TB/s: %.0f tok/s; kakeya decode = %.1f%% of it\n",
                 weight_bytes / 1e6, bound, 100.0 * ours_decode / bound);
     nlohmann::json j = {{"bench", "decode"},
@@ -165,6 +194,7 @@ void register_bench(CLI::App& app) {
                         {"bandwidth_bound_tps_at_3TBps", bound},
                         {"fraction_of_bound", ours_decode / bound},
                         {"hf", peer},
+                        {"llama_cpp", llama},
                         {"restored", restored}};
     if (hf_static > 0) j["speedup_vs_hf_static_e2e"] = ours_e2e / hf_static;
     if (!o->json.empty()) write_json(o->json, j);
