@@ -20,7 +20,7 @@ case ${STEP:-build} in
     tar xJf .carry/llama/llama.cpp.tar.xz -C $L/src
     setsid nohup bash -c "cmake -S $L/src -B $L/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
         -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
-        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF && cmake --build $L/build -j 16 --target llama-bench llama-quantize; \
+        -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_APP=OFF -DLLAMA_CURL=OFF && cmake --build $L/build -j 16 --target llama-bench llama-quantize; \
         echo BUILD_EXIT=\$?" > $L/build.log 2>&1 < /dev/null &
     echo "llama.cpp build started ($(cat .carry/llama/VERSION) sdist)" ;;
   wait)

@@ -27,6 +27,6 @@ tar cJf "$OUT/llama.cpp.tar.xz" -C "$src" \
   --exclude='ggml/src/ggml-et' --exclude='ggml/src/ggml-webgpu' --exclude='ggml/src/ggml-musa' \
   --exclude='ggml/src/ggml-zdnn' --exclude='ggml/src/ggml-zendnn' --exclude='ggml/src/ggml-openvino' \
   --exclude='ggml/src/ggml-virtgpu' --exclude='tools/ui' --exclude='*.png' --exclude='*.jpg' \
-  CMakeLists.txt LICENSE cmake common ggml include src vendor tools licenses
+  CMakeLists.txt LICENSE app cmake common ggml include src vendor tools licenses
 echo "$VERSION" > "$OUT/VERSION"
 ls -la "$OUT"
