@@ -231,28 +231,60 @@ at::Tensor Model::attention(int64_t layer, const at::Tensor& q, const at::Tensor
   // Fold each GQA group into the query axis (q head h reads kv head h / G, as
   // HF's repeat_kv): [B, H_kv, G·T, D] attends to K/V without copying them.
   auto qg = q.permute({0, 2, 1, 3}).reshape({B, Hkv, G * T, D});
-  auto m = G == 1 ? mask : mask.repeat({G, 1});
   const int64_t S = k.size(2), rows = B * Hkv * G * T;
   // Fused SDPA kernels split the work over query rows and heads only: a restored prefill chunk
   // (256 queries × 4 heads of Gemma 3 270M, one KV head) gets 8 thread blocks, and spends ~1 ms
-  // on a full-attention layer of 8k slots. With few query rows, two batched GEMMs around an f32
-  // softmax spread over the whole GPU instead (scores f32 from the dtype's inputs, as the
-  // fused kernels keep them), while the score matrix stays small (<= 1 GiB).
-  const bool few_rows = q.is_cuda() && rows <= 8192 && rows * S * 4 <= (int64_t{1} << 30);
+  // on a full-attention layer of 8k slots. With few query rows, batched GEMMs around an f32
+  // softmax spread over the whole GPU instead (scores f32 from the dtype's inputs, probabilities
+  // in the dtype for the value product, as the fused kernels keep them). Keys go in tiles of
+  // kKeyTile with a running max and denominator, so the scores held at once stay [rows, kKeyTile]
+  // (a captured prefill chunk keeps its temporaries for the decoder's life: 8 MB here, not the
+  // [rows, S] f32 matrix that grows with the context).
+  constexpr int64_t kKeyTile = 2048;
+  const bool few_rows = q.is_cuda() && rows <= 8192;
   at::Tensor out;
   if (few_rows && !cfg_.attn_logit_softcap) {
+    const auto dt = q.scalar_type();
     auto qb = qg.reshape({B * Hkv, G * T, D});
-    auto kb = k.reshape({B * Hkv, S, D}).transpose(1, 2);                                    // [B·H_kv, D, S]
-    auto s = q.scalar_type() == at::kFloat ? at::bmm(qb, kb) : at::bmm(qb, kb, at::kFloat);  // [B·H_kv, G·T, S] f32
-    s.mul_(cfg_.attn_scale).masked_fill_(m.logical_not(), -INFINITY);
-    out = at::bmm(at::softmax(s, -1).to(q.scalar_type()), v.reshape({B * Hkv, S, D}));
+    auto kb = k.reshape({B * Hkv, S, D}), vb = v.reshape({B * Hkv, S, D});
+    auto hidden = mask.logical_not();  // [T, S]: the same for every query head of a group
+    auto mm = [&](const at::Tensor& a, const at::Tensor& b) {
+      return dt == at::kFloat ? at::bmm(a, b) : at::bmm(a, b, at::kFloat);
+    };
+    at::Tensor acc, mx, den;  // [B·H_kv, G·T, D] f32 value sum; [B·H_kv, G·T, 1] f32 running max, denominator
+    for (int64_t s0 = 0; s0 < S; s0 += kKeyTile) {
+      const int64_t n = std::min(kKeyTile, S - s0);
+      auto sc = mm(qb, kb.narrow(1, s0, n).transpose(1, 2));  // [B·H_kv, G·T, n] f32
+      sc.mul_(cfg_.attn_scale).view({B * Hkv, G, T, n}).masked_fill_(hidden.narrow(1, s0, n), -INFINITY);
+      if (S <= kKeyTile) {
+        out = at::bmm(at::softmax(sc, -1).to(dt), vb);
+        break;
+      }
+      auto top = mx.defined() ? at::maximum(mx, sc.amax(-1, true)) : sc.amax(-1, true);
+      auto base = top.masked_fill(top.isinf(), 0.0);  // rows with nothing visible yet: exp(-inf) = 0
+      auto p = (sc - base).exp_();
+      auto sum = p.sum(-1, true);
+      auto pv = mm(p.to(dt), vb.narrow(1, s0, n));  // [B·H_kv, G·T, D] f32
+      if (acc.defined()) {
+        auto scale = (mx - base).exp_();
+        acc = acc * scale + pv;
+        den = den * scale + sum;
+      } else {
+        acc = pv;
+        den = sum;
+      }
+      mx = top;
+    }
+    if (!out.defined()) out = (acc / den).to(dt);
   } else if (cfg_.attn_logit_softcap) {
+    auto m = G == 1 ? mask : mask.repeat({G, 1});
     double c = *cfg_.attn_logit_softcap;
     auto s = at::matmul(qg, k.transpose(-1, -2)) * cfg_.attn_scale;
     s = at::tanh(s / c) * c;
     s = s.masked_fill(m.logical_not(), -INFINITY);
     out = at::matmul(at::softmax(s, -1, at::kFloat).to(q.scalar_type()), v);
   } else {
+    auto m = G == 1 ? mask : mask.repeat({G, 1});
     out = at::scaled_dot_product_attention(qg, k, v, m, 0.0, false, cfg_.attn_scale);
   }
   return out.reshape({B, Hq, T, D}).permute({0, 2, 1, 3}).reshape({B, T, Hq * D});
