@@ -517,6 +517,20 @@ struct ChunkGraph::Impl {
   double capture_seconds = 0.0;
 };
 
+#ifdef KAKEYA_CUDA
+namespace {
+// One memory pool for every chunk graph of the process: a graph keeps its temporaries (the
+// chunk's activations and attention scores, tens of MB at 8k) for its life, so a pool per decoder
+// would hold them once per session. Prefills never run concurrently (a process runs one decoder
+// at a time), and each replay writes its temporaries before reading them; the one tensor a graph
+// keeps, its logits, is read right after its own replay.
+at::cuda::MempoolId_t chunk_graph_pool() {
+  static const at::cuda::MempoolId_t pool = at::cuda::graph_pool_handle();
+  return pool;
+}
+}  // namespace
+#endif
+
 ChunkGraph::ChunkGraph() : impl_(std::make_unique<Impl>()) {}
 ChunkGraph::~ChunkGraph() = default;
 double ChunkGraph::capture_seconds() const { return impl_->capture_seconds; }
@@ -551,7 +565,7 @@ at::Tensor run_chunks(const Model& v, KVCache& cache, Restorer& r, const at::Ten
         g.pos = at::arange(q0, q0 + chunk, iopt);
         c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
         g.graph = std::make_unique<at::cuda::CUDAGraph>();
-        g.graph->capture_begin();
+        g.graph->capture_begin(chunk_graph_pool());
         r.restore_at(g.pos - window);
         ForwardOptions fo;
         fo.taps = r.verifier_taps();

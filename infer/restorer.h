@@ -216,7 +216,9 @@ KVCacheOptions restored_cache_options(const Model& verifier, const FTheta* fthet
 // chunk - 1, which the graph does from the chunk's positions on the device (Restorer::
 // restore_at), before the forward and the stash of its target features. Other chunks (the
 // first window, a short tail, an extend() that does not start on the chunk grid) run eagerly.
-// Empty off CUDA, and where the Restorer's commits need the host (!commits_on_device()).
+// Empty off CUDA, and where the Restorer's commits need the host (!commits_on_device()). Every
+// ChunkGraph of the process captures into one memory pool: a graph's temporaries are held once
+// per process, not once per decoder (which is why two prefills must not run at the same time).
 class ChunkGraph {
  public:
   ChunkGraph();

@@ -234,48 +234,21 @@ at::Tensor Model::attention(int64_t layer, const at::Tensor& q, const at::Tensor
   const int64_t S = k.size(2), rows = B * Hkv * G * T;
   // Fused SDPA kernels split the work over query rows and heads only: a restored prefill chunk
   // (256 queries × 4 heads of Gemma 3 270M, one KV head) gets 8 thread blocks, and spends ~1 ms
-  // on a full-attention layer of 8k slots. With few query rows, batched GEMMs around an f32
+  // on a full-attention layer of 8k slots. With few query rows, two batched GEMMs around an f32
   // softmax spread over the whole GPU instead (scores f32 from the dtype's inputs, probabilities
-  // in the dtype for the value product, as the fused kernels keep them). Keys go in tiles of
-  // kKeyTile with a running max and denominator, so the scores held at once stay [rows, kKeyTile]
-  // (a captured prefill chunk keeps its temporaries for the decoder's life: 8 MB here, not the
-  // [rows, S] f32 matrix that grows with the context).
-  constexpr int64_t kKeyTile = 2048;
-  const bool few_rows = q.is_cuda() && rows <= 8192;
+  // in the dtype for the value product, as the fused kernels keep them), while the score matrix
+  // stays small (<= 1 GiB). One pass over the keys: a pass in key tiles with a running max
+  // (less scratch) made the 8k restored prefill 16% slower (H200).
+  const bool few_rows = q.is_cuda() && rows <= 8192 && rows * S * 4 <= (int64_t{1} << 30);
   at::Tensor out;
   if (few_rows && !cfg_.attn_logit_softcap) {
     const auto dt = q.scalar_type();
     auto qb = qg.reshape({B * Hkv, G * T, D});
-    auto kb = k.reshape({B * Hkv, S, D}), vb = v.reshape({B * Hkv, S, D});
-    auto hidden = mask.logical_not();  // [T, S]: the same for every query head of a group
-    auto mm = [&](const at::Tensor& a, const at::Tensor& b) {
-      return dt == at::kFloat ? at::bmm(a, b) : at::bmm(a, b, at::kFloat);
-    };
-    at::Tensor acc, mx, den;  // [B·H_kv, G·T, D] f32 value sum; [B·H_kv, G·T, 1] f32 running max, denominator
-    for (int64_t s0 = 0; s0 < S; s0 += kKeyTile) {
-      const int64_t n = std::min(kKeyTile, S - s0);
-      auto sc = mm(qb, kb.narrow(1, s0, n).transpose(1, 2));  // [B·H_kv, G·T, n] f32
-      sc.mul_(cfg_.attn_scale).view({B * Hkv, G, T, n}).masked_fill_(hidden.narrow(1, s0, n), -INFINITY);
-      if (S <= kKeyTile) {
-        out = at::bmm(at::softmax(sc, -1).to(dt), vb);
-        break;
-      }
-      auto top = mx.defined() ? at::maximum(mx, sc.amax(-1, true)) : sc.amax(-1, true);
-      auto base = top.masked_fill(top.isinf(), 0.0);  // rows with nothing visible yet: exp(-inf) = 0
-      auto p = (sc - base).exp_();
-      auto sum = p.sum(-1, true);
-      auto pv = mm(p.to(dt), vb.narrow(1, s0, n));  // [B·H_kv, G·T, D] f32
-      if (acc.defined()) {
-        auto scale = (mx - base).exp_();
-        acc = acc * scale + pv;
-        den = den * scale + sum;
-      } else {
-        acc = pv;
-        den = sum;
-      }
-      mx = top;
-    }
-    if (!out.defined()) out = (acc / den).to(dt);
+    auto kb = k.reshape({B * Hkv, S, D}).transpose(1, 2);                    // [B·H_kv, D, S]
+    auto s = dt == at::kFloat ? at::bmm(qb, kb) : at::bmm(qb, kb, at::kFloat);  // [B·H_kv, G·T, S] f32
+    // The mask is the same for every query head of a group: [T, S] over [B·H_kv, G, T, S].
+    s.mul_(cfg_.attn_scale).view({B * Hkv, G, T, S}).masked_fill_(mask.logical_not(), -INFINITY);
+    out = at::bmm(at::softmax(s, -1).to(dt), v.reshape({B * Hkv, S, D}));
   } else if (cfg_.attn_logit_softcap) {
     auto m = G == 1 ? mask : mask.repeat({G, 1});
     double c = *cfg_.attn_logit_softcap;
