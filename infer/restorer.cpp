@@ -10,6 +10,7 @@
 
 #ifdef KAKEYA_CUDA
 #include <ATen/cuda/CUDAGraph.h>
+#include <ATen/cuda/MemPool.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -524,9 +525,12 @@ namespace {
 // would hold them once per session. Prefills never run concurrently (a process runs one decoder
 // at a time), and each replay writes its temporaries before reading them; the one tensor a graph
 // keeps, its logits, is read right after its own replay.
+// The MemPool object holds the pool between decoders (the allocator releases a pool whose last
+// graph is gone, and a later capture into its id fails); never destroyed, so that it does not
+// outlive the CUDA context at exit.
 at::cuda::MempoolId_t chunk_graph_pool() {
-  static const at::cuda::MempoolId_t pool = at::cuda::graph_pool_handle();
-  return pool;
+  static auto* pool = new at::cuda::MemPool();
+  return pool->id();
 }
 }  // namespace
 #endif
