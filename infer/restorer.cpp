@@ -10,7 +10,6 @@
 
 #ifdef KAKEYA_CUDA
 #include <ATen/cuda/CUDAGraph.h>
-#include <ATen/cuda/MemPool.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -525,12 +524,22 @@ namespace {
 // would hold them once per session. Prefills never run concurrently (a process runs one decoder
 // at a time), and each replay writes its temporaries before reading them; the one tensor a graph
 // keeps, its logits, is read right after its own replay.
-// The MemPool object holds the pool between decoders (the allocator releases a pool whose last
-// graph is gone, and a later capture into its id fails); never destroyed, so that it does not
-// outlive the CUDA context at exit.
+// The pool is the one of an anchor graph that lives as long as the process: the allocators
+// release a pool whose last graph is gone, and a later capture into its id then fails, so the
+// pool is shared the way graphs share one, through a graph that stays. The anchor records one
+// tiny fill (an empty capture is refused); never destroyed, so that it does not outlive the CUDA
+// context at exit.
 at::cuda::MempoolId_t chunk_graph_pool() {
-  static auto* pool = new at::cuda::MemPool();
-  return pool->id();
+  static at::cuda::CUDAGraph* anchor = [] {
+    auto* g = new at::cuda::CUDAGraph();
+    static at::Tensor cell = at::zeros({1}, at::TensorOptions().device(at::kCUDA));
+    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+    g->capture_begin();
+    cell.fill_(1);
+    g->capture_end();
+    return g;
+  }();
+  return anchor->pool();
 }
 }  // namespace
 #endif
