@@ -558,16 +558,21 @@ bool ChunkGraph::captured() const {
 
 at::Tensor run_chunks(const Model& v, KVCache& cache, Restorer& r, const at::Tensor& ids, int64_t p0, int64_t chunk,
                       bool want_logits, ChunkGraph* graph) {
-  const int64_t n = ids.size(1), window = r.options().window;
+  const int64_t n = ids.size(1);
   auto iopt = at::TensorOptions().dtype(at::kLong).device(v.device());
+#ifdef KAKEYA_CUDA
+  const int64_t window = r.options().window;
   const bool graphs = graph && v.device().is_cuda() && r.commits_on_device();
+#else
+  (void)graph;  // no graphs off CUDA
+#endif
   at::Tensor logits;
   for (int64_t s = 0; s < n; s += chunk) {
     const int64_t len = std::min(chunk, n - s), q0 = p0 + s;
     const bool last = s + len == n;
-    const bool steady = len == chunk && q0 >= window && r.restored_upto() == q0 - window - 1;
 #ifdef KAKEYA_CUDA
-    if (graphs && steady) {
+    // Steady: prepare() would restore exactly q0 - window .. q0 - window + chunk - 1 (ChunkGraph).
+    if (graphs && len == chunk && q0 >= window && r.restored_upto() == q0 - window - 1) {
       ChunkGraph::Impl& g = *graph->impl_;
       if (g.graph && g.chunk != chunk) g.graph.reset();
       if (!g.graph) {
@@ -598,8 +603,6 @@ at::Tensor run_chunks(const Model& v, KVCache& cache, Restorer& r, const at::Ten
       continue;
     }
 #endif
-    (void)graphs;
-    (void)steady;
     r.prepare(q0, len);
     ForwardOptions fo;
     fo.taps = r.verifier_taps();

@@ -160,13 +160,14 @@ const at::Tensor& device_table(Table what, int64_t n, const at::Device& dev) {
   std::lock_guard<std::mutex> lk(m);
   at::Tensor& t = (*tables)[{(int)what, n, (int)dev.type(), dev.has_index() ? (int)dev.index() : -1}];
   if (t.defined()) return t;
-  std::vector<float> v;
+  std::vector<float> v;  // Signs: n = D; Levels, Mids: n = bits
   if (what == Table::Signs) {
     for (int64_t i = 0; i < n; ++i) v.push_back(rotation_sign(i));
+  } else if (what == Table::Levels) {
+    v = rotated_levels((int)n);
   } else {
-    const auto& lv = rotated_levels((int)n);
-    if (what == Table::Levels) v = lv;
-    for (size_t i = 0; what == Table::Mids && i + 1 < lv.size(); ++i) v.push_back(0.5f * (lv[i] + lv[i + 1]));
+    const auto& lv = rotated_levels((int)n);  // the midpoints between neighbouring levels
+    for (size_t i = 0; i + 1 < lv.size(); ++i) v.push_back(0.5f * (lv[i] + lv[i + 1]));
   }
   t = at::tensor(v).to(dev);
   return t;
