@@ -577,6 +577,56 @@ TEST_P(CudaOps, LinearActMul) {
       }
 }
 
+// Routed experts (mixture-of-experts layers) for decode steps and verify blocks: the plan groups
+// (token, expert) pairs by expert on the device and the expert GEMV reads each selected expert
+// once. Against f32 products of the gathered experts rounded once (what a GEMM returns), then
+// the activation; tokens 1 .. 32, experts shared by many pairs (5 experts, top 3) or all distinct,
+// row lengths the kernel takes and one it leaves to the gathered path (20 in bf16).
+TEST_P(CudaOps, ExpertLinear) {
+  struct Case { int64_t tokens, top_k, experts, inter, hidden; };
+  for (const Case c : {Case{1, 8, 128, 40, 264}, Case{3, 3, 5, 24, 64}, Case{16, 8, 128, 40, 264},
+                       Case{32, 2, 7, 13 * 8, 48}, Case{5, 2, 4, 16, 20}})
+    for (bool gelu : {true, false}) {
+      const int64_t P = c.tokens * c.top_k;
+      // Distinct experts per token, as top-k gives them.
+      auto idx = std::get<1>(at::topk(at::rand({c.tokens, c.experts}), c.top_k, -1));  // [N, K] int64
+      auto x = at::randn({c.tokens, c.hidden}).to(dt());
+      auto gate_up = (at::randn({c.experts, 2 * c.inter, c.hidden}) * 0.1).to(dt());
+      auto down = (at::randn({c.experts, c.hidden, c.inter}) * 0.1).to(dt());
+      const std::string tag = "expert_linear N=" + std::to_string(c.tokens) + " K=" + std::to_string(c.top_k) +
+                              " E=" + std::to_string(c.experts) + " H=" + std::to_string(c.hidden);
+      const auto plan = ops::plan_experts(idx.to(kCuda), c.experts);
+      auto act = ops::expert_linear(x.to(kCuda), gate_up.to(kCuda), plan, c.top_k, true, gelu);  // [P, I]
+      auto y = ops::expert_linear(act, down.to(kCuda), plan, 1, false, false);                   // [P, H]
+      // Reference per pair from the same values: token p / K, expert idx[p].
+      auto flat = idx.flatten();
+      auto xr = x.to(at::kFloat).repeat_interleave(c.top_k, 0).unsqueeze(-1);                   // [P, H, 1]
+      auto gu = at::matmul(gate_up.to(at::kFloat).index_select(0, flat), xr).squeeze(-1).to(dt());
+      auto act_ref = ops::act_mul(gu, gelu);
+      expect_close(act, act_ref, tag + " gate_up");
+      // The down product from the kernel's own activations, so one rounding is compared.
+      auto y_ref = at::matmul(down.to(at::kFloat).index_select(0, flat), act.to(at::kCPU, at::kFloat).unsqueeze(-1))
+                       .squeeze(-1).to(dt());
+      expect_close(y, y_ref, tag + " down");
+      ASSERT_EQ(y.size(0), P) << tag;
+      // The plan: every pair exactly once, grouped by ascending expert.
+      auto g = plan.groups.to(at::kCPU);
+      const int* pl = g.data_ptr<int>();
+      const int U = pl[0];
+      EXPECT_EQ(U, std::get<0>(at::_unique(flat)).numel()) << tag;
+      std::vector<int> seen(P, 0);
+      for (int u = 0; u < U; ++u) {
+        if (u > 0) EXPECT_LT(pl[1 + u - 1], pl[1 + u]) << tag;
+        for (int b = pl[1 + P + u]; b < pl[1 + P + u + 1]; ++b) {
+          const int p = pl[2 + 2 * P + b];
+          ++seen[p];
+          EXPECT_EQ(flat[p].item<int64_t>(), pl[1 + u]) << tag;
+        }
+      }
+      for (int64_t p = 0; p < P; ++p) EXPECT_EQ(seen[p], 1) << tag << " pair " << p;
+    }
+}
+
 // Greedy acceptance of a verify block against the LibTorch reference (core/kernels/ops.cpp, what
 // runs on CPU): argmax per row with ties broken towards the lower index, then the leading
 // run of drafts equal to the argmax before them. Rows of the real vocabulary size and odd

@@ -76,6 +76,32 @@ at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh) {
   return (gelu_tanh ? at::gelu(parts[0], "tanh") : at::silu(parts[0])) * parts[1];
 }
 
+ExpertPlan plan_experts(const at::Tensor& experts, int64_t num_experts) {
+  ExpertPlan p{experts.flatten(), {}, num_experts};
+#ifdef KAKEYA_CUDA
+  if (experts.is_cuda()) p.groups = cuda::expert_plan(p.experts, num_experts);
+#endif
+  return p;
+}
+
+at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const ExpertPlan& plan, int64_t x_div, bool gated,
+                         bool gelu_tanh) {
+  const int64_t P = plan.experts.numel(), K = x.size(-1);
+  KAKEYA_CHECK(x_div >= 1 && P % x_div == 0 && x.numel() == P / x_div * K,
+               "expert_linear: x " << x.sizes() << " for " << P << " pairs, " << x_div << " pairs per row");
+#ifdef KAKEYA_CUDA
+  if (plan.groups.defined() && fused(x, w)) {
+    auto y = cuda::expert_linear(x, w, plan.groups, P, x_div, gated, gelu_tanh);
+    if (y.defined()) return y;
+  }
+#endif
+  // Reference: gather each pair's expert ([P] weight copies) and its input row, batched products.
+  auto xr = x.reshape({P / x_div, K});
+  if (x_div > 1) xr = xr.repeat_interleave(x_div, 0);                                 // [P, K]
+  auto y = at::matmul(w.index_select(0, plan.experts), xr.unsqueeze(-1)).squeeze(-1);  // [P, N or 2N]
+  return gated ? act_mul(y, gelu_tanh) : y;
+}
+
 bool cuda_kernels_available() {
 #ifdef KAKEYA_CUDA
   return true;

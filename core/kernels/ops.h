@@ -49,6 +49,22 @@ at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Te
 // gu: [..., 2I] = [gate | up] -> act(gate)·up: [..., I]. gelu_tanh or silu.
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
 
+// ---- routed experts (mixture-of-experts layers) for a few tokens: decode steps, verify blocks ----
+// Pair p of N tokens × top_k experts is (token p / top_k, experts[p]). A plan groups the pairs
+// by expert; on CUDA it is built on the device (no host sync, capturable), and the expert
+// products then read each selected expert's weights once and nothing of the others.
+struct ExpertPlan {
+  at::Tensor experts;  // [P] int64: the router's choice per pair
+  at::Tensor groups;   // CUDA: int32 grouping of the pairs by expert (decode_kernels.cuh); CPU: undefined
+  int64_t num_experts = 0;
+};
+// experts: [N, top_k] int64 indices in 0 .. num_experts - 1.
+ExpertPlan plan_experts(const at::Tensor& experts, int64_t num_experts);
+// y[p] = w[experts[p]] · x[p / x_div] for every pair: x [P / x_div, K]; w [E, N, K] -> [P, N].
+// gated: w[e] is [gate; up] ([2N, K]) and y[p] = act(gate)·up, as linear_act_mul.
+at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const ExpertPlan& plan, int64_t x_div, bool gated,
+                         bool gelu_tanh);
+
 // True when this build has the CUDA kernels (the two ops below have no CPU version:
 // their reference is the unfused path of Model::forward).
 bool cuda_kernels_available();

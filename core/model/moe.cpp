@@ -16,21 +16,19 @@ MoeRoute moe_route(const MoeWeights& w, const at::Tensor& h, int64_t top_k, cons
 
 namespace {
 // Up to this many tokens (decode steps and verify blocks, the steps CUDA graphs capture;
-// the attention kernel's limit too) the experts are gathered per token: no host sync.
+// the attention kernel's limit too) the experts run per (token, expert) pair: no host sync.
 constexpr int64_t kGatherMaxTokens = 32;
 }  // namespace
 
 at::Tensor moe_experts(const MoeWeights& w, const at::Tensor& x, const MoeRoute& r, bool gelu_tanh) {
   const int64_t N = x.size(0), H = x.size(1), K = r.experts.size(1), E = w.num_experts();
-  const int64_t I = w.down.size(2);
   if (N <= kGatherMaxTokens) {
-    // Few tokens: gather each token's K experts ([N·K] weight copies, a temporary) and run
-    // them as batched matrix-vector products. No host sync, so a CUDA graph can capture it.
-    auto idx = r.experts.flatten();                                                // [N·K]
-    auto gu = at::matmul(w.gate_up.index_select(0, idx).view({N, K, 2 * I, H}),
-                         x.view({N, 1, H, 1})).squeeze(-1);                        // [N, K, 2·I]
-    auto y = at::matmul(w.down.index_select(0, idx).view({N, K, H, I}),
-                        ops::act_mul(gu, gelu_tanh).unsqueeze(-1)).squeeze(-1);    // [N, K, H]
+    // Few tokens: each (token, expert) pair's products, grouped by expert on the device (CUDA:
+    // each selected expert read once; CPU: gathered per pair). No host sync, so a CUDA graph can
+    // capture it.
+    const auto plan = ops::plan_experts(r.experts, E);
+    auto act = ops::expert_linear(x, w.gate_up, plan, K, /*gated=*/true, gelu_tanh);             // [N·K, I]
+    auto y = ops::expert_linear(act, w.down, plan, 1, /*gated=*/false, false).view({N, K, H});   // [N, K, H]
     // Each expert's output × its f32 weight, rounded to the model dtype, then summed (as the reference adds them).
     return (y * r.weights.unsqueeze(-1)).to(x.scalar_type()).sum(1);
   }

@@ -868,13 +868,13 @@ __device__ __forceinline__ void dot_rows(const T* __restrict__ wr, const float* 
   }
 }
 
-template <typename T, int M>
-__global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias,
-                            T* __restrict__ y, int N, int K, int wpr, Act act) {
-  extern __shared__ float xs[];  // [M, K], then [kGemvWarps, 2, M] partial sums
-  float* part = xs + M * K;
-  for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = from_t<T>(x[i]);
-  __syncthreads();
+// One block's output rows of the GEMV: rows n of W (split over `wpr` warps each) against the
+// M rows of x staged in xs, written to out.row(m)[n]. Every thread of the block calls it
+// (it synchronises once when wpr > 1); `part` holds the split-K partial sums.
+template <typename T, int M, typename Out>
+__device__ __forceinline__ void gemv_rows(const float* __restrict__ xs, float* __restrict__ part,
+                                          const T* __restrict__ W, const T* __restrict__ bias, int N, int K, int wpr,
+                                          Act act, Out out) {
   constexpr int V = Vec16<T>::n;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int rows_per_block = kGemvWarps / wpr;
@@ -903,8 +903,7 @@ __global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, co
         part[(warp * 2 + 1) * M + m] = acc[1][m];
       }
     __syncthreads();
-    if (part_idx != 0) return;
-    for (int m = 0; m < M; ++m) {
+    for (int m = 0; m < M && part_idx == 0; ++m) {
       float a0 = 0.f, a1 = 0.f;
       for (int p = 0; p < wpr; ++p) {
         a0 += part[((warp + p) * 2 + 0) * M + m];
@@ -914,18 +913,35 @@ __global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, co
       acc[1][m] = a1;
     }
   }
-  if (lane != 0 || n >= N) return;
+  if (lane != 0 || n >= N || part_idx != 0) return;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
     float g = acc[0][m] + (bias ? from_t<T>(bias[n]) : 0.f);
     if (!gated) {
-      y[(int64_t)m * N + n] = to_t<T>(g);
+      out.row(m)[n] = to_t<T>(g);
     } else {
       // The unfused path materialises gate and up in T, then act(gate) in T, then the product.
       const float u = rnd<T>(acc[1][m] + (bias ? from_t<T>(bias[n + N]) : 0.f));
-      y[(int64_t)m * N + n] = to_t<T>(rnd<T>(apply_act(rnd<T>(g), act)) * u);
+      out.row(m)[n] = to_t<T>(rnd<T>(apply_act(rnd<T>(g), act)) * u);
     }
   }
+}
+
+// Output rows of a plain GEMV: y[m, :].
+template <typename T>
+struct DenseRows {
+  T* y;
+  int N;
+  __device__ T* row(int m) const { return y + (int64_t)m * N; }
+};
+
+template <typename T, int M>
+__global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias,
+                            T* __restrict__ y, int N, int K, int wpr, Act act) {
+  extern __shared__ float xs[];  // [M, K], then [kGemvWarps, 2, M] partial sums
+  for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = from_t<T>(x[i]);
+  __syncthreads();
+  gemv_rows<T, M>(xs, xs + M * K, W, bias, N, K, wpr, act, DenseRows<T>{y, N});
 }
 
 // Returns false when the shape is not for this kernel (caller falls back to cuBLAS).
@@ -947,6 +963,114 @@ bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int 
     KAKEYA_GEMV_CASE(5) KAKEYA_GEMV_CASE(6) KAKEYA_GEMV_CASE(7) KAKEYA_GEMV_CASE(8)
 #undef KAKEYA_GEMV_CASE
   }
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// Routed experts for a few tokens (a decode step, a verify block): pair p is (token p / top_k,
+// its (p % top_k)-th expert). The plan groups the pairs by expert, so that one block of the
+// expert GEMV reads a selected expert's rows once for all the pairs routed to it, and nothing
+// of the experts no pair selected. Built on the device from the router's indices: no host sync.
+//   plan (int32, kExpertPlanHeader + 3P + 1 entries): [0] U, the distinct experts; then
+//   group_expert[P] (ascending expert id), group_start[P + 1], pairs[P] (pair ids by group,
+//   ascending within a group).
+constexpr int kExpertPlanMaxPairs = 1024;
+constexpr int kExpertPlanMaxExperts = 4096;
+__host__ __device__ inline int64_t expert_plan_size(int64_t P) { return 1 + 3 * P + 1; }
+
+__global__ void expert_plan_kernel(const int64_t* __restrict__ experts, int P, int E, int* __restrict__ plan) {
+  extern __shared__ int sm[];  // count[E], group_of[E]
+  int* count = sm;
+  int* group_of = sm + E;
+  int* group_expert = plan + 1;
+  int* group_start = plan + 1 + P;
+  int* pairs = plan + 2 + 2 * P;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&count[(int)experts[p]], 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int U = 0, start = 0;
+    for (int e = 0; e < E; ++e) {
+      if (count[e] == 0) continue;
+      group_of[e] = U;
+      group_expert[U] = e;
+      group_start[U] = start;
+      start += count[e];
+      ++U;
+    }
+    group_start[U] = start;
+    plan[0] = U;
+  }
+  __syncthreads();
+  // A pair's place in its group: the pairs before it with the same expert (P is small).
+  for (int p = threadIdx.x; p < P; p += blockDim.x) {
+    const int64_t e = experts[p];
+    int slot = 0;
+    for (int q = 0; q < p; ++q) slot += experts[q] == e;
+    pairs[group_start[group_of[e]] + slot] = p;
+  }
+}
+
+inline void launch_expert_plan(const int64_t* experts, int P, int E, int* plan, cudaStream_t s) {
+  expert_plan_kernel<<<1, 256, 2 * E * sizeof(int), s>>>(experts, P, E, plan);
+}
+
+// Output rows of the expert GEMV: y[pairs[b + m], :].
+template <typename T>
+struct PairRows {
+  T* y;
+  const int* pairs;
+  int N;
+  __device__ T* row(int m) const { return y + (int64_t)pairs[m] * N; }
+};
+
+// y[p] = W[expert(p)] · x[p / x_div] for every pair p ([P, N]); gated: W[e] is [gate; up]
+// ([2N, K]) and y[p] = act(gate)·up, as the GEMV. Grid (row blocks, P): block y = g serves
+// the g-th distinct expert (blocks past U return), its pairs `rows` at a time.
+//   x: [P / x_div, K]; W: [E, N or 2N, K]; y: [P, N]
+template <typename T>
+__global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const int* __restrict__ plan,
+                                   T* __restrict__ y, int P, int N, int K, int x_div, int wpr, int rows, Act act) {
+  const int g = blockIdx.y;
+  if (g >= plan[0]) return;  // uniform over the block
+  extern __shared__ float xs[];  // [rows, K], then [kGemvWarps, 2, rows] partial sums
+  const int e = plan[1 + g];
+  const int* group_start = plan + 1 + P;
+  const int* pairs = plan + 2 + 2 * P;
+  const T* We = W + (int64_t)e * (act != Act::None ? 2 * N : N) * K;
+  for (int b = group_start[g], end = group_start[g + 1]; b < end; b += rows) {
+    const int m_cnt = min(rows, end - b);
+    for (int i = threadIdx.x; i < m_cnt * K; i += blockDim.x)
+      xs[i] = from_t<T>(x[(int64_t)(pairs[b + i / K] / x_div) * K + i % K]);
+    __syncthreads();
+    float* part = xs + m_cnt * K;
+    const PairRows<T> out{y, pairs + b, N};
+    switch (m_cnt) {
+#define KAKEYA_EXPERT_CASE(R) \
+  case R: gemv_rows<T, R>(xs, part, We, nullptr, N, K, wpr, act, out); break;
+      KAKEYA_EXPERT_CASE(1) KAKEYA_EXPERT_CASE(2) KAKEYA_EXPERT_CASE(3) KAKEYA_EXPERT_CASE(4)
+      KAKEYA_EXPERT_CASE(5) KAKEYA_EXPERT_CASE(6) KAKEYA_EXPERT_CASE(7) KAKEYA_EXPERT_CASE(8)
+#undef KAKEYA_EXPERT_CASE
+    }
+    __syncthreads();  // xs and part are reused by the next rows of this group
+  }
+}
+
+// Returns false when the shape is not for this kernel (the caller gathers the experts instead).
+template <typename T>
+bool launch_expert_gemv(const T* x, const T* W, const int* plan, T* y, int P, int N, int K, int x_div, Act act,
+                        cudaStream_t s) {
+  if (P < 1 || P > kExpertPlanMaxPairs || K % Vec16<T>::n != 0 || reinterpret_cast<uintptr_t>(W) % 16 != 0)
+    return false;
+  // As many pairs per pass as fit the default 48 KiB of shared memory, up to the GEMV's 8.
+  const int64_t per_row = (int64_t)K * sizeof(float) + kGemvWarps * 2 * sizeof(float);
+  const int rows = (int)std::min<int64_t>(kGemvMaxRows, 48 * 1024 / per_row);
+  if (rows < 1) return false;
+  const int wpr = N >= 4096 ? 1 : (N >= 1024 ? 2 : 4);
+  const int rows_per_block = kGemvWarps / wpr;
+  const dim3 grid((N + rows_per_block - 1) / rows_per_block, P);
+  expert_gemv_kernel<T><<<grid, kGemvWarps * 32, rows * per_row, s>>>(x, W, plan, y, P, N, K, x_div, wpr, rows, act);
   return true;
 }
 

@@ -458,4 +458,44 @@ at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Te
   return y.defined() ? y : act_mul(at::linear(x, w, bias), gelu_tanh);
 }
 
+at::Tensor expert_plan(const at::Tensor& experts, int64_t num_experts) {
+  check_cuda(experts, "expert_plan experts");
+  TORCH_CHECK(experts.scalar_type() == at::kLong, "expert_plan: expert indices must be int64, got ",
+              experts.scalar_type());
+  const int64_t P = experts.numel();
+  TORCH_CHECK(P >= 1 && P <= k::kExpertPlanMaxPairs, "expert_plan: ", P, " (token, expert) pairs (1 .. ",
+              k::kExpertPlanMaxPairs, ")");
+  TORCH_CHECK(num_experts >= 1 && num_experts <= k::kExpertPlanMaxExperts, "expert_plan: ", num_experts,
+              " experts (1 .. ", k::kExpertPlanMaxExperts, ")");
+  c10::cuda::CUDAGuard g(experts.device());
+  auto plan = at::empty({k::expert_plan_size(P)}, experts.options().dtype(at::kInt));
+  k::launch_expert_plan(experts.data_ptr<int64_t>(), (int)P, (int)num_experts, plan.data_ptr<int>(),
+                        at::cuda::getCurrentCUDAStream());
+  return plan;
+}
+
+at::Tensor expert_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& plan, int64_t P, int64_t x_div,
+                         bool gated, bool gelu_tanh) {
+  auto x = x_in.contiguous();
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(w.dim() == 3 && w.size(2) == K && (!gated || w.size(1) % 2 == 0), "expert_linear: weights ", w.sizes(),
+              " for rows of ", K, gated ? " (gated: [E, 2N, K])" : " ([E, N, K])");
+  TORCH_CHECK(plan.is_cuda() && plan.scalar_type() == at::kInt && plan.numel() == k::expert_plan_size(P),
+              "expert_linear: plan of ", plan.numel(), " int32 entries for ", P, " pairs");
+  if (!(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) || w.scalar_type() != x.scalar_type() ||
+      !w.is_contiguous() || !w.is_cuda())
+    return {};
+  const int64_t N = gated ? w.size(1) / 2 : w.size(1);
+  c10::cuda::CUDAGuard g(x.device());
+  auto y = at::empty({P, N}, x.options());
+  bool launched = false;
+  dispatch(x.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launched = k::launch_expert_gemv<T>(ptr<T>(x), ptr<T>(w), plan.data_ptr<int>(), ptr<T>(y), (int)P, (int)N, (int)K,
+                                        (int)x_div, gated ? (gelu_tanh ? k::Act::GeluTanh : k::Act::Silu) : k::Act::None,
+                                        at::cuda::getCurrentCUDAStream());
+  });
+  return launched ? y : at::Tensor();
+}
+
 }  // namespace kakeya::ops::cuda

@@ -29,6 +29,12 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
 // [..., D] in dtype (f32 or bf16), D = 64, 128, 256 or 512 (dequantize_rows_supported).
 bool dequantize_rows_supported(int64_t D, at::ScalarType dtype);
 at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, const RowCode& code, at::ScalarType dtype);
+// ops::plan_experts / ops::expert_linear on the device: the int32 plan of decode_kernels.cuh from
+// [P] int64 expert indices; the expert GEMV over it, or an undefined tensor when the shape is not
+// for the kernel (the caller gathers).
+at::Tensor expert_plan(const at::Tensor& experts, int64_t num_experts);
+at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& plan, int64_t pairs, int64_t x_div,
+                         bool gated, bool gelu_tanh);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
                             const CopyRule& copies);
