@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "core/model/model.h"
+#include "core/model/random_weights.h"
 #include "tests/test_util.h"
 
 using namespace kakeya;
@@ -86,6 +87,24 @@ TEST_P(Parity, TruncateAndRedo) {
   // The ring keeps exactly `rollback` extra slots: one token further back is refused, not silently wrong.
   if (m.config().sliding_window > 0) EXPECT_THROW(cache.truncate(T - co.rollback - 1), Error);
   EXPECT_NO_THROW(cache.truncate(T - co.rollback));
+}
+
+// Random weights drawn by Model::random (core/model/random_weights.h) are exactly HF's model
+// filled by tools/random_weights.py with the same seed: its logits, to the parity tolerance,
+// with no weight file between the two. A different seed gives another model.
+TEST(RandomInit, MatchesHfFilledWithTheSameRule) {
+  const std::string dir = test::fixtures_dir("model_parity") + "/gemma4_moe_random";
+  auto exp = TensorStore::open_file(dir + "/expected.safetensors");
+  const auto cfg = ModelConfig::from_file(dir + "/config.json");
+  ModelOptions mo;
+  mo.max_positions = 64;
+  const auto seed = (uint64_t)exp.get("seed").item<int64_t>();
+  auto ids = exp.get("ids"), want = exp.get("logits");
+  expect_close(run_chunks(Model::random(cfg, seed, mo), ids, {ids.size(0)}, 0), want, "random init, full forward");
+  expect_close(run_chunks(Model::random(cfg, seed, mo), ids, {1}, 0), want, "random init, token by token");
+  auto other = run_chunks(Model::random(cfg, seed + 1, mo), ids, {ids.size(0)}, 0);
+  EXPECT_GT((other - want).abs().max().item<double>(), 0.1 * want.abs().max().item<double>());
+  EXPECT_NE(random_weight_seed("model.norm.weight", seed), random_weight_seed("model.norm.weight", seed + 1));
 }
 
 // KV sharing in the cache: a shared layer's buffers are its source layer's (what it attends

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "core/model/random_weights.h"
 
 namespace kakeya {
 
@@ -23,28 +24,35 @@ const char* tap_name(Tap t) {
 namespace {
 
 // HF checkpoints name the decoder "model.*" (CausalLM) or "model.language_model.*" (multimodal Gemma).
-std::string find_prefix(const TensorStore& st, const std::string& origin) {
+std::string find_prefix(const WeightSource& st) {
   for (const char* p : {"model.", "model.language_model.", "language_model.model.", ""})
     if (st.has(std::string(p) + "embed_tokens.weight")) return p;
-  KAKEYA_FAIL(origin << ": no embedding tensor found (expected 'model.embed_tokens.weight')");
+  KAKEYA_FAIL(st.origin << ": no embedding tensor found (expected 'model.embed_tokens.weight')");
 }
 
 }  // namespace
 
 Model Model::load(const std::string& dir, const ModelOptions& opt) {
   auto cfg = ModelConfig::from_file(dir + "/config.json");
-  auto store = TensorStore::open_dir(dir);
-  return from_weights(cfg, store, dir, opt);
+  auto store = std::make_shared<TensorStore>(TensorStore::open_dir(dir));
+  WeightSource src;
+  src.origin = dir;
+  src.has = [store](const std::string& name) { return store->has(name); };
+  src.get = [store](const std::string& name, at::IntArrayRef shape) { return store->get(name, shape); };
+  return from_weights(cfg, src, opt);
 }
 
-Model Model::from_weights(const ModelConfig& cfg, const TensorStore& st, const std::string& origin,
-                          const ModelOptions& opt) {
+Model Model::random(const ModelConfig& cfg, uint64_t seed, const ModelOptions& opt) {
+  return from_weights(cfg, random_weights(seed, opt.device), opt);
+}
+
+Model Model::from_weights(const ModelConfig& cfg, const WeightSource& st, const ModelOptions& opt) {
   KAKEYA_CHECK(opt.dtype == at::kFloat || opt.dtype == at::kBFloat16 || opt.dtype == at::kHalf,
-               origin << ": dtype " << opt.dtype << " not supported (f32, bf16, f16)");
+               st.origin << ": dtype " << opt.dtype << " not supported (f32, bf16, f16)");
   Model m;
   m.cfg_ = cfg;
   m.opt_ = opt;
-  const std::string pre = find_prefix(st, origin);
+  const std::string pre = find_prefix(st);
   auto dev = [&](const at::Tensor& t) { return t.to(opt.device, opt.dtype); };
   auto get = [&](const std::string& name, std::vector<int64_t> shape) { return st.get(pre + name, shape); };
   m.norm_spec_ = {cfg.rms_norm_eps, cfg.norm_f32};
@@ -163,6 +171,16 @@ int64_t Model::weight_bytes() const {
                                 &w.moe.pre_norm, &w.moe.post_norm, &w.moe.post_dense_norm, &w.ple_gate,
                                 &w.ple_proj, &w.ple_norm})
       if (t->defined()) b += t->numel() * t->element_size();
+  return b;
+}
+
+int64_t Model::active_weight_bytes() const {
+  int64_t b = weight_bytes();
+  for (const auto& w : layers_) {
+    if (!w.moe.defined()) continue;
+    const int64_t experts = w.moe.gate_up.nbytes() + w.moe.down.nbytes();
+    b -= experts - experts * cfg_.top_k_experts / w.moe.num_experts();
+  }
   return b;
 }
 

@@ -3,6 +3,7 @@
 // ModelConfig flags and per-layer vectors. Matches HF transformers op for op
 // (tests/test_model_parity.cpp), so f32 logits agree to ~1e-5.
 #pragma once
+#include <functional>
 #include <ATen/ATen.h>
 
 #include <string>
@@ -60,19 +61,31 @@ struct LayerWeights {
   at::Tensor ple_norm;        // [hidden] f32 post_per_layer_input_norm
 };
 
+// Where a model's tensors come from, by checkpoint name: a checkpoint's TensorStore (Model::load)
+// or generated weights (core/model/random_weights.h). get() checks or produces the shape.
+struct WeightSource {
+  std::string origin;  // for errors: the directory, or the generator
+  std::function<bool(const std::string&)> has;
+  std::function<at::Tensor(const std::string&, at::IntArrayRef)> get;  // on any device, any float dtype
+};
+
 class Model {
  public:
   // Loads config.json + safetensors from an HF model directory. Every missing or
   // mis-shaped tensor is an error naming the file and tensor.
   static Model load(const std::string& dir, const ModelOptions& opt = {});
-  static Model from_weights(const ModelConfig& cfg, const TensorStore& store, const std::string& origin,
-                            const ModelOptions& opt);
+  // Random weights of the config's shape, drawn on opt.device (core/model/random_weights.h).
+  static Model random(const ModelConfig& cfg, uint64_t seed, const ModelOptions& opt = {});
+  static Model from_weights(const ModelConfig& cfg, const WeightSource& src, const ModelOptions& opt);
 
   const ModelConfig& config() const { return cfg_; }
   const ModelOptions& options() const { return opt_; }
   at::Device device() const { return opt_.device; }
   at::ScalarType dtype() const { return opt_.dtype; }
   int64_t weight_bytes() const;
+  // The weight bytes one decode step reads: weight_bytes() less the experts a token does not
+  // select (top_k of num_experts per MoE layer); = weight_bytes() for dense models.
+  int64_t active_weight_bytes() const;
 
   // ids: [B, T] int64; positions: [T] int64 (absolute, on the model device),
   // consecutive from cache.length(). Writes K/V into `cache` and advances it.
