@@ -1,6 +1,7 @@
 #include "infer/bench_memory.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <sstream>
@@ -29,6 +30,22 @@ std::string mb(int64_t b) {
 double TimedDecoder::median_decode_tps() const { return median(decode_tps); }
 double TimedDecoder::median_e2e_tps() const { return median(e2e_tps); }
 double TimedDecoder::median_prefill_tps() const { return median(prefill_tps); }
+
+double copy_bandwidth(at::Device device) {
+  const int64_t bytes = device.is_cuda() ? (int64_t{1} << 30) : (int64_t{256} << 20);
+  auto src = at::ones({bytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  auto dst = at::empty_like(src);
+  dst.copy_(src);  // warm-up
+  double best = 1e30;
+  for (int i = 0; i < 5; ++i) {
+    dst.select(0, 0).item<uint8_t>();  // SYNC: nothing queued before the clock starts
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int k = 0; k < 4; ++k) dst.copy_(src);
+    dst.select(0, 0).item<uint8_t>();  // SYNC: the copies are done
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / 4);
+  }
+  return 2.0 * bytes / best;
+}
 
 void time_in_rounds(std::vector<TimedDecoder>& ds, const std::vector<int64_t>& prompt, int64_t repeats,
                     int64_t new_tokens) {

@@ -67,4 +67,9 @@ struct TimedDecoder {
 void time_in_rounds(std::vector<TimedDecoder>& ds, const std::vector<int64_t>& prompt, int64_t repeats,
                     int64_t new_tokens);
 
+// The device's measured memory bandwidth in bytes/s (read + write) of a plain copy of 1 GiB
+// (256 MiB on the CPU), the best of 5 after a warm-up: what a decode step that streams its
+// weights can hope for, so bench decode states its speed as a fraction of this bound.
+double copy_bandwidth(at::Device device);
+
 }  // namespace kakeya

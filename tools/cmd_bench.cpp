@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 
 #include "core/error.h"
 #include "core/io/fs.h"
@@ -28,6 +29,8 @@ void register_bench(CLI::App& app) {
     std::string json, python = "python3", peer = "tools/hf_bench.py";
     int64_t prompt_len = 512, new_tokens = 256, repeats = 3;
     bool no_peer = false, restored = false;
+    std::string random_init;         // an HF config.json: random weights of its shape, no checkpoint
+    uint64_t seed = 0;
     std::string llama_bench;         // llama-bench binary (tools/device/llama_bench.sh builds it)
     std::vector<std::string> ggufs;  // GGUF files of the same model for it (e.g. BF16, Q4_K_M)
     RestoreFlags rf;  // --restored: drafter, f_θ, sink/window/full-attn
@@ -43,6 +46,11 @@ void register_bench(CLI::App& app) {
   c->add_option("--python", o->python, "python with transformers for the peer")->capture_default_str();
   c->add_option("--peer", o->peer, "HF peer script")->capture_default_str();
   c->add_flag("--no-peer", o->no_peer, "skip the HF transformers peer");
+  c->add_option("--random-init", o->random_init,
+                "HF config.json: time random weights of its shape instead of --model (drawn on the device; "
+                "the HF peer draws the same ones, core/model/random_weights.h), random prompt ids")
+      ->check(CLI::ExistingFile);
+  c->add_option("--seed", o->seed, "--random-init: the weights' and the prompt's seed")->capture_default_str();
   c->add_option("--llama-bench", o->llama_bench, "llama.cpp's llama-bench binary: a llama.cpp peer on --gguf")
       ->check(CLI::ExistingFile);
   c->add_option("--gguf", o->ggufs, "--llama-bench: GGUF files of the same model (comma-separated)")
@@ -65,9 +73,29 @@ void register_bench(CLI::App& app) {
   c->callback([o] {
     KAKEYA_CHECK(o->llama_bench.empty() == o->ggufs.empty(),
                  "bench decode: --llama-bench and --gguf go together (the binary and the GGUF files it runs)");
-    auto tok = load_tokenizer(o->model);
-    auto prompt = bench_prompt(tok, o->prompt_len);
-    auto model = load_model(o->model, o->df, o->prompt_len + o->new_tokens);
+    const bool random = !o->random_init.empty();
+    KAKEYA_CHECK(!random || (!o->restored && o->ggufs.empty()),
+                 "bench decode --random-init: times AR (and the HF peer) only; --restored needs a trained "
+                 "drafter and f_θ, --llama-bench a GGUF of the same weights");
+    std::vector<int64_t> prompt;
+    std::optional<Model> loaded;
+    if (random) {
+      const auto cfg = ModelConfig::from_file(o->random_init);
+      ModelOptions mo;
+      mo.device = o->df.torch_device();
+      mo.dtype = o->df.torch_dtype();
+      mo.max_positions = o->prompt_len + o->new_tokens;
+      loaded.emplace(Model::random(cfg, o->seed, mo));
+      // Prompt ids drawn from the same seed, uniformly over the vocabulary (the peer gets these ids).
+      at::Generator gen = at::globalContext().defaultGenerator(at::kCPU).clone();
+      gen.set_current_seed(o->seed);
+      auto ids = at::randint(cfg.vocab_size, {o->prompt_len}, gen, at::TensorOptions().dtype(at::kLong));
+      prompt.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+    } else {
+      prompt = bench_prompt(load_tokenizer(o->model), o->prompt_len);
+      loaded.emplace(load_model(o->model, o->df, o->prompt_len + o->new_tokens));
+    }
+    Model& model = *loaded;
     DecodeOptions g;
     g.max_new_tokens = o->new_tokens;
     g.stream = false;  // no stop tokens either: every run generates exactly new_tokens
@@ -77,7 +105,7 @@ void register_bench(CLI::App& app) {
     DecodeStack st;
     DecodeOptions d;
     if (o->restored) {
-      load_restoration(o->rf, model, tok, st);
+      load_restoration(o->rf, model, load_tokenizer(o->model), st);
       d.mode = DecodeMode::Restored;
       d.restore = o->rf.options();
       d.max_new_tokens = o->new_tokens;
@@ -121,14 +149,19 @@ void register_bench(CLI::App& app) {
                   {"decoders_kept_across_runs", true},
                   {"memory", t.last.memory.to_json()}};
     }
-    const double weight_bytes = (double)model.weight_bytes();
-    const double bound = 3.0e12 / weight_bytes;  // H100 SXM measured ~3.0 TB/s (README: bench notes)
+    // The bound: bytes a decode step must read (the selected experts only, for MoE) at the
+    // device's measured copy bandwidth.
+    const double weight_bytes = (double)model.weight_bytes(), active_bytes = (double)model.active_weight_bytes();
+    const double bandwidth = copy_bandwidth(model.device());
+    const double bound = bandwidth / active_bytes;
 
     nlohmann::json peer = nlohmann::json::object();
     if (!o->no_peer) {
       std::string ids_path = fs::temp_dir() + "/kakeya_bench_prompt.json";
       write_json(ids_path, prompt);
-      std::string cmd = o->python + " " + o->peer + " --model " + o->model + " --ids " + ids_path +
+      const std::string weights = random ? " --random-init " + o->random_init + " --seed " + std::to_string(o->seed)
+                                         : " --model " + o->model;
+      std::string cmd = o->python + " " + o->peer + weights + " --ids " + ids_path +
                         " --new-tokens " + std::to_string(o->new_tokens) + " --device " + o->df.device +
                         " --dtype " + (model.dtype() == at::kBFloat16 ? "bf16" : "f32") +
                         " --repeats " + std::to_string(o->repeats);
@@ -175,13 +208,26 @@ void register_bench(CLI::App& app) {
       std::printf("kakeya ar / llama.cpp %s: decode %.3fx, prefill %.3fx (llama.cpp prefill %.0f tok/s, ours %.0f)\n",
                   r["model_type"].get<std::string>().c_str(), ours_decode / r["decode_tps"].get<double>(),
                   ours_prefill / r["prefill_tps"].get<double>(), r["prefill_tps"].get<double>(), ours_prefill);
-    std::printf("weights %.0f MB/token; bandwidth bound at 3.0 TB/s: %.0f tok/s; kakeya decode = %.1f%% of it\n",
-                weight_bytes / 1e6, bound, 100.0 * ours_decode / bound);
+    std::printf("weights read per token %.0f MB (of %.0f MB); measured copy bandwidth %.2f TB/s; bound %.0f tok/s; "
+                "kakeya decode = %.1f%% of it\n",
+                active_bytes / 1e6, weight_bytes / 1e6, bandwidth / 1e12, bound, 100.0 * ours_decode / bound);
+    // Same weights on both sides (--random-init): how far the greedy tokens agree (bf16 rounding
+    // differs between the two, so an early split on a near-tie is expected; f32 agrees further).
+    int64_t agree = -1;
+    if (peer.contains("tokens")) {
+      const auto theirs = peer["tokens"].get<std::vector<int64_t>>();
+      const auto& ours = timed[0].last.tokens;
+      agree = 0;
+      while (agree < (int64_t)std::min(ours.size(), theirs.size()) && ours[agree] == theirs[agree]) ++agree;
+      std::printf("greedy tokens: kakeya ar and HF agree on the first %lld of %lld\n", (long long)agree,
+                  (long long)ours.size());
+    }
     nlohmann::json j = {{"bench", "decode"},
                         {"commit", git_commit()},
                         {"device", o->df.device},
                         {"dtype", c10::toString(model.dtype())},
-                        {"model", o->model},
+                        {"model", random ? "random weights of " + o->random_init : o->model},
+                        {"seed", o->seed},
                         {"prompt_len", o->prompt_len},
                         {"new_tokens", o->new_tokens},
                         {"repeats", o->repeats},
@@ -191,7 +237,10 @@ void register_bench(CLI::App& app) {
                         {"kakeya_decode_runs", decode_tps},
                         {"kakeya_prefill_tps", ours_prefill},
                         {"weight_bytes", weight_bytes},
-                        {"bandwidth_bound_tps_at_3TBps", bound},
+                        {"active_weight_bytes_per_token", active_bytes},
+                        {"copy_bandwidth_bytes_per_s", bandwidth},
+                        {"bandwidth_bound_tps", bound},
+                        {"greedy_tokens_agreeing_with_hf", agree},
                         {"fraction_of_bound", ours_decode / bound},
                         {"hf", peer},
                         {"llama_cpp", llama},

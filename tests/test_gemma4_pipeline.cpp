@@ -1,0 +1,107 @@
+// The restored and fused decoders on a Gemma 4 mixture-of-experts verifier (random weights of
+// small shape, tests/gemma4_test_util.h) with a random DFlash drafter and f_θ: exact restoration
+// (a = 1) and the fused decoder give AR's tokens, a random f_θ changes them (restoration acts),
+// the z-lab drafter layout of gemma-4-26B-A4B fits the 26B-A4B shape, and a drafter made for
+// another target is refused.
+#include <gtest/gtest.h>
+
+#include "core/model/drafter.h"
+#include "core/model/ftheta.h"
+#include "core/model/model.h"
+#include "core/model/random_weights.h"
+#include "infer/decoder.h"
+#include "infer/generate.h"
+#include "tests/gemma4_test_util.h"
+#include "tests/test_util.h"
+
+using namespace kakeya;
+
+namespace {
+
+constexpr int64_t kMask = 3;  // the drafter's mask token: any id of the vocabulary
+
+const Model& model() {
+  static Model m = [] {
+    ModelOptions mo;
+    mo.max_positions = 256;
+    return Model::random(test::small_gemma4_moe(), 21, mo);
+  }();
+  return m;
+}
+
+const Drafter& drafter() {
+  static Drafter d =
+      Drafter::random(DrafterConfig::for_target(model().config(), 2, 4, 1, 64, 128, 8, kMask), model(), 5);
+  return d;
+}
+
+std::vector<int64_t> prompt() {
+  std::vector<int64_t> p;
+  for (int64_t i = 0; i < 70; ++i) p.push_back((i * 37 + 11) % 512);
+  return p;
+}
+
+DecodeOptions options(DecodeMode mode, double alpha) {
+  DecodeOptions o;
+  o.mode = mode;
+  o.max_new_tokens = 16;
+  o.stream = false;
+  o.restore.sink = 4;
+  o.restore.window = 8;
+  o.restore.mix_alpha = alpha;
+  return o;
+}
+
+std::vector<int64_t> ar_tokens() {
+  DecodeOptions o;
+  o.max_new_tokens = 16;
+  o.stream = false;
+  return generate(model(), prompt(), o).tokens;
+}
+
+TEST(Gemma4Pipeline, ExactRestorationAndFusedEqualAr) {
+  const auto ar = ar_tokens();
+  ASSERT_EQ(ar.size(), 16u);
+  const FTheta f = FTheta::random(FThetaConfig::for_pair(model().config(), drafter().config(), 16), 7, at::kFloat,
+                                  at::kCPU);
+  auto r = decode(model(), &drafter(), &f, prompt(), options(DecodeMode::Restored, 1.0));
+  EXPECT_EQ(r.tokens, ar);
+  EXPECT_GT(r.restored_positions, 40);
+  auto fu = decode(model(), &drafter(), &f, prompt(), options(DecodeMode::Fused, 1.0));
+  EXPECT_EQ(fu.tokens, ar);
+  // Restoration acts: a random f_θ at a = 0 restores wrong K/V, and the continuation moves.
+  auto wrong = decode(model(), &drafter(), &f, prompt(), options(DecodeMode::Restored, 0.0));
+  EXPECT_NE(wrong.tokens, ar);
+}
+
+TEST(Gemma4Pipeline, ZLabDrafterLayoutOf26BA4B) {
+  // The 26B-A4B's shape (30 layers, hidden 2816) and z-lab's drafter for it: block 16, reading
+  // target layers 1/6/11/17/22/27 (what DFlash derives for 30 target layers and 6 features).
+  const auto big = ModelConfig::from_file(test::env_or_fail("KAKEYA_SOURCE_DIR") + "/bench/configs/gemma-4-26b-a4b.json");
+  EXPECT_EQ(dflash_target_layer_ids(30, 6), (std::vector<int64_t>{1, 6, 11, 17, 22, 27}));
+  nlohmann::json j = {{"architectures", {"DFlashDraftModel"}}, {"model_type", "qwen3"}, {"hidden_size", 2816},
+                      {"intermediate_size", 8192}, {"num_hidden_layers", 6}, {"num_attention_heads", 32},
+                      {"num_key_value_heads", 8}, {"head_dim", 128}, {"rms_norm_eps", 1e-6},
+                      {"vocab_size", 262144}, {"max_position_embeddings", 262144}, {"rope_theta", 1000000.0},
+                      {"block_size", 16}, {"num_target_layers", 30},
+                      {"dflash_config", {{"target_layer_ids", {1, 6, 11, 17, 22, 27}}, {"mask_token_id", 4}}}};
+  auto cfg = DrafterConfig::from_json(j, "z-lab gemma-4-26B-A4B drafter");
+  EXPECT_NO_THROW(cfg.check_target(big));
+  EXPECT_EQ(cfg.block_size, 16);
+  EXPECT_EQ(cfg.target_layer_ids, (std::vector<int64_t>{1, 6, 11, 17, 22, 27}));
+  // The same drafter against the small Gemma 4: refused, naming the field.
+  test::expect_error([&] { cfg.check_target(model().config()); }, "hidden_size");
+}
+
+TEST(Gemma4Pipeline, DrafterOfAnotherTargetIsRefused) {
+  ModelOptions mo;
+  mo.max_positions = 256;
+  Model other = Model::random(test::small_gemma4_moe(), 22, mo);
+  Drafter foreign = Drafter::random(drafter().config(), other, 5);
+  const FTheta f = FTheta::random(FThetaConfig::for_pair(model().config(), drafter().config(), 16), 7, at::kFloat,
+                                  at::kCPU);
+  test::expect_error([&] { decode(model(), &foreign, &f, prompt(), options(DecodeMode::Restored, 1.0)); },
+                     "bound to another verifier");
+}
+
+}  // namespace
