@@ -78,21 +78,44 @@ void register_bench(CLI::App& app) {
                  "bench decode --random-init: times AR (and the HF peer) only; --restored needs a trained "
                  "drafter and f_θ, --llama-bench a GGUF of the same weights");
     std::vector<int64_t> prompt;
+    std::optional<ModelConfig> random_cfg;
+    if (random) {
+      random_cfg = ModelConfig::from_file(o->random_init);
+      // Prompt ids drawn from the same seed, uniformly over the vocabulary (the peer gets these ids).
+      at::Generator gen = at::globalContext().defaultGenerator(at::kCPU).clone();
+      gen.set_current_seed(o->seed);
+      auto ids = at::randint(random_cfg->vocab_size, {o->prompt_len}, gen, at::TensorOptions().dtype(at::kLong));
+      prompt.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+    } else {
+      prompt = bench_prompt(load_tokenizer(o->model), o->prompt_len);
+    }
+    // The HF peer runs first, before our weights exist: a model that fills most of the GPU
+    // (26B-A4B: 50 GB in bf16) is then never held twice at once.
+    nlohmann::json peer = nlohmann::json::object();
+    if (!o->no_peer) {
+      std::string ids_path = fs::temp_dir() + "/kakeya_bench_prompt.json";
+      write_json(ids_path, prompt);
+      const std::string weights = random ? " --random-init " + o->random_init + " --seed " + std::to_string(o->seed)
+                                         : " --model " + o->model;
+      std::string cmd = o->python + " " + o->peer + weights + " --ids " + ids_path +
+                        " --new-tokens " + std::to_string(o->new_tokens) + " --device " + o->df.device +
+                        " --dtype " + (o->df.torch_dtype() == at::kBFloat16 ? "bf16" : "f32") +
+                        " --repeats " + std::to_string(o->repeats);
+      std::fprintf(stderr, "[bench] peer: %s\n", cmd.c_str());
+      auto out = run_capture(cmd);
+      auto pos = out.rfind("{");
+      KAKEYA_CHECK(pos != std::string::npos, "peer printed no JSON:\n" << out);
+      peer = nlohmann::json::parse(out.substr(pos));
+    }
+
     std::optional<Model> loaded;
     if (random) {
-      const auto cfg = ModelConfig::from_file(o->random_init);
       ModelOptions mo;
       mo.device = o->df.torch_device();
       mo.dtype = o->df.torch_dtype();
       mo.max_positions = o->prompt_len + o->new_tokens;
-      loaded.emplace(Model::random(cfg, o->seed, mo));
-      // Prompt ids drawn from the same seed, uniformly over the vocabulary (the peer gets these ids).
-      at::Generator gen = at::globalContext().defaultGenerator(at::kCPU).clone();
-      gen.set_current_seed(o->seed);
-      auto ids = at::randint(cfg.vocab_size, {o->prompt_len}, gen, at::TensorOptions().dtype(at::kLong));
-      prompt.assign(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+      loaded.emplace(Model::random(*random_cfg, o->seed, mo));
     } else {
-      prompt = bench_prompt(load_tokenizer(o->model), o->prompt_len);
       loaded.emplace(load_model(o->model, o->df, o->prompt_len + o->new_tokens));
     }
     Model& model = *loaded;
@@ -154,23 +177,6 @@ void register_bench(CLI::App& app) {
     const double weight_bytes = (double)model.weight_bytes(), active_bytes = (double)model.active_weight_bytes();
     const double bandwidth = copy_bandwidth(model.device());
     const double bound = bandwidth / active_bytes;
-
-    nlohmann::json peer = nlohmann::json::object();
-    if (!o->no_peer) {
-      std::string ids_path = fs::temp_dir() + "/kakeya_bench_prompt.json";
-      write_json(ids_path, prompt);
-      const std::string weights = random ? " --random-init " + o->random_init + " --seed " + std::to_string(o->seed)
-                                         : " --model " + o->model;
-      std::string cmd = o->python + " " + o->peer + weights + " --ids " + ids_path +
-                        " --new-tokens " + std::to_string(o->new_tokens) + " --device " + o->df.device +
-                        " --dtype " + (model.dtype() == at::kBFloat16 ? "bf16" : "f32") +
-                        " --repeats " + std::to_string(o->repeats);
-      std::fprintf(stderr, "[bench] peer: %s\n", cmd.c_str());
-      auto out = run_capture(cmd);
-      auto pos = out.rfind("{");
-      KAKEYA_CHECK(pos != std::string::npos, "peer printed no JSON:\n" << out);
-      peer = nlohmann::json::parse(out.substr(pos));
-    }
 
     nlohmann::json llama = nlohmann::json::array();
     for (const auto& gguf : o->ggufs) {
