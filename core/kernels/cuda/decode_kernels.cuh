@@ -978,7 +978,7 @@ constexpr int kExpertPlanMaxPairs = 1024;
 constexpr int kExpertPlanMaxExperts = 4096;
 __host__ __device__ inline int64_t expert_plan_size(int64_t P) { return 1 + 3 * P + 1; }
 
-__global__ void expert_plan_kernel(const int64_t* __restrict__ experts, int P, int E, int* __restrict__ plan) {
+static __global__ void expert_plan_kernel(const int64_t* __restrict__ experts, int P, int E, int* __restrict__ plan) {
   extern __shared__ int sm[];  // count[E], group_of[E]
   int* count = sm;
   int* group_of = sm + E;
