@@ -1,7 +1,8 @@
 // A Gemma 4 mixture-of-experts verifier on the GPU (random weights of small shape drawn on the
 // host, tests/gemma4_test_util.h, the same values on both devices), f32: the forward (prefill,
 // which groups tokens by expert, and decode steps, which take the expert GEMV) gives the CPU's
-// logits; greedy AR decoding through CUDA graphs gives the CPU's tokens; exact restoration
+// logits (the q/k/v kernel with v_norm and K=V layers included); greedy AR decoding through CUDA
+// graphs gives the CPU's tokens; exact restoration
 // (a = 1) and the fused decoder give AR's tokens on the GPU too. bf16 decodes (label gpu).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -39,6 +40,8 @@ std::vector<int64_t> prompt() {
 at::Tensor logits(const Model& m, const std::vector<int64_t>& ids, int64_t chunk) {
   KVCacheOptions co;
   co.capacity = (int64_t)ids.size();
+  co.device = m.device();
+  co.dtype = m.dtype();
   KVCache cache(m.config(), co);
   auto t = at::tensor(ids, at::kLong).to(m.device());
   std::vector<at::Tensor> out;

@@ -109,9 +109,13 @@ TEST_P(CudaOps, ActMul) {
 // Reference: split, per-head RMSNorm, RoPE, store at position mod ring (the unfused path of
 // Model::forward; ring < S: a restored layer's exact ring, whose restored region must stay untouched).
 TEST_P(CudaOps, QkNormRopeStore) {
-  struct Case { int64_t Hq, Hkv, D, S, T; double partial; bool norm; int64_t ring; };
+  // Gemma 4 cases: v_norm (a scale-free RMS norm of v, unit_offset off), and K=V layers (no v
+  // rows: V is the raw k head, then v_norm) with a partial proportional RoPE and D 512.
+  struct Case { int64_t Hq, Hkv, D, S, T; double partial; bool norm; int64_t ring; bool v_norm = false, k_eq_v = false; };
   for (auto c : {Case{4, 1, 256, 70, 1, 1.0, true, 0}, Case{6, 2, 64, 37, 5, 1.0, false, 0},
-                 Case{4, 2, 128, 33, 3, 0.25, true, 0}, Case{4, 1, 256, 90, 4, 1.0, true, 13}}) {
+                 Case{4, 2, 128, 33, 3, 0.25, true, 0}, Case{4, 1, 256, 90, 4, 1.0, true, 13},
+                 Case{16, 8, 256, 40, 1, 1.0, true, 0, true, false}, Case{16, 2, 512, 41, 3, 0.25, true, 0, true, true},
+                 Case{4, 1, 128, 29, 5, 0.5, true, 0, false, true}}) {
     const int64_t ring = c.ring > 0 ? c.ring : c.S;
     RopeParams rp;
     rp.type = c.partial < 1 ? "proportional" : "default";
@@ -120,15 +124,21 @@ TEST_P(CudaOps, QkNormRopeStore) {
     const int64_t B = 2, P = 100;
     RopeTable rope(rp, c.D, P, dt(), at::kCPU);
     RopeTable rope_gpu(rp, c.D, P, dt(), kCuda);
-    auto qkv = at::randn({B, c.T, (c.Hq + 2 * c.Hkv) * c.D}).to(dt());
+    auto qkv = at::randn({B, c.T, (c.Hq + (c.k_eq_v ? 1 : 2) * c.Hkv) * c.D}).to(dt());
     auto positions = at::arange(40, 40 + c.T, at::kLong);
     auto qw = at::randn({c.D}) * 0.2 + 1, kw = at::randn({c.D}) * 0.2 + 1;
-    ops::NormSpec ns{1e-6, true};
+    ops::NormSpec ns{1e-6, !c.v_norm};  // Gemma 4 (v_norm) norms x̂·w with no unit offset
+    if (c.v_norm) {  // ... and holds its norm weights in the model dtype
+      qw = qw.to(dt()).to(at::kFloat);
+      kw = kw.to(dt()).to(at::kFloat);
+    }
+    auto vw = at::ones({c.D});
     // Reference.
     const int64_t qd = c.Hq * c.D, kvd = c.Hkv * c.D;
     auto q = qkv.slice(-1, 0, qd).view({B, c.T, c.Hq, c.D});
     auto k = qkv.slice(-1, qd, qd + kvd).view({B, c.T, c.Hkv, c.D});
-    auto v = qkv.slice(-1, qd + kvd).view({B, c.T, c.Hkv, c.D});
+    auto v = c.k_eq_v ? k : qkv.slice(-1, qd + kvd).view({B, c.T, c.Hkv, c.D});
+    if (c.v_norm) v = ops::rms_norm(v, vw, ns);
     if (c.norm) { q = ops::rms_norm(q, qw, ns); k = ops::rms_norm(k, kw, ns); }
     auto q_ref = rope.apply(q, positions);
     auto k_ref = rope.apply(k, positions).transpose(1, 2);
@@ -138,9 +148,12 @@ TEST_P(CudaOps, QkNormRopeStore) {
     // Kernel.
     ops::QKRopeArgs a{c.Hq, c.Hkv, c.D, ns, c.norm ? qw.to(kCuda) : at::Tensor(), c.norm ? kw.to(kCuda) : at::Tensor(),
                       rope_gpu.cos(), rope_gpu.sin(), c.ring};
+    if (c.v_norm) a.v_norm = vw.to(kCuda);
+    a.v_from_k = c.k_eq_v;
     auto kc = at::zeros({B, c.Hkv, c.S, c.D}, at::TensorOptions().dtype(dt()).device(kCuda)), vc = at::zeros_like(kc);
     auto q_got = ops::qk_norm_rope_store(qkv.to(kCuda), positions.to(kCuda), a, kc, vc);
-    std::string tag = "D=" + std::to_string(c.D) + " T=" + std::to_string(c.T) + " ring=" + std::to_string(ring);
+    std::string tag = "D=" + std::to_string(c.D) + " T=" + std::to_string(c.T) + " ring=" + std::to_string(ring) +
+                      (c.v_norm ? " v_norm" : "") + (c.k_eq_v ? " K=V" : "");
     expect_close(q_got, q_ref, "q " + tag);
     expect_close(kc, kc_ref, "k cache " + tag);
     expect_close(vc, vc_ref, "v cache " + tag);

@@ -80,9 +80,13 @@ struct QKRopeArgs {
   // at slot position mod sink_ring: attention sinks keep their exact K/V. sink 0: none.
   int64_t sink = 0, sink_ring = 0;
   at::Tensor sink_k, sink_v;  // [B, H_kv, >= sink_ring, D]
+  // qk_norm_rope_store only (RestoreStore refuses them): Gemma 4's v_norm ([D] f32; undefined:
+  // v stored as projected) and K=V layers (no v rows: V is the raw k head).
+  at::Tensor v_norm;
+  bool v_from_k = false;
 };
-// qkv: [B, T, (Hq + 2·Hkv)·D] contiguous; positions: [T] int64.
-// Writes normed+RoPE'd k and raw v into k_cache/v_cache [B, H_kv, S, D] at slot
+// qkv: [B, T, (Hq + 2·Hkv)·D] contiguous ([B, T, (Hq + Hkv)·D] with v_from_k); positions: [T] int64.
+// Writes normed+RoPE'd k and raw (v_norm: normed) v into k_cache/v_cache [B, H_kv, S, D] at slot
 // = position mod ring (T <= ring <= S); returns normed+RoPE'd q: [B, T, Hq, D].
 // The caches may be strided views (rows of D contiguous values), e.g. a restored region.
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,

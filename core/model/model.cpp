@@ -227,6 +227,8 @@ ops::QKRopeArgs Model::rope_args(int64_t layer, int64_t num_heads, int64_t ring)
   a.norm = norm_spec_;
   a.q_norm = w.q_norm;
   a.k_norm = w.k_norm;
+  a.v_norm = w.v_norm;
+  a.v_from_k = cfg_.k_eq_v(layer);
   a.cos = rope(layer).cos();
   a.sin = rope(layer).sin();
   a.ring = ring;
@@ -345,11 +347,10 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     // KV-shared layers compute only q: the cache's buffers of such a layer are those of
     // kv_layer[l], which wrote them earlier in this forward, so they attend over its K/V.
     const bool shared = cfg_.kv_shared(l);
-    // The fused kernel reads raw v from the qkv rows and stores it as is: it knows
-    // nothing of v_norm or K=V layers (no v rows), so Gemma 4 takes the unfused branch.
-    // It stores at position mod the exact ring, as KVCache::write does; a coded layer then codes
-    // the rows it stored.
-    if (cuda_fused && !qkv_tapped && write_first && !cfg_.v_norm && !shared) {
+    // The fused kernel also norms v (Gemma 4's v_norm) and takes V from the raw K rows on K=V
+    // layers. It stores at position mod the exact ring, as KVCache::write does; a coded layer then
+    // codes the rows it stored.
+    if (cuda_fused && !qkv_tapped && write_first && !shared) {
       q = ops::qk_norm_rope_store(qkv, positions, rope_args(l, Hq, cache.exact_slots(l)), cache.k_mut(l),
                                   cache.v_mut(l));
       if (cache.coded(l)) cache.code_stored(l, positions);

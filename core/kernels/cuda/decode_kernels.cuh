@@ -10,6 +10,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -81,9 +82,14 @@ __global__ void rms_norm_kernel(const T* __restrict__ x, const float* __restrict
   for (int i = threadIdx.x; i < H; i += blockDim.x) orow[i] = to_t<T>(norm_value<T>(from_t<T>(xr[i]), inv, w[i], unit_offset));
 }
 
+// Threads for a block that norms one row of H values: about 4 values per thread (up to 1024),
+// so that a row's loads are few per thread and in flight together (a 2816-wide row with 256
+// threads took ~10 µs, 11 loads one after another per thread).
+inline int norm_threads(int H) { return std::min(1024, std::max(32, ((H + 3) / 4 + 31) / 32 * 32)); }
+
 template <typename T>
 void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float eps, bool unit_offset, cudaStream_t s) {
-  rms_norm_kernel<T><<<rows, 256, 0, s>>>(x, w, out, H, eps, unit_offset);
+  rms_norm_kernel<T><<<rows, norm_threads(H), 0, s>>>(x, w, out, H, eps, unit_offset);
 }
 
 // ---------------------------------------------------------------------------
@@ -133,7 +139,7 @@ template <typename T>
 void launch_add_rms_norm(const T* h, const T* x, const float* w_post, const float* w_next, T* h_out, T* y, int rows,
                          int H, float eps, bool unit_offset, T* copy, int64_t copy_stride, const int64_t* copy_pos,
                          int64_t copy_rows, int T_len, cudaStream_t s) {
-  add_rms_norm_kernel<T><<<rows, 256, 2 * H * sizeof(float), s>>>(h, x, w_post, w_next, h_out, y, H, eps, unit_offset,
+  add_rms_norm_kernel<T><<<rows, norm_threads(H), 2 * H * sizeof(float), s>>>(h, x, w_post, w_next, h_out, y, H, eps, unit_offset,
                                                                    copy, copy_stride, copy_pos, copy_rows, T_len);
 }
 
@@ -169,7 +175,8 @@ __device__ __forceinline__ void norm_rope_head(const T* __restrict__ src, const 
 
 // One K/V head of the position pos into a cache (all threads of the block). k_cache/v_cache:
 // this (sequence, head)'s rows, slot-major (slot·D + i), slot = pos mod ring. k (raw) is normed
-// by k_w and RoPE'd with the tables cos_t/sin_t [P, rot]; v (raw) is copied. Positions < sink
+// by k_w and RoPE'd with the tables cos_t/sin_t [P, rot]; v (raw) is copied, or RMS-normed by
+// v_w when given (Gemma 4's v_norm). Positions < sink
 // are copied instead from sink_k/sink_v (rows laid out the same, slot = pos mod sink_ring):
 // attention sinks keep their exact K/V when a restored region takes them in. The whole block
 // takes one branch (one position): no barrier is skipped halfway.
@@ -179,7 +186,8 @@ __device__ __forceinline__ void store_kv_head(const T* __restrict__ k, const T* 
                                               const T* __restrict__ sin_t, int64_t pos, T* __restrict__ k_cache,
                                               T* __restrict__ v_cache, int ring, const T* __restrict__ sink_k,
                                               const T* __restrict__ sink_v, int sink, int sink_ring, int D, int rot,
-                                              float eps, bool unit_offset, float* xs, float* red) {
+                                              float eps, bool unit_offset, float* xs, float* red,
+                                              const float* __restrict__ v_w = nullptr) {
   const int64_t off = (pos % ring) * D;
   if (pos < sink) {
     const int64_t from = (pos % sink_ring) * D;
@@ -189,24 +197,31 @@ __device__ __forceinline__ void store_kv_head(const T* __restrict__ k, const T* 
     }
     return;
   }
-  for (int i = threadIdx.x; i < D; i += blockDim.x) v_cache[off + i] = v[i];
+  if (v_w) {
+    // A norm without rotation (rot 0); its block reduction's barrier orders the reuse of xs below.
+    norm_rope_head<T>(v, v_w, cos_t, sin_t, v_cache + off, D, 0, eps, unit_offset, xs, red);
+  } else {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) v_cache[off + i] = v[i];
+  }
   norm_rope_head<T>(k, k_w, cos_t + pos * rot, sin_t + pos * rot, k_cache + off, D, rot, eps, unit_offset, xs, red);
 }
 
 // ---------------------------------------------------------------------------
 // q/k head norm + RoPE + K/V cache store, one block per (token, head).
-//   qkv:  [B·T, Hq·D + 2·Hkv·D]  (the fused projection output, row-major)
+//   qkv:  [B·T, Hq·D + 2·Hkv·D]  (the fused projection output, row-major), or [B·T, Hq·D + Hkv·D]
+//         when v_from_k (Gemma 4's K=V layers: V is the raw K projection)
 //   heads 0..Hq-1 are q heads -> q_out [B·T, Hq, D];
-//   heads Hq..Hq+Hkv-1 are k heads -> k_cache[b, h, slot, :], with v copied to v_cache.
+//   heads Hq..Hq+Hkv-1 are k heads -> k_cache[b, h, slot, :], with v copied (v_w: normed) to v_cache.
 //   cos, sin: [P, rot] in T (HF casts its tables to the activation dtype).
 //   positions: [T] int64; slot = position mod ring (the cache's exact ring: all S slots on
 //   plain layers, the first `ring` on restored ones; a restored region when the caller passes
 //   its view). k_cache/v_cache element (b, h, slot, i) sits at b·cache_bs + h·cache_hs + slot·D + i.
-//   q_w/k_w: [D] f32 norm weights, nullptr when the family has no q/k norm.
+//   q_w/k_w/v_w: [D] f32 norm weights, nullptr when the family has no such norm.
 // Threads: one per rotary pair (rot/2), plus pass-through dims past rot.
 template <typename T>
 __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float* __restrict__ q_w,
-                                          const float* __restrict__ k_w, const T* __restrict__ cos_t,
+                                          const float* __restrict__ k_w, const float* __restrict__ v_w, bool v_from_k,
+                                          const T* __restrict__ cos_t,
                                           const T* __restrict__ sin_t, const int64_t* __restrict__ positions,
                                           T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
                                           int T_len, int Hq, int Hkv, int D, int rot, int64_t cache_bs,
@@ -216,7 +231,7 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
   const int n = blockIdx.x;      // token row: b·T + t
   const int head = blockIdx.y;
   const int t = n % T_len, b = n / T_len;
-  const int row_w = (Hq + 2 * Hkv) * D;
+  const int row_w = (Hq + (v_from_k ? 1 : 2) * Hkv) * D;
   const T* src = qkv + (int64_t)n * row_w + (int64_t)head * D;
   const int64_t pos = positions[t];
   if (head < Hq) {
@@ -226,20 +241,23 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
   }
   const int hk = head - Hq;
   const int64_t base = (int64_t)b * cache_bs + (int64_t)hk * cache_hs;
-  store_kv_head<T>(src, qkv + (int64_t)n * row_w + (int64_t)(Hq + Hkv + hk) * D, k_w, cos_t, sin_t, pos,
-                   k_cache + base, v_cache + base, ring, nullptr, nullptr, 0, 1, D, rot, eps, unit_offset, xs, red);
+  const T* v = v_from_k ? src : qkv + (int64_t)n * row_w + (int64_t)(Hq + Hkv + hk) * D;
+  store_kv_head<T>(src, v, k_w, cos_t, sin_t, pos, k_cache + base, v_cache + base, ring, nullptr, nullptr, 0, 1, D, rot,
+                   eps, unit_offset, xs, red, v_w);
 }
 
 inline int head_threads(int D) { return D >= 256 ? 128 : (D >= 128 ? 64 : 32); }
 
 template <typename T>
-void launch_qk_norm_rope_store(const T* qkv, const float* q_w, const float* k_w, const T* cos_t, const T* sin_t,
+void launch_qk_norm_rope_store(const T* qkv, const float* q_w, const float* k_w, const float* v_w, bool v_from_k,
+                               const T* cos_t, const T* sin_t,
                                const int64_t* positions, T* q_out, T* k_cache, T* v_cache, int B, int T_len, int Hq,
                                int Hkv, int D, int rot, int64_t cache_bs, int64_t cache_hs, int ring, float eps,
                                bool unit_offset, cudaStream_t s) {
   dim3 grid(B * T_len, Hq + Hkv);
   qk_norm_rope_store_kernel<T><<<grid, head_threads(D), D * sizeof(float), s>>>(
-      qkv, q_w, k_w, cos_t, sin_t, positions, q_out, k_cache, v_cache, T_len, Hq, Hkv, D, rot, cache_bs, cache_hs, ring,
+      qkv, q_w, k_w, v_w, v_from_k, cos_t, sin_t, positions, q_out, k_cache, v_cache, T_len, Hq, Hkv, D, rot, cache_bs,
+      cache_hs, ring,
       eps, unit_offset);
 }
 
@@ -841,13 +859,17 @@ __device__ __forceinline__ void dot_rows(const T* __restrict__ wr, const float* 
                                          int lane, float* acc) {
   constexpr int V = Vec16<T>::n;
   constexpr int STEP = 32 * V;
-  int k = k0 + lane * V;
-  for (; k + (kGemvUnroll - 1) * STEP < k1; k += kGemvUnroll * STEP) {
+  // kGemvUnroll loads in flight per lane, the last group predicated: a row shorter than
+  // kGemvUnroll steps (an expert's 704 values, Gemma 3's 640) still issues its loads
+  // together instead of one latency after another. The sum order per lane is k's order.
+  for (int k = k0 + lane * V; k < k1; k += kGemvUnroll * STEP) {
     uint4 raw[kGemvUnroll];
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) raw[u] = *reinterpret_cast<const uint4*>(wr + k + u * STEP);
+    for (int u = 0; u < kGemvUnroll; ++u)
+      raw[u] = k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(wr + k + u * STEP) : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
+      if (k + u * STEP >= k1) break;
       const T* e = reinterpret_cast<const T*>(&raw[u]);
 #pragma unroll
       for (int m = 0; m < M; ++m) {
@@ -855,15 +877,6 @@ __device__ __forceinline__ void dot_rows(const T* __restrict__ wr, const float* 
 #pragma unroll
         for (int i = 0; i < V; ++i) acc[m] += from_t<T>(e[i]) * xm[i];
       }
-    }
-  }
-  for (; k < k1; k += STEP) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(wr + k);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-#pragma unroll
-      for (int i = 0; i < V; ++i) acc[m] += from_t<T>(e[i]) * xs[m * K + k + i];
     }
   }
 }
@@ -1067,7 +1080,9 @@ bool launch_expert_gemv(const T* x, const T* W, const int* plan, T* y, int P, in
   const int64_t per_row = (int64_t)K * sizeof(float) + kGemvWarps * 2 * sizeof(float);
   const int rows = (int)std::min<int64_t>(kGemvMaxRows, 48 * 1024 / per_row);
   if (rows < 1) return false;
-  const int wpr = N >= 4096 ? 1 : (N >= 1024 ? 2 : 4);
+  // A warp per output row, whole rows (no split K): the pairs' experts give the grid its
+  // width, and a warp streaming a whole row keeps more loads in flight than split parts.
+  const int wpr = 1;
   const int rows_per_block = kGemvWarps / wpr;
   const dim3 grid((N + rows_per_block - 1) / rows_per_block, P);
   expert_gemv_kernel<T><<<grid, kGemvWarps * 32, rows * per_row, s>>>(x, W, plan, y, P, N, K, x_div, wpr, rows, act);

@@ -135,8 +135,8 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   check_cache_rows(v_cache, k_cache, "v_cache");
   TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
   const int64_t B = qkv.size(0), T = qkv.size(1), Hq = a.num_heads, Hkv = a.num_kv_heads, D = a.head_dim;
-  TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) == (Hq + 2 * Hkv) * D, "qkv: expected [B, T, ", (Hq + 2 * Hkv) * D,
-              "], got ", qkv.sizes());
+  const int64_t width = (Hq + (a.v_from_k ? 1 : 2) * Hkv) * D;
+  TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) == width, "qkv: expected [B, T, ", width, "], got ", qkv.sizes());
   TORCH_CHECK(positions.numel() == T, "positions: expected ", T, " entries, got ", positions.numel());
   TORCH_CHECK(k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(),
               "k/v cache: expected [", B, ", ", Hkv, ", S, ", D, "], got ", k_cache.sizes(), " / ", v_cache.sizes());
@@ -146,6 +146,7 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type(), "qk_norm_rope_store: cache dtype must match qkv");
   if (a.q_norm.defined()) check_w(a.q_norm, D, "q_norm");
   if (a.k_norm.defined()) check_w(a.k_norm, D, "k_norm");
+  if (a.v_norm.defined()) check_w(a.v_norm, D, "v_norm");
   TORCH_CHECK(a.sink == 0, "qk_norm_rope_store: attention sinks are copied by RestoreStore, not here");
   const int64_t rot = check_rope(a, qkv.scalar_type(), D, "qk_norm_rope_store");
   c10::cuda::CUDAGuard g(qkv.device());
@@ -153,7 +154,8 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   dispatch(qkv.scalar_type(), [&](auto* tag) {
     using Ty = std::remove_pointer_t<decltype(tag)>;
     k::launch_qk_norm_rope_store<Ty>(ptr<Ty>(qkv), a.q_norm.defined() ? a.q_norm.data_ptr<float>() : nullptr,
-                                     a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr, ptr<Ty>(a.cos),
+                                     a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr,
+                                     a.v_norm.defined() ? a.v_norm.data_ptr<float>() : nullptr, a.v_from_k, ptr<Ty>(a.cos),
                                      ptr<Ty>(a.sin), positions.data_ptr<int64_t>(), ptr<Ty>(q), ptr<Ty>(k_cache),
                                      ptr<Ty>(v_cache), B, T, Hq, Hkv, D, rot, k_cache.stride(0), k_cache.stride(1), ring,
                                      a.norm.eps, a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
@@ -206,6 +208,8 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
     const at::Tensor &kc = cs.defined() ? cs.k_codes : L.k_cache, &vc = cs.defined() ? cs.v_codes : L.v_cache;
     const at::ScalarType dt = cs.defined() ? layer_dtype(L) : kc.scalar_type();
     TORCH_CHECK(a.num_heads == 0, "RestoreStore layer ", i, ": K/V only (num_heads 0), got ", a.num_heads);
+    TORCH_CHECK(!a.v_norm.defined() && !a.v_from_k, "RestoreStore layer ", i,
+                ": stores raw v from its own rows (no v_norm, no K=V layers)");
     if (cs.defined()) {
       check_coded_slots(cs, 1, a.num_kv_heads, a.head_dim, "RestoreStore codes");
     } else {
