@@ -1,6 +1,7 @@
 // The restored and fused decoders on a Gemma 4 mixture-of-experts verifier (random weights of
 // small shape, tests/gemma4_test_util.h) with a random DFlash drafter and f_θ: exact restoration
-// (a = 1) and the fused decoder give AR's tokens, a random f_θ changes them (restoration acts),
+// (a = 1) and the fused decoder give AR's tokens, a random f_θ changes them (restoration acts)
+// and the fused decoder follows the restored one,
 // the z-lab drafter layout of gemma-4-26B-A4B fits the 26B-A4B shape, and a drafter made for
 // another target is refused.
 #include <gtest/gtest.h>
@@ -62,16 +63,20 @@ std::vector<int64_t> ar_tokens() {
 TEST(Gemma4Pipeline, ExactRestorationAndFusedEqualAr) {
   const auto ar = ar_tokens();
   ASSERT_EQ(ar.size(), 16u);
-  const FTheta f = FTheta::random(FThetaConfig::for_pair(model().config(), drafter().config(), 16), 7, at::kFloat,
+  const FTheta f = FTheta::random(FThetaConfig::for_pair(model().config(), drafter().config(), 16), 8, at::kFloat,
                                   at::kCPU);
   auto r = decode(model(), &drafter(), &f, prompt(), options(DecodeMode::Restored, 1.0));
   EXPECT_EQ(r.tokens, ar);
   EXPECT_GT(r.restored_positions, 40);
   auto fu = decode(model(), &drafter(), &f, prompt(), options(DecodeMode::Fused, 1.0));
   EXPECT_EQ(fu.tokens, ar);
-  // Restoration acts: a random f_θ at a = 0 restores wrong K/V, and the continuation moves.
-  auto wrong = decode(model(), &drafter(), &f, prompt(), options(DecodeMode::Restored, 0.0));
-  EXPECT_NE(wrong.tokens, ar);
+  // Restoration acts: 30% of a random f_θ's K/V moves the continuation, and the fused decoder
+  // restores the same K/V (its verify blocks and the restored decoder's steps give the same
+  // tokens). With mostly random K/V (a <= 0.5) this random model's logits have near-ties that
+  // the two decoders' different product shapes can split (f32 rounding), so a = 0.7 is compared.
+  auto mixed = decode(model(), &drafter(), &f, prompt(), options(DecodeMode::Restored, 0.7));
+  EXPECT_NE(mixed.tokens, ar);
+  EXPECT_EQ(decode(model(), &drafter(), &f, prompt(), options(DecodeMode::Fused, 0.7)).tokens, mixed.tokens);
 }
 
 TEST(Gemma4Pipeline, ZLabDrafterLayoutOf26BA4B) {
