@@ -28,6 +28,19 @@ def main():
         assert j["hf"]["static_decode_tps"] > 0 and j["kakeya_decode_tps"] > 0, j
         assert 0 < j["active_weight_bytes_per_token"] < j["weight_bytes"], j  # 2 of 6 experts read
         assert "agree on the first 12 of 12" in r.stdout, r.stdout
+        # The memory plans of the same shape, bytes only (no weights): every config, the native cache.
+        mem = os.path.join(d, "mem.json")
+        r = subprocess.run([BIN, "bench", "memory", "--random-init", CFG, "--drafter", "random", "--ftheta", "random",
+                            "--configs", "oracle,evict:8,restored:8,restored-int4:8", "--context", "40",
+                            "--budget-mb", "1", "--json", mem], capture_output=True, text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        m = json.load(open(mem))
+        assert [c["config"] for c in m["configs"]] == ["oracle", "evict:8", "restored:8", "restored-int4:8"], m
+        oracle = m["configs"][0]
+        assert oracle["kv_bytes_at_context"] == m["native_kv_bytes_at_context"] > 0, m
+        assert m["configs"][3]["kv_bytes_at_context"] < m["configs"][2]["kv_bytes_at_context"], m  # int4 region
+        r = subprocess.run([BIN, "bench", "memory", "--random-init", CFG, "--speed"], capture_output=True, text=True)
+        assert r.returncode != 0 and "bytes only" in r.stderr, r.stderr
         # Bad input.
         r = run("--random-init", CFG, "--restored")
         assert r.returncode != 0 and "--random-init: times AR" in r.stderr, r.stderr

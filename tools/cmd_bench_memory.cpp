@@ -17,6 +17,7 @@ void register_bench_memory(CLI::App& bench) {
     std::vector<int64_t> budget_mb{64, 256};
     bool speed = false;
     std::string json, png, python;
+    std::string random_init;  // a config.json: bytes of that shape, no weights
     BenchMemoryOptions b;
   };
   auto o = std::make_shared<Opts>();
@@ -40,6 +41,10 @@ void register_bench_memory(CLI::App& bench) {
   c->add_option("--repeats", o->b.repeats, "--speed: timed runs per config (median)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
+  c->add_option("--random-init", o->random_init,
+                "HF config.json: the plans of that shape instead of --verifier's (bytes only, no weights; "
+                "--drafter/--ftheta: directories or random)")
+      ->check(CLI::ExistingFile);
   c->add_option("--json", o->json, "write the results here");
   c->add_option("--plot", o->png, "draw K/V bytes against the context per config, with the budgets (needs --json)");
   c->add_option("--python", o->python, "python for the plot (default: $KAKEYA_PYTHON, .venv/bin/python, python3)");
@@ -50,14 +55,25 @@ void register_bench_memory(CLI::App& bench) {
     b.budgets.clear();
     for (int64_t mb : o->budget_mb) b.budgets.push_back(mb << 20);
     // The models: for the configs' shapes (and the timing).
-    DecodeStack st = load_decode_stack(o->rf, b.context, true);
     b.restore = o->rf.options();
-    BenchMemoryModels m;
-    if (o->speed) m = {st.model.get(), st.d(), st.f(), bench_prompt(*st.tok, b.context - b.new_tokens)};
-    auto report = bench_memory(st.model->config(), st.model->dtype(), &st.d()->config(), &st.f()->config(), b, m);
+    nlohmann::json report;
+    if (!o->random_init.empty()) {
+      KAKEYA_CHECK(!o->speed, "bench memory --random-init: bytes only (--speed times trained models)");
+      const auto cfg = ModelConfig::from_file(o->random_init);
+      const auto [d, f] = restoration_configs(o->rf, cfg);
+      report = bench_memory(cfg, o->rf.df.torch_dtype(), &d, &f, b);
+      report["verifier_config"] = o->random_init;
+      report["device"] = "plans only: " + o->random_init;
+      report["dtype"] = c10::toString(o->rf.df.torch_dtype());
+    } else {
+      DecodeStack st = load_decode_stack(o->rf, b.context, true);
+      BenchMemoryModels m;
+      if (o->speed) m = {st.model.get(), st.d(), st.f(), bench_prompt(*st.tok, b.context - b.new_tokens)};
+      report = bench_memory(st.model->config(), st.model->dtype(), &st.d()->config(), &st.f()->config(), b, m);
+      report["device"] = device_description(st.model->device());
+      report["dtype"] = c10::toString(st.model->dtype());
+    }
     report["commit"] = git_commit();
-    report["device"] = device_description(st.model->device());
-    report["dtype"] = c10::toString(st.model->dtype());
     report["command"] = command_line();
     report["models"] = o->rf.to_json();
     std::printf("%s", bench_memory_table(report).c_str());

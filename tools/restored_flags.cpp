@@ -72,6 +72,18 @@ DecodeStack load_decode_stack(const RestoreFlags& f, int64_t max_positions, bool
   return s;
 }
 
+std::pair<DrafterConfig, FThetaConfig> restoration_configs(const RestoreFlags& f, const ModelConfig& verifier) {
+  uint64_t seed = 0;
+  DrafterConfig d = random_spec(f.drafter, seed) ? DrafterConfig::for_target(verifier, 2, 4, 1, 64, 512, 16, 0)
+                                                 : DrafterConfig::from_file(f.drafter + "/config.json");
+  d.check_target(verifier);
+  if (random_spec(f.ftheta, seed)) return {d, FThetaConfig::for_pair(verifier, d, 64)};
+  const std::string file = f.ftheta + "/f_theta_config.json";
+  auto t = FThetaConfig::from_file(file);
+  t.check(verifier, d, file);
+  return {d, t};
+}
+
 void load_restoration(const RestoreFlags& f, const Model& model, const Tokenizer& tok, DecodeStack& s) {
   uint64_t seed = 0;
   if (random_spec(f.drafter, seed)) {

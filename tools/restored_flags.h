@@ -32,6 +32,10 @@ struct RestoreFlags {
   nlohmann::json to_json() const;
 };
 
+// The drafter's and f_θ's configs for `verifier` without their weights (what bytes-only plans
+// need): read from the directories, or the geometry `random` would build (mask token 0).
+std::pair<DrafterConfig, FThetaConfig> restoration_configs(const RestoreFlags& f, const ModelConfig& verifier);
+
 // The verifier, and the drafter and f_θ when `need_restore` (restored modes with a < 1).
 // The model lives behind a pointer: the drafter binds to its address.
 struct DecodeStack {
