@@ -3,7 +3,8 @@
 MoE config of the model_parity fixtures, random weights drawn by kakeya and, in the HF peer
 (tools/hf_bench.py), the same weights drawn by tools/random_weights.py; in f32 the greedy tokens
 of the two agree on every step (the bench's own comparison). Bad input: --random-init with
---restored, a missing config, a config of an unknown family -> clear errors.
+--restored, a missing config, a config of an unknown family, a shape too large for the host's
+memory, a negative seed -> clear errors.
 Environment (set by tests/CMakeLists.txt): KAKEYA_BIN, KAKEYA_FIXTURES, KAKEYA_PYTHON."""
 import json, os, subprocess, sys, tempfile
 
@@ -44,6 +45,15 @@ def main():
         # Bad input.
         r = run("--random-init", CFG, "--restored")
         assert r.returncode != 0 and "--random-init: times AR" in r.stderr, r.stderr
+        # A shape too large for the host: refused before its first tensor is drawn, naming it.
+        huge = os.path.join(d, "huge.json")
+        cfg = json.load(open(CFG))
+        cfg["vocab_size"] = 1 << 40
+        json.dump(cfg, open(huge, "w"))
+        r = run("--random-init", huge, "--no-peer")
+        assert r.returncode != 0 and "too large for the CPU" in r.stderr and "embed_tokens" in r.stderr, r.stderr
+        r = run("--random-init", CFG, "--seed", "-1")
+        assert r.returncode != 0 and "--seed" in r.stderr, r.stderr
         r = run("--random-init", os.path.join(d, "missing.json"))
         assert r.returncode != 0 and "--random-init" in r.stderr, r.stderr
         bad = os.path.join(d, "bad.json")

@@ -50,7 +50,9 @@ void register_bench(CLI::App& app) {
                 "HF config.json: time random weights of its shape instead of --model (drawn on the device; "
                 "the HF peer draws the same ones, core/model/random_weights.h), random prompt ids")
       ->check(CLI::ExistingFile);
-  c->add_option("--seed", o->seed, "--random-init: the weights' and the prompt's seed")->capture_default_str();
+  c->add_option("--seed", o->seed, "--random-init: the weights' and the prompt's seed")
+      ->capture_default_str()
+      ->check(CLI::Range(uint64_t{0}, uint64_t{0x7fffffffffffffff}));
   c->add_option("--llama-bench", o->llama_bench, "llama.cpp's llama-bench binary: a llama.cpp peer on --gguf")
       ->check(CLI::ExistingFile);
   c->add_option("--gguf", o->ggufs, "--llama-bench: GGUF files of the same model (comma-separated)")
