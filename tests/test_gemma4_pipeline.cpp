@@ -15,6 +15,7 @@
 #include "infer/generate.h"
 #include "tests/gemma4_test_util.h"
 #include "tests/test_util.h"
+#include "tests/train_test_util.h"
 #include "train/ftheta_online.h"
 #include "train/ftheta_train.h"
 
@@ -97,15 +98,11 @@ TEST(Gemma4Pipeline, FThetaTrainsOnItsCapturedSequences) {
     EXPECT_TRUE(at::equal(seqs.back().k[2], seqs.back().v[2]));
   }
   FTheta f = FTheta::random(fc, 1, at::kFloat, at::kCPU);
-  train::FThetaTrainOptions o;
+  train::FThetaTrainOptions o = test::ftheta_small_options();
   o.steps = 40;
-  o.batch = 2;
-  o.max_len = 40;
   o.lr = 2e-2;
-  o.warmup_steps = 2;
   o.eval_every = 0;
   o.log_seconds = 1e9;
-  o.checkpoint_seconds = 1e9;
   o.loss.layout = {2, 6};
   const std::string dir = fs::temp_dir() + "/kakeya_test_gemma4_ftheta";
   fs::make_dirs(dir);
