@@ -5,6 +5,9 @@
 #pragma once
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
+#include <vector>
+
 #include "core/model/config.h"
 
 namespace kakeya::test {
@@ -23,6 +26,13 @@ inline ModelConfig small_gemma4_moe() {
        {{"full_attention", {{"partial_rotary_factor", 0.25}, {"rope_theta", 1000000.0}, {"rope_type", "proportional"}}},
         {"sliding_attention", {{"rope_theta", 10000.0}, {"rope_type", "default"}}}}}};
   return ModelConfig::from_json(j, "small gemma4 moe (test)");
+}
+
+// 70 token ids of its vocabulary: several sliding windows, and past sink + window of the tests.
+inline std::vector<int64_t> small_gemma4_prompt() {
+  std::vector<int64_t> p;
+  for (int64_t i = 0; i < 70; ++i) p.push_back((i * 37 + 11) % 512);
+  return p;
 }
 
 }  // namespace kakeya::test

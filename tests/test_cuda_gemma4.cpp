@@ -31,11 +31,7 @@ Model small(at::Device device, at::ScalarType dt) {
   return Model::from_weights(test::small_gemma4_moe(), random_weights(21, at::kCPU), mo);
 }
 
-std::vector<int64_t> prompt() {
-  std::vector<int64_t> p;
-  for (int64_t i = 0; i < 70; ++i) p.push_back((i * 37 + 11) % 512);
-  return p;
-}
+std::vector<int64_t> prompt() { return test::small_gemma4_prompt(); }
 
 at::Tensor logits(const Model& m, const std::vector<int64_t>& ids, int64_t chunk) {
   KVCacheOptions co;

@@ -40,11 +40,7 @@ const Drafter& drafter() {
   return d;
 }
 
-std::vector<int64_t> prompt() {
-  std::vector<int64_t> p;
-  for (int64_t i = 0; i < 70; ++i) p.push_back((i * 37 + 11) % 512);
-  return p;
-}
+std::vector<int64_t> prompt() { return test::small_gemma4_prompt(); }
 
 DecodeOptions options(DecodeMode mode, double alpha) {
   DecodeOptions o;

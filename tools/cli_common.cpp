@@ -51,13 +51,17 @@ Tokenizer load_tokenizer(const std::string& dir) {
   return Tokenizer::from_file(dir + "/tokenizer.json");
 }
 
-Model load_model(const std::string& dir, const DeviceFlags& df, int64_t max_positions) {
-  check_model_dir(dir);
+ModelOptions model_options(const DeviceFlags& df, int64_t max_positions) {
   ModelOptions mo;
   mo.device = df.torch_device();
   mo.dtype = df.torch_dtype();
   mo.max_positions = max_positions;
-  return Model::load(dir, mo);
+  return mo;
+}
+
+Model load_model(const std::string& dir, const DeviceFlags& df, int64_t max_positions) {
+  check_model_dir(dir);
+  return Model::load(dir, model_options(df, max_positions));
 }
 
 std::vector<int64_t> encode(const Tokenizer& tok, const std::string& text, bool add_special) {

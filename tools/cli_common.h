@@ -27,6 +27,8 @@ DeviceFlags training_device_flags(const DeviceFlags& df, const std::string& comm
 Tokenizer load_tokenizer(const std::string& model_dir);
 // max_positions: RoPE table length = the longest sequence this run will see.
 Model load_model(const std::string& dir, const DeviceFlags& df, int64_t max_positions);
+// The model options those flags and positions give (load_model's, and a random-weight model's).
+ModelOptions model_options(const DeviceFlags& df, int64_t max_positions);
 
 std::vector<int64_t> encode(const Tokenizer& tok, const std::string& text, bool add_special = true);
 // A deterministic benchmark prompt of exactly n tokens: one prose paragraph repeated, BOS first.

@@ -110,17 +110,8 @@ void register_bench(CLI::App& app) {
       peer = nlohmann::json::parse(out.substr(pos));
     }
 
-    std::optional<Model> loaded;
-    if (random) {
-      ModelOptions mo;
-      mo.device = o->df.torch_device();
-      mo.dtype = o->df.torch_dtype();
-      mo.max_positions = o->prompt_len + o->new_tokens;
-      loaded.emplace(Model::random(*random_cfg, o->seed, mo));
-    } else {
-      loaded.emplace(load_model(o->model, o->df, o->prompt_len + o->new_tokens));
-    }
-    Model& model = *loaded;
+    Model model = random ? Model::random(*random_cfg, o->seed, model_options(o->df, o->prompt_len + o->new_tokens))
+                         : load_model(o->model, o->df, o->prompt_len + o->new_tokens);
     DecodeOptions g;
     g.max_new_tokens = o->new_tokens;
     g.stream = false;  // no stop tokens either: every run generates exactly new_tokens

@@ -52,6 +52,15 @@ nlohmann::json RestoreFlags::to_json() const {
 
 namespace {
 
+// What `random` stands for: a small drafter of the shipped geometry's kind (1 KV head), and an
+// f_θ of rank 64 for the pair.
+DrafterConfig random_drafter_config(const ModelConfig& verifier, int64_t mask_token_id) {
+  return DrafterConfig::for_target(verifier, 2, 4, 1, 64, 512, 16, mask_token_id);
+}
+FThetaConfig random_ftheta_config(const ModelConfig& verifier, const DrafterConfig& drafter) {
+  return FThetaConfig::for_pair(verifier, drafter, 64);
+}
+
 bool random_spec(const std::string& s, uint64_t& seed) {
   if (s.rfind("random", 0) != 0) return false;
   seed = 0;
@@ -74,10 +83,10 @@ DecodeStack load_decode_stack(const RestoreFlags& f, int64_t max_positions, bool
 
 std::pair<DrafterConfig, FThetaConfig> restoration_configs(const RestoreFlags& f, const ModelConfig& verifier) {
   uint64_t seed = 0;
-  DrafterConfig d = random_spec(f.drafter, seed) ? DrafterConfig::for_target(verifier, 2, 4, 1, 64, 512, 16, 0)
+  DrafterConfig d = random_spec(f.drafter, seed) ? random_drafter_config(verifier, 0)
                                                  : DrafterConfig::from_file(f.drafter + "/config.json");
   d.check_target(verifier);
-  if (random_spec(f.ftheta, seed)) return {d, FThetaConfig::for_pair(verifier, d, 64)};
+  if (random_spec(f.ftheta, seed)) return {d, random_ftheta_config(verifier, d)};
   const std::string file = f.ftheta + "/f_theta_config.json";
   auto t = FThetaConfig::from_file(file);
   t.check(verifier, d, file);
@@ -87,15 +96,14 @@ std::pair<DrafterConfig, FThetaConfig> restoration_configs(const RestoreFlags& f
 void load_restoration(const RestoreFlags& f, const Model& model, const Tokenizer& tok, DecodeStack& s) {
   uint64_t seed = 0;
   if (random_spec(f.drafter, seed)) {
-    // A small drafter of the shipped geometry's kind (1 KV head), random weights.
-    auto cfg = DrafterConfig::for_target(model.config(), 2, 4, 1, 64, 512, 16, tok.token_id("<mask>"));
-    s.drafter = std::make_unique<Drafter>(Drafter::random(cfg, model, seed));
+    s.drafter = std::make_unique<Drafter>(
+        Drafter::random(random_drafter_config(model.config(), tok.token_id("<mask>")), model, seed));
   } else {
     s.drafter = std::make_unique<Drafter>(Drafter::load(f.drafter, model));
   }
   if (random_spec(f.ftheta, seed)) {
-    auto cfg = FThetaConfig::for_pair(model.config(), s.drafter->config(), 64);
-    s.ftheta = std::make_unique<FTheta>(FTheta::random(cfg, seed, model.dtype(), model.device()));
+    s.ftheta = std::make_unique<FTheta>(FTheta::random(random_ftheta_config(model.config(), s.drafter->config()), seed,
+                                                       model.dtype(), model.device()));
     s.ftheta_origin = f.ftheta;
   } else {
     KAKEYA_CHECK(fs::exists(f.ftheta + "/f_theta_config.json"),

@@ -77,7 +77,7 @@ at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh) {
 }
 
 ExpertPlan plan_experts(const at::Tensor& experts, int64_t num_experts) {
-  ExpertPlan p{experts.flatten(), {}, num_experts};
+  ExpertPlan p{experts.flatten(), {}};
 #ifdef KAKEYA_CUDA
   if (experts.is_cuda()) p.groups = cuda::expert_plan(p.experts, num_experts);
 #endif

@@ -56,7 +56,6 @@ at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
 struct ExpertPlan {
   at::Tensor experts;  // [P] int64: the router's choice per pair
   at::Tensor groups;   // CUDA: int32 grouping of the pairs by expert (decode_kernels.cuh); CPU: undefined
-  int64_t num_experts = 0;
 };
 // experts: [N, top_k] int64 indices in 0 .. num_experts - 1.
 ExpertPlan plan_experts(const at::Tensor& experts, int64_t num_experts);

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <fstream>
 #include <memory>
-#include <sstream>
 
 #include "core/error.h"
 

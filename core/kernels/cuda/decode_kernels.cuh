@@ -984,7 +984,7 @@ bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int 
 // its (p % top_k)-th expert). The plan groups the pairs by expert, so that one block of the
 // expert GEMV reads a selected expert's rows once for all the pairs routed to it, and nothing
 // of the experts no pair selected. Built on the device from the router's indices: no host sync.
-//   plan (int32, kExpertPlanHeader + 3P + 1 entries): [0] U, the distinct experts; then
+//   plan (int32, expert_plan_size(P) = 3P + 2 entries): [0] U, the distinct experts; then
 //   group_expert[P] (ascending expert id), group_start[P + 1], pairs[P] (pair ids by group,
 //   ascending within a group).
 constexpr int kExpertPlanMaxPairs = 1024;
@@ -1040,11 +1040,13 @@ struct PairRows {
 
 // y[p] = W[expert(p)] · x[p / x_div] for every pair p ([P, N]); gated: W[e] is [gate; up]
 // ([2N, K]) and y[p] = act(gate)·up, as the GEMV. Grid (row blocks, P): block y = g serves
-// the g-th distinct expert (blocks past U return), its pairs `rows` at a time.
+// the g-th distinct expert (blocks past U return), its pairs `rows` at a time. A warp per
+// output row, whole rows (no split K): the pairs' experts give the grid its width, and a warp
+// streaming a whole row keeps more loads in flight than split parts.
 //   x: [P / x_div, K]; W: [E, N or 2N, K]; y: [P, N]
 template <typename T>
 __global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const int* __restrict__ plan,
-                                   T* __restrict__ y, int P, int N, int K, int x_div, int wpr, int rows, Act act) {
+                                   T* __restrict__ y, int P, int N, int K, int x_div, int rows, Act act) {
   const int g = blockIdx.y;
   if (g >= plan[0]) return;  // uniform over the block
   extern __shared__ float xs[];  // [rows, K], then [kGemvWarps, 2, rows] partial sums
@@ -1061,7 +1063,7 @@ __global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict_
     const PairRows<T> out{y, pairs + b, N};
     switch (m_cnt) {
 #define KAKEYA_EXPERT_CASE(R) \
-  case R: gemv_rows<T, R>(xs, part, We, nullptr, N, K, wpr, act, out); break;
+  case R: gemv_rows<T, R>(xs, part, We, nullptr, N, K, /*wpr=*/1, act, out); break;
       KAKEYA_EXPERT_CASE(1) KAKEYA_EXPERT_CASE(2) KAKEYA_EXPERT_CASE(3) KAKEYA_EXPERT_CASE(4)
       KAKEYA_EXPERT_CASE(5) KAKEYA_EXPERT_CASE(6) KAKEYA_EXPERT_CASE(7) KAKEYA_EXPERT_CASE(8)
 #undef KAKEYA_EXPERT_CASE
@@ -1080,12 +1082,8 @@ bool launch_expert_gemv(const T* x, const T* W, const int* plan, T* y, int P, in
   const int64_t per_row = (int64_t)K * sizeof(float) + kGemvWarps * 2 * sizeof(float);
   const int rows = (int)std::min<int64_t>(kGemvMaxRows, 48 * 1024 / per_row);
   if (rows < 1) return false;
-  // A warp per output row, whole rows (no split K): the pairs' experts give the grid its
-  // width, and a warp streaming a whole row keeps more loads in flight than split parts.
-  const int wpr = 1;
-  const int rows_per_block = kGemvWarps / wpr;
-  const dim3 grid((N + rows_per_block - 1) / rows_per_block, P);
-  expert_gemv_kernel<T><<<grid, kGemvWarps * 32, rows * per_row, s>>>(x, W, plan, y, P, N, K, x_div, wpr, rows, act);
+  const dim3 grid((N + kGemvWarps - 1) / kGemvWarps, P);  // a warp per output row
+  expert_gemv_kernel<T><<<grid, kGemvWarps * 32, rows * per_row, s>>>(x, W, plan, y, P, N, K, x_div, rows, act);
   return true;
 }
 
