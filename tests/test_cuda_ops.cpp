@@ -590,6 +590,28 @@ TEST_P(CudaOps, LinearActMul) {
       }
 }
 
+// A plan of the pairs whose experts are `flat` ([P] int64): every pair exactly once, grouped by
+// ascending expert.
+void expect_plan(const ops::ExpertPlan& plan, const at::Tensor& flat, const std::string& tag) {
+  const int64_t P = flat.numel();
+  ASSERT_TRUE(plan.groups.defined()) << tag;
+  auto g = plan.groups.to(at::kCPU);
+  ASSERT_EQ(g.numel(), 3 * P + 2) << tag;
+  const int* pl = g.data_ptr<int>();
+  const int U = pl[0];
+  EXPECT_EQ(U, std::get<0>(at::_unique(flat)).numel()) << tag;
+  std::vector<int> seen(P, 0);
+  for (int u = 0; u < U; ++u) {
+    if (u > 0) EXPECT_LT(pl[1 + u - 1], pl[1 + u]) << tag;
+    for (int b = pl[1 + P + u]; b < pl[1 + P + u + 1]; ++b) {
+      const int p = pl[2 + 2 * P + b];
+      ++seen[p];
+      EXPECT_EQ(flat[p].item<int64_t>(), pl[1 + u]) << tag;
+    }
+  }
+  for (int64_t p = 0; p < P; ++p) EXPECT_EQ(seen[p], 1) << tag << " pair " << p;
+}
+
 // Routed experts (mixture-of-experts layers) for decode steps and verify blocks: the plan groups
 // (token, expert) pairs by expert on the device and the expert GEMV reads each selected expert
 // once. Against f32 products of the gathered experts rounded once (what a GEMM returns), then
@@ -622,22 +644,99 @@ TEST_P(CudaOps, ExpertLinear) {
                        .squeeze(-1).to(dt());
       expect_close(y, y_ref, tag + " down");
       ASSERT_EQ(y.size(0), P) << tag;
-      // The plan: every pair exactly once, grouped by ascending expert.
-      auto g = plan.groups.to(at::kCPU);
-      const int* pl = g.data_ptr<int>();
-      const int U = pl[0];
-      EXPECT_EQ(U, std::get<0>(at::_unique(flat)).numel()) << tag;
-      std::vector<int> seen(P, 0);
-      for (int u = 0; u < U; ++u) {
-        if (u > 0) EXPECT_LT(pl[1 + u - 1], pl[1 + u]) << tag;
-        for (int b = pl[1 + P + u]; b < pl[1 + P + u + 1]; ++b) {
-          const int p = pl[2 + 2 * P + b];
-          ++seen[p];
-          EXPECT_EQ(flat[p].item<int64_t>(), pl[1 + u]) << tag;
-        }
-      }
-      for (int64_t p = 0; p < P; ++p) EXPECT_EQ(seen[p], 1) << tag << " pair " << p;
+      expect_plan(plan, flat, tag);
     }
+}
+
+// Gemma 4's router on the device (norm, scales, scores, softmax, top-k, renormalise, per-expert
+// scale, and the pairs' plan: two launches) against its definition computed here in f32 from
+// the same rounded inputs: the chosen experts are the top_k of p (up to values within one
+// rounding of the scores when bf16), by descending p, and the weights are their renormalised p ×
+// the per-expert scale. Token counts 1 .. 32, the 26B shape's router (128 experts, top 8, 2816),
+// odd sizes, and a row length the kernels leave to the reference ops (20 in bf16).
+TEST_P(CudaOps, RouteExperts) {
+  struct Case { int64_t tokens, experts, top_k, hidden; };
+  const ops::NormSpec ns{1e-6, true};
+  for (const Case c : {Case{1, 128, 8, 2816}, Case{16, 128, 8, 2816}, Case{3, 7, 2, 40}, Case{32, 5, 3, 64},
+                       Case{9, 33, 4, 1000}, Case{4, 6, 2, 20}}) {
+    const std::string tag = "route_experts N=" + std::to_string(c.tokens) + " E=" + std::to_string(c.experts) +
+                            " K=" + std::to_string(c.top_k) + " H=" + std::to_string(c.hidden);
+    auto h = (at::randn({c.tokens, c.hidden}) * 3).to(dt());
+    auto scale = (at::randn({c.hidden}) * 0.3 + 1).to(dt());
+    auto proj = at::randn({c.experts, c.hidden}).to(dt());
+    auto pes = (at::rand({c.experts}) + 0.5).to(dt());
+    const auto r = ops::route_experts(h.to(kCuda), scale.to(kCuda), proj.to(kCuda), pes.to(kCuda), c.top_k, ns, true);
+    ASSERT_EQ(r.experts.sizes(), (at::IntArrayRef{c.tokens, c.top_k})) << tag;
+    // The definition, in f32 from the rounded inputs: x̂ rounded as the reference rounds it.
+    auto hf = h.to(at::kFloat);
+    auto x = (hf * at::rsqrt(hf.pow(2).mean(-1, true) + ns.eps)).to(dt());
+    x = ((x * scale).to(dt()) * (1.0 / std::sqrt((double)c.hidden))).to(dt());
+    auto logits = at::matmul(x.to(at::kFloat), proj.to(at::kFloat).t());  // [N, E]
+    auto p = at::softmax(logits, -1);
+    auto e = r.experts.cpu();
+    auto w = r.weights.cpu();
+    const double tol = dt() == at::kBFloat16 ? 2.0 / 128 : 1e-5;  // p moves by ~a score's rounding
+    for (int64_t t = 0; t < c.tokens; ++t) {
+      auto sorted = std::get<0>(p[t].sort(-1, /*descending=*/true));
+      const double kth = sorted[c.top_k - 1].item<double>(), first = sorted[0].item<double>();
+      auto pe = p[t].index_select(0, e[t]);  // [K] the definition's p of the chosen experts
+      EXPECT_EQ(std::get<0>(at::_unique(e[t])).numel(), c.top_k) << tag << " token " << t << ": repeated experts";
+      EXPECT_GE(pe.min().item<double>(), kth - tol * first) << tag << " token " << t << ": " << e[t];
+      for (int64_t k = 1; k < c.top_k; ++k)
+        EXPECT_LE(pe[k].item<double>(), pe[k - 1].item<double>() + tol * first) << tag << " token " << t;
+      auto want = pe / pe.sum() * pes.to(at::kFloat).index_select(0, e[t]);
+      EXPECT_TRUE(at::allclose(w[t], want, dt() == at::kBFloat16 ? 3e-2 : 1e-5, 1e-6))
+          << tag << " token " << t << ": " << w[t] << " vs " << want;
+    }
+    if (dt() == at::kFloat) {
+      // f32: the same choice as the reference ops (core/kernels/ops.cpp, the CPU path).
+      const auto ref = ops::route_experts(h, scale, proj, pes, c.top_k, ns, false);
+      EXPECT_TRUE(r.experts.cpu().equal(ref.experts)) << tag << "\n" << r.experts.cpu() << "\nvs\n" << ref.experts;
+    }
+    // The plan the second launch built: what plan_experts builds from the same indices.
+    expect_plan(r.plan, r.experts.flatten().cpu(), tag);
+  }
+}
+
+// Gemma 4's MoE layer end in one kernel (the experts' weighted sum, three post-norms, the
+// residual add, the layer scalar and the next pre-norm) against the reference ops; pair rows with
+// route weights and an already-summed branch (no weights), with and without the layer scalar, the
+// 26B shape's hidden size and odd ones; and the copy of the new residual rows into a ring.
+TEST_P(CudaOps, MoeResidual) {
+  const ops::NormSpec ns{1e-6, false};
+  for (int64_t H : {2816, 37, 640})
+    for (int64_t K : {8, 2, 0})
+      for (bool scalar : {true, false}) {
+        const int64_t N = H == 37 ? 3 : (K == 2 ? 16 : 1);
+        const std::string tag = "moe_residual N=" + std::to_string(N) + " K=" + std::to_string(K) + " H=" +
+                                std::to_string(H) + (scalar ? " scalar" : "");
+        auto h = at::randn({1, N, H}).to(dt()), f = at::randn({1, N, H}).to(dt());
+        auto y = at::randn({N * std::max<int64_t>(K, 1), H}).to(dt());
+        auto r = K ? at::rand({N, K}) : at::Tensor();
+        auto wt = [&] { return (at::randn({H}) * 0.2 + 1).to(dt()).to(at::kFloat); };
+        ops::MoeNorms n{wt(), wt(), wt(), scalar ? at::full({1}, 0.61, dt()) : at::Tensor()};
+        auto wn = wt();
+        auto [h_ref, x_ref] = ops::moe_residual(h, f, y, r, n, wn, ns);
+        ops::MoeNorms nc{n.dense.to(kCuda), n.experts.to(kCuda), n.ffn.to(kCuda),
+                         scalar ? n.scalar.to(kCuda) : at::Tensor()};
+        auto [h_got, x_got] = ops::moe_residual(h.to(kCuda), f.to(kCuda), y.to(kCuda), K ? r.to(kCuda) : r, nc,
+                                                wn.to(kCuda), ns);
+        expect_close(h_got, h_ref, tag + " h");
+        expect_close(x_got, x_ref, tag + " x");
+      }
+  // The ring copy: rows at position mod R, columns col.., nothing else touched.
+  const int64_t H = 640, N = 3, R = 5, F = 2 * H;
+  auto h = at::randn({1, N, H}).to(dt()), f = at::randn({1, N, H}).to(dt()), y = at::randn({N * 2, H}).to(dt());
+  auto r = at::rand({N, 2});
+  ops::MoeNorms n{at::ones({H}, kCuda), at::ones({H}, kCuda), at::ones({H}, kCuda), {}};
+  auto ring = at::full({R, F}, 7.0, at::TensorOptions().dtype(dt()).device(kCuda));
+  ops::RowCopy copy{ring, H, at::tensor({6, 7, 8}, at::kLong).to(kCuda)};
+  auto [h_got, x_got] = ops::moe_residual(h.to(kCuda), f.to(kCuda), y.to(kCuda), r.to(kCuda), n,
+                                          at::ones({H}, kCuda), ns, &copy);
+  auto rc = ring.cpu();
+  for (int64_t t = 0; t < N; ++t) EXPECT_TRUE(rc[(6 + t) % R].narrow(0, H, H).equal(h_got.cpu()[0][t])) << "row " << t;
+  EXPECT_TRUE(rc.narrow(1, 0, H).eq(7).all().item<bool>()) << "columns before col written";
+  EXPECT_TRUE(rc[0].eq(7).all().item<bool>() && rc[4].eq(7).all().item<bool>()) << "rows of no position written";
 }
 
 // Greedy acceptance of a verify block against the LibTorch reference (core/kernels/ops.cpp, what

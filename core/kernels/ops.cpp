@@ -77,7 +77,7 @@ at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh) {
 }
 
 ExpertPlan plan_experts(const at::Tensor& experts, int64_t num_experts) {
-  ExpertPlan p{experts.flatten(), {}};
+  ExpertPlan p{experts.flatten(), {}, experts.dim() == 2 ? experts.size(0) : experts.numel()};
 #ifdef KAKEYA_CUDA
   if (experts.is_cuda()) p.groups = cuda::expert_plan(p.experts, num_experts);
 #endif
@@ -91,7 +91,7 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const ExpertP
                "expert_linear: x " << x.sizes() << " for " << P << " pairs, " << x_div << " pairs per row");
 #ifdef KAKEYA_CUDA
   if (plan.groups.defined() && fused(x, w)) {
-    auto y = cuda::expert_linear(x, w, plan.groups, P, x_div, gated, gelu_tanh);
+    auto y = cuda::expert_linear(x, w, plan.groups, P, x_div, plan.most_per_expert, gated, gelu_tanh);
     if (y.defined()) return y;
   }
 #endif
@@ -100,6 +100,51 @@ at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const ExpertP
   if (x_div > 1) xr = xr.repeat_interleave(x_div, 0);                                 // [P, K]
   auto y = at::matmul(w.index_select(0, plan.experts), xr.unsqueeze(-1)).squeeze(-1);  // [P, N or 2N]
   return gated ? act_mul(y, gelu_tanh) : y;
+}
+
+ExpertRoute route_experts(const at::Tensor& h, const at::Tensor& scale, const at::Tensor& proj,
+                          const at::Tensor& per_expert_scale, int64_t top_k, const NormSpec& ns, bool with_plan) {
+  const int64_t H = h.size(-1), E = proj.size(0);
+  KAKEYA_CHECK(h.dim() == 2 && top_k >= 1 && top_k <= E,
+               "route_experts: h " << h.sizes() << " (expected [N, H]), top " << top_k << " of " << E << " experts");
+#ifdef KAKEYA_CUDA
+  if (fused(h, proj)) {
+    ExpertRoute r;
+    if (cuda::route_experts(h, scale, proj, per_expert_scale, top_k, ns.eps, r, with_plan)) return r;
+  }
+#endif
+  // Same op order as the reference: the weight-free norm (x̂ cast to the model dtype), × scale,
+  // × H^-0.5, each in the model dtype.
+  auto hf = h.to(at::kFloat);
+  auto x = (hf * at::rsqrt(hf.pow(2).mean(-1, true) + ns.eps)).to(h.scalar_type()) * scale *
+           std::pow((double)H, -0.5);                                          // [N, H]
+  auto probs = at::softmax(ops::linear(x, proj), -1, at::kFloat);             // [N, E] f32
+  auto [top, idx] = at::topk(probs, top_k, -1);                               // [N, K]
+  top = top / top.sum(-1, true);
+  ExpertRoute r{top * per_expert_scale.index_select(0, idx.flatten()).view_as(idx), idx, {}};
+  if (with_plan) r.plan = plan_experts(idx, E);
+  return r;
+}
+
+std::pair<at::Tensor, at::Tensor> moe_residual(const at::Tensor& h, const at::Tensor& f, const at::Tensor& y,
+                                               const at::Tensor& r, const MoeNorms& n, const at::Tensor& w_next,
+                                               const NormSpec& ns, const RowCopy* copy) {
+#ifdef KAKEYA_CUDA
+  if (fused(h) && fused(f) && fused(y)) return cuda::moe_residual(h, f, y, r, n, w_next, ns.eps, ns.unit_offset, copy);
+#endif
+  const int64_t H = h.size(-1);
+  at::Tensor m = y;
+  if (r.defined()) {
+    // Each expert's output × its f32 weight, rounded to the model dtype, then summed (as the reference adds them).
+    const int64_t K = r.size(-1);
+    m = (y.view({-1, K, H}) * r.reshape({-1, K}).unsqueeze(-1)).to(h.scalar_type()).sum(1);  // [N, H]
+  }
+  auto f2 = rms_norm(f, n.dense, ns) + rms_norm(m.view(h.sizes()), n.experts, ns);
+  auto h2 = h + rms_norm(f2, n.ffn, ns);
+  // Gemma 4: the layer's whole output (residual stream included) ×= layer_scalar, in the model dtype.
+  if (n.scalar.defined()) h2 = h2 * n.scalar;
+  if (copy) copy_rows(h2, *copy);
+  return {h2, rms_norm(h2, w_next, ns)};
 }
 
 bool cuda_kernels_available() {

@@ -56,6 +56,9 @@ at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
 struct ExpertPlan {
   at::Tensor experts;  // [P] int64: the router's choice per pair
   at::Tensor groups;   // CUDA: int32 grouping of the pairs by expert (decode_kernels.cuh); CPU: undefined
+  // The most pairs one expert can get: the tokens, since a token's experts are distinct. It
+  // picks the kernel's rows per pass (a larger group takes several).
+  int64_t most_per_expert = 1;
 };
 // experts: [N, top_k] int64 indices in 0 .. num_experts - 1.
 ExpertPlan plan_experts(const at::Tensor& experts, int64_t num_experts);
@@ -63,6 +66,33 @@ ExpertPlan plan_experts(const at::Tensor& experts, int64_t num_experts);
 // gated: w[e] is [gate; up] ([2N, K]) and y[p] = act(gate)·up, as linear_act_mul.
 at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const ExpertPlan& plan, int64_t x_div, bool gated,
                          bool gelu_tanh);
+
+// Gemma 4's router for the tokens h [N, H]: x̂ = rms_norm(h) (no weight) · scale · H^-0.5, each
+// product in h's dtype; p = softmax(x̂ · proj^T) over the E experts in f32; its top_k largest,
+// renormalised to sum 1, × per_expert_scale. scale: [H], proj: [E, H], per_expert_scale: [E],
+// all in h's dtype. with_plan: also the pairs' plan (plan_experts; on CUDA built by the same
+// launches, no host sync).
+struct ExpertRoute {
+  at::Tensor weights;  // [N, top_k] f32
+  at::Tensor experts;  // [N, top_k] int64, by descending probability
+  ExpertPlan plan;     // with_plan only
+};
+ExpertRoute route_experts(const at::Tensor& h, const at::Tensor& scale, const at::Tensor& proj,
+                          const at::Tensor& per_expert_scale, int64_t top_k, const NormSpec& ns, bool with_plan);
+
+// Gemma 4's MoE layer end, one residual step (one kernel on CUDA):
+//   m = Σ_k rnd(y[t·K + k] · r[t, k]) rounded once   (r undefined: y is m, already summed)
+//   f' = rms_norm(f, dense) + rms_norm(m, experts);  h' = (h + rms_norm(f', ffn)) · scalar
+//   x = rms_norm(h', w_next)                         (the next pre-norm)
+// h, f: [..., H]; y: [N·K, H] the experts' pair rows ([N, H] with r undefined); r: [N, K] f32.
+// Returns {h', x}; copy as add_rms_norm's.
+struct MoeNorms {
+  at::Tensor dense, experts, ffn;  // [H] f32: the dense branch's post-norm, the expert sum's, the shared one
+  at::Tensor scalar;               // [1] in h's dtype (the layer scalar), or undefined
+};
+std::pair<at::Tensor, at::Tensor> moe_residual(const at::Tensor& h, const at::Tensor& f, const at::Tensor& y,
+                                               const at::Tensor& r, const MoeNorms& norms, const at::Tensor& w_next,
+                                               const NormSpec& ns, const RowCopy* copy = nullptr);
 
 // True when this build has the CUDA kernels (the two ops below have no CPU version:
 // their reference is the unfused path of Model::forward).

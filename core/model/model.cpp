@@ -130,7 +130,6 @@ Model Model::from_weights(const ModelConfig& cfg, const WeightSource& st, const 
     if (cfg.moe()) {
       const int64_t E = cfg.num_experts, Ie = cfg.moe_intermediate_size;
       MoeWeights& e = w.moe;
-      e.router_norm = at::ones({H}, at::TensorOptions().dtype(at::kFloat).device(opt.device));
       e.router_scale = dev(get(p + "router.scale", {H}));
       e.router_proj = dev(get(p + "router.proj.weight", {E, H}));
       e.per_expert_scale = dev(get(p + "router.per_expert_scale", {E}));
@@ -405,17 +404,26 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
 
     const bool gelu = cfg_.act == Activation::GeluTanh;
     at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, gelu), w.down, w.down_bias);
-    // Gemma 4 MoE: the router and the experts read the residual stream h (not the dense
-    // branch's pre-norm x); each branch has its own post-norm before the shared post_ffn_norm.
-    if (w.moe.defined())
-      f = rms_norm(f, w.moe.post_dense_norm) + moe_block(w.moe, h, cfg_.top_k_experts, norm_spec_, gelu);
     const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
     // A subscriber may want the layer output stored as it is computed (core/model/taps.h).
     ops::RowCopy store;
     const bool stored = taps && taps->store(Tap::LayerOut, l, &store);
     if (stored) store.positions = positions;
-    if (w.layer_scalar.defined() || w.ple_gate.defined()) {
-      h = h + (w.post_ffn_norm.defined() ? rms_norm(f, w.post_ffn_norm) : f);
+    if (w.moe.defined()) {
+      // Gemma 4 MoE: the router and the experts read the residual stream h (not the dense
+      // branch's pre-norm x); one residual step sums the two branches through their post-norms.
+      // Per-layer inputs come between that sum and the layer scalar (below).
+      const auto flat = h.reshape({-1, h.size(-1)});  // [N, H]
+      const auto route = moe_route(w.moe, flat, cfg_.top_k_experts, norm_spec_);
+      const auto y = moe_experts(w.moe, ops::rms_norm(flat, w.moe.pre_norm, norm_spec_), route, gelu);
+      const bool per_layer = w.ple_gate.defined();
+      std::tie(h, x) = ops::moe_residual(
+          h, f, y, route.plan.experts.defined() ? route.weights : at::Tensor(),
+          {w.moe.post_dense_norm, w.moe.post_norm, w.post_ffn_norm, per_layer ? at::Tensor() : w.layer_scalar},
+          next_norm, norm_spec_, stored && !per_layer ? &store : nullptr);
+    }
+    if (w.ple_gate.defined() || (w.layer_scalar.defined() && !w.moe.defined())) {
+      if (!w.moe.defined()) h = h + (w.post_ffn_norm.defined() ? rms_norm(f, w.post_ffn_norm) : f);
       // Gemma 4 per-layer inputs: h += norm(proj(act(gate(h)) · this layer's input)).
       if (w.ple_gate.defined()) {
         auto g = ops::act_mul(at::cat({ops::linear(h, w.ple_gate), ple.select(2, l)}, -1), gelu);  // [B, T, P]
@@ -425,7 +433,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       if (w.layer_scalar.defined()) h = h * w.layer_scalar;
       x = rms_norm(h, next_norm);
       if (stored) ops::copy_rows(h, store);
-    } else {
+    } else if (!w.moe.defined()) {
       std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_, stored ? &store : nullptr);
     }
     if (taps) {

@@ -1,8 +1,9 @@
 // Gemma 4's mixture-of-experts block (26B-A4B): a router on the layer's residual
 // stream picks top_k of num_experts feed-forward experts per token; their outputs,
 // weighted by the renormalised router probabilities, run beside the dense MLP.
-// The forward (model.cpp) sums the two branches; this file holds the router and
-// the expert sum so that the decoder loop stays one description of the model.
+// The forward (model.cpp) sums the two branches in one residual step (ops::moe_residual);
+// this file holds the router and the experts so that the decoder loop stays one
+// description of the model.
 #pragma once
 #include <ATen/ATen.h>
 
@@ -11,7 +12,6 @@
 namespace kakeya {
 
 struct MoeWeights {
-  at::Tensor router_norm;       // [hidden] f32 ones: the router's RMSNorm has no weight
   at::Tensor router_scale;      // [hidden] model dtype (router.scale)
   at::Tensor router_proj;       // [E, hidden] router.proj.weight
   at::Tensor per_expert_scale;  // [E] model dtype
@@ -25,20 +25,17 @@ struct MoeWeights {
   int64_t num_experts() const { return gate_up.size(0); }
 };
 
-struct MoeRoute {
-  at::Tensor weights;  // [N, K] f32: renormalised top-k probabilities × per-expert scale
-  at::Tensor experts;  // [N, K] int64 expert indices
-};
+// Up to this many tokens (decode steps and verify blocks, the steps CUDA graphs capture; the
+// attention kernel's limit too) the experts run per (token, expert) pair: no host sync.
+constexpr int64_t kMoeGatherMaxTokens = 32;
 
-// Router: scale-free RMSNorm of the residual × scale × hidden^-0.5, linear to E
-// scores, softmax in f32, top-k, renormalised to sum 1, × per_expert_scale.
-// h: [N, hidden] (the residual stream before the feed-forward norms).
-MoeRoute moe_route(const MoeWeights& w, const at::Tensor& h, int64_t top_k, const ops::NormSpec& ns);
+// Router (ops::route_experts): h [N, hidden], the residual stream before the feed-forward norms.
+// Few tokens (<= kMoeGatherMaxTokens) get the pairs' plan as well.
+ops::ExpertRoute moe_route(const MoeWeights& w, const at::Tensor& h, int64_t top_k, const ops::NormSpec& ns);
 
-// Σ_k weight_k · expert_k(x) for each row: x [N, hidden] (already pre-normed) -> [N, hidden] in x's dtype.
-at::Tensor moe_experts(const MoeWeights& w, const at::Tensor& x, const MoeRoute& r, bool gelu_tanh);
-
-// The expert branch of one layer: h [.., hidden] residual -> post-normed expert sum [.., hidden].
-at::Tensor moe_block(const MoeWeights& w, const at::Tensor& h, int64_t top_k, const ops::NormSpec& ns, bool gelu_tanh);
+// The experts on x [N, hidden] (already pre-normed): with the route's plan (few tokens) the pair
+// rows [N·K, hidden], unweighted (ops::moe_residual weights and sums them); else the weighted
+// sum [N, hidden]. In x's dtype.
+at::Tensor moe_experts(const MoeWeights& w, const at::Tensor& x, const ops::ExpertRoute& r, bool gelu_tanh);
 
 }  // namespace kakeya

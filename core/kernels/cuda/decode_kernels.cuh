@@ -854,66 +854,74 @@ template <typename T> struct Vec16;
 template <> struct Vec16<float> { static constexpr int n = 4; };
 template <> struct Vec16<__nv_bfloat16> { static constexpr int n = 8; };
 
-template <typename T, int M>
-__device__ __forceinline__ void dot_rows(const T* __restrict__ wr, const float* __restrict__ xs, int K, int k0, int k1,
-                                         int lane, float* acc) {
+// R rows of W (w0 + r·stride, the first nrows of them real) against the M rows of x: their loads
+// issued together, kGemvUnroll per row in flight per lane, the last group predicated: a row
+// shorter than kGemvUnroll steps (an expert's 704 values, Gemma 3's 640) still issues its loads
+// together instead of one latency after another. acc: [R, M]; the sum order per lane is k's order.
+template <typename T, int M, int R>
+__device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t stride, int nrows,
+                                         const float* __restrict__ xs, int K, int k0, int k1, int lane, float* acc) {
   constexpr int V = Vec16<T>::n;
   constexpr int STEP = 32 * V;
-  // kGemvUnroll loads in flight per lane, the last group predicated: a row shorter than
-  // kGemvUnroll steps (an expert's 704 values, Gemma 3's 640) still issues its loads
-  // together instead of one latency after another. The sum order per lane is k's order.
   for (int k = k0 + lane * V; k < k1; k += kGemvUnroll * STEP) {
-    uint4 raw[kGemvUnroll];
+    uint4 raw[R][kGemvUnroll];
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u)
-      raw[u] = k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(wr + k + u * STEP) : make_uint4(0, 0, 0, 0);
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int u = 0; u < kGemvUnroll; ++u)
+        raw[r][u] = r < nrows && k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(w0 + r * stride + k + u * STEP)
+                                                   : make_uint4(0, 0, 0, 0);
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       if (k + u * STEP >= k1) break;
-      const T* e = reinterpret_cast<const T*>(&raw[u]);
 #pragma unroll
-      for (int m = 0; m < M; ++m) {
-        const float* xm = xs + m * K + k + u * STEP;
+      for (int r = 0; r < R; ++r) {
+        const T* e = reinterpret_cast<const T*>(&raw[r][u]);
 #pragma unroll
-        for (int i = 0; i < V; ++i) acc[m] += from_t<T>(e[i]) * xm[i];
+        for (int m = 0; m < M; ++m) {
+          const float* xm = xs + m * K + k + u * STEP;
+#pragma unroll
+          for (int i = 0; i < V; ++i) acc[r * M + m] += from_t<T>(e[i]) * xm[i];
+        }
       }
     }
   }
 }
 
-// One block's output rows of the GEMV: rows n of W (split over `wpr` warps each) against the
-// M rows of x staged in xs, written to out.row(m)[n]. Every thread of the block calls it
-// (it synchronises once when wpr > 1); `part` holds the split-K partial sums.
-template <typename T, int M, typename Out>
+// One block's output rows of the GEMV against the M rows of x staged in xs, written to
+// out.row(m)[n]. A warp group of `wpr` warps (split K) serves RW consecutive rows n (RW > 1:
+// whole rows, wpr 1, not gated), so that a warp has RW rows' loads in flight. Gated: the warp
+// reads row n's gate and up rows together. Every thread of the block calls it (it synchronises
+// once when wpr > 1); `part` holds the split-K partial sums.
+template <typename T, int M, int RW, typename Out>
 __device__ __forceinline__ void gemv_rows(const float* __restrict__ xs, float* __restrict__ part,
                                           const T* __restrict__ W, const T* __restrict__ bias, int N, int K, int wpr,
                                           Act act, Out out) {
   constexpr int V = Vec16<T>::n;
+  constexpr int R = RW > 2 ? RW : 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int rows_per_block = kGemvWarps / wpr;
-  const int n = blockIdx.x * rows_per_block + warp / wpr;
+  const int groups_per_block = kGemvWarps / wpr;
+  const int n = (blockIdx.x * groups_per_block + warp / wpr) * RW;
   const int part_idx = warp % wpr;
   // This warp's K range, a multiple of the vector width.
   const int kv = K / V, per = (kv + wpr - 1) / wpr;
   const int k0 = min(kv, part_idx * per) * V, k1 = min(kv, (part_idx + 1) * per) * V;
   const bool gated = act != Act::None;
-  float acc[2][M];
+  const int nrows = min(RW, N - n);
+  float acc[R * M];
 #pragma unroll
-  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = 0.f;
+  for (int i = 0; i < R * M; ++i) acc[i] = 0.f;
   if (n < N) {
-    dot_rows<T, M>(W + (int64_t)n * K, xs, K, k0, k1, lane, acc[0]);
-    if (gated) dot_rows<T, M>(W + (int64_t)(n + N) * K, xs, K, k0, k1, lane, acc[1]);
+    if (gated) dot_rows<T, M, 2>(W + (int64_t)n * K, (int64_t)N * K, 2, xs, K, k0, k1, lane, acc);
+    else dot_rows<T, M, RW>(W + (int64_t)n * K, K, nrows, xs, K, k0, k1, lane, acc);
   }
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    acc[0][m] = warp_sum(acc[0][m]);
-    if (gated) acc[1][m] = warp_sum(acc[1][m]);
-  }
-  if (wpr > 1) {
+  for (int i = 0; i < R * M; ++i) acc[i] = warp_sum(acc[i]);
+  if (wpr > 1) {  // RW 1: acc holds [gate or plain; up] × M
     if (lane == 0)
       for (int m = 0; m < M; ++m) {
-        part[(warp * 2 + 0) * M + m] = acc[0][m];
-        part[(warp * 2 + 1) * M + m] = acc[1][m];
+        part[(warp * 2 + 0) * M + m] = acc[m];
+        part[(warp * 2 + 1) * M + m] = acc[M + m];
       }
     __syncthreads();
     for (int m = 0; m < M && part_idx == 0; ++m) {
@@ -922,19 +930,19 @@ __device__ __forceinline__ void gemv_rows(const float* __restrict__ xs, float* _
         a0 += part[((warp + p) * 2 + 0) * M + m];
         a1 += part[((warp + p) * 2 + 1) * M + m];
       }
-      acc[0][m] = a0;
-      acc[1][m] = a1;
+      acc[m] = a0;
+      acc[M + m] = a1;
     }
   }
   if (lane != 0 || n >= N || part_idx != 0) return;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
-    float g = acc[0][m] + (bias ? from_t<T>(bias[n]) : 0.f);
     if (!gated) {
-      out.row(m)[n] = to_t<T>(g);
+      for (int r = 0; r < nrows; ++r) out.row(m)[n + r] = to_t<T>(acc[r * M + m] + (bias ? from_t<T>(bias[n + r]) : 0.f));
     } else {
       // The unfused path materialises gate and up in T, then act(gate) in T, then the product.
-      const float u = rnd<T>(acc[1][m] + (bias ? from_t<T>(bias[n + N]) : 0.f));
+      const float g = acc[m] + (bias ? from_t<T>(bias[n]) : 0.f);
+      const float u = rnd<T>(acc[M + m] + (bias ? from_t<T>(bias[n + N]) : 0.f));
       out.row(m)[n] = to_t<T>(rnd<T>(apply_act(rnd<T>(g), act)) * u);
     }
   }
@@ -954,7 +962,7 @@ __global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, co
   extern __shared__ float xs[];  // [M, K], then [kGemvWarps, 2, M] partial sums
   for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = from_t<T>(x[i]);
   __syncthreads();
-  gemv_rows<T, M>(xs, xs + M * K, W, bias, N, K, wpr, act, DenseRows<T>{y, N});
+  gemv_rows<T, M, 1>(xs, xs + M * K, W, bias, N, K, wpr, act, DenseRows<T>{y, N});
 }
 
 // Returns false when the shape is not for this kernel (caller falls back to cuBLAS).
@@ -991,8 +999,10 @@ constexpr int kExpertPlanMaxPairs = 1024;
 constexpr int kExpertPlanMaxExperts = 4096;
 __host__ __device__ inline int64_t expert_plan_size(int64_t P) { return 1 + 3 * P + 1; }
 
-static __global__ void expert_plan_kernel(const int64_t* __restrict__ experts, int P, int E, int* __restrict__ plan) {
-  extern __shared__ int sm[];  // count[E], group_of[E]
+// Builds the plan of the P pairs whose experts are `experts` (all threads of one block; visible
+// to the block after its barrier). sm: 2E ints of shared memory.
+__device__ __forceinline__ void build_expert_plan(const int64_t* __restrict__ experts, int P, int E, int* __restrict__ plan,
+                                                  int* sm) {
   int* count = sm;
   int* group_of = sm + E;
   int* group_expert = plan + 1;
@@ -1023,6 +1033,12 @@ static __global__ void expert_plan_kernel(const int64_t* __restrict__ experts, i
     for (int q = 0; q < p; ++q) slot += experts[q] == e;
     pairs[group_start[group_of[e]] + slot] = p;
   }
+  __syncthreads();
+}
+
+static __global__ void expert_plan_kernel(const int64_t* __restrict__ experts, int P, int E, int* __restrict__ plan) {
+  extern __shared__ int sm[];  // count[E], group_of[E]
+  build_expert_plan(experts, P, E, plan, sm);
 }
 
 inline void launch_expert_plan(const int64_t* experts, int P, int E, int* plan, cudaStream_t s) {
@@ -1038,13 +1054,32 @@ struct PairRows {
   __device__ T* row(int m) const { return y + (int64_t)pairs[m] * N; }
 };
 
+// gemv_rows for a run-time row count m in 1 .. RMAX. Every instantiation is compiled into the
+// caller's kernel, whose registers are the largest case's: a kernel that only ever sees one row
+// (a decode step) is instantiated with RMAX 1 and keeps its occupancy.
+template <typename T, int RMAX, int RW, typename Out>
+__device__ __forceinline__ void gemv_rows_upto(int m, const float* __restrict__ xs, float* __restrict__ part,
+                                               const T* __restrict__ W, const T* __restrict__ bias, int N, int K,
+                                               int wpr, Act act, Out out) {
+  if constexpr (RMAX > 1) {
+    if (m < RMAX) return gemv_rows_upto<T, RMAX - 1, RW>(m, xs, part, W, bias, N, K, wpr, act, out);
+  }
+  gemv_rows<T, RMAX, RW>(xs, part, W, bias, N, K, wpr, act, out);
+}
+
+constexpr int kExpertRowsPerWarp = 4;
+
+// The rows per pass a kernel is compiled for: the next of 1, 2, 4, 8 at or above `most`.
+inline int rows_bucket(int most) { return most <= 1 ? 1 : most <= 2 ? 2 : most <= 4 ? 4 : 8; }
+
 // y[p] = W[expert(p)] · x[p / x_div] for every pair p ([P, N]); gated: W[e] is [gate; up]
 // ([2N, K]) and y[p] = act(gate)·up, as the GEMV. Grid (row blocks, P): block y = g serves
-// the g-th distinct expert (blocks past U return), its pairs `rows` at a time. A warp per
-// output row, whole rows (no split K): the pairs' experts give the grid its width, and a warp
-// streaming a whole row keeps more loads in flight than split parts.
+// the g-th distinct expert (blocks past U return), its pairs `rows` (<= RMAX) at a time. Whole
+// rows per warp (no split K): the pairs' experts give the grid its width, and a warp streaming
+// whole rows keeps more loads in flight than split parts; RW rows per warp when not gated (a
+// gated warp reads its gate and up rows together).
 //   x: [P / x_div, K]; W: [E, N or 2N, K]; y: [P, N]
-template <typename T>
+template <typename T, int RMAX, int RW>
 __global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const int* __restrict__ plan,
                                    T* __restrict__ y, int P, int N, int K, int x_div, int rows, Act act) {
   const int g = blockIdx.y;
@@ -1059,32 +1094,233 @@ __global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict_
     for (int i = threadIdx.x; i < m_cnt * K; i += blockDim.x)
       xs[i] = from_t<T>(x[(int64_t)(pairs[b + i / K] / x_div) * K + i % K]);
     __syncthreads();
-    float* part = xs + m_cnt * K;
-    const PairRows<T> out{y, pairs + b, N};
-    switch (m_cnt) {
-#define KAKEYA_EXPERT_CASE(R) \
-  case R: gemv_rows<T, R>(xs, part, We, nullptr, N, K, /*wpr=*/1, act, out); break;
-      KAKEYA_EXPERT_CASE(1) KAKEYA_EXPERT_CASE(2) KAKEYA_EXPERT_CASE(3) KAKEYA_EXPERT_CASE(4)
-      KAKEYA_EXPERT_CASE(5) KAKEYA_EXPERT_CASE(6) KAKEYA_EXPERT_CASE(7) KAKEYA_EXPERT_CASE(8)
-#undef KAKEYA_EXPERT_CASE
-    }
+    gemv_rows_upto<T, RMAX, RW>(m_cnt, xs, xs + m_cnt * K, We, nullptr, N, K, /*wpr=*/1, act,
+                                PairRows<T>{y, pairs + b, N});
     __syncthreads();  // xs and part are reused by the next rows of this group
   }
 }
 
 // Returns false when the shape is not for this kernel (the caller gathers the experts instead).
+// most_per_expert: the most pairs one expert can get (the tokens, whose experts are distinct); it
+// picks the compiled rows per pass, larger groups take several passes.
 template <typename T>
-bool launch_expert_gemv(const T* x, const T* W, const int* plan, T* y, int P, int N, int K, int x_div, Act act,
-                        cudaStream_t s) {
+bool launch_expert_gemv(const T* x, const T* W, const int* plan, T* y, int P, int N, int K, int x_div,
+                        int most_per_expert, Act act, cudaStream_t s) {
   if (P < 1 || P > kExpertPlanMaxPairs || K % Vec16<T>::n != 0 || reinterpret_cast<uintptr_t>(W) % 16 != 0)
     return false;
   // As many pairs per pass as fit the default 48 KiB of shared memory, up to the GEMV's 8.
   const int64_t per_row = (int64_t)K * sizeof(float) + kGemvWarps * 2 * sizeof(float);
-  const int rows = (int)std::min<int64_t>(kGemvMaxRows, 48 * 1024 / per_row);
+  const int rmax = rows_bucket(most_per_expert);
+  const int rows = (int)std::min<int64_t>(rmax, 48 * 1024 / per_row);
   if (rows < 1) return false;
-  const dim3 grid((N + kGemvWarps - 1) / kGemvWarps, P);  // a warp per output row
-  expert_gemv_kernel<T><<<grid, kGemvWarps * 32, rows * per_row, s>>>(x, W, plan, y, P, N, K, x_div, rows, act);
+  // Four rows per warp when not gated (an expert's down rows are short: 704 values on the 26B
+  // shape), one gated row (its gate and up rows) otherwise.
+  const int rw = act == Act::None ? kExpertRowsPerWarp : 1;
+  const dim3 grid((N + kGemvWarps * rw - 1) / (kGemvWarps * rw), P);
+  const size_t smem = rows * per_row;
+#define KAKEYA_EXPERT_LAUNCH(R, RWC) \
+  expert_gemv_kernel<T, R, RWC><<<grid, kGemvWarps * 32, smem, s>>>(x, W, plan, y, P, N, K, x_div, rows, act)
+#define KAKEYA_EXPERT_CASE(R)                                   \
+  case R:                                                       \
+    if (rw == 1) KAKEYA_EXPERT_LAUNCH(R, 1);                    \
+    else KAKEYA_EXPERT_LAUNCH(R, kExpertRowsPerWarp);           \
+    break;
+  switch (rmax) { KAKEYA_EXPERT_CASE(1) KAKEYA_EXPERT_CASE(2) KAKEYA_EXPERT_CASE(4) KAKEYA_EXPERT_CASE(8) }
+#undef KAKEYA_EXPERT_CASE
+#undef KAKEYA_EXPERT_LAUNCH
   return true;
+}
+
+// ---------------------------------------------------------------------------
+// Gemma 4's router for a few tokens, in two launches.
+// Scores: x̂ = rnd(rnd(rnd(rms_norm(h)) · scale) · c) (the weight-free norm, then × scale and
+// × c = H^-0.5, each rounded to T as the reference's ops in the model dtype), and
+// logits[t, e] = x̂ · proj[e], rounded to T (what the linear returns). A warp per expert row,
+// 8 per block; every block norms the token rows itself (H values each, little next to the
+// rows of proj it reads), `rows` (<= RMAX) tokens per pass.
+//   h: [N, H]; scale: [H]; proj: [E, H]; logits: [N, E]
+template <typename T, int RMAX>
+__global__ void router_logits_kernel(const T* __restrict__ h, const T* __restrict__ scale, const T* __restrict__ proj,
+                                     T* __restrict__ logits, int N, int E, int H, float c, float eps, int rows) {
+  extern __shared__ float xs[];  // [rows, H], then [kGemvWarps, 2, rows] partial sums
+  __shared__ float red[32];
+  for (int b = 0; b < N; b += rows) {
+    const int m_cnt = min(rows, N - b);
+    for (int m = 0; m < m_cnt; ++m) {
+      const T* hr = h + (int64_t)(b + m) * H;
+      float* xr = xs + m * H;
+      float ss = 0.f;
+      for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        const float v = from_t<T>(hr[i]);
+        xr[i] = v;
+        ss += v * v;
+      }
+      const float inv = rsqrtf(block_sum(ss, red) / H + eps);
+      for (int i = threadIdx.x; i < H; i += blockDim.x)
+        xr[i] = rnd<T>(rnd<T>(rnd<T>(xr[i] * inv) * from_t<T>(scale[i])) * c);
+    }
+    __syncthreads();
+    gemv_rows_upto<T, RMAX, 1>(m_cnt, xs, xs + m_cnt * H, proj, nullptr, E, H, /*wpr=*/1, Act::None,
+                               DenseRows<T>{logits + (int64_t)b * E, E});
+    __syncthreads();  // xs is reused by the next pass
+  }
+}
+
+// Top-k: p = softmax(logits[t]) in f32, the top_k largest (the first of equal values), their p
+// renormalised to sum 1 and × per_expert_scale[e] -> weights [N, top_k] f32, experts [N, top_k]
+// int64 (descending p, as topk). A warp per token; then, with `plan`, the same block builds the
+// pairs' plan (build_expert_plan), so routing a decode step is two launches and no host sync.
+//   logits: [N, E]; pes: [E]; top_k <= 32
+template <typename T>
+__global__ void router_topk_kernel(const T* __restrict__ logits, const T* __restrict__ pes, int N, int E, int top_k,
+                                   float* __restrict__ weights, int64_t* __restrict__ experts, int* __restrict__ plan) {
+  extern __shared__ float xs[];  // [warps, E] probabilities; then the plan's 2E ints
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  float* p = xs + warp * E;
+  for (int t = warp; t < N; t += nwarps) {
+    const T* lr = logits + (int64_t)t * E;
+    float mx = -INFINITY;
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, from_t<T>(lr[e]));
+    mx = warp_max(mx);
+    float sum = 0.f;
+    for (int e = lane; e < E; e += 32) {
+      const float v = expf(from_t<T>(lr[e]) - mx);
+      p[e] = v;
+      sum += v;
+    }
+    sum = warp_sum(sum);
+    for (int e = lane; e < E; e += 32) p[e] /= sum;
+    __syncwarp();
+    float top_sum = 0.f, mine = 0.f;
+    int mine_e = 0;
+    for (int k = 0; k < top_k; ++k) {
+      float bv = -INFINITY;
+      int be = E;
+      for (int e = lane; e < E; e += 32)
+        if (p[e] > bv) bv = p[e], be = e;  // ascending e: a lane keeps its first maximum
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oe = __shfl_xor_sync(0xffffffffu, be, o);
+        if (ov > bv || (ov == bv && oe < be)) bv = ov, be = oe;
+      }
+      top_sum += bv;
+      if (lane == k) mine = bv, mine_e = be;
+      __syncwarp();
+      if (lane == 0) p[be] = -INFINITY;
+      __syncwarp();
+    }
+    if (lane < top_k) {
+      weights[(int64_t)t * top_k + lane] = mine / top_sum * from_t<T>(pes[mine_e]);
+      experts[(int64_t)t * top_k + lane] = mine_e;
+    }
+  }
+  if (!plan) return;
+  __syncthreads();  // the experts above are visible to the whole block; sm is free again
+  build_expert_plan(experts, N * top_k, E, plan, reinterpret_cast<int*>(xs));
+}
+
+// Returns false when the shape is not for these kernels (the caller takes the reference ops).
+template <typename T>
+bool launch_router(const T* h, const T* scale, const T* proj, const T* pes, T* logits, float* weights,
+                   int64_t* experts, int* plan, int N, int E, int H, int top_k, float eps, cudaStream_t s) {
+  if (N < 1 || top_k < 1 || top_k > 32 || top_k > E || H % Vec16<T>::n != 0 ||
+      reinterpret_cast<uintptr_t>(proj) % 16 != 0 || (plan && (N * top_k > kExpertPlanMaxPairs || E > kExpertPlanMaxExperts)))
+    return false;
+  const int64_t per_row = (int64_t)H * sizeof(float) + kGemvWarps * 2 * sizeof(float);
+  const int rmax = rows_bucket(N);
+  const int rows = (int)std::min<int64_t>(rmax, 48 * 1024 / per_row);
+  const int warps = std::min(N, 8);
+  const size_t topk_smem = std::max<size_t>((size_t)warps * E * sizeof(float), 2 * (size_t)E * sizeof(int));
+  if (rows < 1 || topk_smem > 48 * 1024) return false;
+  const dim3 grid((E + kGemvWarps - 1) / kGemvWarps);
+  const float c = (float)(1.0 / std::sqrt((double)H));
+  switch (rmax) {
+#define KAKEYA_ROUTER_CASE(R)                                                                                       \
+  case R:                                                                                                          \
+    router_logits_kernel<T, R><<<grid, kGemvWarps * 32, rows * per_row, s>>>(h, scale, proj, logits, N, E, H, c, eps, \
+                                                                             rows);                                \
+    break;
+    KAKEYA_ROUTER_CASE(1) KAKEYA_ROUTER_CASE(2) KAKEYA_ROUTER_CASE(4) KAKEYA_ROUTER_CASE(8)
+#undef KAKEYA_ROUTER_CASE
+  }
+  router_topk_kernel<T><<<1, warps * 32, topk_smem, s>>>(logits, pes, N, E, top_k, weights, experts, plan);
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// Gemma 4's MoE layer end, one block per token row (the dense branch f, the experts' pair
+// rows y with their route weights r, the residual h):
+//   m  = rnd(Σ_k rnd(y[t·K + k] · r[t, k]))          (K = 1 with r null: m = y[t], already summed)
+//   f' = rnd(rnd(norm(f)·w_dense) + rnd(norm(m)·w_moe))
+//   h' = rnd(h + rnd(norm(f')·w_ffn)), then × the layer scalar s[0] rounded (s null: none)
+//   x  = norm(h')·w_next                                (the next pre-norm)
+// f, h, h_out, x_out: [rows, H]; y: [rows·K, H]; r: [rows, K] f32; norm weights [H] f32.
+// copy as add_rms_norm_kernel's (h' rows into a ring of per-position rows). Dynamic smem: 3H floats.
+template <typename T>
+__global__ void moe_residual_kernel(const T* __restrict__ h, const T* __restrict__ f, const T* __restrict__ y,
+                                    const float* __restrict__ r, int K, const float* __restrict__ w_dense,
+                                    const float* __restrict__ w_moe, const float* __restrict__ w_ffn,
+                                    const T* __restrict__ s, const float* __restrict__ w_next, T* __restrict__ h_out,
+                                    T* __restrict__ x_out, int H, float eps, bool unit_offset, T* __restrict__ copy,
+                                    int64_t copy_stride, const int64_t* __restrict__ copy_pos, int64_t copy_rows,
+                                    int T_len) {
+  extern __shared__ float smem[];  // [3H]: f, m, h
+  float* fs = smem;
+  float* ms = smem + H;
+  float* hs = smem + 2 * H;
+  __shared__ float red[32];
+  const int64_t t = blockIdx.x, base = t * H;
+  T* c = copy ? copy + (copy_pos[t % T_len] % copy_rows) * copy_stride : nullptr;
+  // Every input row is read up front so their memory latencies overlap.
+  float ss_f = 0.f, ss_m = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float fv = from_t<T>(f[base + i]);
+    float mv;
+    if (r) {
+      mv = 0.f;
+      for (int k = 0; k < K; ++k) mv += rnd<T>(from_t<T>(y[(t * K + k) * H + i]) * r[t * K + k]);
+      mv = rnd<T>(mv);
+    } else {
+      mv = from_t<T>(y[base + i]);
+    }
+    fs[i] = fv;
+    ms[i] = mv;
+    hs[i] = from_t<T>(h[base + i]);
+    ss_f += fv * fv;
+    ss_m += mv * mv;
+  }
+  const float inv_f = rsqrtf(block_sum(ss_f, red) / H + eps);
+  const float inv_m = rsqrtf(block_sum(ss_m, red) / H + eps);
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float v = rnd<T>(rnd<T>(norm_value<T>(fs[i], inv_f, w_dense[i], unit_offset)) +
+                           rnd<T>(norm_value<T>(ms[i], inv_m, w_moe[i], unit_offset)));
+    fs[i] = v;
+    ss += v * v;
+  }
+  const float inv_2 = rsqrtf(block_sum(ss, red) / H + eps);
+  const float scalar = s ? from_t<T>(s[0]) : 1.f;
+  ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    float v = rnd<T>(hs[i] + rnd<T>(norm_value<T>(fs[i], inv_2, w_ffn[i], unit_offset)));
+    if (s) v = rnd<T>(v * scalar);
+    hs[i] = v;
+    h_out[base + i] = to_t<T>(v);
+    if (c) c[i] = to_t<T>(v);
+    ss += v * v;
+  }
+  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x) x_out[base + i] = to_t<T>(norm_value<T>(hs[i], inv, w_next[i], unit_offset));
+}
+
+template <typename T>
+void launch_moe_residual(const T* h, const T* f, const T* y, const float* r, int K, const float* w_dense,
+                         const float* w_moe, const float* w_ffn, const T* s, const float* w_next, T* h_out, T* x_out,
+                         int rows, int H, float eps, bool unit_offset, T* copy, int64_t copy_stride,
+                         const int64_t* copy_pos, int64_t copy_rows, int T_len, cudaStream_t st) {
+  moe_residual_kernel<T><<<rows, norm_threads(H), 3 * H * sizeof(float), st>>>(
+      h, f, y, r, K, w_dense, w_moe, w_ffn, s, w_next, h_out, x_out, H, eps, unit_offset, copy, copy_stride, copy_pos,
+      copy_rows, T_len);
 }
 
 }  // namespace kakeya::kernels

@@ -46,6 +46,21 @@ int64_t check_rope(const QKRopeArgs& a, at::ScalarType dt, int64_t D, const char
   return rot;
 }
 
+// A residual step's copy of its new rows (RowCopy): a [R, F] ring on the device, in h's dtype,
+// rows contiguous, H columns from col; one sequence of T_len rows with [T_len] int64 positions.
+void check_copy(const RowCopy& copy, const at::Tensor& h, int64_t T_len, const char* who) {
+  const at::Tensor& d = copy.dst;
+  const int64_t H = h.size(-1);
+  TORCH_CHECK(d.is_cuda() && d.dim() == 2 && d.stride(1) == 1 && d.scalar_type() == h.scalar_type() &&
+                  copy.col >= 0 && copy.col + H <= d.size(1),
+              who, " copy: expected a [R, F] ", h.scalar_type(), " CUDA ring with contiguous rows and ", H,
+              " columns from ", copy.col, ", got ", d.sizes(), " ", d.scalar_type());
+  TORCH_CHECK(h.numel() / H == T_len, who, " copy: one sequence expected (rows by position), got ", h.sizes());
+  check_cuda(copy.positions, "copy positions");
+  TORCH_CHECK(copy.positions.scalar_type() == at::kLong && copy.positions.numel() == T_len, who,
+              " copy positions: expected [", T_len, "] int64");
+}
+
 // Calls f with a typed null pointer selecting float or __nv_bfloat16.
 template <typename F>
 void dispatch(at::ScalarType st, F&& f) {
@@ -84,17 +99,7 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in, const at:
   check_w(w_next, H, "add_rms_norm w_next");
   TORCH_CHECK(H * 4 <= 48 * 1024, "add_rms_norm: hidden size ", H, " exceeds the kernel's shared memory");
   const int64_t T_len = h.dim() >= 2 ? h.size(-2) : 1;
-  if (copy) {
-    const at::Tensor& d = copy->dst;
-    TORCH_CHECK(d.is_cuda() && d.dim() == 2 && d.stride(1) == 1 && d.scalar_type() == h.scalar_type() &&
-                    copy->col >= 0 && copy->col + H <= d.size(1),
-                "add_rms_norm copy: expected a [R, F] ", h.scalar_type(), " CUDA ring with contiguous rows and ", H,
-                " columns from ", copy->col, ", got ", d.sizes(), " ", d.scalar_type());
-    TORCH_CHECK(h.numel() / H == T_len, "add_rms_norm copy: one sequence expected (rows by position), got ", h.sizes());
-    check_cuda(copy->positions, "add_rms_norm copy positions");
-    TORCH_CHECK(copy->positions.scalar_type() == at::kLong && copy->positions.numel() == T_len,
-                "add_rms_norm copy positions: expected [", T_len, "] int64");
-  }
+  if (copy) check_copy(*copy, h, T_len, "add_rms_norm");
   c10::cuda::CUDAGuard g(h.device());
   auto h2 = at::empty_like(h);  // out of place: tap subscribers may hold the previous residual
   auto y = at::empty_like(h);
@@ -479,7 +484,7 @@ at::Tensor expert_plan(const at::Tensor& experts, int64_t num_experts) {
 }
 
 at::Tensor expert_linear(const at::Tensor& x_in, const at::Tensor& w, const at::Tensor& plan, int64_t P, int64_t x_div,
-                         bool gated, bool gelu_tanh) {
+                         int64_t most_per_expert, bool gated, bool gelu_tanh) {
   auto x = x_in.contiguous();
   const int64_t K = x.size(-1);
   TORCH_CHECK(w.dim() == 3 && w.size(2) == K && (!gated || w.size(1) % 2 == 0), "expert_linear: weights ", w.sizes(),
@@ -496,10 +501,88 @@ at::Tensor expert_linear(const at::Tensor& x_in, const at::Tensor& w, const at::
   dispatch(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     launched = k::launch_expert_gemv<T>(ptr<T>(x), ptr<T>(w), plan.data_ptr<int>(), ptr<T>(y), (int)P, (int)N, (int)K,
-                                        (int)x_div, gated ? (gelu_tanh ? k::Act::GeluTanh : k::Act::Silu) : k::Act::None,
+                                        (int)x_div, (int)std::min<int64_t>(most_per_expert, P),
+                                        gated ? (gelu_tanh ? k::Act::GeluTanh : k::Act::Silu) : k::Act::None,
                                         at::cuda::getCurrentCUDAStream());
   });
   return launched ? y : at::Tensor();
+}
+
+bool route_experts(const at::Tensor& h_in, const at::Tensor& scale, const at::Tensor& proj, const at::Tensor& pes,
+                   int64_t top_k, double eps, ExpertRoute& out, bool with_plan) {
+  auto h = h_in.contiguous();
+  check_act(h, "route_experts h");
+  const int64_t N = h.size(0), H = h.size(1), E = proj.size(0);
+  TORCH_CHECK(h.dim() == 2 && proj.dim() == 2 && proj.size(1) == H && scale.numel() == H && pes.numel() == E,
+              "route_experts: h ", h.sizes(), ", scale ", scale.sizes(), ", proj ", proj.sizes(), ", per-expert scale ",
+              pes.sizes());
+  for (const at::Tensor* t : {&scale, &proj, &pes})
+    if (t->scalar_type() != h.scalar_type() || !t->is_contiguous() || !t->is_cuda()) return false;
+  c10::cuda::CUDAGuard g(h.device());
+  auto logits = at::empty({N, E}, h.options());
+  auto weights = at::empty({N, top_k}, h.options().dtype(at::kFloat));
+  auto experts = at::empty({N, top_k}, h.options().dtype(at::kLong));
+  at::Tensor plan;
+  if (with_plan) plan = at::empty({k::expert_plan_size(N * top_k)}, h.options().dtype(at::kInt));
+  bool launched = false;
+  dispatch(h.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launched = k::launch_router<T>(ptr<T>(h), ptr<T>(scale), ptr<T>(proj), ptr<T>(pes), ptr<T>(logits),
+                                   weights.data_ptr<float>(), experts.data_ptr<int64_t>(),
+                                   with_plan ? plan.data_ptr<int>() : nullptr, (int)N, (int)E, (int)H, (int)top_k,
+                                   (float)eps, at::cuda::getCurrentCUDAStream());
+  });
+  if (!launched) return false;
+  out.weights = weights;
+  out.experts = experts;
+  out.plan = {experts.flatten(), plan, N};
+  return true;
+}
+
+std::pair<at::Tensor, at::Tensor> moe_residual(const at::Tensor& h_in, const at::Tensor& f_in, const at::Tensor& y_in,
+                                               const at::Tensor& r_in, const MoeNorms& n, const at::Tensor& w_next,
+                                               double eps, bool unit_offset, const RowCopy* copy) {
+  auto h = h_in.contiguous(), f = f_in.contiguous(), y = y_in.contiguous();
+  check_act(h, "moe_residual h");
+  TORCH_CHECK(f.sizes() == h.sizes() && f.scalar_type() == h.scalar_type() && y.scalar_type() == h.scalar_type(),
+              "moe_residual: h ", h.sizes(), " ", h.scalar_type(), " vs f ", f.sizes(), " ", f.scalar_type(), ", y ",
+              y.scalar_type());
+  const int64_t H = h.size(-1), rows = h.numel() / H;
+  const int64_t K = r_in.defined() ? r_in.size(-1) : 1;
+  TORCH_CHECK(y.numel() == rows * K * H, "moe_residual: y ", y.sizes(), " for ", rows, " rows of ", K, " pairs × ", H);
+  at::Tensor r;
+  if (r_in.defined()) {
+    r = r_in.contiguous();
+    check_cuda(r, "moe_residual route weights");
+    TORCH_CHECK(r.scalar_type() == at::kFloat && r.numel() == rows * K, "moe_residual: route weights ", r.sizes(),
+                " ", r.scalar_type(), ", expected [", rows, ", ", K, "] f32");
+  }
+  check_w(n.dense, H, "moe_residual w_dense");
+  check_w(n.experts, H, "moe_residual w_moe");
+  check_w(n.ffn, H, "moe_residual w_ffn");
+  check_w(w_next, H, "moe_residual w_next");
+  if (n.scalar.defined()) {
+    check_cuda(n.scalar, "moe_residual layer scalar");
+    TORCH_CHECK(n.scalar.numel() == 1 && n.scalar.scalar_type() == h.scalar_type(), "moe_residual: layer scalar ",
+                n.scalar.sizes(), " ", n.scalar.scalar_type(), ", expected one ", h.scalar_type());
+  }
+  TORCH_CHECK(3 * H * 4 <= 48 * 1024, "moe_residual: hidden size ", H, " exceeds the kernel's shared memory");
+  const int64_t T_len = h.dim() >= 2 ? h.size(-2) : 1;
+  if (copy) check_copy(*copy, h, T_len, "moe_residual");
+  c10::cuda::CUDAGuard g(h.device());
+  auto h2 = at::empty_like(h);  // out of place: tap subscribers may hold the previous residual
+  auto x = at::empty_like(h);
+  dispatch(h.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    T* c = copy ? ptr<T>(copy->dst) + copy->col : nullptr;
+    k::launch_moe_residual<T>(ptr<T>(h), ptr<T>(f), ptr<T>(y), r.defined() ? r.data_ptr<float>() : nullptr, (int)K,
+                              n.dense.data_ptr<float>(), n.experts.data_ptr<float>(), n.ffn.data_ptr<float>(),
+                              n.scalar.defined() ? ptr<T>(n.scalar) : nullptr, w_next.data_ptr<float>(), ptr<T>(h2),
+                              ptr<T>(x), (int)rows, (int)H, (float)eps, unit_offset, c,
+                              copy ? copy->dst.stride(0) : 0, copy ? copy->positions.data_ptr<int64_t>() : nullptr,
+                              copy ? copy->dst.size(0) : 1, (int)T_len, at::cuda::getCurrentCUDAStream());
+  });
+  return {h2, x};
 }
 
 }  // namespace kakeya::ops::cuda

@@ -34,7 +34,14 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, cons
 // for the kernel (the caller gathers).
 at::Tensor expert_plan(const at::Tensor& experts, int64_t num_experts);
 at::Tensor expert_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& plan, int64_t pairs, int64_t x_div,
-                         bool gated, bool gelu_tanh);
+                         int64_t most_per_expert, bool gated, bool gelu_tanh);
+// ops::route_experts on the device (two launches, the plan built by the second); false when
+// the shape or dtypes are not for the kernels (the caller takes the reference ops).
+bool route_experts(const at::Tensor& h, const at::Tensor& scale, const at::Tensor& proj, const at::Tensor& pes,
+                   int64_t top_k, double eps, ExpertRoute& out, bool with_plan);
+std::pair<at::Tensor, at::Tensor> moe_residual(const at::Tensor& h, const at::Tensor& f, const at::Tensor& y,
+                                               const at::Tensor& r, const MoeNorms& n, const at::Tensor& w_next,
+                                               double eps, bool unit_offset, const RowCopy* copy);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
                             const CopyRule& copies);
