@@ -653,12 +653,13 @@ TEST_P(CudaOps, ExpertLinear) {
 // the same rounded inputs: the chosen experts are the top_k of p (up to values within one
 // rounding of the scores when bf16), by descending p, and the weights are their renormalised p ×
 // the per-expert scale. Token counts 1 .. 32, the 26B shape's router (128 experts, top 8, 2816),
-// odd sizes, and a row length the kernels leave to the reference ops (20 in bf16).
+// odd sizes, a row length the kernels leave to the reference ops (20 in bf16) and a prefill's
+// token count (40, also the reference ops).
 TEST_P(CudaOps, RouteExperts) {
   struct Case { int64_t tokens, experts, top_k, hidden; };
   const ops::NormSpec ns{1e-6, true};
   for (const Case c : {Case{1, 128, 8, 2816}, Case{16, 128, 8, 2816}, Case{3, 7, 2, 40}, Case{32, 5, 3, 64},
-                       Case{9, 33, 4, 1000}, Case{4, 6, 2, 20}}) {
+                       Case{9, 33, 4, 1000}, Case{4, 6, 2, 20}, Case{40, 16, 4, 64}}) {
     const std::string tag = "route_experts N=" + std::to_string(c.tokens) + " E=" + std::to_string(c.experts) +
                             " K=" + std::to_string(c.top_k) + " H=" + std::to_string(c.hidden);
     auto h = (at::randn({c.tokens, c.hidden}) * 3).to(dt());

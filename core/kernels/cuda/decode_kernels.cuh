@@ -1219,11 +1219,15 @@ __global__ void router_topk_kernel(const T* __restrict__ logits, const T* __rest
   build_expert_plan(experts, N * top_k, E, plan, reinterpret_cast<int*>(xs));
 }
 
+// Tokens the router kernels take: decode steps and verify blocks. A prefill's scores are a GEMM
+// (the scores kernel's few blocks would take its tokens a few at a time).
+constexpr int kRouterMaxTokens = 32;
+
 // Returns false when the shape is not for these kernels (the caller takes the reference ops).
 template <typename T>
 bool launch_router(const T* h, const T* scale, const T* proj, const T* pes, T* logits, float* weights,
                    int64_t* experts, int* plan, int N, int E, int H, int top_k, float eps, cudaStream_t s) {
-  if (N < 1 || top_k < 1 || top_k > 32 || top_k > E || H % Vec16<T>::n != 0 ||
+  if (N < 1 || N > kRouterMaxTokens || top_k < 1 || top_k > 32 || top_k > E || H % Vec16<T>::n != 0 ||
       reinterpret_cast<uintptr_t>(proj) % 16 != 0 || (plan && (N * top_k > kExpertPlanMaxPairs || E > kExpertPlanMaxExperts)))
     return false;
   const int64_t per_row = (int64_t)H * sizeof(float) + kGemvWarps * 2 * sizeof(float);
