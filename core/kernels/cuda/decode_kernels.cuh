@@ -848,8 +848,6 @@ void launch_act_mul(const T* gu, T* out, int64_t rows, int I, Act act, cudaStrea
 //   x: [M, K]; W: [N or 2N, K] row-major; bias: [N or 2N] or nullptr; y: [M, N]. K % (16 / sizeof(T)) == 0.
 constexpr int kGemvMaxRows = 8;
 constexpr int kGemvWarps = 8;
-// Loads in flight per lane and row: 4, or 8 for a single row of x whose warp reads more than 4
-// steps (rows of 2k+ values: the 26B shape's projections); gemv_unroll picks it.
 constexpr int kGemvUnroll = 4;
 
 template <typename T> struct Vec16;
@@ -857,24 +855,24 @@ template <> struct Vec16<float> { static constexpr int n = 4; };
 template <> struct Vec16<__nv_bfloat16> { static constexpr int n = 8; };
 
 // R rows of W (w0 + r·stride, the first nrows of them real) against the M rows of x: their loads
-// issued together, U per row in flight per lane, the last group predicated: a row shorter than U
-// steps (an expert's 704 values, Gemma 3's 640) still issues its loads together instead of one
-// latency after another. acc: [R, M]; the sum order per lane is k's order.
-template <typename T, int M, int R, int U>
+// issued together, kGemvUnroll per row in flight per lane, the last group predicated: a row
+// shorter than kGemvUnroll steps (an expert's 704 values, Gemma 3's 640) still issues its loads
+// together instead of one latency after another. acc: [R, M]; the sum order per lane is k's order.
+template <typename T, int M, int R>
 __device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t stride, int nrows,
                                          const float* __restrict__ xs, int K, int k0, int k1, int lane, float* acc) {
   constexpr int V = Vec16<T>::n;
   constexpr int STEP = 32 * V;
-  for (int k = k0 + lane * V; k < k1; k += U * STEP) {
-    uint4 raw[R][U];
+  for (int k = k0 + lane * V; k < k1; k += kGemvUnroll * STEP) {
+    uint4 raw[R][kGemvUnroll];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int u = 0; u < U; ++u)
+      for (int u = 0; u < kGemvUnroll; ++u)
         raw[r][u] = r < nrows && k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(w0 + r * stride + k + u * STEP)
                                                    : make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
+    for (int u = 0; u < kGemvUnroll; ++u) {
       if (k + u * STEP >= k1) break;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
@@ -890,59 +888,32 @@ __device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t strid
   }
 }
 
-// What one warp of a GEMV block reads: rows n .. n + RW - 1 (gated: n and its up row n + N), the
-// K range k0 .. k1 (split over the wpr warps of its group, a multiple of the vector width).
-struct WarpRows {
-  int n, part_idx, k0, k1;
-};
-template <typename T, int RW>
-__device__ __forceinline__ WarpRows warp_rows(int K, int wpr) {
-  constexpr int V = Vec16<T>::n;
-  const int warp = threadIdx.x >> 5;
-  const int n = (blockIdx.x * (kGemvWarps / wpr) + warp / wpr) * RW, part_idx = warp % wpr;
-  const int kv = K / V, per = (kv + wpr - 1) / wpr;
-  return {n, part_idx, min(kv, part_idx * per) * V, min(kv, (part_idx + 1) * per) * V};
-}
-
-// Starts this warp's weight rows on their way to L2 before x is staged: their addresses do not
-// depend on x, and the loads would otherwise wait for the staging and its barrier.
-template <typename T, int RW>
-__device__ __forceinline__ void prefetch_rows(const T* __restrict__ W, int N, int K, int wpr, bool gated) {
-  const WarpRows wr = warp_rows<T, RW>(K, wpr);
-  const int lane = threadIdx.x & 31, bytes = (wr.k1 - wr.k0) * (int)sizeof(T);
-  const int rows = gated ? 2 : min(RW, N - wr.n);
-  for (int r = 0; r < rows && wr.n < N; ++r) {
-    const char* p = reinterpret_cast<const char*>(W + (int64_t)(gated ? wr.n + r * N : wr.n + r) * K + wr.k0);
-    for (int off = lane * 128; off < bytes; off += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + off));
-  }
-}
-
-// The loads in flight per lane and row for rows of K values split over wpr warps (kGemvUnroll).
-inline int gemv_unroll(int M, int K, int wpr, int vec) {
-  const int steps = (K / wpr + 32 * vec - 1) / (32 * vec);
-  return M == 1 && steps > kGemvUnroll ? 2 * kGemvUnroll : kGemvUnroll;
-}
-
 // One block's output rows of the GEMV against the M rows of x staged in xs, written to
 // out.row(m)[n]. A warp group of `wpr` warps (split K) serves RW consecutive rows n (RW > 1:
 // whole rows, wpr 1, not gated), so that a warp has RW rows' loads in flight. Gated: the warp
 // reads row n's gate and up rows together. Every thread of the block calls it (it synchronises
 // once when wpr > 1); `part` holds the split-K partial sums.
-template <typename T, int M, int RW, int U, typename Out>
+template <typename T, int M, int RW, typename Out>
 __device__ __forceinline__ void gemv_rows(const float* __restrict__ xs, float* __restrict__ part,
                                           const T* __restrict__ W, const T* __restrict__ bias, int N, int K, int wpr,
                                           Act act, Out out) {
+  constexpr int V = Vec16<T>::n;
   constexpr int R = RW > 2 ? RW : 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const auto [n, part_idx, k0, k1] = warp_rows<T, RW>(K, wpr);
+  const int groups_per_block = kGemvWarps / wpr;
+  const int n = (blockIdx.x * groups_per_block + warp / wpr) * RW;
+  const int part_idx = warp % wpr;
+  // This warp's K range, a multiple of the vector width.
+  const int kv = K / V, per = (kv + wpr - 1) / wpr;
+  const int k0 = min(kv, part_idx * per) * V, k1 = min(kv, (part_idx + 1) * per) * V;
   const bool gated = act != Act::None;
   const int nrows = min(RW, N - n);
   float acc[R * M];
 #pragma unroll
   for (int i = 0; i < R * M; ++i) acc[i] = 0.f;
   if (n < N) {
-    if (gated) dot_rows<T, M, 2, U>(W + (int64_t)n * K, (int64_t)N * K, 2, xs, K, k0, k1, lane, acc);
-    else dot_rows<T, M, RW, U>(W + (int64_t)n * K, K, nrows, xs, K, k0, k1, lane, acc);
+    if (gated) dot_rows<T, M, 2>(W + (int64_t)n * K, (int64_t)N * K, 2, xs, K, k0, k1, lane, acc);
+    else dot_rows<T, M, RW>(W + (int64_t)n * K, K, nrows, xs, K, k0, k1, lane, acc);
   }
 #pragma unroll
   for (int i = 0; i < R * M; ++i) acc[i] = warp_sum(acc[i]);
@@ -985,14 +956,13 @@ struct DenseRows {
   __device__ T* row(int m) const { return y + (int64_t)m * N; }
 };
 
-template <typename T, int M, int U>
+template <typename T, int M>
 __global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias,
                             T* __restrict__ y, int N, int K, int wpr, Act act) {
   extern __shared__ float xs[];  // [M, K], then [kGemvWarps, 2, M] partial sums
-  prefetch_rows<T, 1>(W, N, K, wpr, act != Act::None);
   for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = from_t<T>(x[i]);
   __syncthreads();
-  gemv_rows<T, M, 1, U>(xs, xs + M * K, W, bias, N, K, wpr, act, DenseRows<T>{y, N});
+  gemv_rows<T, M, 1>(xs, xs + M * K, W, bias, N, K, wpr, act, DenseRows<T>{y, N});
 }
 
 // Returns false when the shape is not for this kernel (caller falls back to cuBLAS).
@@ -1007,13 +977,9 @@ bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int 
   const int rows_per_block = kGemvWarps / wpr;
   const dim3 grid((N + rows_per_block - 1) / rows_per_block);
   const int threads = kGemvWarps * 32;
-  if (M == 1 && gemv_unroll(M, K, wpr, Vec16<T>::n) > kGemvUnroll) {
-    gemv_kernel<T, 1, 2 * kGemvUnroll><<<grid, threads, smem, s>>>(x, W, bias, y, N, K, wpr, act);
-    return true;
-  }
   switch (M) {
 #define KAKEYA_GEMV_CASE(R) \
-  case R: gemv_kernel<T, R, kGemvUnroll><<<grid, threads, smem, s>>>(x, W, bias, y, N, K, wpr, act); break;
+  case R: gemv_kernel<T, R><<<grid, threads, smem, s>>>(x, W, bias, y, N, K, wpr, act); break;
     KAKEYA_GEMV_CASE(1) KAKEYA_GEMV_CASE(2) KAKEYA_GEMV_CASE(3) KAKEYA_GEMV_CASE(4)
     KAKEYA_GEMV_CASE(5) KAKEYA_GEMV_CASE(6) KAKEYA_GEMV_CASE(7) KAKEYA_GEMV_CASE(8)
 #undef KAKEYA_GEMV_CASE
@@ -1091,14 +1057,14 @@ struct PairRows {
 // gemv_rows for a run-time row count m in 1 .. RMAX. Every instantiation is compiled into the
 // caller's kernel, whose registers are the largest case's: a kernel that only ever sees one row
 // (a decode step) is instantiated with RMAX 1 and keeps its occupancy.
-template <typename T, int RMAX, int RW, int U, typename Out>
+template <typename T, int RMAX, int RW, typename Out>
 __device__ __forceinline__ void gemv_rows_upto(int m, const float* __restrict__ xs, float* __restrict__ part,
                                                const T* __restrict__ W, const T* __restrict__ bias, int N, int K,
                                                int wpr, Act act, Out out) {
   if constexpr (RMAX > 1) {
-    if (m < RMAX) return gemv_rows_upto<T, RMAX - 1, RW, U>(m, xs, part, W, bias, N, K, wpr, act, out);
+    if (m < RMAX) return gemv_rows_upto<T, RMAX - 1, RW>(m, xs, part, W, bias, N, K, wpr, act, out);
   }
-  gemv_rows<T, RMAX, RW, U>(xs, part, W, bias, N, K, wpr, act, out);
+  gemv_rows<T, RMAX, RW>(xs, part, W, bias, N, K, wpr, act, out);
 }
 
 constexpr int kExpertRowsPerWarp = 4;
@@ -1113,7 +1079,7 @@ inline int rows_bucket(int most) { return most <= 1 ? 1 : most <= 2 ? 2 : most <
 // whole rows keeps more loads in flight than split parts; RW rows per warp when not gated (a
 // gated warp reads its gate and up rows together).
 //   x: [P / x_div, K]; W: [E, N or 2N, K]; y: [P, N]
-template <typename T, int RMAX, int RW, int U>
+template <typename T, int RMAX, int RW>
 __global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const int* __restrict__ plan,
                                    T* __restrict__ y, int P, int N, int K, int x_div, int rows, Act act) {
   const int g = blockIdx.y;
@@ -1123,14 +1089,13 @@ __global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict_
   const int* group_start = plan + 1 + P;
   const int* pairs = plan + 2 + 2 * P;
   const T* We = W + (int64_t)e * (act != Act::None ? 2 * N : N) * K;
-  prefetch_rows<T, RW>(We, N, K, 1, act != Act::None);
   for (int b = group_start[g], end = group_start[g + 1]; b < end; b += rows) {
     const int m_cnt = min(rows, end - b);
     for (int i = threadIdx.x; i < m_cnt * K; i += blockDim.x)
       xs[i] = from_t<T>(x[(int64_t)(pairs[b + i / K] / x_div) * K + i % K]);
     __syncthreads();
-    gemv_rows_upto<T, RMAX, RW, U>(m_cnt, xs, xs + m_cnt * K, We, nullptr, N, K, /*wpr=*/1, act,
-                                   PairRows<T>{y, pairs + b, N});
+    gemv_rows_upto<T, RMAX, RW>(m_cnt, xs, xs + m_cnt * K, We, nullptr, N, K, /*wpr=*/1, act,
+                                PairRows<T>{y, pairs + b, N});
     __syncthreads();  // xs and part are reused by the next rows of this group
   }
 }
@@ -1153,17 +1118,13 @@ bool launch_expert_gemv(const T* x, const T* W, const int* plan, T* y, int P, in
   const int rw = act == Act::None ? kExpertRowsPerWarp : 1;
   const dim3 grid((N + kGemvWarps * rw - 1) / (kGemvWarps * rw), P);
   const size_t smem = rows * per_row;
-#define KAKEYA_EXPERT_LAUNCH(R, RWC, U) \
-  expert_gemv_kernel<T, R, RWC, U><<<grid, kGemvWarps * 32, smem, s>>>(x, W, plan, y, P, N, K, x_div, rows, act)
+#define KAKEYA_EXPERT_LAUNCH(R, RWC) \
+  expert_gemv_kernel<T, R, RWC><<<grid, kGemvWarps * 32, smem, s>>>(x, W, plan, y, P, N, K, x_div, rows, act)
 #define KAKEYA_EXPERT_CASE(R)                                   \
   case R:                                                       \
-    if (rw == 1) KAKEYA_EXPERT_LAUNCH(R, 1, kGemvUnroll);       \
-    else KAKEYA_EXPERT_LAUNCH(R, kExpertRowsPerWarp, kGemvUnroll); \
+    if (rw == 1) KAKEYA_EXPERT_LAUNCH(R, 1);                    \
+    else KAKEYA_EXPERT_LAUNCH(R, kExpertRowsPerWarp);           \
     break;
-  if (rmax == 1 && rw == 1 && gemv_unroll(1, K, 1, Vec16<T>::n) > kGemvUnroll) {
-    KAKEYA_EXPERT_LAUNCH(1, 1, 2 * kGemvUnroll);  // a decode step's gate/up rows
-    return true;
-  }
   switch (rmax) { KAKEYA_EXPERT_CASE(1) KAKEYA_EXPERT_CASE(2) KAKEYA_EXPERT_CASE(4) KAKEYA_EXPERT_CASE(8) }
 #undef KAKEYA_EXPERT_CASE
 #undef KAKEYA_EXPERT_LAUNCH
@@ -1178,12 +1139,11 @@ bool launch_expert_gemv(const T* x, const T* W, const int* plan, T* y, int P, in
 // 8 per block; every block norms the token rows itself (H values each, little next to the
 // rows of proj it reads), `rows` (<= RMAX) tokens per pass.
 //   h: [N, H]; scale: [H]; proj: [E, H]; logits: [N, E]
-template <typename T, int RMAX, int U>
+template <typename T, int RMAX>
 __global__ void router_logits_kernel(const T* __restrict__ h, const T* __restrict__ scale, const T* __restrict__ proj,
                                      T* __restrict__ logits, int N, int E, int H, float c, float eps, int rows) {
   extern __shared__ float xs[];  // [rows, H], then [kGemvWarps, 2, rows] partial sums
   __shared__ float red[32];
-  prefetch_rows<T, 1>(proj, E, H, 1, false);
   for (int b = 0; b < N; b += rows) {
     const int m_cnt = min(rows, N - b);
     for (int m = 0; m < m_cnt; ++m) {
@@ -1200,8 +1160,8 @@ __global__ void router_logits_kernel(const T* __restrict__ h, const T* __restric
         xr[i] = rnd<T>(rnd<T>(rnd<T>(xr[i] * inv) * from_t<T>(scale[i])) * c);
     }
     __syncthreads();
-    gemv_rows_upto<T, RMAX, 1, U>(m_cnt, xs, xs + m_cnt * H, proj, nullptr, E, H, /*wpr=*/1, Act::None,
-                                  DenseRows<T>{logits + (int64_t)b * E, E});
+    gemv_rows_upto<T, RMAX, 1>(m_cnt, xs, xs + m_cnt * H, proj, nullptr, E, H, /*wpr=*/1, Act::None,
+                               DenseRows<T>{logits + (int64_t)b * E, E});
     __syncthreads();  // xs is reused by the next pass
   }
 }
@@ -1279,16 +1239,13 @@ bool launch_router(const T* h, const T* scale, const T* proj, const T* pes, T* l
   const dim3 grid((E + kGemvWarps - 1) / kGemvWarps);
   const float c = (float)(1.0 / std::sqrt((double)H));
   switch (rmax) {
-#define KAKEYA_ROUTER_LAUNCH(R, U) \
-  router_logits_kernel<T, R, U><<<grid, kGemvWarps * 32, rows * per_row, s>>>(h, scale, proj, logits, N, E, H, c, eps, rows)
-    case 1:
-      if (gemv_unroll(1, H, 1, Vec16<T>::n) > kGemvUnroll) KAKEYA_ROUTER_LAUNCH(1, 2 * kGemvUnroll);
-      else KAKEYA_ROUTER_LAUNCH(1, kGemvUnroll);
-      break;
-    case 2: KAKEYA_ROUTER_LAUNCH(2, kGemvUnroll); break;
-    case 4: KAKEYA_ROUTER_LAUNCH(4, kGemvUnroll); break;
-    case 8: KAKEYA_ROUTER_LAUNCH(8, kGemvUnroll); break;
-#undef KAKEYA_ROUTER_LAUNCH
+#define KAKEYA_ROUTER_CASE(R)                                                                                       \
+  case R:                                                                                                          \
+    router_logits_kernel<T, R><<<grid, kGemvWarps * 32, rows * per_row, s>>>(h, scale, proj, logits, N, E, H, c, eps, \
+                                                                             rows);                                \
+    break;
+    KAKEYA_ROUTER_CASE(1) KAKEYA_ROUTER_CASE(2) KAKEYA_ROUTER_CASE(4) KAKEYA_ROUTER_CASE(8)
+#undef KAKEYA_ROUTER_CASE
   }
   router_topk_kernel<T><<<1, warps * 32, topk_smem, s>>>(logits, pes, N, E, top_k, weights, experts, plan);
   return true;
