@@ -9,6 +9,9 @@
 
 #ifdef KAKEYA_CUDA
 #include <ATen/core/grad_mode.h>
+#include <c10/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include "core/kernels/cuda/decode_ops.h"
 #include "core/kernels/cuda/spec_ops.h"
@@ -145,6 +148,56 @@ std::pair<at::Tensor, at::Tensor> moe_residual(const at::Tensor& h, const at::Te
   if (n.scalar.defined()) h2 = h2 * n.scalar;
   if (copy) copy_rows(h2, *copy);
   return {h2, rms_norm(h2, w_next, ns)};
+}
+
+#ifdef KAKEYA_CUDA
+struct SideBranch::Impl {
+  Impl(c10::cuda::CUDAStream m, c10::cuda::CUDAStream s) : main(m), side(s) {}
+  c10::cuda::CUDAStream main, side;
+  c10::cuda::CUDAEvent forked{cudaEventDisableTiming}, done{cudaEventDisableTiming};
+  bool joined = false;
+};
+#else
+struct SideBranch::Impl {};
+#endif
+
+SideBranch::SideBranch(const at::Tensor& like) {
+#ifdef KAKEYA_CUDA
+  if (!fused(like)) return;
+  const auto dev = like.device().index();
+  impl_ = std::make_unique<Impl>(c10::cuda::getCurrentCUDAStream(dev), c10::cuda::getStreamFromPool(false, dev));
+  impl_->forked.record(impl_->main);
+  impl_->forked.block(impl_->side);
+#else
+  (void)like;
+#endif
+}
+
+SideBranch::~SideBranch() {
+  try {
+    join();
+  } catch (...) {  // a destructor must not throw; the error surfaces at the stream's next check
+  }
+}
+
+void SideBranch::run(const std::function<void()>& fn) {
+#ifdef KAKEYA_CUDA
+  if (impl_) {
+    c10::cuda::CUDAStreamGuard guard(impl_->side);
+    fn();
+    return;
+  }
+#endif
+  fn();
+}
+
+void SideBranch::join() {
+#ifdef KAKEYA_CUDA
+  if (!impl_ || impl_->joined) return;
+  impl_->done.record(impl_->side);
+  impl_->done.block(impl_->main);
+  impl_->joined = true;
+#endif
 }
 
 bool cuda_kernels_available() {

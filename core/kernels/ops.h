@@ -7,6 +7,8 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -93,6 +95,26 @@ struct MoeNorms {
 std::pair<at::Tensor, at::Tensor> moe_residual(const at::Tensor& h, const at::Tensor& f, const at::Tensor& y,
                                                const at::Tensor& r, const MoeNorms& norms, const at::Tensor& w_next,
                                                const NormSpec& ns, const RowCopy* copy = nullptr);
+
+// Work that may run beside the current stream: run(fn) issues fn's ops on a second CUDA stream
+// that first waits for everything the current stream issued before; join() (or the destructor)
+// makes the current stream wait for them. CUDA graphs capture the two as parallel paths, so
+// latency-bound kernels (a router) hide behind bandwidth-bound ones (a dense MLP). Tensors fn
+// makes are read on the current stream only after join(). Off CUDA, or while autograd records
+// through `like`, fn runs in order on the current stream.
+class SideBranch {
+ public:
+  explicit SideBranch(const at::Tensor& like);
+  ~SideBranch();
+  SideBranch(const SideBranch&) = delete;
+  SideBranch& operator=(const SideBranch&) = delete;
+  void run(const std::function<void()>& fn);
+  void join();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;  // null: in order
+};
 
 // True when this build has the CUDA kernels (the two ops below have no CPU version:
 // their reference is the unfused path of Model::forward).

@@ -1,6 +1,7 @@
 #include "core/model/model.h"
 
 #include <cmath>
+#include <optional>
 
 #include "core/error.h"
 #include "core/model/random_weights.h"
@@ -403,19 +404,29 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     std::tie(h, x) = ops::add_rms_norm(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_);
 
     const bool gelu = cfg_.act == Activation::GeluTanh;
+    // Gemma 4 MoE: the router and the experts read the residual stream h (not the dense
+    // branch's pre-norm x), so they run beside the dense MLP (ops::SideBranch).
+    ops::ExpertRoute route;
+    at::Tensor y;  // the experts' pair rows, or their weighted sum (moe_experts)
+    std::optional<ops::SideBranch> experts;
+    if (w.moe.defined()) {
+      experts.emplace(h);
+      experts->run([&] {
+        const auto flat = h.reshape({-1, h.size(-1)});  // [N, H]
+        route = moe_route(w.moe, flat, cfg_.top_k_experts, norm_spec_);
+        y = moe_experts(w.moe, ops::rms_norm(flat, w.moe.pre_norm, norm_spec_), route, gelu);
+      });
+    }
     at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, gelu), w.down, w.down_bias);
+    if (experts) experts->join();
     const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
     // A subscriber may want the layer output stored as it is computed (core/model/taps.h).
     ops::RowCopy store;
     const bool stored = taps && taps->store(Tap::LayerOut, l, &store);
     if (stored) store.positions = positions;
     if (w.moe.defined()) {
-      // Gemma 4 MoE: the router and the experts read the residual stream h (not the dense
-      // branch's pre-norm x); one residual step sums the two branches through their post-norms.
-      // Per-layer inputs come between that sum and the layer scalar (below).
-      const auto flat = h.reshape({-1, h.size(-1)});  // [N, H]
-      const auto route = moe_route(w.moe, flat, cfg_.top_k_experts, norm_spec_);
-      const auto y = moe_experts(w.moe, ops::rms_norm(flat, w.moe.pre_norm, norm_spec_), route, gelu);
+      // One residual step sums the two branches through their post-norms. Per-layer inputs come
+      // between that sum and the layer scalar (below).
       const bool per_layer = w.ple_gate.defined();
       std::tie(h, x) = ops::moe_residual(
           h, f, y, route.plan.experts.defined() ? route.weights : at::Tensor(),

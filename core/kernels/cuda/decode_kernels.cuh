@@ -999,10 +999,10 @@ constexpr int kExpertPlanMaxPairs = 1024;
 constexpr int kExpertPlanMaxExperts = 4096;
 __host__ __device__ inline int64_t expert_plan_size(int64_t P) { return 1 + 3 * P + 1; }
 
-// Builds the plan of the P pairs whose experts are `experts` (all threads of one block; visible
-// to the block after its barrier). sm: 2E ints of shared memory.
-__device__ __forceinline__ void build_expert_plan(const int64_t* __restrict__ experts, int P, int E, int* __restrict__ plan,
-                                                  int* sm) {
+// Builds the plan of the P pairs whose experts are ex (all threads of one block; visible to the
+// block after its barrier). ex: the experts in shared memory (read many times: P per pair);
+// sm: 2E ints of shared memory.
+__device__ __forceinline__ void build_expert_plan(const int* ex, int P, int E, int* __restrict__ plan, int* sm) {
   int* count = sm;
   int* group_of = sm + E;
   int* group_expert = plan + 1;
@@ -1010,7 +1010,7 @@ __device__ __forceinline__ void build_expert_plan(const int64_t* __restrict__ ex
   int* pairs = plan + 2 + 2 * P;
   for (int e = threadIdx.x; e < E; e += blockDim.x) count[e] = 0;
   __syncthreads();
-  for (int p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&count[(int)experts[p]], 1);
+  for (int p = threadIdx.x; p < P; p += blockDim.x) atomicAdd(&count[ex[p]], 1);
   __syncthreads();
   if (threadIdx.x == 0) {
     int U = 0, start = 0;
@@ -1024,25 +1024,30 @@ __device__ __forceinline__ void build_expert_plan(const int64_t* __restrict__ ex
     }
     group_start[U] = start;
     plan[0] = U;
+    // The group starts, kept in shared memory for the pass below (count is free again).
+    for (int u = 0; u < U; ++u) count[u] = group_start[u];
   }
   __syncthreads();
   // A pair's place in its group: the pairs before it with the same expert (P is small).
   for (int p = threadIdx.x; p < P; p += blockDim.x) {
-    const int64_t e = experts[p];
+    const int e = ex[p];
     int slot = 0;
-    for (int q = 0; q < p; ++q) slot += experts[q] == e;
-    pairs[group_start[group_of[e]] + slot] = p;
+    for (int q = 0; q < p; ++q) slot += ex[q] == e;
+    pairs[count[group_of[e]] + slot] = p;
   }
   __syncthreads();
 }
 
 static __global__ void expert_plan_kernel(const int64_t* __restrict__ experts, int P, int E, int* __restrict__ plan) {
-  extern __shared__ int sm[];  // count[E], group_of[E]
-  build_expert_plan(experts, P, E, plan, sm);
+  extern __shared__ int sm[];  // count[E], group_of[E], ex[P]
+  int* ex = sm + 2 * E;
+  for (int p = threadIdx.x; p < P; p += blockDim.x) ex[p] = (int)experts[p];
+  __syncthreads();
+  build_expert_plan(ex, P, E, plan, sm);
 }
 
 inline void launch_expert_plan(const int64_t* experts, int P, int E, int* plan, cudaStream_t s) {
-  expert_plan_kernel<<<1, 256, 2 * E * sizeof(int), s>>>(experts, P, E, plan);
+  expert_plan_kernel<<<1, 256, (2 * E + P) * sizeof(int), s>>>(experts, P, E, plan);
 }
 
 // Output rows of the expert GEMV: y[pairs[b + m], :].
@@ -1174,8 +1179,9 @@ __global__ void router_logits_kernel(const T* __restrict__ h, const T* __restric
 template <typename T>
 __global__ void router_topk_kernel(const T* __restrict__ logits, const T* __restrict__ pes, int N, int E, int top_k,
                                    float* __restrict__ weights, int64_t* __restrict__ experts, int* __restrict__ plan) {
-  extern __shared__ float xs[];  // [warps, E] probabilities; then the plan's 2E ints
+  extern __shared__ float xs[];  // [warps, E] probabilities (then the plan's 2E ints), ex [N·top_k]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  int* ex = reinterpret_cast<int*>(xs) + max(nwarps * E, 2 * E);  // the experts, for the plan
   float* p = xs + warp * E;
   for (int t = warp; t < N; t += nwarps) {
     const T* lr = logits + (int64_t)t * E;
@@ -1212,11 +1218,12 @@ __global__ void router_topk_kernel(const T* __restrict__ logits, const T* __rest
     if (lane < top_k) {
       weights[(int64_t)t * top_k + lane] = mine / top_sum * from_t<T>(pes[mine_e]);
       experts[(int64_t)t * top_k + lane] = mine_e;
+      if (plan) ex[t * top_k + lane] = mine_e;
     }
   }
   if (!plan) return;
-  __syncthreads();  // the experts above are visible to the whole block; sm is free again
-  build_expert_plan(experts, N * top_k, E, plan, reinterpret_cast<int*>(xs));
+  __syncthreads();  // ex is complete; the probabilities' memory is free again
+  build_expert_plan(ex, N * top_k, E, plan, reinterpret_cast<int*>(xs));
 }
 
 // Tokens the router kernels take: decode steps and verify blocks. A prefill's scores are a GEMM
@@ -1234,7 +1241,7 @@ bool launch_router(const T* h, const T* scale, const T* proj, const T* pes, T* l
   const int rmax = rows_bucket(N);
   const int rows = (int)std::min<int64_t>(rmax, 48 * 1024 / per_row);
   const int warps = std::min(N, 8);
-  const size_t topk_smem = std::max<size_t>((size_t)warps * E * sizeof(float), 2 * (size_t)E * sizeof(int));
+  const size_t topk_smem = (std::max<size_t>((size_t)warps * E, 2 * (size_t)E) + (size_t)N * top_k) * sizeof(int);
   if (rows < 1 || topk_smem > 48 * 1024) return false;
   const dim3 grid((E + kGemvWarps - 1) / kGemvWarps);
   const float c = (float)(1.0 / std::sqrt((double)H));
@@ -1282,6 +1289,9 @@ __global__ void moe_residual_kernel(const T* __restrict__ h, const T* __restrict
     float mv;
     if (r) {
       mv = 0.f;
+      // Unrolled: the pairs' loads are independent and issue together (a runtime loop waited
+      // for each load in turn: top 8 was 32 round trips per thread).
+#pragma unroll 8
       for (int k = 0; k < K; ++k) mv += rnd<T>(from_t<T>(y[(t * K + k) * H + i]) * r[t * K + k]);
       mv = rnd<T>(mv);
     } else {
