@@ -858,30 +858,46 @@ template <> struct Vec16<__nv_bfloat16> { static constexpr int n = 8; };
 // issued together, kGemvUnroll per row in flight per lane, the last group predicated: a row
 // shorter than kGemvUnroll steps (an expert's 704 values, Gemma 3's 640) still issues its loads
 // together instead of one latency after another. acc: [R, M]; the sum order per lane is k's order.
-template <typename T, int M, int R>
+// x: staged as f32 in shared memory (xs [M, K]), or (XG, one row) read from global memory next
+// to the weights (xg [K]): a decode step's block then waits for no staging and no barrier
+// before its weight loads; the products are the same.
+template <typename T, int M, int R, bool XG = false>
 __device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t stride, int nrows,
-                                         const float* __restrict__ xs, int K, int k0, int k1, int lane, float* acc) {
+                                         const float* __restrict__ xs, const T* __restrict__ xg, int K, int k0,
+                                         int k1, int lane, float* acc) {
+  static_assert(!XG || M == 1, "x from global memory: one row");
   constexpr int V = Vec16<T>::n;
   constexpr int STEP = 32 * V;
   for (int k = k0 + lane * V; k < k1; k += kGemvUnroll * STEP) {
-    uint4 raw[R][kGemvUnroll];
+    uint4 raw[R][kGemvUnroll], xraw[XG ? kGemvUnroll : 1];
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
       for (int u = 0; u < kGemvUnroll; ++u)
         raw[r][u] = r < nrows && k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(w0 + r * stride + k + u * STEP)
                                                    : make_uint4(0, 0, 0, 0);
+    if constexpr (XG) {
+#pragma unroll
+      for (int u = 0; u < kGemvUnroll; ++u)
+        xraw[u] = k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(xg + k + u * STEP) : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
     for (int u = 0; u < kGemvUnroll; ++u) {
       if (k + u * STEP >= k1) break;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         const T* e = reinterpret_cast<const T*>(&raw[r][u]);
+        if constexpr (XG) {
+          const T* xe = reinterpret_cast<const T*>(&xraw[u]);
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          const float* xm = xs + m * K + k + u * STEP;
+          for (int i = 0; i < V; ++i) acc[r] += from_t<T>(e[i]) * from_t<T>(xe[i]);
+        } else {
 #pragma unroll
-          for (int i = 0; i < V; ++i) acc[r * M + m] += from_t<T>(e[i]) * xm[i];
+          for (int m = 0; m < M; ++m) {
+            const float* xm = xs + m * K + k + u * STEP;
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc[r * M + m] += from_t<T>(e[i]) * xm[i];
+          }
         }
       }
     }
@@ -893,10 +909,10 @@ __device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t strid
 // whole rows, wpr 1, not gated), so that a warp has RW rows' loads in flight. Gated: the warp
 // reads row n's gate and up rows together. Every thread of the block calls it (it synchronises
 // once when wpr > 1); `part` holds the split-K partial sums.
-template <typename T, int M, int RW, typename Out>
+template <typename T, int M, int RW, typename Out, bool XG = false>
 __device__ __forceinline__ void gemv_rows(const float* __restrict__ xs, float* __restrict__ part,
                                           const T* __restrict__ W, const T* __restrict__ bias, int N, int K, int wpr,
-                                          Act act, Out out) {
+                                          Act act, Out out, const T* __restrict__ xg = nullptr) {
   constexpr int V = Vec16<T>::n;
   constexpr int R = RW > 2 ? RW : 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -912,8 +928,8 @@ __device__ __forceinline__ void gemv_rows(const float* __restrict__ xs, float* _
 #pragma unroll
   for (int i = 0; i < R * M; ++i) acc[i] = 0.f;
   if (n < N) {
-    if (gated) dot_rows<T, M, 2>(W + (int64_t)n * K, (int64_t)N * K, 2, xs, K, k0, k1, lane, acc);
-    else dot_rows<T, M, RW>(W + (int64_t)n * K, K, nrows, xs, K, k0, k1, lane, acc);
+    if (gated) dot_rows<T, M, 2, XG>(W + (int64_t)n * K, (int64_t)N * K, 2, xs, xg, K, k0, k1, lane, acc);
+    else dot_rows<T, M, RW, XG>(W + (int64_t)n * K, K, nrows, xs, xg, K, k0, k1, lane, acc);
   }
 #pragma unroll
   for (int i = 0; i < R * M; ++i) acc[i] = warp_sum(acc[i]);
@@ -959,10 +975,14 @@ struct DenseRows {
 template <typename T, int M>
 __global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias,
                             T* __restrict__ y, int N, int K, int wpr, Act act) {
-  extern __shared__ float xs[];  // [M, K], then [kGemvWarps, 2, M] partial sums
-  for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = from_t<T>(x[i]);
-  __syncthreads();
-  gemv_rows<T, M, 1>(xs, xs + M * K, W, bias, N, K, wpr, act, DenseRows<T>{y, N});
+  extern __shared__ float xs[];  // [M, K] (M > 1), then [kGemvWarps, 2, M] partial sums
+  if constexpr (M == 1) {
+    gemv_rows<T, 1, 1, DenseRows<T>, true>(nullptr, xs, W, bias, N, K, wpr, act, DenseRows<T>{y, N}, x);
+  } else {
+    for (int i = threadIdx.x; i < M * K; i += blockDim.x) xs[i] = from_t<T>(x[i]);
+    __syncthreads();
+    gemv_rows<T, M, 1>(xs, xs + M * K, W, bias, N, K, wpr, act, DenseRows<T>{y, N});
+  }
 }
 
 // Returns false when the shape is not for this kernel (caller falls back to cuBLAS).
@@ -970,8 +990,9 @@ __global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, co
 template <typename T>
 bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int K, Act act, cudaStream_t s) {
   if (M < 1 || M > kGemvMaxRows || K % Vec16<T>::n != 0) return false;
-  const size_t smem = (size_t)M * K * sizeof(float) + kGemvWarps * 2 * M * sizeof(float);
-  if (smem > 48 * 1024 || reinterpret_cast<uintptr_t>(W) % 16 != 0) return false;
+  const size_t smem = (size_t)(M > 1 ? M * K : 0) * sizeof(float) + kGemvWarps * 2 * M * sizeof(float);
+  if (smem > 48 * 1024 || reinterpret_cast<uintptr_t>(W) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0)
+    return false;
   // Enough warps in flight to cover memory latency: split K when rows are few.
   const int wpr = N >= 4096 ? 1 : (N >= 1024 ? 2 : 4);
   const int rows_per_block = kGemvWarps / wpr;
@@ -1094,6 +1115,12 @@ __global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict_
   const int* group_start = plan + 1 + P;
   const int* pairs = plan + 2 + 2 * P;
   const T* We = W + (int64_t)e * (act != Act::None ? 2 * N : N) * K;
+  if constexpr (RMAX == 1) {  // a decode step: each pass one pair, its x row read from global memory
+    for (int b = group_start[g], end = group_start[g + 1]; b < end; ++b)
+      gemv_rows<T, 1, RW, PairRows<T>, true>(nullptr, xs, We, nullptr, N, K, /*wpr=*/1, act,
+                                             PairRows<T>{y, pairs + b, N}, x + (int64_t)(pairs[b] / x_div) * K);
+    return;
+  }
   for (int b = group_start[g], end = group_start[g + 1]; b < end; b += rows) {
     const int m_cnt = min(rows, end - b);
     for (int i = threadIdx.x; i < m_cnt * K; i += blockDim.x)
@@ -1111,7 +1138,8 @@ __global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict_
 template <typename T>
 bool launch_expert_gemv(const T* x, const T* W, const int* plan, T* y, int P, int N, int K, int x_div,
                         int most_per_expert, Act act, cudaStream_t s) {
-  if (P < 1 || P > kExpertPlanMaxPairs || K % Vec16<T>::n != 0 || reinterpret_cast<uintptr_t>(W) % 16 != 0)
+  if (P < 1 || P > kExpertPlanMaxPairs || K % Vec16<T>::n != 0 || reinterpret_cast<uintptr_t>(W) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(x) % 16 != 0)
     return false;
   // As many pairs per pass as fit the default 48 KiB of shared memory, up to the GEMV's 8.
   const int64_t per_row = (int64_t)K * sizeof(float) + kGemvWarps * 2 * sizeof(float);
