@@ -12,8 +12,8 @@
 
 namespace kakeya::test {
 
-inline ModelConfig small_gemma4_moe() {
-  const nlohmann::json j = {
+inline nlohmann::json small_gemma4_moe_json() {
+  return {
       {"model_type", "gemma4_text"}, {"hidden_size", 128}, {"num_hidden_layers", 4}, {"intermediate_size", 96},
       {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"num_global_key_value_heads", 1}, {"head_dim", 64},
       {"global_head_dim", 128}, {"vocab_size", 512}, {"rms_norm_eps", 1e-6}, {"max_position_embeddings", 4096},
@@ -25,8 +25,9 @@ inline ModelConfig small_gemma4_moe() {
       {"rope_parameters",
        {{"full_attention", {{"partial_rotary_factor", 0.25}, {"rope_theta", 1000000.0}, {"rope_type", "proportional"}}},
         {"sliding_attention", {{"rope_theta", 10000.0}, {"rope_type", "default"}}}}}};
-  return ModelConfig::from_json(j, "small gemma4 moe (test)");
 }
+
+inline ModelConfig small_gemma4_moe() { return ModelConfig::from_json(small_gemma4_moe_json(), "small gemma4 moe (test)"); }
 
 // 70 token ids of its vocabulary: several sliding windows, and past sink + window of the tests.
 inline std::vector<int64_t> small_gemma4_prompt() {

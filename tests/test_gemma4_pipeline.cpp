@@ -2,15 +2,20 @@
 // small shape, tests/gemma4_test_util.h) with a random DFlash drafter and f_θ: exact restoration
 // (a = 1) and the fused decoder give AR's tokens, a random f_θ changes them (restoration acts)
 // and the fused decoder follows the restored one,
-// the z-lab drafter layout of gemma-4-26B-A4B fits the 26B-A4B shape, and a drafter made for
-// another target is refused.
+// the z-lab drafter layout of gemma-4-26B-A4B fits the 26B-A4B shape, a drafter made for
+// another target is refused, and capture to HDF5 and calibration (Σ_q, PCA bases) run on it.
 #include <gtest/gtest.h>
 
+#include <fstream>
+
+#include "calib/calibrate.h"
 #include "core/io/fs.h"
+#include "core/io/safetensors.h"
 #include "core/model/drafter.h"
 #include "core/model/ftheta.h"
 #include "core/model/model.h"
 #include "core/model/random_weights.h"
+#include "data/capture.h"
 #include "infer/decoder.h"
 #include "infer/generate.h"
 #include "tests/gemma4_test_util.h"
@@ -137,6 +142,100 @@ TEST(Gemma4Pipeline, DrafterOfAnotherTargetIsRefused) {
                                   at::kCPU);
   test::expect_error([&] { decode(model(), &foreign, &f, prompt(), options(DecodeMode::Restored, 1.0)); },
                      "bound to another verifier");
+}
+
+// The small random Gemma 4 MoE as a checkpoint directory (config.json + model.safetensors, the
+// tensors the loader asked the random source for) and its random drafter saved beside it:
+// capture and calibration take model directories, as the CLI does.
+struct Gemma4Dirs {
+  std::string root, verifier_dir, drafter_dir;
+  Gemma4Dirs()
+      : root(fs::temp_dir() + "/kakeya_test_gemma4_dirs"), verifier_dir(root + "/verifier"), drafter_dir(root + "/drafter") {
+    EXPECT_EQ(std::system(("rm -rf '" + root + "'").c_str()), 0);
+    fs::make_dirs(verifier_dir);
+    std::map<std::string, at::Tensor> saved;
+    const WeightSource src = random_weights(21, at::kCPU);
+    const WeightSource rec{src.origin, src.has, [&](const std::string& n, at::IntArrayRef shape) {
+                             auto t = src.get(n, shape);
+                             saved[n] = t.contiguous();
+                             return t;
+                           }};
+    ModelOptions mo;
+    mo.max_positions = 256;
+    (void)Model::from_weights(test::small_gemma4_moe(), rec, mo);
+    save_safetensors(verifier_dir + "/model.safetensors", saved);
+    std::ofstream(verifier_dir + "/config.json") << test::small_gemma4_moe_json().dump(1);
+    drafter().save(drafter_dir, at::kFloat);
+  }
+};
+
+// Capture (HDF5 shards, read back) and calibration on the Gemma 4 MoE: the directory loads to the
+// same model; the shards hold what the taps see (K=V full layers: V is the raw K rows); Σ_q and
+// the PCA bases fit every layer's own head dim and KV heads (64 × 2 sliding, 128 × 1 full).
+TEST(Gemma4Pipeline, CaptureAndCalibrate) {
+  const Gemma4Dirs d;
+  ModelOptions mo;
+  mo.max_positions = 256;
+  const Model m = Model::load(d.verifier_dir, mo);
+  const Drafter dr = Drafter::load(d.drafter_dir, m);
+  DecodeOptions o;
+  o.max_new_tokens = 16;
+  o.stream = false;
+  EXPECT_EQ(generate(m, prompt(), o).tokens, ar_tokens()) << "the directory is another model";
+
+  data::CaptureOptions co;
+  co.out_dir = d.root + "/capture";
+  co.gen_len = 6;
+  co.seqs_per_shard = 1;
+  co.bench_seqs = 0;
+  const auto p = prompt();
+  std::vector<data::CapturePrompt> ps = {{std::vector<int64_t>(p.begin(), p.begin() + 30), "corpus"},
+                                         {std::vector<int64_t>(p.begin() + 30, p.end()), "niah"}};
+  const auto rep = data::run_capture(m, d.verifier_dir, dr, d.drafter_dir, ps, co);
+  EXPECT_EQ(rep.sequences, 2);
+  data::CaptureReader r(co.out_dir);
+  ASSERT_EQ(r.size(), 2);
+  EXPECT_TRUE(r.complete());
+  EXPECT_EQ(r.layer_types(), m.config().layer_types);
+  r.check_models(d.verifier_dir, d.drafter_dir);
+  for (int64_t i = 0; i < r.size(); ++i) {
+    const auto seq = r.read(i);
+    const auto want = data::capture_sequence(m, dr, std::vector<int64_t>(seq.tokens.data_ptr<int64_t>(),
+                                                                        seq.tokens.data_ptr<int64_t>() + seq.length()));
+    for (int64_t l = 0; l < m.config().num_layers; ++l) {
+      EXPECT_TRUE(at::equal(seq.k[l], want.k[l].to(at::kFloat))) << "sequence " << i << " layer " << l;
+      EXPECT_TRUE(at::equal(seq.q[l], want.q[l].to(at::kFloat))) << "sequence " << i << " layer " << l;
+    }
+    for (int64_t l = 0; l < m.config().num_layers; ++l) {
+      const bool full = !m.config().is_sliding(l);
+      if (full) EXPECT_TRUE(at::equal(seq.k[l], seq.v[l])) << "K=V layer " << l << ": V is the raw K rows";
+      EXPECT_EQ(seq.k[l].size(2), full ? 128 : 64) << "layer " << l;
+    }
+    EXPECT_TRUE(at::equal(seq.dk, want.dk.to(at::kFloat)));
+  }
+
+  // Calibration: Σ_q, then the PCA bases with the bundle's Σ_q (what `kakeya calibrate` runs).
+  const std::string cal = d.root + "/calib";
+  CalibBundle::prepare_dir(cal, m.config());
+  calib::SigmaQAccumulator acc(m.config(), m.device());
+  calib::KVCapture kv(m.config());
+  Taps taps;
+  taps.subscribe(&acc);
+  taps.subscribe(&kv);
+  const int64_t n = calib::run_windows(m, prompt(), 32, 70, m.config().bos_token_id, taps);
+  EXPECT_EQ(n, 70);
+  const auto sq = calib::finish_sigma_q(acc, m.config(), {});
+  for (int64_t l = 0; l < m.config().num_layers; ++l) {
+    const bool full = !m.config().is_sliding(l);
+    const int64_t D = full ? 128 : 64, Hkv = full ? 1 : 2;
+    EXPECT_EQ(sq.sigma[l].sizes(), (at::IntArrayRef{Hkv, D, D})) << "layer " << l;
+    EXPECT_TRUE(sq.chol[l].isfinite().all().item<bool>()) << "layer " << l;
+  }
+  calib::save_sigma_q(cal, m.config(), sq, {{"command", "test"}});
+  const auto bundle = CalibBundle::load(cal, m.config());
+  calib::fit_bases(cal, m.config(), kv, bundle, {32}, {{"command", "test"}});
+  EXPECT_TRUE(fs::exists(cal + "/pca_basis.safetensors"));
+  (void)CalibBundle::load(cal, m.config());  // the bundle with its bases loads for this model
 }
 
 }  // namespace
