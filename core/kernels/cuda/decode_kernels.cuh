@@ -92,6 +92,24 @@ void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float 
   rms_norm_kernel<T><<<rows, norm_threads(H), 0, s>>>(x, w, out, H, eps, unit_offset);
 }
 
+// The end of a residual step, every thread of the block: the new residual hs [H] (f32 values of
+// T; each thread reads its own i) written to h_out and, when given, the copy row c; the next
+// pre-norm of it to y. h_out, c, y point at the row.
+template <typename T>
+__device__ __forceinline__ void store_residual(const float* hs, T* __restrict__ h_out, T* __restrict__ c,
+                                               T* __restrict__ y, const float* __restrict__ w_next, int H, float eps,
+                                               bool unit_offset, float* red) {
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float v = hs[i];
+    h_out[i] = to_t<T>(v);
+    if (c) c[i] = to_t<T>(v);
+    ss += v * v;
+  }
+  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x) y[i] = to_t<T>(norm_value<T>(hs[i], inv, w_next[i], unit_offset));
+}
+
 // ---------------------------------------------------------------------------
 // The residual step of a decoder layer, fused:
 //   a = w_post ? rms_norm(x)·w_post : x        (Gemma's post-attention / post-FFN norm)
@@ -122,17 +140,11 @@ __global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict
     ss += v * v;
   }
   const float inv_x = w_post ? rsqrtf(block_sum(ss, red) / H + eps) : 1.f;
-  ss = 0.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     const float a = w_post ? rnd<T>(norm_value<T>(xs[i], inv_x, w_post[i], unit_offset)) : xs[i];
-    const float v = rnd<T>(hs[i] + a);
-    hs[i] = v;
-    h_out[base + i] = to_t<T>(v);
-    if (c) c[i] = to_t<T>(v);
-    ss += v * v;
+    hs[i] = rnd<T>(hs[i] + a);
   }
-  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
-  for (int i = threadIdx.x; i < H; i += blockDim.x) y[base + i] = to_t<T>(norm_value<T>(hs[i], inv, w_next[i], unit_offset));
+  store_residual<T>(hs, h_out + base, c, y + base, w_next, H, eps, unit_offset, red);
 }
 
 template <typename T>
@@ -1119,16 +1131,16 @@ __global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict_
     for (int b = group_start[g], end = group_start[g + 1]; b < end; ++b)
       gemv_rows<T, 1, RW, PairRows<T>, true>(nullptr, xs, We, nullptr, N, K, /*wpr=*/1, act,
                                              PairRows<T>{y, pairs + b, N}, x + (int64_t)(pairs[b] / x_div) * K);
-    return;
-  }
-  for (int b = group_start[g], end = group_start[g + 1]; b < end; b += rows) {
-    const int m_cnt = min(rows, end - b);
-    for (int i = threadIdx.x; i < m_cnt * K; i += blockDim.x)
-      xs[i] = from_t<T>(x[(int64_t)(pairs[b + i / K] / x_div) * K + i % K]);
-    __syncthreads();
-    gemv_rows_upto<T, RMAX, RW>(m_cnt, xs, xs + m_cnt * K, We, nullptr, N, K, /*wpr=*/1, act,
-                                PairRows<T>{y, pairs + b, N});
-    __syncthreads();  // xs and part are reused by the next rows of this group
+  } else {
+    for (int b = group_start[g], end = group_start[g + 1]; b < end; b += rows) {
+      const int m_cnt = min(rows, end - b);
+      for (int i = threadIdx.x; i < m_cnt * K; i += blockDim.x)
+        xs[i] = from_t<T>(x[(int64_t)(pairs[b + i / K] / x_div) * K + i % K]);
+      __syncthreads();
+      gemv_rows_upto<T, RMAX, RW>(m_cnt, xs, xs + m_cnt * K, We, nullptr, N, K, /*wpr=*/1, act,
+                                  PairRows<T>{y, pairs + b, N});
+      __syncthreads();  // xs and part are reused by the next rows of this group
+    }
   }
 }
 
@@ -1342,17 +1354,11 @@ __global__ void moe_residual_kernel(const T* __restrict__ h, const T* __restrict
   }
   const float inv_2 = rsqrtf(block_sum(ss, red) / H + eps);
   const float scalar = s ? from_t<T>(s[0]) : 1.f;
-  ss = 0.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    float v = rnd<T>(hs[i] + rnd<T>(norm_value<T>(fs[i], inv_2, w_ffn[i], unit_offset)));
-    if (s) v = rnd<T>(v * scalar);
-    hs[i] = v;
-    h_out[base + i] = to_t<T>(v);
-    if (c) c[i] = to_t<T>(v);
-    ss += v * v;
+    const float v = rnd<T>(hs[i] + rnd<T>(norm_value<T>(fs[i], inv_2, w_ffn[i], unit_offset)));
+    hs[i] = s ? rnd<T>(v * scalar) : v;
   }
-  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
-  for (int i = threadIdx.x; i < H; i += blockDim.x) x_out[base + i] = to_t<T>(norm_value<T>(hs[i], inv, w_next[i], unit_offset));
+  store_residual<T>(hs, h_out + base, c, x_out + base, w_next, H, eps, unit_offset, red);
 }
 
 template <typename T>

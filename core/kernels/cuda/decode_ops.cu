@@ -69,6 +69,29 @@ void dispatch(at::ScalarType st, F&& f) {
 }
 template <typename T> T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
 
+// A residual step's outputs (out of place: tap subscribers may hold the previous residual) and
+// its copy's launch arguments, after checking the copy (RowCopy).
+struct ResidualStep {
+  at::Tensor h_out, y;
+  int64_t copy_stride = 0, copy_rows = 1;
+  const int64_t* copy_pos = nullptr;
+  int T_len = 1;
+  template <typename T> T* copy_dst(const RowCopy* copy) const { return copy ? ptr<T>(copy->dst) + copy->col : nullptr; }
+};
+ResidualStep residual_step(const at::Tensor& h, const RowCopy* copy, const char* who) {
+  ResidualStep r;
+  r.T_len = h.dim() >= 2 ? (int)h.size(-2) : 1;
+  if (copy) {
+    check_copy(*copy, h, r.T_len, who);
+    r.copy_stride = copy->dst.stride(0);
+    r.copy_rows = copy->dst.size(0);
+    r.copy_pos = copy->positions.data_ptr<int64_t>();
+  }
+  r.h_out = at::empty_like(h);
+  r.y = at::empty_like(h);
+  return r;
+}
+
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, bool unit_offset) {
@@ -98,20 +121,16 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in, const at:
   if (w_post.defined()) check_w(w_post, H, "add_rms_norm w_post");
   check_w(w_next, H, "add_rms_norm w_next");
   TORCH_CHECK(H * 4 <= 48 * 1024, "add_rms_norm: hidden size ", H, " exceeds the kernel's shared memory");
-  const int64_t T_len = h.dim() >= 2 ? h.size(-2) : 1;
-  if (copy) check_copy(*copy, h, T_len, "add_rms_norm");
   c10::cuda::CUDAGuard g(h.device());
-  auto h2 = at::empty_like(h);  // out of place: tap subscribers may hold the previous residual
-  auto y = at::empty_like(h);
+  const auto r = residual_step(h, copy, "add_rms_norm");
   dispatch(h.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    T* c = copy ? ptr<T>(copy->dst) + copy->col : nullptr;
     k::launch_add_rms_norm<T>(ptr<T>(h), ptr<T>(x), w_post.defined() ? w_post.data_ptr<float>() : nullptr,
-                              w_next.data_ptr<float>(), ptr<T>(h2), ptr<T>(y), h.numel() / H, H, eps, unit_offset, c,
-                              copy ? copy->dst.stride(0) : 0, copy ? copy->positions.data_ptr<int64_t>() : nullptr,
-                              copy ? copy->dst.size(0) : 1, (int)T_len, at::cuda::getCurrentCUDAStream());
+                              w_next.data_ptr<float>(), ptr<T>(r.h_out), ptr<T>(r.y), h.numel() / H, H, eps,
+                              unit_offset, r.copy_dst<T>(copy), r.copy_stride, r.copy_pos, r.copy_rows, r.T_len,
+                              at::cuda::getCurrentCUDAStream());
   });
-  return {h2, y};
+  return {r.h_out, r.y};
 }
 
 at::Tensor act_mul(const at::Tensor& gu_in, bool gelu_tanh) {
@@ -567,22 +586,18 @@ std::pair<at::Tensor, at::Tensor> moe_residual(const at::Tensor& h_in, const at:
                 n.scalar.sizes(), " ", n.scalar.scalar_type(), ", expected one ", h.scalar_type());
   }
   TORCH_CHECK(3 * H * 4 <= 48 * 1024, "moe_residual: hidden size ", H, " exceeds the kernel's shared memory");
-  const int64_t T_len = h.dim() >= 2 ? h.size(-2) : 1;
-  if (copy) check_copy(*copy, h, T_len, "moe_residual");
   c10::cuda::CUDAGuard g(h.device());
-  auto h2 = at::empty_like(h);  // out of place: tap subscribers may hold the previous residual
-  auto x = at::empty_like(h);
+  const auto out = residual_step(h, copy, "moe_residual");
   dispatch(h.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    T* c = copy ? ptr<T>(copy->dst) + copy->col : nullptr;
     k::launch_moe_residual<T>(ptr<T>(h), ptr<T>(f), ptr<T>(y), r.defined() ? r.data_ptr<float>() : nullptr, (int)K,
                               n.dense.data_ptr<float>(), n.experts.data_ptr<float>(), n.ffn.data_ptr<float>(),
-                              n.scalar.defined() ? ptr<T>(n.scalar) : nullptr, w_next.data_ptr<float>(), ptr<T>(h2),
-                              ptr<T>(x), (int)rows, (int)H, (float)eps, unit_offset, c,
-                              copy ? copy->dst.stride(0) : 0, copy ? copy->positions.data_ptr<int64_t>() : nullptr,
-                              copy ? copy->dst.size(0) : 1, (int)T_len, at::cuda::getCurrentCUDAStream());
+                              n.scalar.defined() ? ptr<T>(n.scalar) : nullptr, w_next.data_ptr<float>(),
+                              ptr<T>(out.h_out), ptr<T>(out.y), (int)rows, (int)H, (float)eps, unit_offset,
+                              out.copy_dst<T>(copy), out.copy_stride, out.copy_pos, out.copy_rows, out.T_len,
+                              at::cuda::getCurrentCUDAStream());
   });
-  return {h2, x};
+  return {out.h_out, out.y};
 }
 
 }  // namespace kakeya::ops::cuda
