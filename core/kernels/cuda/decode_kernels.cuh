@@ -1162,7 +1162,7 @@ bool launch_expert_gemv(const T* x, const T* W, const int* plan, T* y, int P, in
   // shape), one gated row (its gate and up rows) otherwise.
   const int rw = act == Act::None ? kExpertRowsPerWarp : 1;
   const dim3 grid((N + kGemvWarps * rw - 1) / (kGemvWarps * rw), P);
-  const size_t smem = rows * per_row;
+  const size_t smem = rmax == 1 ? 0 : rows * per_row;  // one-row passes read x from global memory
 #define KAKEYA_EXPERT_LAUNCH(R, RWC) \
   expert_gemv_kernel<T, R, RWC><<<grid, kGemvWarps * 32, smem, s>>>(x, W, plan, y, P, N, K, x_div, rows, act)
 #define KAKEYA_EXPERT_CASE(R)                                   \
