@@ -48,6 +48,8 @@ struct DecodeStep {
   }
 };
 
+}  // namespace
+
 KVCacheOptions ar_cache_options(const Model& model, int64_t capacity) {
   KVCacheOptions co;
   co.capacity = capacity;
@@ -59,8 +61,6 @@ KVCacheOptions ar_cache_options(const Model& model, int64_t capacity) {
                             << model.options().max_positions << ")");
   return co;
 }
-
-}  // namespace
 
 ArDecoder::ArDecoder(const Model& model, int64_t capacity, const DecodeOptions& opt)
     : Decoder(opt), model_(model), cache_(model.config(), ar_cache_options(model, capacity)),

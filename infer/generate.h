@@ -18,6 +18,10 @@
 
 namespace kakeya {
 
+// The AR cache of `capacity` positions: the model's own attention, no rollback (throws when the
+// model's position table is shorter).
+KVCacheOptions ar_cache_options(const Model& model, int64_t capacity);
+
 // One AR decode (opt.mode is not read): an ArDecoder for prompt + new tokens, used once.
 DecodeResult generate(const Model& model, const std::vector<int64_t>& prompt, const DecodeOptions& opt);
 

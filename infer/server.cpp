@@ -1,5 +1,10 @@
 #include "infer/server.h"
 
+// Connections that arrive together (a burst of clients) wait in the kernel's queue, not reset:
+// the library's default backlog is 5 (effective where the library is header-only).
+#ifndef CPPHTTPLIB_LISTEN_BACKLOG
+#define CPPHTTPLIB_LISTEN_BACKLOG 1024
+#endif
 #include <httplib.h>
 
 #include <nlohmann/json.hpp>
@@ -26,6 +31,7 @@
 #include "core/io/text_stream.h"
 #include "core/io/tokenizer.h"
 #include "core/model/model.h"
+#include "infer/batch.h"
 #include "infer/session.h"
 
 namespace kakeya {
@@ -306,6 +312,9 @@ struct Server::Impl {
   };
   std::vector<Slot> sessions;
   uint64_t tick = 0;
+  std::unique_ptr<BatchDecoder> batcher;  // ServeOptions::batch > 1: the batched worker's rows
+  std::atomic<int64_t> batch_sequences{0};  // requests in it now
+  std::atomic<int64_t> batch_steps{0}, batch_step_rows{0};  // batched steps, and the rows they decoded
 
   // Metrics.
   std::mutex mm;
@@ -378,6 +387,7 @@ struct Server::Impl {
   // ---- decode worker ----
 
   void worker_loop() {
+    if (batcher) return batch_loop();
     for (;;) {
       std::shared_ptr<Job> job;
       {
@@ -394,38 +404,91 @@ struct Server::Impl {
     }
   }
 
-  void run_job(Job& job) {
-    if (job.cancelled.load()) {  // the client left while the request waited
-      {
-        std::lock_guard<std::mutex> lk(mm);
-        ++cancelled;
-      }
-      job.fail(499, "the client closed the connection");
-      return;
-    }
-    if (stopping.load()) {
-      job.fail(503, "the server is shutting down");
-      return;
-    }
-    TextStream ts(tok);
-    StopFilter sf(job.stop);
+  // What a running request does with each token: counts it, ends at a stop id, a stop string
+  // or when its client leaves, and hands the text to the HTTP thread.
+  struct JobOutput {
+    Job& job;
+    TextStream ts;
+    StopFilter sf;
     int64_t n = 0;
     bool hit_stop_id = false;
-    const auto emit = [&](const std::string& s) {
+    Clock::time_point t0 = Clock::now();
+    JobOutput(Job& j, const Tokenizer& tok) : job(j), ts(tok), sf(j.stop) {}
+    void emit(const std::string& s) {
       if (s.empty()) return;
       std::lock_guard<std::mutex> lk(job.m);
       job.out += s;
       job.cv.notify_all();
-    };
-    const auto consume = [&](int64_t t) {
-      if (sf.stopped() || hit_stop_id || job.cancelled.load()) return;  // fused: the rest of a block
+    }
+    void consume(int64_t t) {
+      if (stopped()) return;  // fused: the rest of a block
       ++n;
       if (std::find(job.stop_ids.begin(), job.stop_ids.end(), t) != job.stop_ids.end()) {
         hit_stop_id = true;
         return;
       }
       emit(sf.push(ts.push(t)));
-    };
+    }
+    bool stopped() const { return sf.stopped() || hit_stop_id || job.cancelled.load(); }
+    bool ended() const { return stopped() || n >= job.max_tokens; }
+    // The text held back (a partial character, a possible stop string's start), then done.
+    void complete() {
+      if (!sf.stopped()) emit(sf.push(ts.finish()));
+      if (!sf.stopped()) emit(sf.finish());
+      std::lock_guard<std::mutex> lk(job.m);
+      job.completion_tokens = n;
+      job.finish_reason = (sf.stopped() || hit_stop_id) ? "stop" : (n >= job.max_tokens ? "length" : "stop");
+      job.done = true;
+      job.cv.notify_all();
+    }
+  };
+
+  // False (and the job failed) when it should not run: its client left while it waited, or the
+  // server is stopping.
+  bool admit(Job& job) {
+    if (job.cancelled.load()) {
+      {
+        std::lock_guard<std::mutex> lk(mm);
+        ++cancelled;
+      }
+      job.fail(499, "the client closed the connection");
+      return false;
+    }
+    if (stopping.load()) {
+      job.fail(503, "the server is shutting down");
+      return false;
+    }
+    return true;
+  }
+
+  // A finished request's figures. decode_tps: its own decode rate (0: not measured alone).
+  void record(const JobOutput& o, double decode_tps, size_t reused, const std::string& label, int64_t kv) {
+    const double secs = std::chrono::duration<double>(Clock::now() - o.t0).count();
+    const bool was_cancelled = o.job.cancelled.load();
+    {
+      std::lock_guard<std::mutex> lk(mm);
+      generated_tokens += o.n;
+      prompt_tokens += static_cast<int64_t>(o.job.prompt.size());
+      if (reused > 0) {
+        ++session_reuses;
+        reused_tokens += static_cast<int64_t>(reused);
+      }
+      if (was_cancelled) ++cancelled;
+      last_tokens = o.n;
+      last_seconds = secs;
+      last_decode_tps = decode_tps;
+      last_request_tps = secs > 0 ? o.n / secs : 0.0;
+      kv_bytes[label] = kv;
+    }
+    std::fprintf(stderr, "[serve] %zu prompt tokens%s, %lld generated in %.2fs (%.1f tok/s %s)%s\n", o.job.prompt.size(),
+                 reused ? (" (" + std::to_string(reused) + " reused)").c_str() : "", static_cast<long long>(o.n), secs,
+                 decode_tps > 0 ? decode_tps : (secs > 0 ? o.n / secs : 0.0), decode_tps > 0 ? "decode" : "in a batch",
+                 was_cancelled ? ", client gone" : "");
+  }
+
+  void run_job(Job& job) {
+    if (!admit(job)) return;
+    JobOutput o(job, tok);
     DecodeOptions d = opt.decode;
     d.max_new_tokens = job.max_tokens;
     d.sampling = job.sampling;
@@ -435,17 +498,14 @@ struct Server::Impl {
     }
     d.stop_ids = job.stop_ids;
     d.stream = true;
-    d.on_token = consume;
-    d.should_stop = [&] { return sf.stopped() || hit_stop_id || job.cancelled.load() || stopping.load(); };
-
-    const auto t0 = Clock::now();
-    bool reuse = false;
-    size_t reused = 0;
+    d.on_token = [&](int64_t t) { o.consume(t); };
+    d.should_stop = [&] { return o.stopped() || stopping.load(); };
     try {
       Session& s = session_for(d.sampling);
       const auto& h = s.history();
-      reuse = !h.empty() && job.prompt.size() > h.size() && std::equal(h.begin(), h.end(), job.prompt.begin());
+      const bool reuse = !h.empty() && job.prompt.size() > h.size() && std::equal(h.begin(), h.end(), job.prompt.begin());
       std::vector<int64_t> feed;
+      size_t reused = 0;
       if (reuse) {
         reused = h.size();
         feed.assign(job.prompt.begin() + static_cast<std::ptrdiff_t>(h.size()), job.prompt.end());
@@ -454,38 +514,95 @@ struct Server::Impl {
         feed = job.prompt;
       }
       const DecodeResult r = s.send(feed, d);  // a failed send leaves the session empty
-      if (!sf.stopped()) emit(sf.push(ts.finish()));
-      if (!sf.stopped()) emit(sf.finish());
-      const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-      const bool was_cancelled = job.cancelled.load();
-      {
-        std::lock_guard<std::mutex> lk(mm);
-        generated_tokens += n;
-        prompt_tokens += static_cast<int64_t>(job.prompt.size());
-        if (reuse) {
-          ++session_reuses;
-          reused_tokens += static_cast<int64_t>(reused);
-        }
-        if (was_cancelled) ++cancelled;
-        last_tokens = n;
-        last_seconds = secs;
-        last_decode_tps = r.decode_tokens_per_second();
-        last_request_tps = secs > 0 ? n / secs : 0.0;
-        kv_bytes[label_of(s)] = s.memory().kv_bytes();
-      }
-      std::fprintf(stderr, "[serve] %zu prompt tokens%s, %lld generated in %.2fs (%.1f tok/s decode)%s\n",
-                   job.prompt.size(), reuse ? (" (" + std::to_string(reused) + " reused)").c_str() : "",
-                   static_cast<long long>(n), secs, r.decode_tokens_per_second(),
-                   was_cancelled ? ", client gone" : "");
-      std::lock_guard<std::mutex> lk(job.m);
-      job.completion_tokens = n;
-      job.finish_reason = (sf.stopped() || hit_stop_id) ? "stop" : (n >= job.max_tokens ? "length" : "stop");
-      job.done = true;
-      job.cv.notify_all();
+      record(o, r.decode_tokens_per_second(), reused, label_of(s), s.memory().kv_bytes());
+      o.complete();
     } catch (const c10::Error& e) {
       decode_failed(job, e.what_without_backtrace());
     } catch (const std::exception& e) {
       decode_failed(job, e.what());
+    }
+  }
+
+  // ---- batched decode worker (ServeOptions::batch > 1) ----
+
+  // Requests join the batch between steps while rows are free, and leave it when they end;
+  // each step produces one token for every request in it (infer/batch.h).
+  void batch_loop() {
+    struct Running {
+      std::shared_ptr<Job> job;
+      std::unique_ptr<JobOutput> out;
+      int64_t id = 0;
+    };
+    std::vector<Running> running;
+    // Ends the requests that are done (or all, when the server stops) and frees their rows.
+    auto retire = [&](bool all) {
+      for (size_t i = 0; i < running.size();) {
+        Running& r = running[i];
+        if (!all && !r.out->ended()) {
+          ++i;
+          continue;
+        }
+        batcher->leave(r.id);
+        record(*r.out, 0.0, 0, "batch", batcher->kv_bytes());
+        if (all && !r.out->ended()) r.job->fail(503, "the server is shutting down");
+        else r.out->complete();
+        running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
+      }
+    };
+    for (;;) {
+      std::vector<std::shared_ptr<Job>> joining;
+      {
+        std::unique_lock<std::mutex> lk(qm);
+        qcv.wait(lk, [&] { return stopping.load() || !queue.empty() || !running.empty(); });
+        if (stopping.load() && queue.empty() && running.empty()) return;
+        while (!queue.empty() && (int64_t)(running.size() + joining.size()) < batcher->max_rows()) {
+          joining.push_back(queue.front());
+          queue.pop_front();
+        }
+        busy = !running.empty() || !joining.empty();
+      }
+      if (stopping.load()) {
+        for (auto& j : joining) j->fail(503, "the server is shutting down");
+        retire(true);
+        continue;
+      }
+      for (auto& j : joining) {
+        if (!admit(*j)) continue;
+        Running r{j, std::make_unique<JobOutput>(*j, tok), 0};
+        try {
+          SamplingOptions smp = j->sampling;
+          if (smp.temperature <= 0) smp = {0.0, 1.0, smp.seed};
+          const auto [id, first] = batcher->join(j->prompt, smp, j->max_tokens);
+          r.id = id;
+          r.out->consume(first);
+          running.push_back(std::move(r));
+        } catch (const c10::Error& e) {
+          decode_failed(*j, e.what_without_backtrace());
+        } catch (const std::exception& e) {
+          decode_failed(*j, e.what());
+        }
+      }
+      retire(false);
+      batch_sequences = static_cast<int64_t>(running.size());
+      if (running.empty()) continue;
+      try {
+        const auto tokens = batcher->step();
+        ++batch_steps;
+        batch_step_rows += static_cast<int64_t>(tokens.size());
+        for (const auto& [id, t] : tokens)
+          for (auto& r : running)
+            if (r.id == id) r.out->consume(t);
+      } catch (const std::exception& e) {
+        // A failed step leaves no row trustworthy: every request in it fails, the rows are freed.
+        const std::string what = e.what();
+        for (auto& r : running) {
+          batcher->leave(r.id);
+          decode_failed(*r.job, what);
+        }
+        running.clear();
+      }
+      retire(false);
+      batch_sequences = static_cast<int64_t>(running.size());
     }
   }
 
@@ -899,6 +1016,14 @@ struct Server::Impl {
     o << "kakeya_queue_capacity " << opt.max_queue << "\n";
     metric("kakeya_busy", "gauge", "1 while the decode worker runs a request.");
     o << "kakeya_busy " << (is_busy ? 1 : 0) << "\n";
+    metric("kakeya_batch_sequences", "gauge", "Requests decoding in the batch now (--batch > 1).");
+    o << "kakeya_batch_sequences " << batch_sequences.load() << "\n";
+    metric("kakeya_batch_rows", "gauge", "Requests the batch decodes together at most (--batch).");
+    o << "kakeya_batch_rows " << opt.batch << "\n";
+    metric("kakeya_batch_steps_total", "counter", "Batched decode steps.");
+    o << "kakeya_batch_steps_total " << batch_steps.load() << "\n";
+    metric("kakeya_batch_step_rows_total", "counter", "Tokens the batched steps produced (rows per step, summed).");
+    o << "kakeya_batch_step_rows_total " << batch_step_rows.load() << "\n";
     metric("kakeya_sessions", "gauge", "Decode sessions (one per sampling setting) holding caches.");
     o << "kakeya_sessions " << kv_bytes.size() << "\n";
     metric("kakeya_session_capacity_positions", "gauge", "Positions each session holds.");
@@ -982,6 +1107,10 @@ Server::Server(const Model& model, const Tokenizer& tok, const Drafter* drafter,
   KAKEYA_CHECK(o.max_tokens_default >= 1, "serve: the default max_tokens must be positive, got " << o.max_tokens_default);
   KAKEYA_CHECK(o.http_threads >= 1, "serve: --http-threads must be at least 1, got " << o.http_threads);
   KAKEYA_CHECK(o.port >= 0 && o.port <= 65535, "serve: --port must be in [0, 65535], got " << o.port);
+  KAKEYA_CHECK(o.batch >= 1, "serve: --batch must be at least 1, got " << o.batch);
+  KAKEYA_CHECK(o.batch == 1 || o.decode.mode == DecodeMode::Ar,
+               "serve: --batch " << o.batch << " decodes ar sequences only; --mode " << decode_mode_name(o.decode.mode)
+                                 << " serves one request at a time (--batch 1)");
   KAKEYA_CHECK(serve_capacity(o) <= model.options().max_positions,
                "serve: a session of " << serve_capacity(o) << " positions (--max-context " << o.max_context
                                       << ") needs the model loaded with max_positions >= that, got "
@@ -996,8 +1125,15 @@ int Server::start() {
     std::lock_guard<std::mutex> lk(s.life_m);
     KAKEYA_CHECK(!s.started, "serve: the server was already started");
   }
-  // The default session first: options the decoder refuses fail here, before any client waits.
-  s.session_for(s.opt.decode.sampling);
+  // The default session (or the batch's rows) first: options the decoder refuses fail here,
+  // before any client waits.
+  if (s.opt.batch > 1) {
+    s.batcher = std::make_unique<BatchDecoder>(s.model, s.opt.batch, serve_capacity(s.opt), s.opt.decode.cuda_graph);
+    std::lock_guard<std::mutex> lk(s.mm);
+    s.kv_bytes["batch"] = s.batcher->kv_bytes();
+  } else {
+    s.session_for(s.opt.decode.sampling);
+  }
   s.setup_routes();
   const ServeOptions& o = s.opt;
   const size_t threads = static_cast<size_t>(o.http_threads);

@@ -8,8 +8,11 @@
 // 400 bad input (naming the field), 404 unknown model, 413 body too large, 429 queue full,
 // 500 a decode failed (the server keeps serving), 503 shutting down.
 //
-// One decode worker runs the requests one at a time, in arrival order, from a bounded queue
-// (batched decoding comes later). It keeps a Session per sampling setting (greedy, and each
+// With ServeOptions::batch > 1 (ar mode) the decode worker decodes up to that many requests
+// together (infer/batch.h: continuous batching, one token for each per batched forward; requests
+// join and leave between steps, in arrival order, from the bounded queue); every request is
+// prefilled afresh. With batch 1 one decode worker runs the requests one at a time, in arrival
+// order, from a bounded queue. It keeps a Session per sampling setting (greedy, and each
 // temperature/top-p a request asked for: a session's sampling is fixed when it is built; at most
 // ServeOptions::max_sessions, least recently used dropped) and reuses a session's caches when a
 // request's prompt tokens extend its conversation (session.history(): the earlier prompt and
@@ -51,6 +54,7 @@ struct ServeOptions {
   // set per request.
   DecodeOptions decode;
   int64_t max_sessions = 3;             // sampling settings whose sessions (caches) are kept at once
+  int64_t batch = 1;                    // > 1: requests decoded together (ar mode; rows of max_context positions)
   int http_threads = 256;               // most connections served at once (threads; 8 stay, the rest exit when idle)
   int read_timeout_s = 5;               // a client that sends nothing for this long is dropped
   int write_timeout_s = 5;              // a client that reads nothing for this long is dropped

@@ -3,7 +3,8 @@
 // which groups tokens by expert, and decode steps, which take the expert GEMV) gives the CPU's
 // logits (the q/k/v kernel with v_norm and K=V layers included); greedy AR decoding through CUDA
 // graphs gives the CPU's tokens; exact restoration
-// (a = 1) and the fused decoder give AR's tokens on the GPU too. bf16 decodes (label gpu).
+// (a = 1) and the fused decoder give AR's tokens on the GPU too; batched steps over sequences at
+// different positions (infer/batch.h) give each one's AR tokens. bf16 decodes (label gpu).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +14,7 @@
 #include "core/model/ftheta.h"
 #include "core/model/model.h"
 #include "core/model/random_weights.h"
+#include "infer/batch.h"
 #include "infer/decoder.h"
 #include "infer/generate.h"
 #include "tests/gemma4_test_util.h"
@@ -102,3 +104,39 @@ TEST_F(CudaGemma4, Bf16Decodes) {
 }
 
 }  // namespace
+
+// Continuous batching on the GPU (per-row positions through the q/k/v and attention kernels, B
+// rows through the expert GEMV): each sequence's greedy tokens equal AR's on its prompt alone, f32.
+TEST_F(CudaGemma4, BatchedStepsEqualEachSequenceAlone) {
+  Model gpu = small(kCuda, at::kFloat);
+  const std::vector<int64_t> lengths = {70, 9, 33, 17, 50}, budget = {12, 20, 7, 15, 10};
+  BatchDecoder bd(gpu, 3, 128);
+  std::vector<std::vector<int64_t>> got(lengths.size());
+  std::vector<int64_t> id_of(lengths.size(), -1);
+  size_t next = 0, left = lengths.size();
+  const auto all = prompt();
+  auto p = [&](size_t i) { return std::vector<int64_t>(all.begin(), all.begin() + lengths[i]); };
+  while (left > 0) {
+    if (next < lengths.size() && bd.size() < bd.max_rows()) {  // one join per step
+      const auto [id, first] = bd.join(p(next), {}, budget[next]);
+      id_of[next] = id;
+      got[next].push_back(first);
+      ++next;
+    }
+    for (size_t i = 0; i < lengths.size(); ++i)
+      if (id_of[i] >= 0 && (int64_t)got[i].size() >= budget[i]) {
+        bd.leave(id_of[i]);
+        id_of[i] = -1;
+        --left;
+      }
+    if (bd.size() == 0) continue;
+    for (const auto& [id, t] : bd.step())
+      for (size_t i = 0; i < lengths.size(); ++i)
+        if (id_of[i] == id) got[i].push_back(t);
+  }
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    DecodeOptions o;
+    o.max_new_tokens = budget[i];
+    EXPECT_EQ(got[i], generate(gpu, p(i), o).tokens) << "sequence " << i << " (prompt " << lengths[i] << ")";
+  }
+}

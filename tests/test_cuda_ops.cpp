@@ -111,11 +111,20 @@ TEST_P(CudaOps, ActMul) {
 TEST_P(CudaOps, QkNormRopeStore) {
   // Gemma 4 cases: v_norm (a scale-free RMS norm of v, unit_offset off), and K=V layers (no v
   // rows: V is the raw k head, then v_norm) with a partial proportional RoPE and D 512.
-  struct Case { int64_t Hq, Hkv, D, S, T; double partial; bool norm; int64_t ring; bool v_norm = false, k_eq_v = false; };
+  // per_row: positions [B, T], each row at its own (a batch of sessions, KVCacheOptions::rows).
+  struct Case {
+    int64_t Hq, Hkv, D, S, T;
+    double partial;
+    bool norm;
+    int64_t ring;
+    bool v_norm = false, k_eq_v = false, per_row = false;
+  };
   for (auto c : {Case{4, 1, 256, 70, 1, 1.0, true, 0}, Case{6, 2, 64, 37, 5, 1.0, false, 0},
                  Case{4, 2, 128, 33, 3, 0.25, true, 0}, Case{4, 1, 256, 90, 4, 1.0, true, 13},
                  Case{16, 8, 256, 40, 1, 1.0, true, 0, true, false}, Case{16, 2, 512, 41, 3, 0.25, true, 0, true, true},
-                 Case{4, 1, 128, 29, 5, 0.5, true, 0, false, true}}) {
+                 Case{4, 1, 128, 29, 5, 0.5, true, 0, false, true}, Case{4, 1, 256, 70, 1, 1.0, true, 0, false, false, true},
+                 Case{6, 2, 64, 37, 3, 1.0, false, 13, false, false, true},
+                 Case{16, 2, 512, 41, 2, 0.25, true, 0, true, true, true}}) {
     const int64_t ring = c.ring > 0 ? c.ring : c.S;
     RopeParams rp;
     rp.type = c.partial < 1 ? "proportional" : "default";
@@ -125,7 +134,10 @@ TEST_P(CudaOps, QkNormRopeStore) {
     RopeTable rope(rp, c.D, P, dt(), at::kCPU);
     RopeTable rope_gpu(rp, c.D, P, dt(), kCuda);
     auto qkv = at::randn({B, c.T, (c.Hq + (c.k_eq_v ? 1 : 2) * c.Hkv) * c.D}).to(dt());
-    auto positions = at::arange(40, 40 + c.T, at::kLong);
+    // Rows at different positions (per_row), else both at 40...
+    auto positions = c.per_row ? at::stack({at::arange(40, 40 + c.T, at::kLong), at::arange(7, 7 + c.T, at::kLong)})
+                               : at::arange(40, 40 + c.T, at::kLong);
+    auto row_pos = [&](int64_t b) { return c.per_row ? positions.select(0, b) : positions; };
     auto qw = at::randn({c.D}) * 0.2 + 1, kw = at::randn({c.D}) * 0.2 + 1;
     ops::NormSpec ns{1e-6, !c.v_norm};  // Gemma 4 (v_norm) norms x̂·w with no unit offset
     if (c.v_norm) {  // ... and holds its norm weights in the model dtype
@@ -140,11 +152,14 @@ TEST_P(CudaOps, QkNormRopeStore) {
     auto v = c.k_eq_v ? k : qkv.slice(-1, qd + kvd).view({B, c.T, c.Hkv, c.D});
     if (c.v_norm) v = ops::rms_norm(v, vw, ns);
     if (c.norm) { q = ops::rms_norm(q, qw, ns); k = ops::rms_norm(k, kw, ns); }
-    auto q_ref = rope.apply(q, positions);
-    auto k_ref = rope.apply(k, positions).transpose(1, 2);
+    auto q_ref = at::empty_like(q);
     auto kc_ref = at::zeros({B, c.Hkv, c.S, c.D}, dt()), vc_ref = at::zeros({B, c.Hkv, c.S, c.D}, dt());
-    kc_ref.index_copy_(2, positions.remainder(ring), k_ref);
-    vc_ref.index_copy_(2, positions.remainder(ring), v.transpose(1, 2));
+    for (int64_t b = 0; b < B; ++b) {
+      q_ref.narrow(0, b, 1).copy_(rope.apply(q.narrow(0, b, 1), row_pos(b)));
+      kc_ref.narrow(0, b, 1).index_copy_(2, row_pos(b).remainder(ring),
+                                          rope.apply(k.narrow(0, b, 1), row_pos(b)).transpose(1, 2));
+      vc_ref.narrow(0, b, 1).index_copy_(2, row_pos(b).remainder(ring), v.narrow(0, b, 1).transpose(1, 2));
+    }
     // Kernel.
     ops::QKRopeArgs a{c.Hq, c.Hkv, c.D, ns, c.norm ? qw.to(kCuda) : at::Tensor(), c.norm ? kw.to(kCuda) : at::Tensor(),
                       rope_gpu.cos(), rope_gpu.sin(), c.ring};
@@ -153,7 +168,7 @@ TEST_P(CudaOps, QkNormRopeStore) {
     auto kc = at::zeros({B, c.Hkv, c.S, c.D}, at::TensorOptions().dtype(dt()).device(kCuda)), vc = at::zeros_like(kc);
     auto q_got = ops::qk_norm_rope_store(qkv.to(kCuda), positions.to(kCuda), a, kc, vc);
     std::string tag = "D=" + std::to_string(c.D) + " T=" + std::to_string(c.T) + " ring=" + std::to_string(ring) +
-                      (c.v_norm ? " v_norm" : "") + (c.k_eq_v ? " K=V" : "");
+                      (c.v_norm ? " v_norm" : "") + (c.k_eq_v ? " K=V" : "") + (c.per_row ? " per row" : "");
     expect_close(q_got, q_ref, "q " + tag);
     expect_close(kc, kc_ref, "k cache " + tag);
     expect_close(vc, vc_ref, "v cache " + tag);
@@ -407,6 +422,45 @@ TEST_P(CudaOps, DecodeAttention) {
                      " rwin=" + std::to_string(c.rwin) +
                      " keep_below=" + std::to_string(c.keep_below));
   }
+}
+
+// decode_attention over rows that are independent sequences (a batch of sessions): slot
+// positions [B, S] and query positions [B, T] per row. Reference: each row alone through the
+// shared-position form, which the test above checks against softmax attention.
+TEST_P(CudaOps, DecodeAttentionPerRow) {
+  struct Case { int64_t B, Hq, Hkv, D, S, T, window; double softcap; };
+  for (auto c : {Case{3, 4, 1, 256, 300, 1, 0, 0.0}, Case{5, 6, 2, 64, 37, 1, 16, 0.0}, Case{2, 8, 8, 128, 129, 4, 0, 30.0},
+                 Case{7, 4, 2, 512, 71, 1, 50, 0.0}}) {
+    auto o = at::TensorOptions().device(kCuda);
+    auto q = at::randn({c.B, c.T, c.Hq, c.D}, o).to(dt());
+    auto k = at::randn({c.B, c.Hkv, c.S, c.D}, o).to(dt()), v = at::randn({c.B, c.Hkv, c.S, c.D}, o).to(dt());
+    // Each row: its own shuffled positions (a row that wrapped its ring at another step), some
+    // slots empty, its own query positions.
+    std::vector<at::Tensor> sp, qp;
+    for (int64_t b = 0; b < c.B; ++b) {
+      auto p = at::randperm(c.S, at::kLong) + 3 * b;
+      p.index_put_({at::arange(b % 5, c.S, 5 + b)}, -1);
+      sp.push_back(p);
+      qp.push_back(at::arange(c.S - 2 - c.T - 4 * b, c.S - 2 - 4 * b, at::kLong));
+    }
+    const double scale = 1.0 / std::sqrt((double)c.D);
+    auto slot_pos = at::stack(sp).to(kCuda), q_pos = at::stack(qp).to(kCuda);
+    auto got = ops::decode_attention(q, k, v, slot_pos, q_pos, c.window, scale, c.softcap);
+    for (int64_t b = 0; b < c.B; ++b) {
+      auto want = ops::decode_attention(q.narrow(0, b, 1), k.narrow(0, b, 1).contiguous(), v.narrow(0, b, 1).contiguous(),
+                                        slot_pos.select(0, b).contiguous(), q_pos.select(0, b).contiguous(), c.window,
+                                        scale, c.softcap);
+      EXPECT_TRUE(at::equal(got.narrow(0, b, 1), want))
+          << "decode_attention per row B=" << c.B << " D=" << c.D << " T=" << c.T << " row " << b;
+    }
+  }
+  auto o = at::TensorOptions().device(kCuda);
+  auto q = at::randn({2, 1, 4, 64}, o).to(dt()), k = at::randn({2, 1, 9, 64}, o).to(dt());
+  auto pos = at::arange(9, o.dtype(at::kLong));
+  EXPECT_THROW(ops::decode_attention(q, k, k, pos.expand({3, 9}).contiguous(), pos.narrow(0, 8, 1), 0, 0.125, 0.0),
+               c10::Error);  // slot positions for 3 rows, 2 in q
+  EXPECT_THROW(ops::decode_attention(q, k, k, pos, at::zeros({2, 2}, o.dtype(at::kLong)), 0, 0.125, 0.0),
+               c10::Error);  // 2 query positions per row for T = 1
 }
 
 // decode_attention over a layer whose restored region is coded rows: the reference decodes the

@@ -11,6 +11,9 @@ through the real `openai` client and through plain HTTP:
                     away stops its generation, bad input (400/404/413 with OpenAI error bodies),
                     200 half-open sockets while a normal request still succeeds, bounded RSS, /metrics,
                     SIGTERM stops cleanly.
+  batched server:   --batch 4: 8 concurrent clients == `kakeya decode` of each prompt alone (greedy,
+                    f32), the requests shared steps (metrics), streaming, stop strings, one seed
+                    sampled side by side gives one answer, bad input, --batch refused off ar mode.
   restored server:  sink 4 + window 8, prompts of ~40 tokens (positions leave the window):
                     completions == `kakeya decode --mode restored` with the same flags, streaming,
                     and a full queue answers 429.
@@ -472,6 +475,58 @@ class ArServerTest(ServeTestBase):
               f"{after / 1024:.0f} MiB ({grown_mib:+.1f})", file=sys.stderr)
         self.assertLess(grown_mib, 64, "RSS grew by more than 64 MiB under 200 half-open connections")
         self.assertEqual(self.complete(PROMPTS[1]).choices[0].text, self.ref[1]["text"])
+
+
+class BatchedServerTest(ServeTestBase):
+    """`--batch 4`: requests decode together in one batched step (continuous batching)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.ref = run_decode("ar", CONCURRENT_PROMPTS, N)
+        cls.server = Server(["--mode", "ar", "--batch", "4", "--max-queue", "16"])
+
+    def test_concurrent_clients_equal_decode(self):
+        # 8 clients at once through 4 rows: they join and leave between steps, and each answer
+        # (the same greedy tokens in f32) equals `kakeya decode` of its prompt alone.
+        with concurrent.futures.ThreadPoolExecutor(len(CONCURRENT_PROMPTS)) as ex:
+            futures = [ex.submit(self.complete, p, N) for p in CONCURRENT_PROMPTS]
+            answers = [f.result() for f in futures]
+        for prompt, ref, r in zip(CONCURRENT_PROMPTS, self.ref, answers):
+            self.assertEqual(r.choices[0].text, ref["text"], f"prompt {prompt!r}")
+            self.assertEqual(r.usage.completion_tokens, len(ref["generated_ids"]))
+        m = self.server.metrics()
+        self.assertEqual(metric(m, "kakeya_batch_rows"), 4)
+        steps, rows = metric(m, "kakeya_batch_steps_total"), metric(m, "kakeya_batch_step_rows_total")
+        self.assertGreater(rows / steps, 1.5, f"{rows:.0f} rows in {steps:.0f} steps: the requests did not share steps")
+        self.assertGreater(metric(m, "kakeya_kv_bytes", {"session": "batch"}), 0)
+
+    def test_streaming_stop_and_sampling(self):
+        text, finish = self.stream_text(prompt=CONCURRENT_PROMPTS[0], max_tokens=N, temperature=0)
+        self.assertEqual(text, self.ref[0]["text"])
+        self.assertIn(finish, ("stop", "length"))
+        full = self.ref[1]["text"]
+        k = next(i for i in range(3, len(full) - 3) if full.find(full[i:i + 3]) == i and full[i:i + 3].strip())
+        r = self.complete(CONCURRENT_PROMPTS[1], stop=full[k:k + 3])
+        self.assertEqual(r.choices[0].text, full[:k])
+        self.assertEqual(r.choices[0].finish_reason, "stop")
+        kw = dict(temperature=0.9, top_p=0.95, seed=77)
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            texts = list(ex.map(lambda _: self.complete(CONCURRENT_PROMPTS[2], **kw).choices[0].text, range(3)))
+        self.assertEqual(len(set(texts)), 1, f"one seed, three answers side by side: {texts}")
+
+    def test_bad_input(self):
+        status, body = self.server.http("POST", "/v1/completions",
+                                        {"model": MODEL_NAME, "prompt": "x " * 400, "max_tokens": 8})
+        self.assert_error(status, body, 400)
+        status, body = self.server.http("POST", "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": -1})
+        self.assert_error(status, body, 400, param="max_tokens")
+        self.assertEqual(self.complete(CONCURRENT_PROMPTS[3]).choices[0].text, self.ref[3]["text"])
+
+    def test_batch_needs_ar(self):
+        r = subprocess.run([BIN, "serve", "--model", MODEL, "--port", "0", "--mode", "restored", *RESTORED_FLAGS,
+                            "--batch", "4", *CPU], capture_output=True, text=True, timeout=300)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("--batch 4 decodes ar sequences only", r.stderr)
 
 
 class RestoredServerTest(ServeTestBase):

@@ -7,8 +7,8 @@
 namespace kakeya {
 
 at::Tensor causal_visible(const at::Tensor& slot_pos, const at::Tensor& q_pos, int64_t window) {
-  auto sp = slot_pos.unsqueeze(0);  // [1, S]
-  auto qp = q_pos.unsqueeze(1);     // [T, 1]
+  auto sp = slot_pos.unsqueeze(-2);  // [1, S] ([B, 1, S])
+  auto qp = q_pos.unsqueeze(-1);     // [T, 1] ([B, T, 1])
   auto m = sp.ge(0).logical_and(sp.le(qp));
   if (window > 0) m = m.logical_and((qp - sp).lt(window));
   return m;
@@ -19,6 +19,7 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
   KAKEYA_CHECK(opt.rollback >= 0, "KV cache: rollback expected >= 0, got " << opt.rollback);
   KAKEYA_CHECK(opt.batch > 0, "KV cache: batch expected > 0, got " << opt.batch);
   const RestorePolicy& rp = opt.restore;
+  KAKEYA_CHECK(!opt.rows || !rp.enabled(), "KV cache: independent rows keep the model's own attention (no restore policy)");
   if (rp.enabled()) {
     // Restoration writes and reads K/V per layer; KV-shared layers have none of their own.
     KAKEYA_CHECK(cfg.num_kv_shared() == 0, "KV cache: restoration is not supported with KV sharing (config field "
@@ -55,7 +56,7 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
       s.ring = sliding ? std::min(opt.capacity, cfg.sliding_window + opt.rollback) : opt.capacity;
       s.rest = 0;
     }
-    s.pos = at::full({s.ring + s.held + s.rest}, -1, iopt);
+    s.pos = opt.rows ? at::full({opt.batch, s.ring}, -1, iopt) : at::full({s.ring + s.held + s.rest}, -1, iopt);
     if (s.policy)
       s.in_restored = at::arange(s.ring + s.held + s.rest, iopt).ge(s.ring);
   };
@@ -168,6 +169,24 @@ ops::CopyRule KVCache::copy_rule(int64_t layer) const {
 }
 
 void KVCache::mark(const at::Tensor& positions) {
+  KAKEYA_CHECK(opt_.rows == (positions.dim() == 2), "KV cache: positions " << positions.sizes() << " for a cache "
+                   << (opt_.rows ? "of independent rows (expected [B, T])" : "of one sequence (expected [T])"));
+  if (opt_.rows) {
+    // Each row at its own positions; a row's own length bounds them (the caller's), so only the
+    // ring rule is checked here: a forward that wraps a sliding ring would overwrite its own slots.
+    const int64_t t = positions.size(1);
+    KAKEYA_CHECK(positions.size(0) == opt_.batch, "KV cache: positions for " << positions.size(0) << " rows, cache of "
+                                                                            << opt_.batch);
+    full_.pos.scatter_(1, positions, positions);
+    for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+      if (!cfg_.is_sliding(l)) continue;
+      KAKEYA_CHECK(t <= sliding_.ring, "KV cache: a forward of " << t << " tokens per row exceeds the sliding ring of "
+                                                                 << sliding_.ring << " slots");
+      sliding_.pos.scatter_(1, positions.remainder(sliding_.ring), positions);
+      break;
+    }
+    return;
+  }
   int64_t t = positions.size(0);
   KAKEYA_CHECK(length_ + t <= opt_.capacity, "KV cache: " << length_ << " + " << t
                                                           << " positions exceed capacity " << opt_.capacity
@@ -203,6 +222,14 @@ void KVCache::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, con
   auto& vb = v_[layer];
   const TypeState& st = state(layer);
   int64_t t = k.size(2);
+  if (opt_.rows) {  // per row: slot = position (full layers) or position mod ring
+    const auto slot = (cfg_.is_sliding(layer) ? positions.remainder(st.ring) : positions)
+                          .view({k.size(0), 1, t, 1})
+                          .expand(k.sizes());
+    kb.scatter_(2, slot, k);
+    vb.scatter_(2, slot, v);
+    return;
+  }
   if (st.policy) {
     auto slot = positions.remainder(st.ring);
     kb.index_copy_(2, slot, k);
@@ -297,6 +324,7 @@ std::pair<at::Tensor, at::Tensor> KVCache::restored_region(int64_t layer) {
 }
 
 void KVCache::advance(int64_t t) {
+  KAKEYA_CHECK(!opt_.rows, "KV cache: independent rows keep no common length (advance)");
   length_ += t;
   for (TypeState* s : {&full_, &sliding_})
     if ((s->policy || (s == &sliding_ && cfg_.sliding_window > 0)) && length_ > s->ring)
@@ -304,6 +332,7 @@ void KVCache::advance(int64_t t) {
 }
 
 void KVCache::truncate(int64_t n) {
+  KAKEYA_CHECK(!opt_.rows || n == 0, "KV cache: independent rows are cleared, not truncated (truncate(" << n << "))");
   KAKEYA_CHECK(n >= 0 && n <= length_, "KV cache: truncate(" << n << ") outside [0, " << length_ << "]");
   if (n == length_) return;
   // Position n-1's query window starts at n - window; everything from there must still be in the ring.
@@ -318,6 +347,52 @@ void KVCache::truncate(int64_t n) {
     if (n == 0) s->max_evicted = -1;
   }
   length_ = n;
+}
+
+void KVCache::load_row(int64_t row, const KVCache& src) {
+  KAKEYA_CHECK(opt_.rows && row >= 0 && row < opt_.batch, "KV cache: load_row(" << row << ") on a cache of "
+                                                              << (opt_.rows ? opt_.batch : 0) << " independent rows");
+  KAKEYA_CHECK(!src.opt_.rows && src.opt_.batch == 1 && !src.opt_.restore.enabled() &&
+                   src.opt_.capacity == opt_.capacity && src.opt_.rollback == opt_.rollback &&
+                   src.opt_.dtype == opt_.dtype && src.num_layers() == num_layers(),
+               "KV cache: load_row needs a one-row cache of the same capacity, rollback and dtype");
+  for (int64_t l = 0; l < num_layers(); ++l) {
+    if (cfg_.kv_shared(l)) continue;
+    k_[l].select(0, row).copy_(src.k_[l].select(0, 0));
+    v_[l].select(0, row).copy_(src.v_[l].select(0, 0));
+  }
+  full_.pos.select(0, row).copy_(src.full_.pos);
+  sliding_.pos.select(0, row).copy_(src.sliding_.pos);
+}
+
+void KVCache::copy_row(int64_t from, int64_t to) {
+  KAKEYA_CHECK(opt_.rows && from >= 0 && to >= 0 && from < opt_.batch && to < opt_.batch,
+               "KV cache: copy_row(" << from << ", " << to << ") on a cache of " << (opt_.rows ? opt_.batch : 0)
+                                     << " independent rows");
+  if (from == to) return;
+  for (int64_t l = 0; l < num_layers(); ++l) {
+    if (cfg_.kv_shared(l)) continue;
+    k_[l].select(0, to).copy_(k_[l].select(0, from));
+    v_[l].select(0, to).copy_(v_[l].select(0, from));
+  }
+  for (TypeState* s : {&full_, &sliding_}) s->pos.select(0, to).copy_(s->pos.select(0, from));
+}
+
+void KVCache::clear_row(int64_t row) {
+  KAKEYA_CHECK(opt_.rows && row >= 0 && row < opt_.batch, "KV cache: clear_row(" << row << ") on a cache of "
+                                                               << (opt_.rows ? opt_.batch : 0) << " independent rows");
+  for (TypeState* s : {&full_, &sliding_}) s->pos.select(0, row).fill_(-1);
+}
+
+KVCache KVCache::first_rows(int64_t n) const {
+  KAKEYA_CHECK(opt_.rows && n >= 1 && n <= opt_.batch, "KV cache: first_rows(" << n << ") of "
+                                                           << (opt_.rows ? opt_.batch : 0) << " independent rows");
+  KVCache v = *this;
+  v.opt_.batch = n;
+  for (auto& t : v.k_) t = t.narrow(0, 0, n);
+  for (auto& t : v.v_) t = t.narrow(0, 0, n);
+  for (TypeState* s : {&v.full_, &v.sliding_}) s->pos = s->pos.narrow(0, 0, n);
+  return v;
 }
 
 int64_t KVCache::layer_bytes(int64_t l) const {

@@ -47,7 +47,8 @@ namespace kakeya {
 
 // Attention visibility [T, S] bool: slot s (holding position slot_pos[s], -1 = empty) is visible
 // to the query at q_pos[t] if it holds a position <= the query's and, when window > 0, within
-// the window. slot_pos: [S] int64, q_pos: [T] int64. The one rule the cache and the forward share.
+// the window. slot_pos: [S] int64, q_pos: [T] int64 (or per row: [B, S] and [B, T] -> [B, T, S]).
+// The one rule the cache and the forward share.
 at::Tensor causal_visible(const at::Tensor& slot_pos, const at::Tensor& q_pos, int64_t window);
 
 struct RestorePolicy {
@@ -71,6 +72,12 @@ struct RestorePolicy {
 
 struct KVCacheOptions {
   int64_t batch = 1;
+  // Independent rows: each batch row holds its own sequence at its own positions (a batch of
+  // decode sessions, infer/batch.h). Forwards pass positions [B, T]; slot positions are kept
+  // per row ([B, S_l]); rows are filled, moved and cleared one by one (load_row, copy_row,
+  // clear_row); the cache keeps no common length (the caller tracks each row's). The model's
+  // own attention only (no restore policy).
+  bool rows = false;
   int64_t capacity = 4096;      // positions a full-attention layer can hold
   int64_t rollback = 64;        // tokens truncate() may remove from sliding rings (speculative blocks)
   at::ScalarType dtype = at::kFloat;
@@ -86,10 +93,10 @@ class KVCache {
   int64_t capacity() const { return opt_.capacity; }
   const KVCacheOptions& options() const { return opt_; }
   int64_t num_layers() const { return (int64_t)k_.size(); }
-  int64_t slots(int64_t layer) const { return state(layer).pos.size(0); }
+  int64_t slots(int64_t layer) const { return state(layer).pos.size(-1); }
 
   // Writes K/V of T new tokens at absolute `positions` for one layer.
-  // k, v: [B, H_kv, T, D] (post-RoPE k). positions: [T] int64 on the cache device.
+  // k, v: [B, H_kv, T, D] (post-RoPE k). positions: [T] int64 on the cache device ([B, T] with rows).
   void write(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
   // Marks the slot positions of every layer type for `positions` (once per forward, before write()).
   void mark(const at::Tensor& positions);
@@ -98,6 +105,15 @@ class KVCache {
   // Drops every position >= n. Throws if a sliding ring already overwrote what n needs.
   void truncate(int64_t n);
   void clear() { truncate(0); }
+
+  // ---- independent rows (KVCacheOptions::rows) ----
+  // Row `row` takes the sequence `src` holds (a one-row cache of these options without rows,
+  // e.g. after its prefill): every layer's slots and slot positions.
+  void load_row(int64_t row, const KVCache& src);
+  void copy_row(int64_t from, int64_t to);  // row `to` takes row `from`'s sequence
+  void clear_row(int64_t row);              // row `row` holds nothing
+  // The first n rows as a cache of batch n sharing these buffers (a forward over the rows in use).
+  KVCache first_rows(int64_t n) const;
 
   // The dense slots: [B, H_kv_l, S_l, D_l], or the exact ring only ([B, H_kv_l, exact_slots, D_l])
   // on a layer with a coded region (region_coded, coded).
@@ -110,14 +126,15 @@ class KVCache {
   // on a coded layer, code_stored() must follow).
   at::Tensor& k_mut(int64_t layer) { return k_[layer]; }
   at::Tensor& v_mut(int64_t layer) { return v_[layer]; }
-  // Absolute position held by each slot of this layer's buffers, -1 if empty: [S_l] int64.
+  // Absolute position held by each slot of this layer's buffers, -1 if empty: [S_l] int64 ([B, S_l] with rows).
   const at::Tensor& slot_positions(int64_t layer) const;
   // True when T new tokens can be written before attending (no ring slot that a
   // query of the chunk still needs gets overwritten); otherwise attend over
   // [cache ++ new] and write afterwards.
   bool write_first(int64_t layer, int64_t t) const;
   // Which slots of `layer` each query at q_pos [T] attends to: [T, S_l] bool (the
-  // layer's causal/sliding rule, and the restoration rule where the policy applies).
+  // layer's causal/sliding rule, and the restoration rule where the policy applies);
+  // with rows, q_pos [B, T] -> [B, T, S_l].
   at::Tensor visible(int64_t layer, const at::Tensor& q_pos) const;
   // The same over [slots as old_pos [S_l] held them before this forward's mark() ++ the
   // forward's own positions q_pos [T]] ([T, S_l + T] bool): a chunk that !write_first.

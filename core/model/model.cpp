@@ -246,8 +246,15 @@ at::Tensor Model::layer_mask(int64_t layer, const at::Tensor& k_pos, const at::T
 
 at::Tensor Model::attention(int64_t layer, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& mask) const {
-  // q: [B, T, H_q, D]; k, v: [B, H_kv, S, D]; mask: [T, S] bool.
+  // q: [B, T, H_q, D]; k, v: [B, H_kv, S, D]; mask: [T, S] bool, or [B, T, S] (rows that are
+  // independent sequences).
   const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), G = Hq / Hkv;
+  const bool row_masks = mask.dim() == 3;
+  // The mask over the folded query axis [G·T]: [G·T, S], or [B, 1, G·T, S] per row.
+  auto group_mask = [&] {
+    if (row_masks) return (G == 1 ? mask : mask.repeat({1, G, 1})).unsqueeze(1);
+    return G == 1 ? mask : mask.repeat({G, 1});
+  };
   // Fold each GQA group into the query axis (q head h reads kv head h / G, as
   // HF's repeat_kv): [B, H_kv, G·T, D] attends to K/V without copying them.
   auto qg = q.permute({0, 2, 1, 3}).reshape({B, Hkv, G * T, D});
@@ -266,18 +273,20 @@ at::Tensor Model::attention(int64_t layer, const at::Tensor& q, const at::Tensor
     auto qb = qg.reshape({B * Hkv, G * T, D});
     auto kb = k.reshape({B * Hkv, S, D}).transpose(1, 2);                    // [B·H_kv, D, S]
     auto s = dt == at::kFloat ? at::bmm(qb, kb) : at::bmm(qb, kb, at::kFloat);  // [B·H_kv, G·T, S] f32
-    // The mask is the same for every query head of a group: [T, S] over [B·H_kv, G, T, S].
-    s.mul_(cfg_.attn_scale).view({B * Hkv, G, T, S}).masked_fill_(mask.logical_not(), -INFINITY);
+    // The mask is the same for every query head of a group: [T, S] (or [B, 1, 1, T, S]) over [B, H_kv, G, T, S].
+    s.mul_(cfg_.attn_scale)
+        .view({B, Hkv, G, T, S})
+        .masked_fill_((row_masks ? mask.view({B, 1, 1, T, S}) : mask).logical_not(), -INFINITY);
     out = at::bmm(at::softmax(s, -1).to(dt), v.reshape({B * Hkv, S, D}));
   } else if (cfg_.attn_logit_softcap) {
-    auto m = G == 1 ? mask : mask.repeat({G, 1});
+    auto m = group_mask();
     double c = *cfg_.attn_logit_softcap;
     auto s = at::matmul(qg, k.transpose(-1, -2)) * cfg_.attn_scale;
     s = at::tanh(s / c) * c;
     s = s.masked_fill(m.logical_not(), -INFINITY);
     out = at::matmul(at::softmax(s, -1, at::kFloat).to(q.scalar_type()), v);
   } else {
-    auto m = G == 1 ? mask : mask.repeat({G, 1});
+    auto m = group_mask();
     out = at::scaled_dot_product_attention(qg, k, v, m, 0.0, false, cfg_.attn_scale);
   }
   return out.reshape({B, Hq, T, D}).permute({0, 2, 1, 3}).reshape({B, T, Hq * D});
@@ -291,7 +300,16 @@ at::Tensor Model::forward(const at::Tensor& ids, KVCache& cache, const ForwardOp
 at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KVCache& cache,
                           const ForwardOptions& fo) const {
   const int64_t B = ids.size(0), T = ids.size(1), Hq = cfg_.num_heads;
-  KAKEYA_CHECK(positions.size(0) == T, "forward: positions has " << positions.size(0) << " entries for " << T << " tokens");
+  // positions [B, T]: each row an independent sequence at its own positions (a batch of
+  // sessions in a cache of independent rows, KVCacheOptions::rows); its caller tracks the rows'
+  // lengths, so the cache does not advance.
+  const bool rows = positions.dim() == 2;
+  KAKEYA_CHECK(rows == cache.options().rows,
+               "forward: positions " << positions.sizes() << " for a cache of "
+                                     << (cache.options().rows ? "independent rows ([B, T] expected)" : "one sequence ([T] expected)"));
+  KAKEYA_CHECK(positions.size(-1) == T && (!rows || positions.size(0) == B),
+               "forward: positions " << positions.sizes() << " for ids " << ids.sizes());
+  KAKEYA_CHECK(!rows || !fo.taps || fo.taps->empty(), "forward: taps need one sequence, not independent rows");
 
   // Masks are shared by all layers of a type. A sliding chunk too long to write
   // first (the model's own ring, or a restored layer's exact ring) attends over
@@ -301,6 +319,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   const bool sliding_concat = first_sliding >= 0 && !cache.write_first(first_sliding, T);
   KAKEYA_CHECK(first_full < 0 || cache.write_first(first_full, T),
                "forward: a chunk of " << T << " tokens is too long for the restored cache's exact ring");
+  KAKEYA_CHECK(!rows || !sliding_concat, "forward: " << T << " tokens per row are too many for the sliding ring of independent rows");
   at::Tensor old_sliding_pos = sliding_concat ? cache.slot_positions(first_sliding).clone() : at::Tensor();
   cache.mark(positions);
   const Taps* taps = fo.taps && !fo.taps->empty() ? fo.taps : nullptr;
@@ -453,7 +472,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       if (!h.is_same(before)) x = rms_norm(h, next_norm);  // a subscriber replaced h (core/model/taps.h)
     }
   }
-  if (fo.advance_cache) cache.advance(T);
+  if (fo.advance_cache && !rows) cache.advance(T);
   if (fo.skip_logits) return at::Tensor();
   if (fo.last_logits_only) x = x.slice(1, T - 1);
   if (fo.raw_logits) return ops::linear(x, lm_head_);

@@ -48,8 +48,11 @@ RopeTable::RopeTable(const RopeParams& p, int64_t head_dim, int64_t max_position
 }
 
 at::Tensor RopeTable::apply(const at::Tensor& x, const at::Tensor& positions) const {
-  auto cos = cos_.index_select(0, positions).unsqueeze(0).unsqueeze(2);  // [1, T, 1, rot]
-  auto sin = sin_.index_select(0, positions).unsqueeze(0).unsqueeze(2);
+  // positions [T]: one table row per token, shared by the batch ([1, T, 1, rot]); [B, T]: each
+  // row its own sequence ([B, T, 1, rot]).
+  const bool rows = positions.dim() == 2;
+  auto cos = (rows ? cos_.index({positions}) : cos_.index_select(0, positions).unsqueeze(0)).unsqueeze(2);
+  auto sin = (rows ? sin_.index({positions}) : sin_.index_select(0, positions).unsqueeze(0)).unsqueeze(2);
   int64_t d = x.size(-1);
   auto xr = rotary_dim_ == d ? x : x.slice(-1, 0, rotary_dim_);
   int64_t h = rotary_dim_ / 2;

@@ -16,7 +16,8 @@ class RopeTable {
   RopeTable() = default;
   // Tables for positions [0, max_positions) in `dtype` (HF casts cos/sin to the activation dtype).
   RopeTable(const RopeParams& p, int64_t head_dim, int64_t max_positions, at::ScalarType dtype, at::Device device);
-  // x: [B, T, H, D]; positions: [T] int64. Returns x·cos + rotate_half(x)·sin with HF's op order,
+  // x: [B, T, H, D]; positions: [T] int64 (or [B, T]: rows at their own positions). Returns
+  // x·cos + rotate_half(x)·sin with HF's op order,
   // so bf16 rounding matches transformers. Dimensions past the rotary part pass through.
   at::Tensor apply(const at::Tensor& x, const at::Tensor& positions) const;
   int64_t max_positions() const { return cos_.defined() ? cos_.size(0) : 0; }

@@ -225,7 +225,8 @@ __device__ __forceinline__ void store_kv_head(const T* __restrict__ k, const T* 
 //   heads 0..Hq-1 are q heads -> q_out [B·T, Hq, D];
 //   heads Hq..Hq+Hkv-1 are k heads -> k_cache[b, h, slot, :], with v copied (v_w: normed) to v_cache.
 //   cos, sin: [P, rot] in T (HF casts its tables to the activation dtype).
-//   positions: [T] int64; slot = position mod ring (the cache's exact ring: all S slots on
+//   positions: [T] int64 shared by the B rows (pos_bs 0), or [B, T] (pos_bs T: rows that are
+//   independent sequences, a batch of sessions); slot = position mod ring (the cache's exact ring: all S slots on
 //   plain layers, the first `ring` on restored ones; a restored region when the caller passes
 //   its view). k_cache/v_cache element (b, h, slot, i) sits at b·cache_bs + h·cache_hs + slot·D + i.
 //   q_w/k_w/v_w: [D] f32 norm weights, nullptr when the family has no such norm.
@@ -236,7 +237,7 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
                                           const T* __restrict__ cos_t,
                                           const T* __restrict__ sin_t, const int64_t* __restrict__ positions,
                                           T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
-                                          int T_len, int Hq, int Hkv, int D, int rot, int64_t cache_bs,
+                                          int T_len, int pos_bs, int Hq, int Hkv, int D, int rot, int64_t cache_bs,
                                           int64_t cache_hs, int ring, float eps, bool unit_offset) {
   __shared__ float red[32];
   extern __shared__ float xs[];  // [D] the normed head, rounded to T
@@ -245,7 +246,7 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
   const int t = n % T_len, b = n / T_len;
   const int row_w = (Hq + (v_from_k ? 1 : 2) * Hkv) * D;
   const T* src = qkv + (int64_t)n * row_w + (int64_t)head * D;
-  const int64_t pos = positions[t];
+  const int64_t pos = positions[(int64_t)b * pos_bs + t];
   if (head < Hq) {
     norm_rope_head<T>(src, q_w, cos_t + pos * rot, sin_t + pos * rot, q_out + ((int64_t)n * Hq + head) * D, D, rot,
                       eps, unit_offset, xs, red);
@@ -263,12 +264,12 @@ inline int head_threads(int D) { return D >= 256 ? 128 : (D >= 128 ? 64 : 32); }
 template <typename T>
 void launch_qk_norm_rope_store(const T* qkv, const float* q_w, const float* k_w, const float* v_w, bool v_from_k,
                                const T* cos_t, const T* sin_t,
-                               const int64_t* positions, T* q_out, T* k_cache, T* v_cache, int B, int T_len, int Hq,
-                               int Hkv, int D, int rot, int64_t cache_bs, int64_t cache_hs, int ring, float eps,
+                               const int64_t* positions, int pos_bs, T* q_out, T* k_cache, T* v_cache, int B, int T_len,
+                               int Hq, int Hkv, int D, int rot, int64_t cache_bs, int64_t cache_hs, int ring, float eps,
                                bool unit_offset, cudaStream_t s) {
   dim3 grid(B * T_len, Hq + Hkv);
   qk_norm_rope_store_kernel<T><<<grid, head_threads(D), D * sizeof(float), s>>>(
-      qkv, q_w, k_w, v_w, v_from_k, cos_t, sin_t, positions, q_out, k_cache, v_cache, T_len, Hq, Hkv, D, rot, cache_bs,
+      qkv, q_w, k_w, v_w, v_from_k, cos_t, sin_t, positions, q_out, k_cache, v_cache, T_len, pos_bs, Hq, Hkv, D, rot, cache_bs,
       cache_hs, ring,
       eps, unit_offset);
 }
@@ -623,8 +624,10 @@ void launch_dequantize_rows(const uint8_t* codes, const __half* side, int64_t ro
 // over the key axis (flash-decoding). Each (sequence, query, head) row is an
 // independent one-query problem: blocks are few-token, so re-reading K/V per
 // query costs less than the mask tensors and SDPA launches it replaces.
-//   q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [S]; q_pos: [T] (qstride 1)
-//   or [1] shared by all T queries (qstride 0)
+//   q: [B, T, Hq, D]; k, v: [B, Hkv, S, D]; slot_pos: [S] shared by the B rows (sp_bs 0) or
+//   [B, S] (sp_bs S); q_pos: [T] (qstride 1) or [1] shared by all T queries (qstride 0), the
+//   same for every row (qp_bs 0) or per row, [B, T] (qp_bs T): rows that are independent
+//   sequences at their own positions (a batch of sessions)
 //   partial: [B·T·Hq, chunks, D + 2] f32 (acc, max, sum); out: [B, T, Hq, D]
 // Visibility: 0 <= p <= q_pos[t] and (window == 0 or q_pos[t] - p < window), and
 // where in_restored != nullptr (restored / coded layers, core/model/kv_cache.h) the slot's
@@ -651,15 +654,16 @@ constexpr int kAttnChunk = 64;  // keys per block: 8 per warp keeps each warp's 
 
 template <typename T, int VPL>  // VPL: values per lane = D / 32
 __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                           const int64_t* __restrict__ slot_pos, const int64_t* __restrict__ q_pos,
-                                           int qstride, const bool* __restrict__ in_restored, int rwin, int64_t code_from,
+                                           const int64_t* __restrict__ slot_pos, int sp_bs, const int64_t* __restrict__ q_pos,
+                                           int qstride, int qp_bs, const bool* __restrict__ in_restored, int rwin, int64_t code_from,
                                            int64_t keep_below, CodedRegion cr, float* __restrict__ partial, int Tq,
                                            int Hq, int Hkv, int S, int window, float scale, float softcap) {
   constexpr int D = VPL * 32;
   const int chunk = blockIdx.x, bh = blockIdx.y, nchunks = gridDim.x;  // bh: row (b, t, hq) of q
   const int b = bh / (Tq * Hq), t = (bh / Hq) % Tq, hq = bh % Hq, hk = hq / (Hq / Hkv);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t qp = q_pos[t * qstride];
+  const int64_t qp = q_pos[(int64_t)b * qp_bs + t * qstride];
+  slot_pos += (int64_t)b * sp_bs;
   float qv[VPL], acc[VPL], qr[VPL], accr[VPL];  // qr, accr: the rotated frame (rotated codes only)
   for (int i = 0; i < VPL; ++i) {
     qv[i] = from_t<T>(q[(int64_t)bh * D + lane * VPL + i]) * scale;
@@ -806,8 +810,8 @@ inline int decode_attn_chunks(int S) { return (S + kAttnChunk - 1) / kAttnChunk;
 
 // Returns false if D is not one of the supported head dims (64, 128, 256, 512).
 template <typename T>
-bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, const int64_t* q_pos,
-                             int qstride, const bool* in_restored, int rwin, int64_t code_from, int64_t keep_below,
+bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs, const int64_t* q_pos,
+                             int qstride, int qp_bs, const bool* in_restored, int rwin, int64_t code_from, int64_t keep_below,
                              const CodedRegion& cr, float* partial, T* out, int B, int Tq, int Hq, int Hkv, int S, int D,
                              int window, float scale, float softcap, cudaStream_t s) {
   const int nchunks = decode_attn_chunks(S);
@@ -815,7 +819,8 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
   const int threads = kAttnWarps * 32;
 #define KAKEYA_ATTN_CASE(DIM, VPL)                                                                                  \
   case DIM:                                                                                                          \
-    decode_attn_partial_kernel<T, VPL><<<grid, threads, 0, s>>>(q, k, v, slot_pos, q_pos, qstride, in_restored, rwin, \
+    decode_attn_partial_kernel<T, VPL><<<grid, threads, 0, s>>>(q, k, v, slot_pos, sp_bs, q_pos, qstride, qp_bs,        \
+                                                                 in_restored, rwin,                                   \
                                                                  code_from, keep_below, cr, partial, Tq, Hq, Hkv, S,  \
                                                                  window, scale, softcap);                             \
     break;

@@ -161,7 +161,11 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
   const int64_t B = qkv.size(0), T = qkv.size(1), Hq = a.num_heads, Hkv = a.num_kv_heads, D = a.head_dim;
   const int64_t width = (Hq + (a.v_from_k ? 1 : 2) * Hkv) * D;
   TORCH_CHECK(qkv.dim() == 3 && qkv.size(2) == width, "qkv: expected [B, T, ", width, "], got ", qkv.sizes());
-  TORCH_CHECK(positions.numel() == T, "positions: expected ", T, " entries, got ", positions.numel());
+  // [T]: every row at the same positions; [B, T]: each row its own sequence (a batch of sessions).
+  const bool per_row = positions.dim() == 2;
+  TORCH_CHECK(positions.is_contiguous() && (per_row ? positions.size(0) == B && positions.size(1) == T
+                                                    : positions.dim() == 1 && positions.numel() == T),
+              "positions: expected contiguous [", T, "] or [", B, ", ", T, "] int64, got ", positions.sizes());
   TORCH_CHECK(k_cache.size(0) == B && k_cache.size(1) == Hkv && k_cache.size(3) == D && v_cache.sizes() == k_cache.sizes(),
               "k/v cache: expected [", B, ", ", Hkv, ", S, ", D, "], got ", k_cache.sizes(), " / ", v_cache.sizes());
   const int64_t ring = a.ring > 0 ? a.ring : k_cache.size(2);
@@ -180,7 +184,7 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
     k::launch_qk_norm_rope_store<Ty>(ptr<Ty>(qkv), a.q_norm.defined() ? a.q_norm.data_ptr<float>() : nullptr,
                                      a.k_norm.defined() ? a.k_norm.data_ptr<float>() : nullptr,
                                      a.v_norm.defined() ? a.v_norm.data_ptr<float>() : nullptr, a.v_from_k, ptr<Ty>(a.cos),
-                                     ptr<Ty>(a.sin), positions.data_ptr<int64_t>(), ptr<Ty>(q), ptr<Ty>(k_cache),
+                                     ptr<Ty>(a.sin), positions.data_ptr<int64_t>(), per_row ? (int)T : 0, ptr<Ty>(q), ptr<Ty>(k_cache),
                                      ptr<Ty>(v_cache), B, T, Hq, Hkv, D, rot, k_cache.stride(0), k_cache.stride(1), ring,
                                      a.norm.eps, a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
   });
@@ -394,7 +398,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   check_cuda(slot_pos, "decode_attention slot_pos");
   check_cuda(q_pos, "decode_attention q_pos");
   TORCH_CHECK(q.dim() == 4, "decode_attention q: expected [B, T, Hq, D], got ", q.sizes());
-  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), S = slot_pos.numel();
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1), S = slot_pos.size(-1);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == B && k.size(3) == D, "decode_attention k/v: ", k.sizes(), " vs q ",
               q.sizes());
   const CodedSlots& cs = copies.codes;
@@ -420,9 +424,15 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     TORCH_CHECK(k.size(2) == S, "decode_attention: k/v hold ", k.size(2), " slots vs ", S, " slot positions");
   }
   TORCH_CHECK(Hq % Hkv == 0, "decode_attention: ", Hq, " q heads vs ", Hkv, " kv heads");
-  TORCH_CHECK(slot_pos.numel() == S && slot_pos.scalar_type() == at::kLong, "slot_pos: expected [", S, "] int64");
-  TORCH_CHECK((q_pos.numel() == T || q_pos.numel() == 1) && q_pos.scalar_type() == at::kLong,
-              "q_pos: expected [", T, "] or [1] int64, got ", q_pos.sizes());
+  // Per-row forms ([B, S] slots, [B, T] queries): each row an independent sequence (a batch of sessions).
+  const bool sp_rows = slot_pos.dim() == 2, qp_rows = q_pos.dim() == 2;
+  TORCH_CHECK(slot_pos.is_contiguous() && slot_pos.scalar_type() == at::kLong &&
+                  (sp_rows ? slot_pos.size(0) == B : slot_pos.dim() == 1),
+              "slot_pos: expected contiguous [", S, "] or [", B, ", ", S, "] int64, got ", slot_pos.sizes());
+  TORCH_CHECK(q_pos.is_contiguous() && q_pos.scalar_type() == at::kLong &&
+                  (qp_rows ? q_pos.size(0) == B && q_pos.size(1) == T
+                           : q_pos.dim() == 1 && (q_pos.numel() == T || q_pos.numel() == 1)),
+              "q_pos: expected [", T, "], [1] or [", B, ", ", T, "] int64, got ", q_pos.sizes());
   TORCH_CHECK(k.scalar_type() == q.scalar_type(), "decode_attention: cache dtype must match q");
   TORCH_CHECK(B * T * Hq <= 65535, "decode_attention: ", B * T * Hq, " query rows exceed the grid (65535)");
   const bool* in_restored = nullptr;
@@ -441,7 +451,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   dispatch(q.scalar_type(), [&](auto* tag) {
     using T_ = std::remove_pointer_t<decltype(tag)>;
     ok = k::launch_decode_attention<T_>(ptr<T_>(q), ptr<T_>(k), ptr<T_>(v), slot_pos.data_ptr<int64_t>(),
-                                        q_pos.data_ptr<int64_t>(), q_pos.numel() == 1 ? 0 : 1, in_restored,
+                                        sp_rows ? (int)S : 0, q_pos.data_ptr<int64_t>(),
+                                        qp_rows || q_pos.numel() != 1 ? 1 : 0, qp_rows ? (int)T : 0, in_restored,
                                         (int)copies.window, copies.code_from,
                                         in_restored ? copies.keep_below : (int64_t)-1, cr, partial.data_ptr<float>(), ptr<T_>(out),
                                         B, T, Hq, Hkv, S, D, window, scale, softcap, at::cuda::getCurrentCUDAStream());
