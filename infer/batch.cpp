@@ -90,7 +90,7 @@ std::vector<std::pair<int64_t, int64_t>> BatchDecoder::step() {
   if (B == 0) return {};
   bool sampled = false;
   // Rows past B of a graph's bucket feed token 0 at position 0 into rows no sequence holds.
-  auto ids = at::zeros({max_rows()}, at::kLong), pos = at::zeros({max_rows()}, at::kLong);
+  std::vector<int64_t> ids(max_rows(), 0), pos(max_rows(), 0);
   for (int64_t b = 0; b < B; ++b) {
     const Seq& s = seqs_[b];
     KAKEYA_CHECK(s.length + 1 < s.end, "batch decoder: sequence " << s.id << " has produced its "
@@ -99,8 +99,8 @@ std::vector<std::pair<int64_t, int64_t>> BatchDecoder::step() {
     pos[b] = s.length;
     sampled = sampled || !s.sampler->greedy();
   }
-  ids_.view({-1}).copy_(ids);
-  pos_.view({-1}).copy_(pos);
+  ids_.view({-1}).copy_(at::tensor(ids, at::kLong));
+  pos_.view({-1}).copy_(at::tensor(pos, at::kLong));
   bool ran = false;
 #ifdef KAKEYA_CUDA
   int64_t bucket = 1;
