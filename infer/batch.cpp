@@ -49,6 +49,35 @@ BatchDecoder::BatchDecoder(const Model& model, int64_t max_rows, int64_t capacit
 
 BatchDecoder::~BatchDecoder() = default;
 
+#ifdef KAKEYA_CUDA
+at::cuda::CUDAGraph* BatchDecoder::graph(int64_t rows) {
+  bool moe = false;
+  for (int64_t l = 0; l < model_.config().num_layers; ++l) moe = moe || model_.layer(l).moe.defined();
+  // The experts' gathered path (no host sync) takes up to kMoeGatherMaxTokens rows.
+  if (!cuda_graphs_ || !model_.device().is_cuda() || (moe && rows > kMoeGatherMaxTokens)) return nullptr;
+  auto& g = graphs_->by_rows[rows];
+  if (!g) {
+    // Captured on a side stream (CUDA graphs require one); capture records without running.
+    c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
+    g = std::make_unique<at::cuda::CUDAGraph>();
+    g->capture_begin();
+    run_rows(rows);
+    g->capture_end();
+    last_logits_ = at::Tensor();
+  }
+  return g.get();
+}
+#endif
+
+void BatchDecoder::capture_all() {
+#ifdef KAKEYA_CUDA
+  for (int64_t n = 1;; n *= 2) {
+    graph(std::min(n, max_rows()));
+    if (n >= max_rows()) break;
+  }
+#endif
+}
+
 void BatchDecoder::run_rows(int64_t n) {
   KVCache rows = pool_.first_rows(n);
   ForwardOptions fo;
@@ -105,23 +134,11 @@ std::vector<std::pair<int64_t, int64_t>> BatchDecoder::step() {
 #ifdef KAKEYA_CUDA
   int64_t bucket = 1;
   while (bucket < B) bucket *= 2;
-  bucket = std::min(bucket, max_rows());
-  bool moe = false;
-  for (int64_t l = 0; l < model_.config().num_layers; ++l) moe = moe || model_.layer(l).moe.defined();
-  if (cuda_graphs_ && !sampled && model_.device().is_cuda() && (!moe || bucket <= kMoeGatherMaxTokens)) {
-    auto& g = graphs_->by_rows[bucket];
-    if (!g) {
-      // Captured on a side stream (CUDA graphs require one); capture records without running.
-      c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-      g = std::make_unique<at::cuda::CUDAGraph>();
-      g->capture_begin();
-      run_rows(bucket);
-      g->capture_end();
-      last_logits_ = at::Tensor();
+  if (!sampled)
+    if (at::cuda::CUDAGraph* g = graph(std::min(bucket, max_rows()))) {
+      g->replay();
+      ran = true;
     }
-    g->replay();
-    ran = true;
-  }
 #endif
   if (!ran) {
     run_rows(B);

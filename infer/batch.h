@@ -13,8 +13,8 @@
 //
 // On CUDA a greedy step runs as a CUDA graph over a bucket of rows (the next power of two of
 // size(), rows past size() fed token 0 at position 0 into rows nobody reads), captured the first
-// time its bucket is used; steps with sampled rows, and MoE models over more rows than the
-// experts' gathered path takes, run eagerly.
+// time its bucket is used (or by capture_all); steps with sampled rows, and MoE models over
+// more rows than the experts' gathered path takes, run eagerly.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -24,6 +24,12 @@
 #include "core/model/kv_cache.h"
 #include "core/model/model.h"
 #include "core/model/sampling.h"
+
+#ifdef KAKEYA_CUDA
+namespace at::cuda {
+struct CUDAGraph;
+}
+#endif
 
 namespace kakeya {
 
@@ -48,6 +54,9 @@ class BatchDecoder {
   // Throws when a sequence has produced its max_new_tokens (it must leave first).
   std::vector<std::pair<int64_t, int64_t>> step();
   void leave(int64_t id);  // frees its row; unknown ids are an error
+  // Captures every bucket's graph now (CUDA; nothing elsewhere), so no step waits for a capture
+  // (a server before it listens).
+  void capture_all();
 
  private:
   struct Seq {
@@ -59,6 +68,10 @@ class BatchDecoder {
   };
   // The forward of the first n rows from the static buffers, argmax into next_.
   void run_rows(int64_t n);
+#ifdef KAKEYA_CUDA
+  // The graph of a step over `rows` rows (captured on first use), or null where steps run eagerly.
+  at::cuda::CUDAGraph* graph(int64_t rows);
+#endif
   const Model& model_;
   KVCache pool_;     // [max_rows] independent rows
   KVCache prefill_;  // one row: a joining sequence's prompt

@@ -1129,6 +1129,7 @@ int Server::start() {
   // before any client waits.
   if (s.opt.batch > 1) {
     s.batcher = std::make_unique<BatchDecoder>(s.model, s.opt.batch, serve_capacity(s.opt), s.opt.decode.cuda_graph);
+    s.batcher->capture_all();
     std::lock_guard<std::mutex> lk(s.mm);
     s.kv_bytes["batch"] = s.batcher->kv_bytes();
   } else {

@@ -45,13 +45,24 @@ TextStream::TextStream(const Tokenizer& tok, bool skip_special) : tok_(&tok), sk
 
 std::string TextStream::push(int64_t token) {
   ids_.push_back(static_cast<int32_t>(token));
-  const std::string text = tok_->decode(ids_, skip_special_);
+  const std::string text = tok_->decode(std::vector<int32_t>(ids_.begin() + prefix_, ids_.end()), skip_special_);
   // Earlier text changed (a decoder that rewrites its past): wait; finish() settles it.
-  if (text.compare(0, emitted_.size(), emitted_) != 0) return "";
-  const size_t stable = stable_prefix(text);
-  if (stable <= emitted_.size()) return "";
-  std::string out = text.substr(emitted_.size(), stable - emitted_.size());
-  emitted_ += out;
+  if (text.compare(0, base_.size(), base_) != 0) return "";
+  const size_t start = base_.size() + extra_, stable = stable_prefix(text);
+  std::string out;
+  if (stable > start) {
+    out = text.substr(start, stable - start);
+    extra_ += out.size();
+    emitted_ += out;
+  }
+  if (stable == text.size()) {
+    // Everything decoded is out: the next window starts at the tokens of this push, whose text
+    // (decoded from there, so with the same start as every later decode of the window) is out.
+    prefix_ = read_;
+    read_ = ids_.size();
+    base_ = tok_->decode(std::vector<int32_t>(ids_.begin() + prefix_, ids_.end()), skip_special_);
+    extra_ = 0;
+  }
   return out;
 }
 
@@ -68,6 +79,8 @@ std::string TextStream::finish() {
 void TextStream::reset() {
   ids_.clear();
   emitted_.clear();
+  base_.clear();
+  prefix_ = read_ = extra_ = 0;
 }
 
 StopFilter::StopFilter(std::vector<std::string> stops) {

@@ -3,12 +3,15 @@
 // the text at the first stop string, holding back what could still become one.
 //
 // A token alone is not text: it may be part of a UTF-8 character (byte-fallback pieces), and
-// decoders may treat it differently at the start of a sequence. So TextStream decodes the
-// whole prefix (Tokenizer::decode(ids, skip_special)) after every token and emits the
-// difference, holding back a trailing incomplete UTF-8 sequence and trailing U+FFFD (which a
-// later byte token may still complete into a character). Concatenating every push() and the
-// final finish() gives exactly decode(all tokens). Each push costs a decode of the prefix
-// (O(n) per token, O(n^2) per generation: ~ms at a few thousand tokens).
+// decoders may treat it differently at the start of a sequence. So TextStream decodes a window
+// of the recent tokens (Tokenizer::decode(ids, skip_special)) after every token and emits what
+// it adds to the window's text already out, holding back a trailing incomplete UTF-8 sequence
+// and trailing U+FFFD (which a later byte token may still complete into a character). The
+// window starts at the tokens whose text was last fully out, so every decode of one window has
+// the same start and only differences within a window are read; it moves on whenever all of its
+// text is out, so a push costs a decode of a few tokens, not of the whole generation (a batch of
+// 64 sequences pushes 64 tokens per step). Concatenating every push() and the final finish()
+// gives decode(all tokens).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -40,6 +43,9 @@ class TextStream {
   bool skip_special_;
   std::vector<int32_t> ids_;
   std::string emitted_;
+  size_t prefix_ = 0, read_ = 0;  // the window: ids_[prefix_ ..]; its text up to read_ is out
+  std::string base_;              // decode(ids_[prefix_, read_))
+  size_t extra_ = 0;              // bytes out past base_ in this window
 };
 
 // Stop strings over streamed text: push() returns the text that can be emitted (nothing that
