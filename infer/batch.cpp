@@ -57,6 +57,9 @@ at::cuda::CUDAGraph* BatchDecoder::graph(int64_t rows) {
   if (!cuda_graphs_ || !model_.device().is_cuda() || (moe && rows > kMoeGatherMaxTokens)) return nullptr;
   auto& g = graphs_->by_rows[rows];
   if (!g) {
+    // Once eagerly first: libraries set up what a capture may not (a cuBLAS handle, workspaces
+    // for this shape). It writes the same K/V the replay then writes again.
+    run_rows(rows);
     // Captured on a side stream (CUDA graphs require one); capture records without running.
     c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
     g = std::make_unique<at::cuda::CUDAGraph>();
