@@ -40,9 +40,12 @@ bench() {  # bench <--batch> <levels> <json>
   name=$(python3 -c 'import json, sys, urllib.request
 print(json.load(urllib.request.urlopen(sys.argv[1], timeout=30))["data"][0]["id"])' "http://127.0.0.1:$port/v1/models")
   echo "== kakeya serve --batch $n (port $port, model $name), concurrency $levels"
+  local rss0 rss1
+  rss0=$(awk '/VmRSS/ {print $2}' /proc/$SRV/status)
   python3 tools/serve_load.py --url "http://127.0.0.1:$port/v1" --model "$name" --concurrency "$levels" \
     --prompt-tokens 512 --new-tokens 256 --json "$json" || rc=$?
-  echo "serve_load (--batch $n) exit $rc"
+  rss1=$(awk '/VmRSS/ {print $2}' /proc/$SRV/status)
+  echo "serve_load (--batch $n) exit $rc; server RSS before the load $((rss0 / 1024)) MiB, after it $((rss1 / 1024)) MiB"
   stop_server
 }
 
