@@ -45,7 +45,13 @@ print(json.load(urllib.request.urlopen(sys.argv[1], timeout=30))["data"][0]["id"
   python3 tools/serve_load.py --url "http://127.0.0.1:$port/v1" --model "$name" --concurrency "$levels" \
     --prompt-tokens 512 --new-tokens 256 --json "$json" || rc=$?
   rss1=$(awk '/VmRSS/ {print $2}' /proc/$SRV/status)
-  echo "serve_load (--batch $n) exit $rc; server RSS before the load $((rss0 / 1024)) MiB, after it $((rss1 / 1024)) MiB"
+  # The highest level once more on the same server: a second sample, and memory that grows per load shows.
+  python3 tools/serve_load.py --url "http://127.0.0.1:$port/v1" --model "$name" --concurrency "${levels##*,}" \
+    --prompt-tokens 512 --new-tokens 256 --seed 1 --json "${json%.json}-again.json" | grep -E '^ +[0-9]' || rc=$?
+  local rss2
+  rss2=$(awk '/VmRSS/ {print $2}' /proc/$SRV/status)
+  echo "serve_load (--batch $n) exit $rc; server RSS before the load $((rss0 / 1024)) MiB, after it $((rss1 / 1024)) MiB," \
+    "after the last level again $((rss2 / 1024)) MiB"
   stop_server
 }
 
