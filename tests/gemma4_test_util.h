@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/model/config.h"
+#include "core/model/model.h"
 
 namespace kakeya::test {
 
@@ -28,6 +29,13 @@ inline nlohmann::json small_gemma4_moe_json() {
 }
 
 inline ModelConfig small_gemma4_moe() { return ModelConfig::from_json(small_gemma4_moe_json(), "small gemma4 moe (test)"); }
+
+// Its weights drawn from `seed` on the CPU, f32, positions up to 256.
+inline Model small_gemma4_moe_model(uint64_t seed) {
+  ModelOptions mo;
+  mo.max_positions = 256;
+  return Model::random(small_gemma4_moe(), seed, mo);
+}
 
 // 70 token ids of its vocabulary: several sliding windows, and past sink + window of the tests.
 inline std::vector<int64_t> small_gemma4_prompt() {

@@ -8,7 +8,7 @@
 #include <map>
 
 #include "core/model/model.h"
-#include "gemma4_test_util.h"
+#include "tests/gemma4_test_util.h"
 #include "infer/batch.h"
 #include "infer/generate.h"
 #include "test_util.h"
@@ -19,11 +19,7 @@ using kakeya::test::expect_error;
 namespace {
 
 const Model& model() {
-  static Model m = [] {
-    ModelOptions mo;
-    mo.max_positions = 256;
-    return Model::random(test::small_gemma4_moe(), 3, mo);
-  }();
+  static Model m = test::small_gemma4_moe_model(3);
   return m;
 }
 

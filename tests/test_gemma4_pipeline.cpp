@@ -31,11 +31,7 @@ namespace {
 constexpr int64_t kMask = 3;  // the drafter's mask token: any id of the vocabulary
 
 const Model& model() {
-  static Model m = [] {
-    ModelOptions mo;
-    mo.max_positions = 256;
-    return Model::random(test::small_gemma4_moe(), 21, mo);
-  }();
+  static Model m = test::small_gemma4_moe_model(21);
   return m;
 }
 

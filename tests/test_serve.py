@@ -176,7 +176,16 @@ class Server:
 
 
 class ServeTestBase(unittest.TestCase):
+    """A server of FLAGS, and the reference answers `kakeya decode` gives for REF = (mode, prompts, flags)."""
     server = None
+    REF = None
+    FLAGS = []
+
+    @classmethod
+    def setUpClass(cls):
+        mode, prompts, extra = cls.REF
+        cls.ref = run_decode(mode, prompts, N, extra)
+        cls.server = Server(cls.FLAGS)
 
     @classmethod
     def tearDownClass(cls):
@@ -227,10 +236,8 @@ class ServeTestBase(unittest.TestCase):
 
 
 class ArServerTest(ServeTestBase):
-    @classmethod
-    def setUpClass(cls):
-        cls.ref = run_decode("ar", PROMPTS, N)
-        cls.server = Server(["--mode", "ar", "--max-queue", "16", "--max-body-bytes", "65536"])
+    REF = ("ar", PROMPTS, ())
+    FLAGS = ["--mode", "ar", "--max-queue", "16", "--max-body-bytes", "65536"]
 
     def test_health_and_models(self):
         status, body = self.server.http("GET", "/health")
@@ -479,11 +486,8 @@ class ArServerTest(ServeTestBase):
 
 class BatchedServerTest(ServeTestBase):
     """`--batch 4`: requests decode together in one batched step (continuous batching)."""
-
-    @classmethod
-    def setUpClass(cls):
-        cls.ref = run_decode("ar", CONCURRENT_PROMPTS, N)
-        cls.server = Server(["--mode", "ar", "--batch", "4", "--max-queue", "16"])
+    REF = ("ar", CONCURRENT_PROMPTS, ())
+    FLAGS = ["--mode", "ar", "--batch", "4", "--max-queue", "16"]
 
     def test_concurrent_clients_equal_decode(self):
         # 8 clients at once through 4 rows: they join and leave between steps, and each answer
@@ -530,10 +534,8 @@ class BatchedServerTest(ServeTestBase):
 
 
 class RestoredServerTest(ServeTestBase):
-    @classmethod
-    def setUpClass(cls):
-        cls.ref = run_decode("restored", LONG_PROMPTS, N, RESTORED_FLAGS)
-        cls.server = Server(["--mode", "restored", *RESTORED_FLAGS, "--max-queue", "2"])
+    REF = ("restored", LONG_PROMPTS, RESTORED_FLAGS)
+    FLAGS = ["--mode", "restored", *RESTORED_FLAGS, "--max-queue", "2"]
 
     def test_completions_match_decode(self):
         for prompt, ref in zip(LONG_PROMPTS, self.ref):
