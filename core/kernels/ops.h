@@ -40,12 +40,12 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Te
                                                const at::Tensor& w_next, const NormSpec& ns,
                                                const RowCopy* copy = nullptr);
 
-// x: [..., K]; w: [N, K]; bias: [N] or undefined -> [..., N]. On CUDA with at most
-// 8 rows (decode, small verify blocks) a bandwidth-bound GEMV kernel, else at::linear.
+// x: [..., K]; w: [N, K]; bias: [N] or undefined -> [..., N]. On CUDA with one row (a
+// decode step) a bandwidth-bound GEMV kernel, else at::linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = {});
 
 // The gated MLP's first half: act_mul(linear(x, w, bias)) with w = [gate; up]: [2I, K] -> [..., I].
-// One fused GEMV kernel on CUDA for decode-sized inputs.
+// One fused GEMV kernel on CUDA for one row (a decode step).
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);
 
 // gu: [..., 2I] = [gate | up] -> act(gate)·up: [..., I]. gelu_tanh or silu.

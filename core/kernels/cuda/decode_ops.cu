@@ -471,7 +471,7 @@ at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
   const bool ok = x.is_cuda() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
                   w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.size(1) == K &&
                   (!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.is_contiguous()));
-  if (!ok || M > k::kGemvMaxRows) return {};
+  if (!ok || M != 1) return {};
   c10::cuda::CUDAGuard g(x.device());
   auto sizes = x.sizes().vec();
   sizes.back() = N;
