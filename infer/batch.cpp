@@ -51,10 +51,9 @@ BatchDecoder::~BatchDecoder() = default;
 
 #ifdef KAKEYA_CUDA
 at::cuda::CUDAGraph* BatchDecoder::graph(int64_t rows) {
-  bool moe = false;
-  for (int64_t l = 0; l < model_.config().num_layers; ++l) moe = moe || model_.layer(l).moe.defined();
   // The experts' gathered path (no host sync) takes up to kMoeGatherMaxTokens rows.
-  if (!cuda_graphs_ || !model_.device().is_cuda() || (moe && rows > kMoeGatherMaxTokens)) return nullptr;
+  if (!cuda_graphs_ || !model_.device().is_cuda() || (model_.config().moe() && rows > kMoeGatherMaxTokens))
+    return nullptr;
   auto& g = graphs_->by_rows[rows];
   if (!g) {
     // Once eagerly first: libraries set up what a capture may not (a cuBLAS handle, workspaces
@@ -66,7 +65,6 @@ at::cuda::CUDAGraph* BatchDecoder::graph(int64_t rows) {
     g->capture_begin();
     run_rows(rows);
     g->capture_end();
-    last_logits_ = at::Tensor();
   }
   return g.get();
 }
@@ -81,13 +79,13 @@ void BatchDecoder::capture_all() {
 #endif
 }
 
-void BatchDecoder::run_rows(int64_t n) {
+at::Tensor BatchDecoder::run_rows(int64_t n) {
   KVCache rows = pool_.first_rows(n);
   ForwardOptions fo;
   fo.last_logits_only = true;
-  const at::Tensor logits = model_.forward(ids_.narrow(0, 0, n), pos_.narrow(0, 0, n), rows, fo).select(1, 0);  // [n, V]
+  at::Tensor logits = model_.forward(ids_.narrow(0, 0, n), pos_.narrow(0, 0, n), rows, fo).select(1, 0);  // [n, V]
   next_.narrow(0, 0, n).copy_(logits.argmax(-1));  // every greedy row at once
-  last_logits_ = logits;
+  return logits;
 }
 
 std::pair<int64_t, int64_t> BatchDecoder::join(const std::vector<int64_t>& prompt, const SamplingOptions& sampling,
@@ -144,12 +142,11 @@ std::vector<std::pair<int64_t, int64_t>> BatchDecoder::step() {
     }
 #endif
   if (!ran) {
-    run_rows(B);
+    const at::Tensor logits = run_rows(B);
     if (sampled)
       for (int64_t b = 0; b < B; ++b)
         if (!seqs_[b].sampler->greedy())
-          next_.narrow(0, b, 1).copy_(seqs_[b].sampler->sample(last_logits_.narrow(0, b, 1)));
-    last_logits_ = at::Tensor();
+          next_.narrow(0, b, 1).copy_(seqs_[b].sampler->sample(logits.narrow(0, b, 1)));
   }
   const at::Tensor host = next_.narrow(0, 0, B).cpu();  // SYNC: each row's token goes to its client
   const int64_t* t = host.data_ptr<int64_t>();

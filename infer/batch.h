@@ -66,8 +66,9 @@ class BatchDecoder {
     int64_t end = 0;     // prompt + max_new_tokens: it produces tokens while length + 1 < end
     std::unique_ptr<Sampler> sampler;
   };
-  // The forward of the first n rows from the static buffers, argmax into next_.
-  void run_rows(int64_t n);
+  // The forward of the first n rows from the static buffers, argmax into next_; returns their
+  // logits [n, V] f32 (an eager step samples its sampled rows from them).
+  at::Tensor run_rows(int64_t n);
 #ifdef KAKEYA_CUDA
   // The graph of a step over `rows` rows (captured on first use), or null where steps run eagerly.
   at::cuda::CUDAGraph* graph(int64_t rows);
@@ -79,7 +80,6 @@ class BatchDecoder {
   int64_t next_id_ = 0;
   bool cuda_graphs_;
   at::Tensor ids_, pos_, next_;  // [max_rows, 1], [max_rows, 1], [max_rows] int64: a step's static buffers
-  at::Tensor last_logits_;       // [n, V] f32 of an eager step (its sampled rows), else undefined
   struct Graphs;                 // per bucket of rows (CUDA builds)
   std::unique_ptr<Graphs> graphs_;
 };
