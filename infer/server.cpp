@@ -492,10 +492,6 @@ struct Server::Impl {
     DecodeOptions d = opt.decode;
     d.max_new_tokens = job.max_tokens;
     d.sampling = job.sampling;
-    if (d.sampling.temperature <= 0) {
-      d.sampling.temperature = 0;
-      d.sampling.top_p = 1.0;
-    }
     d.stop_ids = job.stop_ids;
     d.stream = true;
     d.on_token = [&](int64_t t) { o.consume(t); };
@@ -531,22 +527,21 @@ struct Server::Impl {
     struct Running {
       std::shared_ptr<Job> job;
       std::unique_ptr<JobOutput> out;
-      int64_t id = 0;
     };
-    std::vector<Running> running;
+    std::map<int64_t, Running> running;  // by the batch's sequence id
     // Ends the requests that are done (or all, when the server stops) and frees their rows.
     auto retire = [&](bool all) {
-      for (size_t i = 0; i < running.size();) {
-        Running& r = running[i];
+      for (auto it = running.begin(); it != running.end();) {
+        Running& r = it->second;
         if (!all && !r.out->ended()) {
-          ++i;
+          ++it;
           continue;
         }
-        batcher->leave(r.id);
+        batcher->leave(it->first);
         record(*r.out, 0.0, 0, "batch", batcher->kv_bytes());
         if (all && !r.out->ended()) r.job->fail(503, "the server is shutting down");
         else r.out->complete();
-        running.erase(running.begin() + static_cast<std::ptrdiff_t>(i));
+        it = running.erase(it);
       }
     };
     for (;;) {
@@ -568,14 +563,11 @@ struct Server::Impl {
       }
       for (auto& j : joining) {
         if (!admit(*j)) continue;
-        Running r{j, std::make_unique<JobOutput>(*j, tok), 0};
+        auto out = std::make_unique<JobOutput>(*j, tok);  // its clock starts before the prefill
         try {
-          SamplingOptions smp = j->sampling;
-          if (smp.temperature <= 0) smp = {0.0, 1.0, smp.seed};
-          const auto [id, first] = batcher->join(j->prompt, smp, j->max_tokens);
-          r.id = id;
-          r.out->consume(first);
-          running.push_back(std::move(r));
+          const auto [id, first] = batcher->join(j->prompt, j->sampling, j->max_tokens);
+          out->consume(first);
+          running.emplace(id, Running{j, std::move(out)});
         } catch (const c10::Error& e) {
           decode_failed(*j, e.what_without_backtrace());
         } catch (const std::exception& e) {
@@ -589,14 +581,12 @@ struct Server::Impl {
         const auto tokens = batcher->step();
         ++batch_steps;
         batch_step_rows += static_cast<int64_t>(tokens.size());
-        for (const auto& [id, t] : tokens)
-          for (auto& r : running)
-            if (r.id == id) r.out->consume(t);
+        for (const auto& [id, t] : tokens) running.at(id).out->consume(t);
       } catch (const std::exception& e) {
         // A failed step leaves no row trustworthy: every request in it fails, the rows are freed.
         const std::string what = e.what();
-        for (auto& r : running) {
-          batcher->leave(r.id);
+        for (auto& [id, r] : running) {
+          batcher->leave(id);
           decode_failed(*r.job, what);
         }
         running.clear();
@@ -655,6 +645,11 @@ struct Server::Impl {
     if (auto tp = get_number(j, "top_p")) {
       if (!(*tp > 0 && *tp <= 1)) throw ApiError(400, "'top_p' must be in (0, 1], got " + format_double(*tp), "top_p");
       p.sampling.top_p = *tp;
+    }
+    // Greedy reads no top_p: one setting for every greedy request (its session, its batch rows).
+    if (p.sampling.temperature <= 0) {
+      p.sampling.temperature = 0;
+      p.sampling.top_p = 1.0;
     }
     if (present(j, "seed")) {
       const json& v = j["seed"];
