@@ -310,6 +310,14 @@ void Restorer::stash_step(const at::Tensor& pos) {
   else capture_->take_into(nullptr, feat_.defined() ? &feat_ : nullptr, pos);
 }
 
+void Restorer::use_feature_ring(at::Tensor ring) {
+  KAKEYA_CHECK(feat_.defined() && ring.sizes() == feat_.sizes() && ring.scalar_type() == feat_.scalar_type() &&
+                   ring.device() == feat_.device(),
+               "restorer: a feature ring of " << (feat_.defined() ? feat_.sizes() : at::IntArrayRef{}) << " expected, got "
+                                              << ring.sizes());
+  feat_ = std::move(ring);
+}
+
 void Restorer::stash_in_forward() {
   if (capture_ && feat_.defined()) capture_->store_into(feat_);
 }

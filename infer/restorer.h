@@ -149,6 +149,9 @@ class Restorer : public TapSubscriber {
   // itself (TargetFeatureCapture::take_into) through feature_ring() (null without one).
   void stash_features(const at::Tensor& feats, const at::Tensor& pos);
   at::Tensor* feature_ring() { return feat_.defined() ? &feat_ : nullptr; }  // [ring, n·H], row = position mod ring
+  // The feature ring moves into `ring` (same shape and dtype; e.g. one row's part of a ring that a
+  // batch of sessions shares, infer/batch.h): after start_upkeep, before stash_in_forward.
+  void use_feature_ring(at::Tensor ring);
   // A new session on the same cache (which the caller clear()s): nothing restored, no statistics.
   void reset();
   int64_t restored_upto() const { return restored_upto_; }  // every position <= this is restored

@@ -1103,9 +1103,9 @@ Server::Server(const Model& model, const Tokenizer& tok, const Drafter* drafter,
   KAKEYA_CHECK(o.http_threads >= 1, "serve: --http-threads must be at least 1, got " << o.http_threads);
   KAKEYA_CHECK(o.port >= 0 && o.port <= 65535, "serve: --port must be in [0, 65535], got " << o.port);
   KAKEYA_CHECK(o.batch >= 1, "serve: --batch must be at least 1, got " << o.batch);
-  KAKEYA_CHECK(o.batch == 1 || o.decode.mode == DecodeMode::Ar,
-               "serve: --batch " << o.batch << " decodes ar sequences only; --mode " << decode_mode_name(o.decode.mode)
-                                 << " serves one request at a time (--batch 1)");
+  KAKEYA_CHECK(o.batch == 1 || o.decode.mode == DecodeMode::Ar || o.decode.mode == DecodeMode::Restored,
+               "serve: --batch " << o.batch << " decodes ar or restored sequences; --mode "
+                                 << decode_mode_name(o.decode.mode) << " serves one request at a time (--batch 1)");
   KAKEYA_CHECK(serve_capacity(o) <= model.options().max_positions,
                "serve: a session of " << serve_capacity(o) << " positions (--max-context " << o.max_context
                                       << ") needs the model loaded with max_positions >= that, got "
@@ -1123,7 +1123,8 @@ int Server::start() {
   // The default session (or the batch's rows) first: options the decoder refuses fail here,
   // before any client waits.
   if (s.opt.batch > 1) {
-    s.batcher = std::make_unique<BatchDecoder>(s.model, s.opt.batch, serve_capacity(s.opt), s.opt.decode.cuda_graph);
+    s.batcher = std::make_unique<BatchDecoder>(s.model, s.drafter, s.ftheta, s.opt.decode, s.opt.batch,
+                                               serve_capacity(s.opt));
     s.batcher->capture_all();
     std::lock_guard<std::mutex> lk(s.mm);
     s.kv_bytes["batch"] = s.batcher->kv_bytes();

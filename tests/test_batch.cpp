@@ -1,15 +1,20 @@
-// Continuous batching (infer/batch.h) against the one-sequence AR decoder it must equal: a small
+// Continuous batching (infer/batch.h) against the one-sequence decoders it must equal: a small
 // random Gemma 4 MoE (sliding window 16, so rows wrap their rings at different steps; K=V full
-// layers, GQA, softcap, experts) in f32 on the CPU. Sequences join while others decode, leave
-// from the middle (the last row moves into the hole), and each one's greedy tokens must be
-// exactly those of generate() on its prompt alone.
+// layers, GQA, softcap, experts) in f32 on the CPU. Sequences join while others decode (into the
+// first free row), leave from the middle, and each one's greedy tokens must be exactly those of
+// its one-sequence decoder on its prompt alone: generate() for ar rows, the restored decoder for
+// restored rows (a random drafter and f_θ at --mix-alpha 0, so every restored position is f_θ's:
+// each row's restoration batches, on its own schedule, and its features from the shared ring).
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <map>
+#include <string>
 
 #include "core/model/model.h"
 #include "tests/gemma4_test_util.h"
 #include "infer/batch.h"
+#include "infer/decoder.h"
 #include "infer/generate.h"
 #include "test_util.h"
 
@@ -29,32 +34,44 @@ std::vector<int64_t> prompt(int64_t n, int64_t salt) {
   return p;
 }
 
-std::vector<int64_t> alone(const std::vector<int64_t>& p, int64_t new_tokens) {
-  DecodeOptions o;
-  o.max_new_tokens = new_tokens;
-  return generate(model(), p, o).tokens;
+constexpr int64_t kMask = 3;  // the drafter's mask token: any id of the vocabulary
+
+const Drafter& drafter() {
+  static Drafter d =
+      Drafter::random(DrafterConfig::for_target(model().config(), 2, 4, 1, 64, 128, 8, kMask), model(), 5);
+  return d;
 }
 
-}  // namespace
+DecodeOptions options(DecodeMode mode) {
+  DecodeOptions o;
+  o.mode = mode;
+  o.stream = false;
+  o.restore.sink = 4;
+  o.restore.window = 8;
+  return o;
+}
 
-TEST(BatchDecoder, JoinsAndLeavesBetweenStepsAndEqualsEachSequenceAlone) {
-  // (prompt length, new tokens): short and long prompts against the window of 16.
-  const std::vector<std::pair<int64_t, int64_t>> spec = {{5, 30}, {23, 9}, {40, 21}, {70, 14}, {12, 25}, {3, 1}};
+// (prompt length, new tokens): short and long prompts against the window of 16 (and the exact
+// window of 8: restored rows restore from their prefill on, or only once they decode past it).
+const std::vector<std::pair<int64_t, int64_t>> kSpec = {{5, 30}, {23, 9}, {40, 21}, {70, 14}, {12, 25}, {3, 1}};
+
+// Every sequence of kSpec through `bd` (one join per step while rows are free, leaving as each
+// one ends) against `alone` of each: equal tokens, rows shared.
+void expect_batch_equals_alone(BatchDecoder& bd,
+                               const std::function<std::vector<int64_t>(const std::vector<int64_t>&, int64_t)>& alone) {
   std::vector<std::vector<int64_t>> prompts, want;
-  for (size_t i = 0; i < spec.size(); ++i) {
-    prompts.push_back(prompt(spec[i].first, (int64_t)i));
-    want.push_back(alone(prompts.back(), spec[i].second));
+  for (size_t i = 0; i < kSpec.size(); ++i) {
+    prompts.push_back(prompt(kSpec[i].first, (int64_t)i));
+    want.push_back(alone(prompts.back(), kSpec[i].second));
   }
-  BatchDecoder bd(model(), 3, 128);
   std::map<int64_t, size_t> which;  // id -> spec index
   std::map<size_t, std::vector<int64_t>> got;
   size_t next = 0;
   int64_t steps = 0, most = 0;
-  auto done = [&](size_t i) { return (int64_t)got[i].size() >= spec[i].second; };
-  while (next < spec.size() || bd.size() > 0) {
-    // One join per step while rows are free, so sequences enter at different steps.
-    if (next < spec.size() && bd.size() < bd.max_rows()) {
-      const auto [id, first] = bd.join(prompts[next], {}, spec[next].second);
+  auto done = [&](size_t i) { return (int64_t)got[i].size() >= kSpec[i].second; };
+  while (next < kSpec.size() || bd.size() > 0) {
+    if (next < kSpec.size() && bd.size() < bd.max_rows()) {
+      const auto [id, first] = bd.join(prompts[next], {}, kSpec[next].second);
       which[id] = next;
       got[next].push_back(first);
       ++next;
@@ -72,13 +89,51 @@ TEST(BatchDecoder, JoinsAndLeavesBetweenStepsAndEqualsEachSequenceAlone) {
     for (const auto& [id, t] : bd.step()) got[which.at(id)].push_back(t);
     ++steps;
   }
-  EXPECT_EQ(most, 3) << "the batch never filled its rows";
-  for (size_t i = 0; i < spec.size(); ++i) EXPECT_EQ(got[i], want[i]) << "sequence " << i << " (prompt " << spec[i].first << ")";
+  EXPECT_EQ(most, bd.max_rows()) << "the batch never filled its rows";
+  for (size_t i = 0; i < kSpec.size(); ++i)
+    EXPECT_EQ(got[i], want[i]) << "sequence " << i << " (prompt " << kSpec[i].first << ")";
   EXPECT_LT(steps, 30 + 9 + 21 + 14 + 25) << "no step served several sequences";
 }
 
+}  // namespace
+
+TEST(BatchDecoder, JoinsAndLeavesBetweenStepsAndEqualsEachSequenceAlone) {
+  BatchDecoder bd(model(), nullptr, nullptr, options(DecodeMode::Ar), 3, 128);
+  expect_batch_equals_alone(bd, [](const std::vector<int64_t>& p, int64_t n) {
+    DecodeOptions o;
+    o.max_new_tokens = n;
+    return generate(model(), p, o).tokens;
+  });
+}
+
+// Restored rows: f_θ on the drafter's raw K/V (projected from the stored features at restoration
+// time) with dense restored regions, then f_θ on the target features with int4-coded regions;
+// evict-only. Each equals the restored decoder alone.
+TEST(BatchDecoder, RestoredRowsEqualTheRestoredDecoderAlone) {
+  struct Case {
+    FThetaInput input;
+    std::string region, layers;
+  };
+  for (const Case& c : {Case{FThetaInput::DrafterKV, "none", "auto"}, Case{FThetaInput::TargetFeatures, "int4", "auto"},
+                        Case{FThetaInput::DrafterKV, "none", "none"}}) {
+    SCOPED_TRACE(std::string(ftheta_input_name(c.input)) + " region " + c.region + " layers " + c.layers);
+    const FTheta f =
+        FTheta::random(FThetaConfig::for_pair(model().config(), drafter().config(), 16, c.input), 8, at::kFloat, at::kCPU);
+    DecodeOptions o = options(DecodeMode::Restored);
+    o.restore.region_code = ops::parse_row_code(c.region, "--restored-code");
+    o.restore.layers = c.layers;
+    BatchDecoder bd(model(), &drafter(), &f, o, 3, 128);
+    EXPECT_TRUE(bd.restores());
+    expect_batch_equals_alone(bd, [&](const std::vector<int64_t>& p, int64_t n) {
+      DecodeOptions one = o;
+      one.max_new_tokens = n;
+      return make_decoder(model(), &drafter(), &f, one, 128)->run(p, one).tokens;
+    });
+  }
+}
+
 TEST(BatchDecoder, BadUse) {
-  BatchDecoder bd(model(), 2, 32);
+  BatchDecoder bd(model(), nullptr, nullptr, options(DecodeMode::Ar), 2, 32);
   expect_error([&] { bd.join(prompt(30, 1), {}, 3); }, "exceed the 32 positions");
   expect_error([&] { bd.join({}, {}, 3); }, "empty prompt");
   expect_error([&] { bd.join(prompt(4, 1), {}, 0); }, "max_new_tokens");
@@ -91,7 +146,14 @@ TEST(BatchDecoder, BadUse) {
   expect_error([&] { bd.leave(a); }, "no sequence");
   EXPECT_EQ(bd.size(), 1);
   EXPECT_EQ(bd.step().size(), 1u);
-  expect_error([] { BatchDecoder(model(), 0, 32); }, "--batch expected >= 1");
+  expect_error([] { BatchDecoder(model(), nullptr, nullptr, options(DecodeMode::Ar), 0, 32); }, "--batch expected >= 1");
+  expect_error([] { BatchDecoder(model(), nullptr, nullptr, options(DecodeMode::Fused), 2, 32); },
+               "--mode fused does not batch");
+  DecodeOptions mixed = options(DecodeMode::Restored);
+  mixed.restore.mix_alpha = 0.5;
+  const FTheta f = FTheta::random(FThetaConfig::for_pair(model().config(), drafter().config(), 16), 8, at::kFloat, at::kCPU);
+  expect_error([&] { BatchDecoder(model(), &drafter(), &f, mixed, 2, 32); }, "--mix-alpha 0 without --stats");
+  expect_error([&] { BatchDecoder(model(), nullptr, nullptr, options(DecodeMode::Restored), 2, 32); }, "drafter");
   // A cache of independent rows takes per-row positions only, and the other way round.
   KVCacheOptions co;
   co.rows = true;
@@ -103,5 +165,6 @@ TEST(BatchDecoder, BadUse) {
   KVCache one(model().config(), KVCacheOptions{});
   expect_error([&] { model().forward(ids.narrow(0, 0, 1), at::zeros({1, 1}, at::kLong), one); }, "one sequence");
   co.restore.window = 8;
-  expect_error([&] { KVCache(model().config(), co); }, "no restore policy");
+  co.restore.linear = true;
+  expect_error([&] { KVCache(model().config(), co); }, "no linear restore policy");
 }

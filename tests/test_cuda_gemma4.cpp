@@ -110,7 +110,7 @@ TEST_F(CudaGemma4, Bf16Decodes) {
 TEST_F(CudaGemma4, BatchedStepsEqualEachSequenceAlone) {
   Model gpu = small(kCuda, at::kFloat);
   const std::vector<int64_t> lengths = {70, 9, 33, 17, 50}, budget = {12, 20, 7, 15, 10};
-  BatchDecoder bd(gpu, 3, 128);
+  BatchDecoder bd(gpu, nullptr, nullptr, DecodeOptions{}, 3, 128);
   std::vector<std::vector<int64_t>> got(lengths.size());
   std::vector<int64_t> id_of(lengths.size(), -1);
   size_t next = 0, left = lengths.size();

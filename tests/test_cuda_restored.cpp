@@ -7,7 +7,8 @@
 //     position past the window restored, the sinks among them) agree per token in f32;
 //     in bf16 the kernel path is as close to the f32 scores as the reference ops;
 //   - `restored` and `fused` decodes give the same tokens either way (f32);
-//   - prefill chunks replayed from a CUDA graph give what eager chunks give (f32).
+//   - prefill chunks replayed from a CUDA graph give what eager chunks give (f32);
+//   - batched restored rows give each sequence's restored tokens alone (f32).
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -20,6 +21,7 @@
 #include "core/model/drafter.h"
 #include "core/model/ftheta.h"
 #include "core/model/model.h"
+#include "infer/batch.h"
 #include "infer/decoder.h"
 #include "infer/restored.h"
 #include "infer/session.h"
@@ -184,6 +186,64 @@ TEST_F(CudaRestoredF32, PrefillChunkGraphEqualsEagerChunks) {
   want = plain.send(turn2, eager);
   EXPECT_EQ(got.tokens, want.tokens);
   EXPECT_EQ(graphs.history(), plain.history());
+}
+
+// Batched restored rows (infer/batch.h) on the GPU: per-row positions through the q/k/v store,
+// the restored copy rule and coded rows in the attention kernel, each row's RestoreStore writing
+// into its own row, features stored per row, step graphs per bucket and each row's prefill chunk
+// graph. Every sequence's greedy tokens equal the restored decoder's alone (f32); with dense
+// regions, and with int4 regions and coded full-attention layers (--full-attn codec).
+TEST_F(CudaRestoredF32, BatchedRowsEqualEachSequenceAlone) {
+  const std::vector<int64_t> starts = {0, 13, 40, 77, 5}, lengths = {150, 70, 120, 90, 33}, budget = {24, 40, 17, 30, 21};
+  for (bool codec : {false, true}) {
+    SCOPED_TRACE(codec ? "int4 regions + codec" : "dense regions");
+    DecodeOptions d;
+    d.mode = DecodeMode::Restored;
+    d.stream = false;
+    d.restore = options(true);
+    if (codec) {
+      d.restore.region_code = ops::parse_row_code("int4", "--restored-code");
+      d.restore.full_attn = FullAttn::Codec;
+    }
+    const int64_t capacity = 200;
+    BatchDecoder bd(*target_, drafter_.get(), ftheta_.get(), d, 3, capacity);
+    bd.capture_all();
+    auto p = [&](size_t i) {
+      return std::vector<int64_t>(ids_.begin() + starts[i], ids_.begin() + starts[i] + lengths[i]);
+    };
+    std::vector<std::vector<int64_t>> got(lengths.size());
+    std::vector<int64_t> id_of(lengths.size(), -1);
+    size_t next = 0, left = lengths.size();
+    int64_t steps = 0, rows = 0;
+    while (left > 0) {
+      if (next < lengths.size() && bd.size() < bd.max_rows()) {  // one join per step
+        const auto [id, first] = bd.join(p(next), {}, budget[next]);
+        id_of[next] = id;
+        got[next].push_back(first);
+        ++next;
+      }
+      for (size_t i = 0; i < lengths.size(); ++i)
+        if (id_of[i] >= 0 && (int64_t)got[i].size() >= budget[i]) {
+          bd.leave(id_of[i]);
+          id_of[i] = -1;
+          --left;
+        }
+      if (bd.size() == 0) continue;
+      const auto out = bd.step();
+      ++steps;
+      rows += (int64_t)out.size();
+      for (const auto& [id, t] : out)
+        for (size_t i = 0; i < lengths.size(); ++i)
+          if (id_of[i] == id) got[i].push_back(t);
+    }
+    EXPECT_GT((double)rows / steps, 1.5) << "the rows did not share steps";
+    auto alone = make_decoder(*target_, drafter_.get(), ftheta_.get(), d, capacity);
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      DecodeOptions one = d;
+      one.max_new_tokens = budget[i];
+      EXPECT_EQ(got[i], alone->run(p(i), one).tokens) << "sequence " << i << " (prompt " << lengths[i] << ")";
+    }
+  }
 }
 
 }  // namespace

@@ -13,13 +13,15 @@ through the real `openai` client and through plain HTTP:
                     SIGTERM stops cleanly.
   batched server:   --batch 4: 8 concurrent clients == `kakeya decode` of each prompt alone (greedy,
                     f32), the requests shared steps (metrics), streaming, stop strings, one seed
-                    sampled side by side gives one answer, bad input, --batch refused off ar mode.
+                    sampled side by side gives one answer, bad input, --batch refused in fused mode.
+  restored batched: --mode restored --batch 2: 4 concurrent clients == `kakeya decode --mode restored`.
   restored server:  sink 4 + window 8, prompts of ~40 tokens (positions leave the window):
                     completions == `kakeya decode --mode restored` with the same flags, streaming,
                     and a full queue answers 429.
 Environment (set by tests/CMakeLists.txt): KAKEYA_BIN, KAKEYA_SOURCE_DIR, KAKEYA_MODEL_DIR.
 """
 import concurrent.futures
+import functools
 import http.client
 import json
 import os
@@ -72,8 +74,10 @@ LONG_PROMPTS = [
 RESTORED_FLAGS = ["--drafter", DRAFTER, "--ftheta", FTHETA, "--sink", "4", "--window", "8"]
 
 
+@functools.lru_cache(maxsize=None)
 def run_decode(mode, prompts, max_new, extra=()):
-    """Reference answers: `kakeya decode --mode MODE --temperature 0` over a prompts file."""
+    """Reference answers: `kakeya decode --mode MODE --temperature 0` over a prompts file (once per
+    argument set: test classes serving the same prompts share them)."""
     with tempfile.TemporaryDirectory() as d:
         pf, out = os.path.join(d, "prompts.jsonl"), os.path.join(d, "out.json")
         with open(pf, "w") as f:
@@ -184,7 +188,7 @@ class ServeTestBase(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         mode, prompts, extra = cls.REF
-        cls.ref = run_decode(mode, prompts, N, extra)
+        cls.ref = run_decode(mode, tuple(prompts), N, tuple(extra))
         cls.server = Server(cls.FLAGS)
 
     @classmethod
@@ -526,11 +530,33 @@ class BatchedServerTest(ServeTestBase):
         self.assert_error(status, body, 400, param="max_tokens")
         self.assertEqual(self.complete(CONCURRENT_PROMPTS[3]).choices[0].text, self.ref[3]["text"])
 
-    def test_batch_needs_ar(self):
-        r = subprocess.run([BIN, "serve", "--model", MODEL, "--port", "0", "--mode", "restored", *RESTORED_FLAGS,
+    def test_batch_needs_ar_or_restored(self):
+        r = subprocess.run([BIN, "serve", "--model", MODEL, "--port", "0", "--mode", "fused", *RESTORED_FLAGS,
                             "--batch", "4", *CPU], capture_output=True, text=True, timeout=300)
         self.assertNotEqual(r.returncode, 0)
-        self.assertIn("--batch 4 decodes ar sequences only", r.stderr)
+        self.assertIn("--batch 4 decodes ar or restored sequences; --mode fused serves one request at a time",
+                      r.stderr)
+
+
+class RestoredBatchedServerTest(ServeTestBase):
+    """`--mode restored --batch 2`: restored sequences decode together, each row restoring its own
+    evicted positions (sink 4 + window 8 on ~40-token prompts)."""
+    REF = ("restored", LONG_PROMPTS, RESTORED_FLAGS)
+    FLAGS = ["--mode", "restored", *RESTORED_FLAGS, "--batch", "2", "--max-queue", "8"]
+
+    def test_concurrent_clients_equal_decode(self):
+        # Each prompt twice, four clients at once through two rows: every answer equals
+        # `kakeya decode --mode restored` of its prompt alone (greedy, f32).
+        jobs = [0, 1, 1, 0]
+        with concurrent.futures.ThreadPoolExecutor(len(jobs)) as ex:
+            answers = list(ex.map(lambda i: self.complete(LONG_PROMPTS[i]), jobs))
+        for i, r in zip(jobs, answers):
+            self.assertGreater(self.ref[i]["restored_positions"], 0)
+            self.assertEqual(r.choices[0].text, self.ref[i]["text"], f"prompt {i}")
+            self.assertEqual(r.usage.completion_tokens, len(self.ref[i]["generated_ids"]))
+        m = self.server.metrics()
+        steps, rows = metric(m, "kakeya_batch_steps_total"), metric(m, "kakeya_batch_step_rows_total")
+        self.assertGreater(rows / steps, 1.3, f"{rows:.0f} rows in {steps:.0f} steps: the requests did not share steps")
 
 
 class RestoredServerTest(ServeTestBase):

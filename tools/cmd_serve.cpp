@@ -78,7 +78,7 @@ void register_serve(CLI::App& app) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   c->add_option("--batch", o->so.batch,
-                "requests decoded together in one batched step (continuous batching; ar mode, each a row of --max-context positions)")
+                "requests decoded together in one batched step (continuous batching; ar or restored mode, each a row of --max-context positions)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1024));
   c->add_option("--http-threads", o->so.http_threads, "most connections served at once")

@@ -7,7 +7,7 @@ the barrier to the last finish, the aggregate throughput (completion tokens actu
 wall s; a generation may end early at EOS), each request's latency and decode tok/s
 (completion_tokens / request s), and the errors (HTTP status + message; 429/503 are counted, not
 raised). The ratio to the concurrency-1 aggregate shows what batching buys. After the run the
-unlabelled kakeya_* series of GET /metrics are recorded. Client: the openai package when installed
+kakeya_* series of GET /metrics are recorded (labelled ones under their name with labels). Client: the openai package when installed
 (one client per thread, no retries), else plain urllib POSTs of the same JSON body.
 
   python tools/serve_load.py --url http://127.0.0.1:8000/v1 --model gemma3-270m --concurrency 1,4,16,64 --json out.json
@@ -128,7 +128,7 @@ def fetch_metrics(url):
     with urllib.request.urlopen(base + "/metrics", timeout=10) as r:
         for line in r.read().decode().splitlines():
             parts = line.split()
-            if line.startswith("kakeya_") and len(parts) == 2 and "{" not in parts[0]:
+            if line.startswith("kakeya_") and len(parts) == 2:  # labelled series keep their labels in the key
                 try:
                     out[parts[0]] = float(parts[1])
                 except ValueError:

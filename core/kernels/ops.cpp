@@ -384,6 +384,16 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
 #ifdef KAKEYA_CUDA
   if (k.is_cuda()) return cuda::code_rows(k, v, src_slots, dst_rows, to, sink, sink_slot0);
 #endif
+  if (dst_rows.dim() == 2) {  // per row: row b's slots and rows (independent sequences)
+    for (int64_t b = 0; b < k.size(0); ++b) {
+      auto kb = k.narrow(0, b, 1), vb = v.narrow(0, b, 1);
+      CodedSlots tb = to;
+      for (at::Tensor* t : {&tb.k_codes, &tb.v_codes, &tb.k_side, &tb.v_side, &tb.k_mean, &tb.v_mean})
+        if (t->defined()) *t = t->narrow(0, b, 1);
+      code_rows(kb, vb, src_slots.select(0, b), dst_rows.select(0, b), tb, sink, sink_slot0);
+    }
+    return;
+  }
   auto rk = k.index_select(2, src_slots), rv = v.index_select(2, src_slots);
   auto centred = [](const at::Tensor& x, const at::Tensor& mean) {
     return mean.defined() ? x.to(at::kFloat) - mean.unsqueeze(2) : x;

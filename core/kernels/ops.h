@@ -204,7 +204,8 @@ struct CodedSlots {
 
 // Codes rows of a dense cache into coded rows: for each t, the K and V rows at slot src_slots[t]
 // of k, v [B, H_kv, S, D] become row dst_rows[t] of `to` (what quantize_rows makes of them, less
-// to.k_mean / v_mean when defined);
+// to.k_mean / v_mean when defined), in every row b — or row b's own src_slots[b, t] / dst_rows[b, t]
+// when they are [B, T] (independent sequences, KVCacheOptions::rows);
 // rows with dst_rows[t] < sink are also copied as they are to slot sink_slot0 + dst_rows[t] of
 // k and v (a coded layer's exact attention sinks). src_slots, dst_rows: [T] int64 on the device.
 // One launch on CUDA (the coded full-attention layers' store, once per forward); elsewhere the

@@ -372,11 +372,12 @@ void TargetFeatureCapture::take_into(at::Tensor* out, at::Tensor* ring, const at
   ops::concat_rows(parts(), out, ring, positions);
 }
 
-void TargetFeatureCapture::store_into(at::Tensor ring) {
+void TargetFeatureCapture::store_into(at::Tensor ring, at::Tensor ring_rows) {
   KAKEYA_CHECK(!ring.defined() || (ring.dim() == 2 && ring.size(1) == (int64_t)ids_.size() * target_.config().hidden_size),
                "target feature capture: a ring of [R, " << ids_.size() * target_.config().hidden_size << "] expected, got "
                                                          << ring.sizes());
   ring_ = std::move(ring);
+  ring_rows_ = std::move(ring_rows);
 }
 
 bool TargetFeatureCapture::stores_all() const {
@@ -392,6 +393,7 @@ bool TargetFeatureCapture::store(Tap tap, int64_t layer, ops::RowCopy* out) cons
     if (ids_[i] == layer) {
       out->dst = ring_;
       out->col = (int64_t)i * target_.config().hidden_size;
+      out->positions = ring_rows_;  // undefined: the forward's positions
       return true;
     }
   return false;

@@ -170,7 +170,9 @@ class TargetFeatureCapture : public TapSubscriber {
   // Store mode: the forward writes each captured layer's rows straight into ring [R, n·H] (row
   // position mod R, core/model/taps.h TapSubscriber::store), except a last-layer id (its feature is final-normed
   // afterwards). stores_all(): every id is written that way (nothing left for take_into).
-  void store_into(at::Tensor ring);
+  // ring_rows [N] int64 (device), when given: the ring row of each of the forward's N = B·T rows
+  // instead (several sequences sharing one ring, each in its own rows: a batch of sessions).
+  void store_into(at::Tensor ring, at::Tensor ring_rows = {});
   bool stores_all() const;
   bool store(Tap tap, int64_t layer, ops::RowCopy* out) const override;
   const Taps& taps() const { return taps_; }
@@ -182,6 +184,7 @@ class TargetFeatureCapture : public TapSubscriber {
   std::vector<int64_t> ids_;
   std::vector<at::Tensor> got_;  // per id: [B, T, H]
   at::Tensor ring_;              // store mode: [R, n·H], or undefined
+  at::Tensor ring_rows_;         // store mode: [N] ring rows of the forward's rows, or undefined (positions mod R)
   Taps taps_;
 };
 

@@ -19,7 +19,7 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
   KAKEYA_CHECK(opt.rollback >= 0, "KV cache: rollback expected >= 0, got " << opt.rollback);
   KAKEYA_CHECK(opt.batch > 0, "KV cache: batch expected > 0, got " << opt.batch);
   const RestorePolicy& rp = opt.restore;
-  KAKEYA_CHECK(!opt.rows || !rp.enabled(), "KV cache: independent rows keep the model's own attention (no restore policy)");
+  KAKEYA_CHECK(!opt.rows || !rp.linear, "KV cache: independent rows keep rings (no linear restore policy)");
   if (rp.enabled()) {
     // Restoration writes and reads K/V per layer; KV-shared layers have none of their own.
     KAKEYA_CHECK(cfg.num_kv_shared() == 0, "KV cache: restoration is not supported with KV sharing (config field "
@@ -56,7 +56,8 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
       s.ring = sliding ? std::min(opt.capacity, cfg.sliding_window + opt.rollback) : opt.capacity;
       s.rest = 0;
     }
-    s.pos = opt.rows ? at::full({opt.batch, s.ring}, -1, iopt) : at::full({s.ring + s.held + s.rest}, -1, iopt);
+    const int64_t slots = s.ring + s.held + s.rest;
+    s.pos = opt.rows ? at::full({opt.batch, slots}, -1, iopt) : at::full({slots}, -1, iopt);
     if (s.policy)
       s.in_restored = at::arange(s.ring + s.held + s.rest, iopt).ge(s.ring);
   };
@@ -149,17 +150,18 @@ at::Tensor KVCache::visible_over(int64_t layer, const at::Tensor& pos, const at:
   auto m = causal_visible(pos, q_pos, span);
   if (!s.policy) return m;
   // Exact copies serve the recent window, restored (or coded) copies everything older.
-  auto recent = (q_pos.unsqueeze(1) - pos.unsqueeze(0)).lt(s.window);  // [T, S] bool
-  m = m.logical_and(recent.ne(in_restored.unsqueeze(0)));
+  // [T, S] bool ([B, T, S] with rows: pos [B, S], q_pos [B, T]; in_restored [S] is every row's)
+  auto recent = (q_pos.unsqueeze(-1) - pos.unsqueeze(-2)).lt(s.window);
+  m = m.logical_and(recent.ne(in_restored));
   if (s.held > 0) {
     // A coded layer's sinks: their coded rows are hidden (the exact sink slots serve them).
-    auto coded_row = at::arange(pos.size(0), pos.options()).ge(s.ring + s.held).logical_and(in_restored);
-    m = m.logical_and(coded_row.logical_and(pos.lt(s.held)).logical_not().unsqueeze(0));
+    auto coded_row = at::arange(pos.size(-1), pos.options()).ge(s.ring + s.held).logical_and(in_restored);
+    m = m.logical_and(coded_row.logical_and(pos.lt(s.held)).logical_not().unsqueeze(-2));
   }
   if (!opt_.restore.drops(layer)) return m;
   // A dropping layer sees only the sinks of its restored region.
-  auto dropped = in_restored.logical_and(pos.ge(opt_.restore.sink));  // [S]
-  return m.logical_and(dropped.logical_not().unsqueeze(0));
+  auto dropped = in_restored.logical_and(pos.ge(opt_.restore.sink));  // [S] ([B, S])
+  return m.logical_and(dropped.logical_not().unsqueeze(-2));
 }
 
 ops::CopyRule KVCache::copy_rule(int64_t layer) const {
@@ -173,17 +175,27 @@ void KVCache::mark(const at::Tensor& positions) {
                    << (opt_.rows ? "of independent rows (expected [B, T])" : "of one sequence (expected [T])"));
   if (opt_.rows) {
     // Each row at its own positions; a row's own length bounds them (the caller's), so only the
-    // ring rule is checked here: a forward that wraps a sliding ring would overwrite its own slots.
+    // ring rules are checked here: a forward that wraps a ring would overwrite its own slots.
     const int64_t t = positions.size(1);
     KAKEYA_CHECK(positions.size(0) == opt_.batch, "KV cache: positions for " << positions.size(0) << " rows, cache of "
                                                                             << opt_.batch);
-    full_.pos.scatter_(1, positions, positions);
-    for (int64_t l = 0; l < cfg_.num_layers; ++l) {
-      if (!cfg_.is_sliding(l)) continue;
-      KAKEYA_CHECK(t <= sliding_.ring, "KV cache: a forward of " << t << " tokens per row exceeds the sliding ring of "
-                                                                 << sliding_.ring << " slots");
-      sliding_.pos.scatter_(1, positions.remainder(sliding_.ring), positions);
-      break;
+    for (TypeState* s : {&full_, &sliding_}) {
+      if (s->policy) {
+        KAKEYA_CHECK(t <= opt_.restore.max_step, "KV cache: a forward of " << t << " tokens per row exceeds the "
+                                                     << "restore policy's step of " << opt_.restore.max_step);
+        s->pos.narrow(1, 0, s->ring).scatter_(1, positions.remainder(s->ring), positions);
+        if (s->coded) {  // as one sequence's mark below: row = position, sinks re-marked
+          s->pos.narrow(1, s->ring + s->held, s->rest).scatter_(1, positions, positions);
+          if (s->held > 0) s->pos.narrow(1, s->ring, s->held).copy_(s->held_pos);
+        }
+      } else if (s == &full_) {
+        s->pos.scatter_(1, positions, positions);
+      } else if (std::any_of(cfg_.layer_types.begin(), cfg_.layer_types.end(),
+                             [](LayerType t) { return t == LayerType::Sliding; })) {
+        KAKEYA_CHECK(t <= s->ring, "KV cache: a forward of " << t << " tokens per row exceeds the sliding ring of "
+                                                             << s->ring << " slots");
+        s->pos.scatter_(1, positions.remainder(s->ring), positions);
+      }
     }
     return;
   }
@@ -222,12 +234,12 @@ void KVCache::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, con
   auto& vb = v_[layer];
   const TypeState& st = state(layer);
   int64_t t = k.size(2);
-  if (opt_.rows) {  // per row: slot = position (full layers) or position mod ring
-    const auto slot = (cfg_.is_sliding(layer) ? positions.remainder(st.ring) : positions)
-                          .view({k.size(0), 1, t, 1})
-                          .expand(k.sizes());
+  if (opt_.rows) {  // per row: slot = position mod ring (sliding and policy layers) or position
+    const at::Tensor at_row = cfg_.is_sliding(layer) || st.policy ? positions.remainder(st.ring) : positions;
+    const auto slot = at_row.view({k.size(0), 1, t, 1}).expand(k.sizes());
     kb.scatter_(2, slot, k);
     vb.scatter_(2, slot, v);
+    if (st.coded) code_stored(layer, positions);
     return;
   }
   if (st.policy) {
@@ -260,12 +272,14 @@ void KVCache::mark_restored(LayerType type, const at::Tensor& positions) {
   KAKEYA_CHECK(positions.size(0) <= s.rest, "KV cache: " << positions.size(0) << " restored positions at once exceed the "
                                                          << s.rest << " restored slots");
   KAKEYA_CHECK(!s.coded, "KV cache: mark_restored on coded layers (their rows are marked with their positions)");
+  KAKEYA_CHECK(!opt_.rows, "KV cache: mark_restored on independent rows (restore through a row's view, row())");
   s.pos.narrow(0, s.ring, s.rest).index_copy_(0, positions.remainder(s.rest), positions);
 }
 
 void KVCache::write_restored(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
   const TypeState& s = state(layer);
   KAKEYA_CHECK(s.policy && !s.coded, "KV cache: write_restored on layer " << layer << ", which has no restoration");
+  KAKEYA_CHECK(!opt_.rows, "KV cache: write_restored on independent rows (restore through a row's view, row())");
   ops::CodedSlots& c = codes_[layer];
   if (c.defined()) {
     auto slot = positions.remainder(s.rest);
@@ -286,7 +300,7 @@ void KVCache::code_stored(int64_t layer, const at::Tensor& positions) {
   const TypeState& s = state(layer);
   KAKEYA_CHECK(s.coded, "KV cache: code_stored on layer " << layer << ", which is not a coded layer");
   ops::CodedSlots& c = codes_[layer];
-  if (length_ == 0 && c.k_mean.defined()) {
+  if (length_ == 0 && !opt_.rows && c.k_mean.defined()) {
     // A session's first forward: its rows past the sinks give the means every later row is coded
     // against (any fixed offset is exact: the reader adds it back; a good one saves bits).
     auto slot = positions.remainder(s.ring);
@@ -295,6 +309,7 @@ void KVCache::code_stored(int64_t layer, const at::Tensor& positions) {
     c.k_mean.copy_((k_[layer].index_select(2, slot).to(at::kFloat) * keep).sum(2) / n);
     c.v_mean.copy_((v_[layer].index_select(2, slot).to(at::kFloat) * keep).sum(2) / n);
   }
+  // (With rows, each row's means were set by its own first forward, through its row() view.)
   ops::code_rows(k_[layer], v_[layer], positions.remainder(s.ring), positions, codes_[layer], s.held, s.ring);
 }
 
@@ -334,7 +349,9 @@ void KVCache::advance(int64_t t) {
 void KVCache::truncate(int64_t n) {
   KAKEYA_CHECK(!opt_.rows || n == 0, "KV cache: independent rows are cleared, not truncated (truncate(" << n << "))");
   KAKEYA_CHECK(n >= 0 && n <= length_, "KV cache: truncate(" << n << ") outside [0, " << length_ << "]");
-  if (n == length_) return;
+  // clear() always empties the slots: a row() view's slots also take the batched steps' positions,
+  // which its length does not count.
+  if (n == length_ && n > 0) return;
   // Position n-1's query window starts at n - window; everything from there must still be in the ring.
   // Nothing evicted yet (max_evicted = -1) is always fine, also when n < window.
   for (TypeState* s : {&full_, &sliding_})
@@ -349,49 +366,34 @@ void KVCache::truncate(int64_t n) {
   length_ = n;
 }
 
-void KVCache::load_row(int64_t row, const KVCache& src) {
-  KAKEYA_CHECK(opt_.rows && row >= 0 && row < opt_.batch, "KV cache: load_row(" << row << ") on a cache of "
-                                                              << (opt_.rows ? opt_.batch : 0) << " independent rows");
-  KAKEYA_CHECK(!src.opt_.rows && src.opt_.batch == 1 && !src.opt_.restore.enabled() &&
-                   src.opt_.capacity == opt_.capacity && src.opt_.rollback == opt_.rollback &&
-                   src.opt_.dtype == opt_.dtype && src.num_layers() == num_layers(),
-               "KV cache: load_row needs a one-row cache of the same capacity, rollback and dtype");
-  for (int64_t l = 0; l < num_layers(); ++l) {
-    if (cfg_.kv_shared(l)) continue;
-    k_[l].select(0, row).copy_(src.k_[l].select(0, 0));
-    v_[l].select(0, row).copy_(src.v_[l].select(0, 0));
-  }
-  full_.pos.select(0, row).copy_(src.full_.pos);
-  sliding_.pos.select(0, row).copy_(src.sliding_.pos);
-}
-
-void KVCache::copy_row(int64_t from, int64_t to) {
-  KAKEYA_CHECK(opt_.rows && from >= 0 && to >= 0 && from < opt_.batch && to < opt_.batch,
-               "KV cache: copy_row(" << from << ", " << to << ") on a cache of " << (opt_.rows ? opt_.batch : 0)
-                                     << " independent rows");
-  if (from == to) return;
-  for (int64_t l = 0; l < num_layers(); ++l) {
-    if (cfg_.kv_shared(l)) continue;
-    k_[l].select(0, to).copy_(k_[l].select(0, from));
-    v_[l].select(0, to).copy_(v_[l].select(0, from));
-  }
-  for (TypeState* s : {&full_, &sliding_}) s->pos.select(0, to).copy_(s->pos.select(0, from));
-}
-
-void KVCache::clear_row(int64_t row) {
-  KAKEYA_CHECK(opt_.rows && row >= 0 && row < opt_.batch, "KV cache: clear_row(" << row << ") on a cache of "
-                                                               << (opt_.rows ? opt_.batch : 0) << " independent rows");
-  for (TypeState* s : {&full_, &sliding_}) s->pos.select(0, row).fill_(-1);
+KVCache KVCache::row(int64_t b) const {
+  KAKEYA_CHECK(opt_.rows && b >= 0 && b < opt_.batch, "KV cache: row(" << b << ") of " << (opt_.rows ? opt_.batch : 0)
+                                                                          << " independent rows");
+  return slice_rows(b, 1, false);
 }
 
 KVCache KVCache::first_rows(int64_t n) const {
   KAKEYA_CHECK(opt_.rows && n >= 1 && n <= opt_.batch, "KV cache: first_rows(" << n << ") of "
                                                            << (opt_.rows ? opt_.batch : 0) << " independent rows");
+  return slice_rows(0, n, true);
+}
+
+KVCache KVCache::slice_rows(int64_t b, int64_t n, bool rows) const {
   KVCache v = *this;
   v.opt_.batch = n;
-  for (auto& t : v.k_) t = t.narrow(0, 0, n);
-  for (auto& t : v.v_) t = t.narrow(0, 0, n);
-  for (TypeState* s : {&v.full_, &v.sliding_}) s->pos = s->pos.narrow(0, 0, n);
+  v.opt_.rows = rows;
+  v.length_ = 0;
+  auto cut = [&](at::Tensor& t) {
+    if (t.defined()) t = t.narrow(0, b, n);
+  };
+  for (auto& t : v.k_) cut(t);
+  for (auto& t : v.v_) cut(t);
+  for (auto& c : v.codes_)
+    for (at::Tensor* t : {&c.k_codes, &c.v_codes, &c.k_side, &c.v_side, &c.k_mean, &c.v_mean}) cut(*t);
+  for (TypeState* s : {&v.full_, &v.sliding_}) {
+    s->pos = rows ? s->pos.narrow(0, b, n) : s->pos.select(0, b);
+    s->max_evicted = -1;
+  }
   return v;
 }
 

@@ -74,9 +74,10 @@ struct KVCacheOptions {
   int64_t batch = 1;
   // Independent rows: each batch row holds its own sequence at its own positions (a batch of
   // decode sessions, infer/batch.h). Forwards pass positions [B, T]; slot positions are kept
-  // per row ([B, S_l]); rows are filled, moved and cleared one by one (load_row, copy_row,
-  // clear_row); the cache keeps no common length (the caller tracks each row's). The model's
-  // own attention only (no restore policy).
+  // per row ([B, S_l]); each row is filled and emptied alone, through its row() view; the
+  // cache keeps no common length (the caller tracks each row's). A restore
+  // policy applies to every row (not a linear one); restoration itself goes through each row's
+  // view (mark_restored / write_restored refuse the rows cache).
   bool rows = false;
   int64_t capacity = 4096;      // positions a full-attention layer can hold
   int64_t rollback = 64;        // tokens truncate() may remove from sliding rings (speculative blocks)
@@ -107,11 +108,10 @@ class KVCache {
   void clear() { truncate(0); }
 
   // ---- independent rows (KVCacheOptions::rows) ----
-  // Row `row` takes the sequence `src` holds (a one-row cache of these options without rows,
-  // e.g. after its prefill): every layer's slots and slot positions.
-  void load_row(int64_t row, const KVCache& src);
-  void copy_row(int64_t from, int64_t to);  // row `to` takes row `from`'s sequence
-  void clear_row(int64_t row);              // row `row` holds nothing
+  // Row b as a cache of one sequence (batch 1, no rows) sharing this cache's buffers: what a
+  // session does alone on its row — its prefill, its restorer's writes — lands in the row. The
+  // view keeps its own length; a row is emptied with the view's clear().
+  KVCache row(int64_t b) const;
   // The first n rows as a cache of batch n sharing these buffers (a forward over the rows in use).
   KVCache first_rows(int64_t n) const;
 
@@ -197,6 +197,7 @@ class KVCache {
   // visible() over the slots of `pos` (in_restored: which of them are restored copies).
   at::Tensor visible_over(int64_t layer, const at::Tensor& pos, const at::Tensor& in_restored,
                           const at::Tensor& q_pos) const;
+  KVCache slice_rows(int64_t b, int64_t n, bool rows) const;  // row() and first_rows()
   int64_t layer_bytes(int64_t layer) const;
   int64_t region_code_bytes(int64_t layer) const;  // a coded region's codes and side values
   int64_t slot_bytes(int64_t layer) const;         // one dense slot of K and V

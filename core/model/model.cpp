@@ -309,7 +309,6 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
                                      << (cache.options().rows ? "independent rows ([B, T] expected)" : "one sequence ([T] expected)"));
   KAKEYA_CHECK(positions.size(-1) == T && (!rows || positions.size(0) == B),
                "forward: positions " << positions.sizes() << " for ids " << ids.sizes());
-  KAKEYA_CHECK(!rows || !fo.taps || fo.taps->empty(), "forward: taps need one sequence, not independent rows");
 
   // Masks are shared by all layers of a type. A sliding chunk too long to write
   // first (the model's own ring, or a restored layer's exact ring) attends over
@@ -442,7 +441,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     // A subscriber may want the layer output stored as it is computed (core/model/taps.h).
     ops::RowCopy store;
     const bool stored = taps && taps->store(Tap::LayerOut, l, &store);
-    if (stored) store.positions = positions;
+    if (stored && !store.positions.defined()) store.positions = positions;  // unless the subscriber names the rows
     if (w.moe.defined()) {
       // One residual step sums the two branches through their post-norms. Per-layer inputs come
       // between that sum and the layer scalar (below).

@@ -28,7 +28,7 @@ const char* tap_name(Tap t);  // "q_proj", "q_norm", "k_proj", "k_norm", "v_proj
 struct TapContext {
   int64_t layer;
   LayerType layer_type;
-  const at::Tensor& positions;  // [T] int64 absolute positions of the chunk
+  const at::Tensor& positions;  // [T] int64 absolute positions of the chunk ([B, T] on independent rows)
 };
 
 class TapSubscriber {
@@ -37,8 +37,9 @@ class TapSubscriber {
   virtual void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) = 0;
   // Asked before `tap` of `layer` is computed (LayerOut only, so far): true to have its rows
   // stored in a ring of per-position rows, out->dst from column out->col (core/kernels/ops.h RowCopy;
-  // the forward fills in the positions and writes them itself: for LayerOut inside the
-  // residual kernel, no launch of its own). on_tap is still called.
+  // the forward fills in the positions, unless the subscriber set out->positions — ring rows of its
+  // own, one per row of the tap —, and writes them itself: for LayerOut inside the residual kernel,
+  // no launch of its own). on_tap is still called.
   virtual bool store(Tap, int64_t layer, ops::RowCopy* out) const { return false; }
   // Whether on_tap reads or replaces `tap`. The forward runs its fused CUDA kernels, which never
   // materialise some tapped tensors (q/k/v before RoPE), only when no subscriber reads those taps;

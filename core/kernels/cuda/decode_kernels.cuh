@@ -535,16 +535,18 @@ void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t
 
 // Rows of a dense cache into coded rows (ops::code_rows): block (t, h, b) codes the K and V rows
 // at slot src[t] of head h into row dst[t], and copies them to slot sink_slot0 + dst[t] when
-// dst[t] < sink. k, v: [B, Hkv, S, D] (strides cache_bs, cache_hs); codes [B, Hkv, R, cb] and
+// dst[t] < sink; src, dst are row b's from b·idx_bs (idx_bs 0: shared by the rows). k, v: [B, Hkv, S, D] (strides cache_bs, cache_hs); codes [B, Hkv, R, cb] and
 // side [B, Hkv, R, sh halves], contiguous; km, vm: [B, Hkv, D] f32 means coded rows leave out
 // (rotated codes; nullptr: none). 64 threads: a rotated code takes a warp per row (K, V).
 template <typename T>
 __global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int64_t* __restrict__ src,
-                                 const int64_t* __restrict__ dst, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs,
+                                 const int64_t* __restrict__ dst, int idx_bs, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs,
                                  const float* km, const float* vm, int Hkv, int R, int D, bool rotated, int bits,
                                  int64_t sink, int64_t sink_slot0) {
   extern __shared__ float row_f[];  // affine: the row in T
   const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  src += (int64_t)b * idx_bs;
+  dst += (int64_t)b * idx_bs;
   const int64_t p = dst[t], base = b * cache_bs + h * cache_hs, r = ((int64_t)b * Hkv + h) * R + p;
   const int cb = D * bits / 8;
   if (rotated) {
@@ -573,10 +575,10 @@ __global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs,
 
 template <typename T>
 void launch_code_rows(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int64_t* src, const int64_t* dst,
-                      uint8_t* kc, uint8_t* vc, __half* ks, __half* vs, const float* km, const float* vm, int B, int Hkv,
+                      int idx_bs, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs, const float* km, const float* vm, int B, int Hkv,
                       int Tn, int R, int D, bool rotated, int bits, int64_t sink, int64_t sink_slot0, cudaStream_t s) {
   dim3 grid(Tn, Hkv, B);
-  code_rows_kernel<T><<<grid, 64, rotated ? 0 : D * sizeof(T), s>>>(k, v, cache_bs, cache_hs, src, dst, kc, vc, ks, vs,
+  code_rows_kernel<T><<<grid, 64, rotated ? 0 : D * sizeof(T), s>>>(k, v, cache_bs, cache_hs, src, dst, idx_bs, kc, vc, ks, vs,
                                                                    km, vm, Hkv, R, D, rotated, bits, sink, sink_slot0);
 }
 

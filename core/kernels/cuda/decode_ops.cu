@@ -47,7 +47,8 @@ int64_t check_rope(const QKRopeArgs& a, at::ScalarType dt, int64_t D, const char
 }
 
 // A residual step's copy of its new rows (RowCopy): a [R, F] ring on the device, in h's dtype,
-// rows contiguous, H columns from col; one sequence of T_len rows with [T_len] int64 positions.
+// rows contiguous, H columns from col; every row of h with its own ring row (positions: one per
+// row of h, [T_len] int64 — one sequence's positions, or ring rows of several sequences).
 void check_copy(const RowCopy& copy, const at::Tensor& h, int64_t T_len, const char* who) {
   const at::Tensor& d = copy.dst;
   const int64_t H = h.size(-1);
@@ -55,7 +56,8 @@ void check_copy(const RowCopy& copy, const at::Tensor& h, int64_t T_len, const c
                   copy.col >= 0 && copy.col + H <= d.size(1),
               who, " copy: expected a [R, F] ", h.scalar_type(), " CUDA ring with contiguous rows and ", H,
               " columns from ", copy.col, ", got ", d.sizes(), " ", d.scalar_type());
-  TORCH_CHECK(h.numel() / H == T_len, who, " copy: one sequence expected (rows by position), got ", h.sizes());
+  TORCH_CHECK(h.numel() / H == T_len, who, " copy: a position per row expected, got ", h.sizes(), " for ",
+              copy.positions.sizes(), " positions");
   check_cuda(copy.positions, "copy positions");
   TORCH_CHECK(copy.positions.scalar_type() == at::kLong && copy.positions.numel() == T_len, who,
               " copy positions: expected [", T_len, "] int64");
@@ -82,6 +84,7 @@ ResidualStep residual_step(const at::Tensor& h, const RowCopy* copy, const char*
   ResidualStep r;
   r.T_len = h.dim() >= 2 ? (int)h.size(-2) : 1;
   if (copy) {
+    r.T_len = (int)copy->positions.numel();
     check_copy(*copy, h, r.T_len, who);
     r.copy_stride = copy->dst.stride(0);
     r.copy_rows = copy->dst.size(0);
@@ -340,11 +343,16 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
   check_cache_rows(k, v, "code_rows k");
   check_cuda(src_slots, "code_rows src_slots");
   check_cuda(dst_rows, "code_rows dst_rows");
-  const int64_t B = k.size(0), Hkv = k.size(1), D = k.size(3), Tn = src_slots.numel();
+  // [T] shared by the B rows, or [B, T]: each row its own (independent sequences)
+  const bool per_row = dst_rows.dim() == 2;
+  const int64_t B = k.size(0), Hkv = k.size(1), D = k.size(3), Tn = src_slots.size(-1);
   TORCH_CHECK(k.sizes() == v.sizes() && k.scalar_type() == v.scalar_type(), "code_rows: k ", k.sizes(), " vs v ", v.sizes());
   check_coded_slots(to, B, Hkv, D, "code_rows codes");
-  TORCH_CHECK(src_slots.scalar_type() == at::kLong && dst_rows.scalar_type() == at::kLong && dst_rows.numel() == Tn,
-              "code_rows: src_slots / dst_rows int64 [T] expected, got ", src_slots.sizes(), " / ", dst_rows.sizes());
+  TORCH_CHECK(src_slots.scalar_type() == at::kLong && dst_rows.scalar_type() == at::kLong &&
+                  src_slots.is_contiguous() && dst_rows.is_contiguous() && src_slots.sizes() == dst_rows.sizes() &&
+                  (per_row ? dst_rows.size(0) == B : dst_rows.dim() == 1),
+              "code_rows: src_slots / dst_rows contiguous int64 [T] or [", B, ", T] expected, got ", src_slots.sizes(),
+              " / ", dst_rows.sizes());
   TORCH_CHECK(Tn <= 2147483647, "code_rows: too many rows");
   TORCH_CHECK(sink >= 0 && (sink == 0 || (sink_slot0 >= 0 && sink_slot0 + sink <= k.size(2))), "code_rows: sink slots ",
               sink_slot0, " + ", sink, " outside the cache's ", k.size(2), " slots");
@@ -353,7 +361,7 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
   dispatch(k.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     k::launch_code_rows<T>(ptr<T>(k), ptr<T>(v), k.stride(0), k.stride(1), src_slots.data_ptr<int64_t>(),
-                           dst_rows.data_ptr<int64_t>(), to.k_codes.data_ptr<uint8_t>(), to.v_codes.data_ptr<uint8_t>(),
+                           dst_rows.data_ptr<int64_t>(), per_row ? (int)Tn : 0, to.k_codes.data_ptr<uint8_t>(), to.v_codes.data_ptr<uint8_t>(),
                            reinterpret_cast<__half*>(to.k_side.data_ptr()), reinterpret_cast<__half*>(to.v_side.data_ptr()),
                            to.k_mean.defined() ? to.k_mean.data_ptr<float>() : nullptr,
                            to.v_mean.defined() ? to.v_mean.data_ptr<float>() : nullptr, (int)B, (int)Hkv, (int)Tn, (int)to.k_codes.size(2), (int)D, to.code.rotated(), to.code.bits,
