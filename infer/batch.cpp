@@ -57,7 +57,7 @@ BatchDecoder::BatchDecoder(const Model& model, const Drafter* drafter, const FTh
     validate_restore(model, drafter, ftheta, opt.restore, 1, 1);
   }
   for (int64_t b = 0; b < max_rows; ++b) {
-    rows_.push_back(std::make_unique<Row>(pool_.row(b)));
+    rows_.push_back(std::make_unique<Row>(pool_.row(b), b));
     if (!restores()) continue;
     Row& r = *rows_.back();
     r.rest = std::make_unique<Restorer>(model, drafter, ftheta, opt.restore, r.cache);
@@ -75,6 +75,7 @@ BatchDecoder::BatchDecoder(const Model& model, const Drafter* drafter, const FTh
   auto iopt = at::TensorOptions().dtype(at::kLong).device(model.device());
   ids_ = at::zeros({max_rows, 1}, iopt);
   pos_ = at::zeros({max_rows, 1}, iopt);
+  live_ = at::zeros({max_rows, 1}, iopt);
   next_ = at::zeros({max_rows}, iopt);
   if (feat_ring_.defined()) {
     feats_ = std::make_unique<TargetFeatureCapture>(model, drafter->config().target_layer_ids);
@@ -106,8 +107,12 @@ at::cuda::CUDAGraph* BatchDecoder::graph(int64_t rows) {
   auto& g = graphs_->by_rows[rows];
   if (!g) {
     // Once eagerly first: libraries set up what a capture may not (a cuBLAS handle, workspaces
-    // for this shape). It writes the same K/V (and features) the replay then writes again.
+    // for this shape). It writes the same K/V (and features) the replay then writes again, and
+    // its inputs are put back for the replay.
+    const at::Tensor ids = ids_.clone(), pos = pos_.clone();
     run_rows(rows);
+    ids_.copy_(ids);
+    pos_.copy_(pos);
     // Captured on a side stream (CUDA graphs require one); capture records without running.
     c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
     g = std::make_unique<at::cuda::CUDAGraph>();
@@ -147,6 +152,10 @@ at::Tensor BatchDecoder::run_rows(int64_t n) {
     else feats_->take_into(nullptr, &feat_ring_, feat_rows);
   }
   next_.narrow(0, 0, n).copy_(logits.argmax(-1));  // every greedy row at once
+  // The next step's inputs, on the device: each seated row feeds its token at its next position
+  // (free rows stay at position 0), so a steady step copies nothing from the host.
+  ids_.narrow(0, 0, n).copy_(next_.narrow(0, 0, n).view({n, 1}));
+  pos_.narrow(0, 0, n).add_(live_.narrow(0, 0, n));
   return logits;
 }
 
@@ -183,29 +192,33 @@ std::pair<int64_t, int64_t> BatchDecoder::join(const std::vector<int64_t>& promp
     fo.last_logits_only = true;
     logits = model_.forward(ids, row->cache, fo);
   }
-  s.last = s.sampler->sample(logits.select(1, 0)).item<int64_t>();  // SYNC: the first token goes to its client now
+  const at::Tensor first = s.sampler->sample(logits.select(1, 0));  // [1]
+  // The row's first step feeds its first token at position n (later steps feed themselves).
+  const int64_t b = row->index;
+  ids_.narrow(0, b, 1).copy_(first.view({1, 1}));
+  pos_.narrow(0, b, 1).fill_(n);
+  live_.narrow(0, b, 1).fill_(1);
+  const int64_t tok = first.item<int64_t>();  // SYNC: the first token goes to its client now
   s.length = n;
   s.end = n + max_new_tokens;
   row->seq = std::move(s);
   ++seated_;
-  return {row->seq->id, row->seq->last};
+  return {row->seq->id, tok};
 }
 
 std::vector<std::pair<int64_t, int64_t>> BatchDecoder::step() {
   const int64_t n = rows_in_use();
   if (n == 0) return {};
   bool sampled = false;
-  // Free rows feed token 0 at position 0 into rows no sequence holds (as do rows past n of a
-  // graph's bucket).
-  std::vector<int64_t> ids(max_rows(), 0), pos(max_rows(), 0);
+  // ids_ / pos_ already hold each seated row's last token and its position (join, then each
+  // step); free rows feed their last token at position 0 into rows no sequence holds (as do rows
+  // past n of a graph's bucket).
   for (int64_t b = 0; b < n; ++b) {
     Row& r = *rows_[b];
     if (!r.seq) continue;
     const Seq& s = *r.seq;
     KAKEYA_CHECK(s.length + 1 < s.end, "batch decoder: sequence " << s.id << " has produced its "
                                                                   << s.end - s.length << " tokens; it must leave");
-    ids[b] = s.last;
-    pos[b] = s.length;
     sampled = sampled || !s.sampler->greedy();
     // The row's restoration batches due before its step (in place, on the step's stream).
     if (r.rest)
@@ -214,8 +227,6 @@ std::vector<std::pair<int64_t, int64_t>> BatchDecoder::step() {
         r.rest->upkeep();
       }
   }
-  ids_.view({-1}).copy_(at::tensor(ids, at::kLong));
-  pos_.view({-1}).copy_(at::tensor(pos, at::kLong));
   bool ran = false;
 #ifdef KAKEYA_CUDA
   int64_t bucket = 1;
@@ -230,8 +241,10 @@ std::vector<std::pair<int64_t, int64_t>> BatchDecoder::step() {
     const at::Tensor logits = run_rows(n);
     if (sampled)
       for (int64_t b = 0; b < n; ++b)
-        if (rows_[b]->seq && !rows_[b]->seq->sampler->greedy())
+        if (rows_[b]->seq && !rows_[b]->seq->sampler->greedy()) {
           next_.narrow(0, b, 1).copy_(rows_[b]->seq->sampler->sample(logits.narrow(0, b, 1)));
+          ids_.narrow(0, b, 1).copy_(next_.narrow(0, b, 1).view({1, 1}));  // it feeds its sample, not the argmax
+        }
   }
   const at::Tensor host = next_.narrow(0, 0, n).cpu();  // SYNC: each row's token goes to its client
   const int64_t* t = host.data_ptr<int64_t>();
@@ -240,7 +253,6 @@ std::vector<std::pair<int64_t, int64_t>> BatchDecoder::step() {
     if (!rows_[b]->seq) continue;
     Seq& s = *rows_[b]->seq;
     s.length += 1;
-    s.last = t[b];
     out.emplace_back(s.id, t[b]);
   }
   return out;
@@ -250,6 +262,9 @@ void BatchDecoder::leave(int64_t id) {
   auto it = std::find_if(rows_.begin(), rows_.end(), [&](const auto& r) { return r->seq && r->seq->id == id; });
   KAKEYA_CHECK(it != rows_.end(), "batch decoder: no sequence " << id);
   (*it)->seq.reset();
+  const int64_t b = (*it)->index;
+  pos_.narrow(0, b, 1).fill_(0);  // a free row decodes at position 0 (see step)
+  live_.narrow(0, b, 1).fill_(0);
   --seated_;
 }
 

@@ -79,20 +79,21 @@ class BatchDecoder {
  private:
   struct Seq {
     int64_t id = 0;
-    int64_t length = 0;  // positions its row holds
-    int64_t last = 0;    // the token the next step feeds (at position `length`)
+    int64_t length = 0;  // positions its row holds (the next step feeds position `length`)
     int64_t end = 0;     // prompt + max_new_tokens: it produces tokens while length + 1 < end
     std::unique_ptr<Sampler> sampler;
   };
   struct Row {
-    explicit Row(KVCache view) : cache(std::move(view)) {}
+    Row(KVCache view, int64_t b) : cache(std::move(view)), index(b) {}
     KVCache cache;                       // this row of pool_, as a cache of one sequence
+    int64_t index;                       // its row in pool_
     std::unique_ptr<Restorer> rest;      // restored mode: keeps the row's restored region
     std::unique_ptr<ChunkGraph> chunks;  // restored mode: the row's steady prefill chunk
     std::optional<Seq> seq;              // the sequence seated here, if any
   };
   // The forward of the first n rows from the static buffers (restored: storing their target
-  // features), argmax into next_; returns their logits [n, V] f32.
+  // features), argmax into next_, and the next step's inputs: ids_ = next_, pos_ += live_;
+  // returns their logits [n, V] f32.
   at::Tensor run_rows(int64_t n);
   int64_t rows_in_use() const;  // the last seated row + 1
 #ifdef KAKEYA_CUDA
@@ -107,7 +108,10 @@ class BatchDecoder {
   std::vector<std::unique_ptr<Row>> rows_;
   int64_t seated_ = 0;
   int64_t next_id_ = 0;
-  at::Tensor ids_, pos_, next_;  // [max_rows, 1], [max_rows, 1], [max_rows] int64: a step's static buffers
+  // A step's static buffers, int64 on the device: ids_, pos_ [max_rows, 1] what each row feeds
+  // and where; live_ [max_rows, 1] 1 on seated rows (their position advances), 0 on free ones;
+  // next_ [max_rows] each row's new token.
+  at::Tensor ids_, pos_, live_, next_;
   // Restored rows whose f_θ reads target features: the step stores row b's into rows
   // b·ring_ .. b·ring_ + ring_ - 1 of feat_ring_ (its Restorer's feature ring), at feat_rows_.
   std::unique_ptr<TargetFeatureCapture> feats_;
