@@ -45,6 +45,10 @@ namespace {
 using json = nlohmann::json;
 using Clock = std::chrono::steady_clock;
 
+int64_t micros_since(Clock::time_point t0) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count();
+}
+
 // Text we did not write (prompts, generated pieces) may hold invalid UTF-8: never throw on it.
 std::string dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
 
@@ -315,6 +319,9 @@ struct Server::Impl {
   std::unique_ptr<BatchDecoder> batcher;  // ServeOptions::batch > 1: the batched worker's rows
   std::atomic<int64_t> batch_sequences{0};  // requests in it now
   std::atomic<int64_t> batch_steps{0}, batch_step_rows{0};  // batched steps, and the rows they decoded
+  // Wall microseconds the batched worker spent in steps (every row's token read back) and in joins
+  // (a request's prefill and first token): where a batch's time goes.
+  std::atomic<int64_t> batch_step_us{0}, batch_join_us{0};
 
   // Metrics.
   std::mutex mm;
@@ -565,7 +572,9 @@ struct Server::Impl {
         if (!admit(*j)) continue;
         auto out = std::make_unique<JobOutput>(*j, tok);  // its clock starts before the prefill
         try {
+          const auto t0 = Clock::now();
           const auto [id, first] = batcher->join(j->prompt, j->sampling, j->max_tokens);
+          batch_join_us += micros_since(t0);
           out->consume(first);
           running.emplace(id, Running{j, std::move(out)});
         } catch (const c10::Error& e) {
@@ -578,7 +587,9 @@ struct Server::Impl {
       batch_sequences = static_cast<int64_t>(running.size());
       if (running.empty()) continue;
       try {
+        const auto t0 = Clock::now();
         const auto tokens = batcher->step();
+        batch_step_us += micros_since(t0);
         ++batch_steps;
         batch_step_rows += static_cast<int64_t>(tokens.size());
         for (const auto& [id, t] : tokens) running.at(id).out->consume(t);
@@ -1019,6 +1030,10 @@ struct Server::Impl {
     o << "kakeya_batch_steps_total " << batch_steps.load() << "\n";
     metric("kakeya_batch_step_rows_total", "counter", "Tokens the batched steps produced (rows per step, summed).");
     o << "kakeya_batch_step_rows_total " << batch_step_rows.load() << "\n";
+    metric("kakeya_batch_step_seconds_total", "counter", "Wall seconds of the batched steps (tokens read back included).");
+    o << "kakeya_batch_step_seconds_total " << batch_step_us.load() * 1e-6 << "\n";
+    metric("kakeya_batch_join_seconds_total", "counter", "Wall seconds of joins to the batch (prefill and first token).");
+    o << "kakeya_batch_join_seconds_total " << batch_join_us.load() * 1e-6 << "\n";
     metric("kakeya_sessions", "gauge", "Decode sessions (one per sampling setting) holding caches.");
     o << "kakeya_sessions " << kv_bytes.size() << "\n";
     metric("kakeya_session_capacity_positions", "gauge", "Positions each session holds.");

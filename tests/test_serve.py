@@ -507,6 +507,8 @@ class BatchedServerTest(ServeTestBase):
         steps, rows = metric(m, "kakeya_batch_steps_total"), metric(m, "kakeya_batch_step_rows_total")
         self.assertGreater(rows / steps, 1.5, f"{rows:.0f} rows in {steps:.0f} steps: the requests did not share steps")
         self.assertGreater(metric(m, "kakeya_kv_bytes", {"session": "batch"}), 0)
+        self.assertGreater(metric(m, "kakeya_batch_step_seconds_total"), 0)
+        self.assertGreater(metric(m, "kakeya_batch_join_seconds_total"), 0)
 
     def test_streaming_stop_and_sampling(self):
         text, finish = self.stream_text(prompt=CONCURRENT_PROMPTS[0], max_tokens=N, temperature=0)
