@@ -8,10 +8,10 @@
 #include <gtest/gtest.h>
 
 #include <functional>
-#include <map>
 #include <string>
 
 #include "core/model/model.h"
+#include "tests/batch_test_util.h"
 #include "tests/gemma4_test_util.h"
 #include "infer/batch.h"
 #include "infer/decoder.h"
@@ -55,44 +55,20 @@ DecodeOptions options(DecodeMode mode) {
 // window of 8: restored rows restore from their prefill on, or only once they decode past it).
 const std::vector<std::pair<int64_t, int64_t>> kSpec = {{5, 30}, {23, 9}, {40, 21}, {70, 14}, {12, 25}, {3, 1}};
 
-// Every sequence of kSpec through `bd` (one join per step while rows are free, leaving as each
-// one ends) against `alone` of each: equal tokens, rows shared.
+// Every sequence of kSpec through `bd` against `alone` of each: equal tokens, rows shared.
 void expect_batch_equals_alone(BatchDecoder& bd,
                                const std::function<std::vector<int64_t>(const std::vector<int64_t>&, int64_t)>& alone) {
-  std::vector<std::vector<int64_t>> prompts, want;
+  std::vector<std::vector<int64_t>> prompts;
+  std::vector<int64_t> budget;
   for (size_t i = 0; i < kSpec.size(); ++i) {
     prompts.push_back(prompt(kSpec[i].first, (int64_t)i));
-    want.push_back(alone(prompts.back(), kSpec[i].second));
+    budget.push_back(kSpec[i].second);
   }
-  std::map<int64_t, size_t> which;  // id -> spec index
-  std::map<size_t, std::vector<int64_t>> got;
-  size_t next = 0;
-  int64_t steps = 0, most = 0;
-  auto done = [&](size_t i) { return (int64_t)got[i].size() >= kSpec[i].second; };
-  while (next < kSpec.size() || bd.size() > 0) {
-    if (next < kSpec.size() && bd.size() < bd.max_rows()) {
-      const auto [id, first] = bd.join(prompts[next], {}, kSpec[next].second);
-      which[id] = next;
-      got[next].push_back(first);
-      ++next;
-    }
-    for (auto it = which.begin(); it != which.end();) {
-      if (done(it->second)) {
-        bd.leave(it->first);
-        it = which.erase(it);
-      } else {
-        ++it;
-      }
-    }
-    if (bd.size() == 0) continue;
-    most = std::max(most, bd.size());
-    for (const auto& [id, t] : bd.step()) got[which.at(id)].push_back(t);
-    ++steps;
-  }
-  EXPECT_EQ(most, bd.max_rows()) << "the batch never filled its rows";
+  const test::BatchRun r = test::run_batch(bd, prompts, budget);
+  EXPECT_EQ(r.most, bd.max_rows()) << "the batch never filled its rows";
   for (size_t i = 0; i < kSpec.size(); ++i)
-    EXPECT_EQ(got[i], want[i]) << "sequence " << i << " (prompt " << kSpec[i].first << ")";
-  EXPECT_LT(steps, 30 + 9 + 21 + 14 + 25) << "no step served several sequences";
+    EXPECT_EQ(r.tokens[i], alone(prompts[i], budget[i])) << "sequence " << i << " (prompt " << kSpec[i].first << ")";
+  EXPECT_LT(r.steps, 30 + 9 + 21 + 14 + 25) << "no step served several sequences";
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #include "infer/batch.h"
 #include "infer/decoder.h"
 #include "infer/generate.h"
+#include "tests/batch_test_util.h"
 #include "tests/gemma4_test_util.h"
 
 using namespace kakeya;
@@ -111,32 +112,13 @@ TEST_F(CudaGemma4, BatchedStepsEqualEachSequenceAlone) {
   Model gpu = small(kCuda, at::kFloat);
   const std::vector<int64_t> lengths = {70, 9, 33, 17, 50}, budget = {12, 20, 7, 15, 10};
   BatchDecoder bd(gpu, nullptr, nullptr, DecodeOptions{}, 3, 128);
-  std::vector<std::vector<int64_t>> got(lengths.size());
-  std::vector<int64_t> id_of(lengths.size(), -1);
-  size_t next = 0, left = lengths.size();
   const auto all = prompt();
-  auto p = [&](size_t i) { return std::vector<int64_t>(all.begin(), all.begin() + lengths[i]); };
-  while (left > 0) {
-    if (next < lengths.size() && bd.size() < bd.max_rows()) {  // one join per step
-      const auto [id, first] = bd.join(p(next), {}, budget[next]);
-      id_of[next] = id;
-      got[next].push_back(first);
-      ++next;
-    }
-    for (size_t i = 0; i < lengths.size(); ++i)
-      if (id_of[i] >= 0 && (int64_t)got[i].size() >= budget[i]) {
-        bd.leave(id_of[i]);
-        id_of[i] = -1;
-        --left;
-      }
-    if (bd.size() == 0) continue;
-    for (const auto& [id, t] : bd.step())
-      for (size_t i = 0; i < lengths.size(); ++i)
-        if (id_of[i] == id) got[i].push_back(t);
-  }
+  std::vector<std::vector<int64_t>> prompts;
+  for (int64_t n : lengths) prompts.emplace_back(all.begin(), all.begin() + n);
+  const test::BatchRun r = test::run_batch(bd, prompts, budget);
   for (size_t i = 0; i < lengths.size(); ++i) {
     DecodeOptions o;
     o.max_new_tokens = budget[i];
-    EXPECT_EQ(got[i], generate(gpu, p(i), o).tokens) << "sequence " << i << " (prompt " << lengths[i] << ")";
+    EXPECT_EQ(r.tokens[i], generate(gpu, prompts[i], o).tokens) << "sequence " << i << " (prompt " << lengths[i] << ")";
   }
 }

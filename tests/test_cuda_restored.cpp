@@ -25,6 +25,7 @@
 #include "infer/decoder.h"
 #include "infer/restored.h"
 #include "infer/session.h"
+#include "tests/batch_test_util.h"
 #include "tests/test_util.h"
 
 using namespace kakeya;
@@ -208,40 +209,16 @@ TEST_F(CudaRestoredF32, BatchedRowsEqualEachSequenceAlone) {
     const int64_t capacity = 200;
     BatchDecoder bd(*target_, drafter_.get(), ftheta_.get(), d, 3, capacity);
     bd.capture_all();
-    auto p = [&](size_t i) {
-      return std::vector<int64_t>(ids_.begin() + starts[i], ids_.begin() + starts[i] + lengths[i]);
-    };
-    std::vector<std::vector<int64_t>> got(lengths.size());
-    std::vector<int64_t> id_of(lengths.size(), -1);
-    size_t next = 0, left = lengths.size();
-    int64_t steps = 0, rows = 0;
-    while (left > 0) {
-      if (next < lengths.size() && bd.size() < bd.max_rows()) {  // one join per step
-        const auto [id, first] = bd.join(p(next), {}, budget[next]);
-        id_of[next] = id;
-        got[next].push_back(first);
-        ++next;
-      }
-      for (size_t i = 0; i < lengths.size(); ++i)
-        if (id_of[i] >= 0 && (int64_t)got[i].size() >= budget[i]) {
-          bd.leave(id_of[i]);
-          id_of[i] = -1;
-          --left;
-        }
-      if (bd.size() == 0) continue;
-      const auto out = bd.step();
-      ++steps;
-      rows += (int64_t)out.size();
-      for (const auto& [id, t] : out)
-        for (size_t i = 0; i < lengths.size(); ++i)
-          if (id_of[i] == id) got[i].push_back(t);
-    }
-    EXPECT_GT((double)rows / steps, 1.5) << "the rows did not share steps";
+    std::vector<std::vector<int64_t>> prompts;
+    for (size_t i = 0; i < lengths.size(); ++i)
+      prompts.emplace_back(ids_.begin() + starts[i], ids_.begin() + starts[i] + lengths[i]);
+    const test::BatchRun r = test::run_batch(bd, prompts, budget);
+    EXPECT_GT((double)r.rows / r.steps, 1.5) << "the rows did not share steps";
     auto alone = make_decoder(*target_, drafter_.get(), ftheta_.get(), d, capacity);
     for (size_t i = 0; i < lengths.size(); ++i) {
       DecodeOptions one = d;
       one.max_new_tokens = budget[i];
-      EXPECT_EQ(got[i], alone->run(p(i), one).tokens) << "sequence " << i << " (prompt " << lengths[i] << ")";
+      EXPECT_EQ(r.tokens[i], alone->run(prompts[i], one).tokens) << "sequence " << i << " (prompt " << lengths[i] << ")";
     }
   }
 }
