@@ -8,7 +8,7 @@
 // 400 bad input (naming the field), 404 unknown model, 413 body too large, 429 queue full,
 // 500 a decode failed (the server keeps serving), 503 shutting down.
 //
-// With ServeOptions::batch > 1 (ar mode) the decode worker decodes up to that many requests
+// With ServeOptions::batch > 1 (ar or restored mode) the decode worker decodes up to that many requests
 // together (infer/batch.h: continuous batching, one token for each per batched forward; requests
 // join and leave between steps, in arrival order, from the bounded queue); every request is
 // prefilled afresh. With batch 1 one decode worker runs the requests one at a time, in arrival
@@ -54,7 +54,7 @@ struct ServeOptions {
   // set per request.
   DecodeOptions decode;
   int64_t max_sessions = 3;             // sampling settings whose sessions (caches) are kept at once
-  int64_t batch = 1;                    // > 1: requests decoded together (ar mode; rows of max_context positions)
+  int64_t batch = 1;                    // > 1: requests decoded together (ar or restored; rows of max_context positions)
   int http_threads = 256;               // most connections served at once (threads; 8 stay, the rest exit when idle)
   int read_timeout_s = 5;               // a client that sends nothing for this long is dropped
   int write_timeout_s = 5;              // a client that reads nothing for this long is dropped
