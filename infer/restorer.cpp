@@ -191,9 +191,11 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
             (verifier.dtype() == at::kFloat || verifier.dtype() == at::kBFloat16);
   if (kernel_) {
     const FThetaConfig& fc = ftheta->config();
-    for (int64_t l : layers_)  // one store launch: equal K/V widths (ops::RestoreStore), a V decoder per layer
+    // One store launch: equal K/V widths (ops::RestoreStore), a V decoder per layer, and regions
+    // addressed by position mod their slots (not a sinks-only region).
+    for (int64_t l : layers_)
       kernel_ = kernel_ && !fc.v_from_k[l] && cfg.kv_heads(l) == cfg.kv_heads(layers_[0]) &&
-                cfg.layer_head_dim[l] == cfg.layer_head_dim[layers_[0]];
+                cfg.layer_head_dim[l] == cfg.layer_head_dim[layers_[0]] && !cache.sinks_only(l);
   }
   if (kernel_) {
     // One store launch for every layer the policy covers; sinks leaving the window take their
@@ -268,8 +270,9 @@ int64_t Restorer::ahead_gap() const {
   // A ring as long as the capacity (short sessions) and full-attention layers never wrap.
   const ModelConfig& cfg = model_.config();
   int64_t gap = 0;
+  // A sinks-only region (evict-only) is never read past its sinks, which no write overwrites.
   for (int64_t l : layers_)
-    if (cfg.is_sliding(l) && cache_.restored_slots(l) < cache_.capacity())
+    if (cfg.is_sliding(l) && !cache_.sinks_only(l) && cache_.restored_slots(l) < cache_.capacity())
       gap = std::max(gap, cfg.sliding_window - 1 - cache_.restored_slots(l));
   return gap;
 }

@@ -272,6 +272,21 @@ TEST(Restored, EvictOnlyIgnoresFThetaAndDropsOldPositions) {
   o.mode = DecodeMode::RestoredReforward;
   auto ref = decode(model(), nullptr, nullptr, prompt(), o);
   EXPECT_EQ(inc.tokens, ref.tokens);
+  // Its restored region holds the sinks (and one slot for everything else), not a ring of old
+  // positions: evict-only costs less than the restored decoder.
+  const int64_t capacity = (int64_t)prompt().size() + 5;
+  KVCache evict(model().config(), restored_cache_options(model(), nullptr, ro, capacity, false));
+  RestoreOptions all = ro;
+  all.layers = "all";
+  KVCache full(model().config(), restored_cache_options(model(), &ftheta(), all, capacity, false));
+  for (int64_t l = 0; l < model().config().num_layers; ++l)
+    if (model().config().is_sliding(l)) {
+      EXPECT_TRUE(evict.sinks_only(l));
+      EXPECT_EQ(evict.restored_slots(l), ro.sink + 1);
+      EXPECT_FALSE(full.sinks_only(l));
+      EXPECT_GT(full.restored_slots(l), ro.sink + 1);
+    }
+  EXPECT_LT(evict.bytes(), full.bytes());
 }
 
 // --restore-layers L1,L2: exactly those layers read restored positions; a = 1 on a layer set

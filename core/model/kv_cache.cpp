@@ -40,11 +40,21 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
     s.policy = rp.enabled() && (sliding ? rp.sliding : rp.full || s.coded);
     if (s.policy) {
       s.window = rp.window;
+      // Every layer of this type drops its restored positions (evict-only): the region need hold
+      // only the sinks, and one slot that takes every other position (hidden by the drop mask).
+      bool all_drop = !s.coded && !rp.linear, any = false;
+      for (int64_t l = 0; l < cfg.num_layers; ++l)
+        if (cfg.is_sliding(l) == sliding) {
+          any = true;
+          all_drop = all_drop && rp.drops(l);
+        }
+      s.sinks_only = any && all_drop;
       // Sliding layers write-first only forwards of <= max_step tokens (Model::forward attends a
       // longer chunk over [ring ++ chunk]); full-attention layers write every chunk first.
       const int64_t step = sliding ? rp.max_step : rp.max_chunk;
       s.ring = rp.linear ? opt.capacity : std::min(opt.capacity, rp.window + std::max(step - 1, opt.rollback));
-      s.rest = sliding && !rp.linear
+      s.rest = s.sinks_only ? rp.sink + 1
+               : sliding && !rp.linear
                    ? std::min(opt.capacity, std::max<int64_t>(1, cfg.sliding_window - rp.window + rp.max_chunk - 1))
                    : opt.capacity;
       if (s.coded) {
@@ -269,12 +279,19 @@ void KVCache::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, con
 void KVCache::mark_restored(LayerType type, const at::Tensor& positions) {
   TypeState& s = type == LayerType::Sliding ? sliding_ : full_;
   KAKEYA_CHECK(s.policy, "KV cache: mark_restored on a layer type without restoration");
-  KAKEYA_CHECK(positions.size(0) <= s.rest, "KV cache: " << positions.size(0) << " restored positions at once exceed the "
-                                                         << s.rest << " restored slots");
+  KAKEYA_CHECK(s.sinks_only || positions.size(0) <= s.rest, "KV cache: " << positions.size(0)
+                                                                       << " restored positions at once exceed the "
+                                                                       << s.rest << " restored slots");
   KAKEYA_CHECK(!s.coded, "KV cache: mark_restored on coded layers (their rows are marked with their positions)");
   KAKEYA_CHECK(!opt_.rows, "KV cache: mark_restored on independent rows (restore through a row's view, row())");
-  s.pos.narrow(0, s.ring, s.rest).index_copy_(0, positions.remainder(s.rest), positions);
+  s.pos.narrow(0, s.ring, s.rest).index_copy_(0, region_slot(s, positions), positions);
 }
+
+at::Tensor KVCache::region_slot(const TypeState& s, const at::Tensor& positions) const {
+  return s.sinks_only ? positions.clamp_max(opt_.restore.sink) : positions.remainder(s.rest);
+}
+
+bool KVCache::sinks_only(int64_t layer) const { return state(layer).sinks_only; }
 
 void KVCache::write_restored(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
   const TypeState& s = state(layer);
@@ -282,7 +299,7 @@ void KVCache::write_restored(int64_t layer, const at::Tensor& k, const at::Tenso
   KAKEYA_CHECK(!opt_.rows, "KV cache: write_restored on independent rows (restore through a row's view, row())");
   ops::CodedSlots& c = codes_[layer];
   if (c.defined()) {
-    auto slot = positions.remainder(s.rest);
+    auto slot = region_slot(s, positions);
     auto [kc, ks] = ops::quantize_rows(k, c.code);
     auto [vc, vs] = ops::quantize_rows(v, c.code);
     c.k_codes.index_copy_(2, slot, kc);
@@ -291,7 +308,7 @@ void KVCache::write_restored(int64_t layer, const at::Tensor& k, const at::Tenso
     c.v_side.index_copy_(2, slot, vs);
     return;
   }
-  auto slot = positions.remainder(s.rest) + s.ring;
+  auto slot = region_slot(s, positions) + s.ring;
   k_[layer].index_copy_(2, slot, k);
   v_[layer].index_copy_(2, slot, v);
 }

@@ -20,7 +20,8 @@
 // so the ring does not grow with the chunk; the restored region holds (sliding window -
 // window + chunk - 1) slots. Full-attention layers keep window + max(chunk - 1,
 // rollback) exact slots and `capacity` restored ones. A position may sit in both
-// parts at once; the mask shows each query exactly one of the two copies.
+// parts at once; the mask shows each query exactly one of the two copies. Where every layer of
+// a type drops its restored positions (evict-only), the region holds sink + 1 slots instead.
 //
 // Coded regions (core/kernels/ops.h coded rows): a restored layer with RestorePolicy::
 // region_code keeps its exact ring dense and its restored region as coded rows (int4 about
@@ -151,6 +152,9 @@ class KVCache {
   int64_t exact_slots(int64_t layer) const;      // exact ring (all slots on plain layers)
   int64_t dense_slots(int64_t layer) const;      // the ring and a coded layer's exact sinks
   int64_t restored_slots(int64_t layer) const;   // restored region (0 on plain layers)
+  // Every layer of this one's type drops its restored positions (evict-only, RestorePolicy::drop):
+  // its region holds sink + 1 slots, not a ring of old positions.
+  bool sinks_only(int64_t layer) const;
   // Restored K/V of positions that left the exact window: k (post-RoPE), v: [B, H_kv, N, D].
   // Mark once per position set (per layer type) with mark_restored, then write every layer.
   void mark_restored(LayerType type, const at::Tensor& positions);
@@ -191,7 +195,11 @@ class KVCache {
     bool coded = false;           // coded full-attention layers (policy is set too: same visibility machinery)
     int64_t window = 0;           // recent window of the exactness rule (policy) / the layer's own window
     int64_t max_evicted = -1;     // highest position overwritten in the exact ring
+    bool sinks_only = false;      // every layer of the type drops (evict-only): the region holds the sinks
   };
+  // A restored position's row of the region: position mod its slots, or on a sinks-only region
+  // the sink itself (< sink) or the one slot past them (every other position, never shown).
+  at::Tensor region_slot(const TypeState& s, const at::Tensor& positions) const;
   TypeState& state(int64_t layer) { return cfg_.is_sliding(layer) ? sliding_ : full_; }
   const TypeState& state(int64_t layer) const { return cfg_.is_sliding(layer) ? sliding_ : full_; }
   // visible() over the slots of `pos` (in_restored: which of them are restored copies).
