@@ -207,7 +207,10 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
     m.add({MemoryPart::SlidingExact, "verifier sliding: exact window ring", p.sliding_ring,
                     slots(p.sliding_ring_slots) + " (window; prefill chunks attend over [ring ++ chunk]); sinks sit in the restored region"});
     m.add({MemoryPart::SlidingRestored, "verifier sliding: restored K/V", p.sliding_rest,
-                    slots(p.sliding_rest_slots) + " (sliding window - window + chunk - 1)" + region_note(o.region_code)});
+                    slots(p.sliding_rest_slots) +
+                        (o.evict_only() ? " (the sinks, and one for the dropped positions: evict-only)"
+                                        : " (sliding window - window + chunk - 1)") +
+                        region_note(o.region_code)});
   }
   if (p.has_full) {
     switch (o.full_attn) {
@@ -218,7 +221,11 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
       case FullAttn::Restored:
         m.add({MemoryPart::FullExact, "verifier full-attention: exact window ring", p.full_exact, slots(p.full_exact_slots)});
         m.add({MemoryPart::FullRestored, "verifier full-attention: restored K/V", p.full_rest,
-                        slots(p.full_rest_slots) + " (every position: not bounded)" + region_note(o.region_code), true});
+                        slots(p.full_rest_slots) +
+                            (o.evict_only() ? " (the sinks, and one for the dropped positions: evict-only)"
+                                            : " (every position: not bounded)") +
+                            region_note(o.region_code),
+                        !o.evict_only()});
         break;
       case FullAttn::Codec:
         m.add({MemoryPart::FullExact, "verifier full-attention: exact window ring + sinks", p.full_exact,
@@ -288,7 +295,10 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
   // The KVCache layout (core/model/kv_cache.cpp), rollback 0, written out again on purpose: tests compare the two.
   if (p.has_sliding) {
     p.sliding_ring_slots = std::min(n, w);  // decode steps write first (max_step 1)
-    p.sliding_rest_slots = std::min(n, std::max<int64_t>(1, cfg.sliding_window - w + c - 1));
+    // Evict-only: every sliding layer drops its restored positions, so the region holds the sinks
+    // and one slot for the rest (KVCache sinks_only).
+    p.sliding_rest_slots =
+        o.evict_only() ? o.sink + 1 : std::min(n, std::max<int64_t>(1, cfg.sliding_window - w + c - 1));
     p.sliding_ring = kv_bytes_for(cfg, elem, p.sliding_ring_slots, 0);
     p.sliding_rest = region_bytes_for(cfg, elem, p.sliding_rest_slots, 0, o.region_code);
   }
@@ -299,8 +309,9 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
       // Restored: a restored region of every position; codec: every position as coded rows.
       // Codec: the exact sinks beside the ring.
       p.full_exact_slots = std::min(n, w + c - 1) + (o.full_attn == FullAttn::Codec ? o.sink : 0);
-      p.full_rest_slots = n;
-      p.full_rest = region_bytes_for(cfg, elem, n, 1, o.full_attn == FullAttn::Codec ? o.full_code : o.region_code);
+      p.full_rest_slots = o.evict_only() && o.full_attn == FullAttn::Restored ? o.sink + 1 : n;
+      p.full_rest = region_bytes_for(cfg, elem, p.full_rest_slots, 1,
+                                     o.full_attn == FullAttn::Codec ? o.full_code : o.region_code);
       // Rotated codes on coded layers: the session's K and V means, f32.
       if (o.full_attn == FullAttn::Codec && o.full_code.rotated())
         for (int64_t l = 0; l < cfg.num_layers; ++l)

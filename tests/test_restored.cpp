@@ -445,15 +445,17 @@ TEST(RestoredCodec, MeasuredBytesEqualThePlan) {
     for (const auto& l : r.memory.kv) coded += l.part == MemoryPart::FullCoded ? l.bytes : 0;
     EXPECT_GT(coded, 0) << r.memory.table();
   }
-  // The other policies too.
-  for (FullAttn fa : {FullAttn::Exact, FullAttn::Restored}) {
-    auto o = options(DecodeMode::Restored, 0.0, 4);
-    o.restore.full_attn = fa;
-    auto r = decode(model(), &drafter(), &ftheta(), prompt(), o);
-    const int64_t n = prompt().size() + 4;
-    expect_same_kv_lines(r.memory,
-                         restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(), o.restore, at::kFloat, n));
-  }
+  // The other policies too, and evict-only (its sinks-only regions).
+  for (FullAttn fa : {FullAttn::Exact, FullAttn::Restored})
+    for (const char* layers : {"auto", "none"}) {
+      auto o = options(DecodeMode::Restored, 0.0, 4);
+      o.restore.full_attn = fa;
+      o.restore.layers = layers;
+      auto r = decode(model(), &drafter(), &ftheta(), prompt(), o);
+      const int64_t n = prompt().size() + 4;
+      expect_same_kv_lines(r.memory, restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(),
+                                                          o.restore, at::kFloat, n));
+    }
 }
 
 TEST(RestoredCodec, PlanAt8kIsWithinAFifthOfFullKv) {
