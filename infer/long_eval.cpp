@@ -21,7 +21,7 @@ namespace {
 
 constexpr const char* kConfigForms =
     "oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W, e.g. restored:W, restored-int4:W, "
-    "restored-codec-lm3:W (W: the exact window, a positive integer; CODE: int8 | int4 | lm4 | lm3 | lm2)";
+    "restored-codec-lm3:W (W: the exact window, a positive integer; CODE: int8 | int4 | lm5 | lm4 | lm3 | lm2)";
 
 double mean(const std::vector<double>& x) {
   double s = 0;
@@ -286,7 +286,7 @@ LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOpti
   auto bad = [&](const std::string& why) {
     KAKEYA_FAIL("--configs: bad spec '" << spec << "': " << why << "; expected " << kConfigForms);
   };
-  auto is_code = [](const std::string& p) { return p == "int8" || p == "int4" || p == "lm4" || p == "lm3" || p == "lm2"; };
+  auto is_code = [](const std::string& p) { return p == "int8" || p == "int4" || p == "lm5" || p == "lm4" || p == "lm3" || p == "lm2"; };
   if (parts.empty() || parts[0] != "restored") bad("unknown kind '" + kind + "'");
   for (size_t i = 1; i < parts.size(); ++i) {
     if (parts[i] == "all") {

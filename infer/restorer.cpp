@@ -45,7 +45,7 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
                                                          << " (a longer chunk would need restored K/V of itself)");
   KAKEYA_CHECK(o.mix_alpha >= 0.0 && o.mix_alpha <= 1.0, "decode: --mix-alpha expected in [0, 1], got " << o.mix_alpha);
   KAKEYA_CHECK(o.full_attn != FullAttn::Codec || o.full_code.defined(),
-               "decode: --full-attn codec needs a --full-code (int8 | int4 | lm4 | lm3 | lm2)");
+               "decode: --full-attn codec needs a --full-code (int8 | int4 | lm5 | lm4 | lm3 | lm2)");
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     if (o.region_code.defined())
       ops::check_row_code(cfg.layer_head_dim[l], o.region_code,

@@ -254,7 +254,9 @@ TEST_P(CudaOps, RestoreStoreLayersWithSinks) {
 
 // The N(0,1) Lloyd-Max distortion of a rotated code's levels (per coordinate, relative to the
 // row's mean square): what decoding a rotated row may lose, with room for rounding and the norm.
-double rotated_distortion(int bits) { return bits == 4 ? 0.0095 : bits == 3 ? 0.0345 : 0.1175; }
+double rotated_distortion(int bits) {
+  return bits == 5 ? 0.0025 : bits == 4 ? 0.0095 : bits == 3 ? 0.0345 : 0.1175;
+}
 
 // A coded row against the dense one it stands for: affine codes within one step of their group,
 // rotated ones within their code's distortion (relative squared error per row).
@@ -263,7 +265,10 @@ void expect_coded_like(const at::Tensor& codes, const at::Tensor& side, const op
   auto have = ops::dequantize_rows(codes, side, code, at::kFloat), want = dense.to(at::kFloat);
   if (code.rotated()) {
     auto rel = (have - want).pow(2).sum(-1) / want.pow(2).sum(-1).clamp_min(1e-12);
-    EXPECT_TRUE(rel.le(rotated_distortion(code.bits) * 2.5).all().item<bool>())
+    // The worst row: a row of fewer values averages its error over fewer coordinates, so it
+    // strays further from the mean distortion (D = 128 rows reach 2.8× it in these draws).
+    const double worst = want.size(-1) < 256 ? 3.5 : 2.5;
+    EXPECT_TRUE(rel.le(rotated_distortion(code.bits) * worst).all().item<bool>())
         << tag << ": worst relative squared error " << rel.max().item<double>();
     EXPECT_LT(rel.mean().item<double>(), rotated_distortion(code.bits) * 1.3) << tag;
   }
@@ -274,10 +279,10 @@ void expect_coded_like(const at::Tensor& codes, const at::Tensor& side, const op
 // where the kernel's dense row differs from the reference's by a bf16 rounding (or, rotated, where
 // a coordinate falls within rounding of a level boundary), by one step.
 TEST_P(CudaOps, RestoreStoreCodedRegion) {
-  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 8}, {ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 4},
-                            {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}}) {
+  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 8}, {ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 5},
+                            {ops::RowKind::Rotated, 4}, {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}}) {
     for (const auto& [Hkv, D, sink] : {std::tuple<int64_t, int64_t, int64_t>{1, 256, 4}, {2, 64, 3}, {3, 128, 0}}) {
-      if (code.rotated() && (D / 32) * code.bits % 8 != 0) continue;  // refused by check_row_code (tested on the CPU)
+      if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;  // refused by check_row_code (tested on the CPU)
       const int bits = code.bits;
       const int64_t P = 100, kvd = Hkv * D, ring = 11, rest = 23;
       auto positions = at::tensor(std::vector<int64_t>{2, 0, 13, 5, 1, 30, 8}, at::kLong);
@@ -474,6 +479,7 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
                  Case{8, 1, 128, 37, 101, 1, 0, 30, 9, {RowKind::Affine, 4}},
                  Case{4, 2, 512, 23, 59, 5, 70, 21, -1, {RowKind::Affine, 8}},
                  Case{4, 1, 256, 271, 1023, 1, 0, 256, -1, {RowKind::Rotated, 3}, 4},
+                 Case{4, 1, 256, 271, 515, 3, 0, 256, -1, {RowKind::Rotated, 5}, 4},
                  Case{4, 1, 256, 40, 77, 16, 0, 33, 9, {RowKind::Rotated, 4}},
                  Case{6, 2, 64, 19, 45, 3, 50, 13, -1, {RowKind::Rotated, 4}, 30},
                  Case{8, 1, 128, 37, 101, 1, 0, 30, -1, {RowKind::Rotated, 2}},
@@ -537,10 +543,10 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
 // coded rows quantize_rows makes of them, at the given rows; other rows untouched; rows below the
 // sink also copied to their exact slots.
 TEST_P(CudaOps, CodeRows) {
-  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 4}, {ops::RowKind::Rotated, 3},
-                            {ops::RowKind::Rotated, 2}}) {
+  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 5}, {ops::RowKind::Rotated, 4},
+                            {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}}) {
     for (const auto& [Hkv, D] : {std::pair<int64_t, int64_t>{1, 256}, {2, 128}, {3, 512}, {2, 64}}) {
-      if (code.rotated() && (D / 32) * code.bits % 8 != 0) continue;
+      if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;
       const int64_t B = 2, S = 19, R = 37;
       auto k = (at::randn({B, Hkv, S, D}) * 3).to(dt()), v = at::randn({B, Hkv, S, D}).to(dt());
       auto src = at::tensor(std::vector<int64_t>{4, 0, 18, 7, 11}, at::kLong);
@@ -590,11 +596,12 @@ TEST_P(CudaOps, CodeRows) {
 // Coded rows decoded on the device (one warp per row; rotated rows rotated back in registers)
 // against the reference ops on the host, every code and head dim the kernel takes, odd row counts.
 TEST_P(CudaOps, DequantizeRows) {
-  for (const char* name : {"int8", "int4", "lm4", "lm3", "lm2"}) {
+  for (const char* name : {"int8", "int4", "lm5", "lm4", "lm3", "lm2"}) {
     const ops::RowCode code = ops::parse_row_code(name, "code");
     for (int64_t D : {64, 128, 256, 512}) {
-      // Rotated codes need whole bytes per lane: lm3 from D = 256, lm2 from 128 (CodedRows.BadInput).
-      if (code.rotated() && D < (code.bits == 3 ? 256 : code.bits == 2 ? 128 : 64)) continue;
+      // Rotated codes need whole bytes per lane, at most 8 (CodedRows.BadInput): lm3 from D = 256,
+      // lm2 from 128, lm5 at 256 only.
+      if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;
       const std::string tag = std::string(name) + " D=" + std::to_string(D);
       auto x = at::randn({3, 37, D}) * 1.7 + 0.3;
       auto [c, sd] = ops::quantize_rows(x, code);

@@ -82,7 +82,7 @@ TEST(CodedRows, HadamardTransformIsTheMatrix) {
 }
 
 TEST(CodedRows, RotatedLevelsAreTheGaussianLloydMaxTables) {
-  for (int bits : {2, 3, 4}) {
+  for (int bits : {2, 3, 4, 5}) {
     const auto& lv = ops::rotated_levels(bits);
     const auto& fit = gaussian_codebook(bits).centroids;
     ASSERT_EQ(lv.size(), fit.size());
@@ -93,7 +93,7 @@ TEST(CodedRows, RotatedLevelsAreTheGaussianLloydMaxTables) {
 // The bit stream: value i's index at bits i·b .. i·b + b - 1. Hand-packed indices i mod 2^b (scale
 // g = 1) decode to x̂ whose rotation H·(s ⊙ x̂)/sqrt(D) is exactly those levels.
 TEST(CodedRows, RotatedLayout) {
-  for (int bits : {2, 3, 4}) {
+  for (int bits : {2, 3, 4, 5}) {
     const int64_t D = 256;
     std::vector<uint8_t> bytes(D * bits / 8, 0);
     for (int64_t i = 0; i < D; ++i)
@@ -115,7 +115,7 @@ TEST(CodedRows, RotatedLayout) {
 // its norm, and the mean relative squared error is the N(0,1) Lloyd-Max distortion of the bits.
 TEST(CodedRows, RotatedRoundTripKeepsTheNormAtTheGaussianDistortion) {
   at::manual_seed(11);
-  for (int bits : {2, 3, 4}) {
+  for (int bits : {2, 3, 4, 5}) {
     for (auto dt : {at::kFloat, at::kBFloat16}) {
       const int64_t D = 256;
       auto x = at::randn({4, 7, D});
@@ -146,7 +146,11 @@ TEST(CodedRows, BadInput) {
   expect_error([] { ops::quantize_rows(at::zeros({2, 64}), ops::RowCode{ops::RowKind::Affine, 3}); },
                "affine codes take 8 or 4 bits");
   expect_error([] { ops::quantize_rows(at::zeros({2, 128}), ops::RowCode{ops::RowKind::Rotated, 3}); },
-               "lm3 codes rows of a power-of-two length in 64..512 whose 32nds are whole bytes of codes; the head dim is 128 (use lm4 or lm2)");
+               "lm3 codes rows of a power-of-two length in 64..512 whose 32nds are whole bytes of codes, at most 8 a lane; the head dim is 128 (use lm4 or lm2)");
+  // 5 bits: 40 bits a lane at D = 256; 80 at D = 512, past the kernels' one 64-bit word.
+  expect_error([] { ops::quantize_rows(at::zeros({2, 512}), ops::RowCode{ops::RowKind::Rotated, 5}); },
+               "the head dim is 512 (use lm4, lm3 or lm2)");
+  EXPECT_EQ(ops::parse_row_code("lm5", "--x"), (ops::RowCode{ops::RowKind::Rotated, 5}));
   expect_error([] { ops::quantize_rows(at::zeros({2, 96}), ops::RowCode{ops::RowKind::Rotated, 4}); }, "the head dim is 96");
   auto [codes, side] = ops::quantize_rows(at::zeros({2, 64}), kInt8);
   expect_error([&] { ops::dequantize_rows(codes, side.to(at::kFloat), kInt8, at::kFloat); }, "side f16");
@@ -154,7 +158,7 @@ TEST(CodedRows, BadInput) {
   EXPECT_EQ(ops::parse_row_code("int8", "--x"), kInt8);
   EXPECT_FALSE(ops::parse_row_code("none", "--x").defined());
   EXPECT_EQ(ops::row_code_name(kInt4), "int4");
-  expect_error([] { ops::parse_row_code("lm5", "--full-code"); }, "--full-code: expected none | int8 | int4 | lm4 | lm3 | lm2, got 'lm5'");
+  expect_error([] { ops::parse_row_code("lm6", "--full-code"); }, "--full-code: expected none | int8 | int4 | lm5 | lm4 | lm3 | lm2, got 'lm6'");
 }
 
 }  // namespace

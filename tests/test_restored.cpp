@@ -636,7 +636,7 @@ TEST(Restored, BadInput) {
   o.restore.stats = false;
   o.restore.region_code = {ops::RowKind::Rotated, 5};
   expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--restored-code on layer 0: lm5: bits expected 2, 3 or 4");
-  expect_error([] { ops::parse_row_code("int2", "--restored-code"); }, "--restored-code: expected none | int8 | int4 | lm4 | lm3 | lm2");
+  expect_error([] { ops::parse_row_code("int2", "--restored-code"); }, "--restored-code: expected none | int8 | int4 | lm5 | lm4 | lm3 | lm2");
 }
 
 }  // namespace

@@ -18,10 +18,10 @@ void RestoreFlags::add(CLI::App* c, bool with_alpha) {
       ->capture_default_str()
       ->check(CLI::IsMember({"exact", "restored", "codec"}));
   c->add_option("--restored-code", region_code,
-                "restored regions stored as: none (the model dtype) | int8 | int4 (affine, groups of 32) | lm4 | lm3 | "
+                "restored regions stored as: none (the model dtype) | int8 | int4 (affine, groups of 32) | lm5 | lm4 | lm3 | "
                 "lm2 (rotated rows, Lloyd-Max levels; core/kernels/ops.h)")
       ->capture_default_str();
-  c->add_option("--full-code", full_code, "--full-attn codec: full-attention K/V stored as int8 | int4 | lm4 | lm3 | lm2 rows")
+  c->add_option("--full-code", full_code, "--full-attn codec: full-attention K/V stored as int8 | int4 | lm5 | lm4 | lm3 | lm2 rows")
       ->capture_default_str();
   c->add_option("--restore-layers", layers,
                 "layers that read restored positions: auto (f_θ's measured list) | all | none (evict-only) | L1,L2,...")

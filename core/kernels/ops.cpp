@@ -221,10 +221,11 @@ RowCode parse_row_code(const std::string& s, const std::string& flag) {
   if (s == "none") return {};
   if (s == "int8") return {RowKind::Affine, 8};
   if (s == "int4") return {RowKind::Affine, 4};
+  if (s == "lm5") return {RowKind::Rotated, 5};
   if (s == "lm4") return {RowKind::Rotated, 4};
   if (s == "lm3") return {RowKind::Rotated, 3};
   if (s == "lm2") return {RowKind::Rotated, 2};
-  KAKEYA_FAIL(flag << ": expected none | int8 | int4 | lm4 | lm3 | lm2, got '" << s << "'");
+  KAKEYA_FAIL(flag << ": expected none | int8 | int4 | lm5 | lm4 | lm3 | lm2, got '" << s << "'");
 }
 
 std::string row_code_name(const RowCode& c) {
@@ -234,12 +235,11 @@ std::string row_code_name(const RowCode& c) {
 
 void check_row_code(int64_t D, const RowCode& c, const std::string& what) {
   if (c.rotated()) {
-    KAKEYA_CHECK(c.bits >= 2 && c.bits <= 4, what << ": " << row_code_name(c) << ": bits expected 2, 3 or 4");
-    // The attention kernel gives each of a warp's 32 lanes D/32 values, whose codes must be whole bytes.
-    KAKEYA_CHECK(D >= 64 && D <= 512 && (D & (D - 1)) == 0 && (D / 32) * c.bits % 8 == 0,
+    KAKEYA_CHECK(c.bits >= 2 && c.bits <= 5, what << ": " << row_code_name(c) << ": bits expected 2, 3, 4 or 5");
+    KAKEYA_CHECK(rotated_code_fits(D, c),
                  what << ": " << row_code_name(c) << " codes rows of a power-of-two length in 64..512 whose 32nds are "
-                      << "whole bytes of codes; the head dim is " << D
-                      << (D == 128 ? " (use lm4 or lm2)" : D == 64 ? " (use lm4)" : ""));
+                      << "whole bytes of codes, at most 8 a lane; the head dim is " << D
+                      << (D == 128 ? " (use lm4 or lm2)" : D == 64 ? " (use lm4)" : D == 512 ? " (use lm4, lm3 or lm2)" : ""));
   } else {
     KAKEYA_CHECK(c.bits == 8 || c.bits == 4, what << ": affine codes take 8 or 4 bits, got " << c.bits);
     KAKEYA_CHECK(D > 0 && D % kCodeGroup == 0,
@@ -256,8 +256,13 @@ const std::vector<float>& rotated_levels(int bits) {
   static const std::vector<float> t4 = {-2.7325896f, -2.0690172f, -1.6180464f, -1.2562312f, -0.9423405f, -0.6567591f,
                                         -0.3880483f, -0.1283950f, 0.1283950f,  0.3880483f,  0.6567591f,  0.9423405f,
                                         1.2562312f,  1.6180464f,  2.0690172f,  2.7325896f};
-  KAKEYA_CHECK(bits >= 2 && bits <= 4, "rotated row code: bits expected 2, 3 or 4, got " << bits);
-  return bits == 2 ? t2 : bits == 3 ? t3 : t4;
+  static const std::vector<float> t5 = {
+      -3.2607325f, -2.6911196f, -2.3177394f, -2.0287284f, -1.7872332f, -1.5762281f, -1.3863403f, -1.2118044f,
+      -1.0487833f, -0.8945651f, -0.7471357f, -0.6049336f, -0.4666995f, -0.3313783f, -0.1980518f, -0.0658897f,
+      0.0658897f,  0.1980518f,  0.3313783f,  0.4666995f,  0.6049336f,  0.7471357f,  0.8945651f,  1.0487833f,
+      1.2118044f,  1.3863403f,  1.5762281f,  1.7872332f,  2.0287284f,  2.3177394f,  2.6911196f,  3.2607325f};
+  KAKEYA_CHECK(bits >= 2 && bits <= 5, "rotated row code: bits expected 2, 3, 4 or 5, got " << bits);
+  return bits == 2 ? t2 : bits == 3 ? t3 : bits == 4 ? t4 : t5;
 }
 
 at::Tensor fwht(const at::Tensor& x) {
@@ -388,7 +393,7 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
     for (int64_t b = 0; b < k.size(0); ++b) {
       auto kb = k.narrow(0, b, 1), vb = v.narrow(0, b, 1);
       CodedSlots tb = to;
-      for (at::Tensor* t : {&tb.k_codes, &tb.v_codes, &tb.k_side, &tb.v_side, &tb.k_mean, &tb.v_mean})
+      for (at::Tensor* t : tb.tensors())
         if (t->defined()) *t = t->narrow(0, b, 1);
       code_rows(kb, vb, src_slots.select(0, b), dst_rows.select(0, b), tb, sink, sink_slot0);
     }

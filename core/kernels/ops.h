@@ -7,6 +7,7 @@
 #pragma once
 #include <ATen/ATen.h>
 
+#include <array>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -149,7 +150,7 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 //    c in 0 .. 2^bits - 1, scale = (max - min) / (2^bits - 1) and min kept in f16, c =
 //    round_half_even((x - min) / scale) computed from the f16 values (0 where scale is 0).
 //    Side values: (scale, min) per group, f16. D = 256 costs 160 bytes in 4 bits (bf16: 512).
-//  Rotated (lm4, lm3, lm2): y = H·(s ⊙ x) / sqrt(D) (H the Sylvester Hadamard matrix, s the fixed
+//  Rotated (lm5, lm4, lm3, lm2): y = H·(s ⊙ x) / sqrt(D) (H the Sylvester Hadamard matrix, s the fixed
 //    signs rotation_sign(i)), whose coordinates are close to N(0, |x|²/D) for any row; each
 //    coordinate of u = y · sqrt(D) / |x| coded by the N(0,1) Lloyd-Max table of `bits` bits
 //    (index of the nearest level); one f32 side value per row, the scale g = |x| / |c| (c the levels
@@ -168,17 +169,22 @@ struct RowCode {
   bool rotated() const { return kind == RowKind::Rotated; }
   bool operator==(const RowCode& o) const { return kind == o.kind && bits == o.bits; }
 };
-// "none" (undefined) | "int8" | "int4" | "lm4" | "lm3" | "lm2"; `flag` names the option in errors.
+// "none" (undefined) | "int8" | "int4" | "lm5" | "lm4" | "lm3" | "lm2"; `flag` names the option in errors.
 RowCode parse_row_code(const std::string& s, const std::string& flag);
 std::string row_code_name(const RowCode& c);  // "none" for an undefined code
 // Bytes of the codes / f16 halves of side values of one row of D values.
 inline int64_t code_bytes(int64_t D, const RowCode& c) { return D * c.bits / 8; }
 inline int64_t side_halves(int64_t D, const RowCode& c) { return c.rotated() ? 2 : D / kCodeGroup * 2; }
+// Whether a rotated code fits the kernels' layout for rows of D values: the attention kernel gives
+// each of a warp's 32 lanes D/32 values, whose codes are whole bytes and at most 8 (one 64-bit word).
+inline bool rotated_code_fits(int64_t D, const RowCode& c) {
+  return D >= 64 && D <= 512 && (D & (D - 1)) == 0 && (D / 32) * c.bits % 8 == 0 && (D / 32) * c.bits <= 64;
+}
 // Throws unless `c` can code rows of D values (`what` names the caller in the error).
 void check_row_code(int64_t D, const RowCode& c, const std::string& what);
 // The rotation's sign of coordinate i (+1 or -1): a fixed hash of i, the same for every row.
 inline float rotation_sign(int64_t i) { return ((uint32_t)i * 0x9E3779B1u) >> 31 ? -1.f : 1.f; }
-// The N(0,1) Lloyd-Max levels of a rotated code, ascending: [2^bits] (bits 2, 3 or 4).
+// The N(0,1) Lloyd-Max levels of a rotated code, ascending: [2^bits] (bits 2 to 5).
 const std::vector<float>& rotated_levels(int bits);
 // x [..., D] (any float dtype and device) -> {codes [..., code_bytes] uint8, side [..., side_halves] f16}.
 std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const RowCode& c);
@@ -200,6 +206,9 @@ struct CodedSlots {
   // row code would otherwise spend its bits on.
   at::Tensor k_mean, v_mean;
   bool defined() const { return code.defined(); }
+  // Every tensor above, for what treats them alike (row views, byte counts).
+  std::array<at::Tensor*, 6> tensors() { return {&k_codes, &v_codes, &k_side, &v_side, &k_mean, &v_mean}; }
+  std::array<const at::Tensor*, 6> tensors() const { return {&k_codes, &v_codes, &k_side, &v_side, &k_mean, &v_mean}; }
 };
 
 // Codes rows of a dense cache into coded rows: for each t, the K and V rows at slot src_slots[t]

@@ -406,7 +406,7 @@ KVCache KVCache::slice_rows(int64_t b, int64_t n, bool rows) const {
   for (auto& t : v.k_) cut(t);
   for (auto& t : v.v_) cut(t);
   for (auto& c : v.codes_)
-    for (at::Tensor* t : {&c.k_codes, &c.v_codes, &c.k_side, &c.v_side, &c.k_mean, &c.v_mean}) cut(*t);
+    for (at::Tensor* t : c.tensors()) cut(*t);
   for (TypeState* s : {&v.full_, &v.sliding_}) {
     s->pos = rows ? s->pos.narrow(0, b, n) : s->pos.select(0, b);
     s->max_evicted = -1;
@@ -423,7 +423,7 @@ int64_t KVCache::region_code_bytes(int64_t l) const {
   const ops::CodedSlots& c = codes_[l];
   if (!c.defined()) return 0;
   int64_t b = 0;
-  for (const at::Tensor* t : {&c.k_codes, &c.v_codes, &c.k_side, &c.v_side, &c.k_mean, &c.v_mean})
+  for (const at::Tensor* t : c.tensors())
     if (t->defined()) b += t->numel() * t->element_size();
   return b;
 }

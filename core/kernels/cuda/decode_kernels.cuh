@@ -337,13 +337,17 @@ __device__ __forceinline__ void code_row(const T* row, int D, int bits, uint8_t*
 }
 
 // Rotated codes (core/kernels/ops.h RowKind::Rotated; the reference is ops::quantize_rows).
-// The N(0,1) Lloyd-Max levels of 2, 3 and 4 bits, the same numbers as ops::rotated_levels (in
+// The N(0,1) Lloyd-Max levels of 2 to 5 bits, the same numbers as ops::rotated_levels (in
 // constant memory: a table local to a function would be rebuilt on the stack at every lookup).
-static __constant__ float kRotLevels[3][16] = {
+static __constant__ float kRotLevels[4][32] = {
     {-1.5104176f, -0.4527800f, 0.4527800f, 1.5104176f},
     {-2.1519457f, -1.3439093f, -0.7560053f, -0.2450942f, 0.2450942f, 0.7560053f, 1.3439093f, 2.1519457f},
     {-2.7325896f, -2.0690172f, -1.6180464f, -1.2562312f, -0.9423405f, -0.6567591f, -0.3880483f, -0.1283950f,
-     0.1283950f, 0.3880483f, 0.6567591f, 0.9423405f, 1.2562312f, 1.6180464f, 2.0690172f, 2.7325896f}};
+     0.1283950f, 0.3880483f, 0.6567591f, 0.9423405f, 1.2562312f, 1.6180464f, 2.0690172f, 2.7325896f},
+    {-3.2607325f, -2.6911196f, -2.3177394f, -2.0287284f, -1.7872332f, -1.5762281f, -1.3863403f, -1.2118044f,
+     -1.0487833f, -0.8945651f, -0.7471357f, -0.6049336f, -0.4666995f, -0.3313783f, -0.1980518f, -0.0658897f,
+     0.0658897f,  0.1980518f,  0.3313783f,  0.4666995f,  0.6049336f,  0.7471357f,  0.8945651f,  1.0487833f,
+     1.2118044f,  1.3863403f,  1.5762281f,  1.7872332f,  2.0287284f,  2.3177394f,  2.6911196f,  3.2607325f}};
 __device__ __forceinline__ float rot_level(int bits, int i) { return kRotLevels[bits - 2][i]; }
 __device__ __forceinline__ float rot_sign(int i) { return ((unsigned)i * 0x9E3779B1u) >> 31 ? -1.f : 1.f; }
 // 1 / sqrt(D) as the host computes it ((float)(1.0 / std::sqrt((double)D))).
@@ -673,7 +677,7 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     accr[i] = 0.f;
   }
   const bool rot = cr.kc && cr.rotated;  // the same for the whole grid
-  __shared__ float lv[16];
+  __shared__ float lv[32];  // the rotated code's levels (up to 5 bits)
   // Coded rows with means: score q·(x̂ + mean_k) = rot(q)·(g·c) + q·mean_k; value rows add
   // (Σ of their weights)·mean_v once at the end (lc: that sum, rescaled as l is).
   float qmu = 0.f, lc = 0.f;
