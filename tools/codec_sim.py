@@ -1,0 +1,235 @@
+#!/usr/bin/env python3
+"""What a row code of the full-attention K/V costs in perplexity, simulated in HF transformers.
+
+The decoder's `--full-attn codec` reads a full-attention position p from coded rows when the query q
+is at q - p >= window and p >= sink (exact otherwise). This reproduces that rule inside HF's Gemma 3
+(an attention function registered with transformers; sliding layers exact) and scores the
+teacher-forced NLL of the last --tail tokens of --context-long prefixes, for several codes side by
+side on the same tokens, so a code can be judged before it is built into the kernels:
+
+  lmB          the shipped rotated code (core/kernels/ops.h "Rotated"): randomized Hadamard rotation,
+               N(0,1) Lloyd-Max levels of B bits, one scale per row keeping its norm;
+  calB         a calibrated code: per layer and KV head, the PCA basis of K (V) on --calib text,
+               each coordinate scaled by its calibrated deviation and given an integer number of
+               bits by greedy reverse water-filling (B·D bits a row), K's coordinates weighted by the
+               calibrated query energy along them (an error in k moves the score by q·Δk).
+
+Rows are coded less a mean per head, as the decoder does; --mean says which: `prompt` (every
+scored prefix's positions before the tail: the best a session could know) or `first:N` (its first N
+positions: the decoder's rule, the means of a session's first forward, N = its prefill chunk).
+
+  .venv/bin/python tools/codec_sim.py --context 4096 --docs data/longeval/docs/00.txt,... \
+      --codes exact,lm4,lm3,cal4,cal3 --mean first:256 --json out.json
+"""
+import argparse, json, math, re, sys, time
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.modeling_utils import AttentionInterface
+
+
+def lloyd_max(bits, iters=200):
+    """N(0,1) Lloyd-Max levels of `bits` bits (ascending), fitted on a fine grid."""
+    g = torch.linspace(-8, 8, 200001, dtype=torch.float64)
+    p = torch.exp(-g * g / 2)
+    n = 2 ** bits
+    lv = torch.linspace(-2.5, 2.5, n, dtype=torch.float64) * (1 + bits / 4)
+    for _ in range(iters):
+        idx = torch.bucketize(g, (lv[1:] + lv[:-1]) / 2)
+        num = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, g * p)
+        den = torch.zeros(n, dtype=torch.float64).index_add_(0, idx, p)
+        lv = num / den.clamp_min(1e-300)
+    return lv.float()
+
+
+LEVELS = {b: lloyd_max(b) for b in range(1, 9)}
+
+
+def nearest(u, bits):
+    if bits == 0:
+        return torch.zeros_like(u)
+    lv = LEVELS[bits].to(u.device)
+    return lv[torch.bucketize(u.contiguous(), (lv[1:] + lv[:-1]) / 2)]
+
+
+def fwht(x):
+    D = x.shape[-1]
+    y, h = x.reshape(-1, D), 1
+    while h < D:
+        p = y.view(-1, D // (2 * h), 2, h)
+        y = torch.stack([p[:, :, 0] + p[:, :, 1], p[:, :, 0] - p[:, :, 1]], 2).view(-1, D)
+        h *= 2
+    return (y / math.sqrt(D)).view(x.shape)
+
+
+def signs(D, device):  # ops::rotation_sign
+    return torch.tensor([-1.0 if ((i * 0x9E3779B1) & 0xFFFFFFFF) >> 31 else 1.0 for i in range(D)], device=device)
+
+
+def rotated(x, bits):
+    """The decoded rows of the shipped rotated code (x: [..., D], less its mean)."""
+    s = signs(x.shape[-1], x.device)
+    y = fwht(s * x)
+    n = x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    c = nearest(y * math.sqrt(x.shape[-1]) / n, bits)
+    return s * fwht(c * (n / c.norm(dim=-1, keepdim=True).clamp_min(1e-12)))
+
+
+def allocate(weight, total):
+    """Integer bits per coordinate (0..8) for `total` bits: greedy on weight_i · distortion(b_i)."""
+    g = torch.randn(200000, generator=torch.Generator().manual_seed(0))
+    dist = torch.tensor([1.0] + [float(((g - nearest(g, b)) ** 2).mean()) for b in range(1, 9)] + [0.0])
+    bits = torch.zeros(len(weight), dtype=torch.long)
+    for _ in range(total):
+        gain = weight * (dist[bits] - dist[bits + 1])
+        gain[bits >= 8] = -1
+        bits[int(gain.argmax())] += 1
+    return bits
+
+
+def calibrated(x, basis, sigma, bits):
+    z = x @ basis
+    out = torch.zeros_like(z)
+    for b in sorted(set(int(t) for t in bits.tolist())):
+        sel = bits == b
+        out[..., sel] = nearest(z[..., sel] / sigma[sel], b) * sigma[sel]
+    return out @ basis.T
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="checkpoints/models/gemma3-270m")
+    ap.add_argument("--docs", required=True, help="comma list of text files; each scores its first --context tokens")
+    ap.add_argument("--calib", default="data/codec/calib.txt", help="text the calibrated codes are fitted on")
+    ap.add_argument("--calib-windows", type=int, default=4, help="windows of --calib")
+    ap.add_argument("--calib-context", type=int, default=2048, help="tokens per --calib window")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--tail", type=int, default=512)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--sink", type=int, default=4)
+    ap.add_argument("--codes", default="exact,lm4,lm3,cal4,cal3")
+    ap.add_argument("--mean", default="first:256", help="prompt | first:N")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    codes = a.codes.split(",")
+    for c in codes:
+        if not re.fullmatch(r"exact|lm[2-8]|cal[1-8]", c):
+            sys.exit(f"codec_sim: --codes: unknown code '{c}' (expected exact | lmB (B 2..8) | calB (B 1..8))")
+    if codes[0] != "exact":
+        sys.exit("codec_sim: --codes: the list starts with exact (every ratio is to it)")
+    if a.mean != "prompt" and not (a.mean.startswith("first:") and a.mean[6:].isdigit()):
+        sys.exit(f"codec_sim: --mean: expected prompt | first:N, got '{a.mean}'")
+    tok = AutoTokenizer.from_pretrained(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval().to(a.device)
+    cfg = model.config
+
+    state = {"code": None, "collect": None}
+
+    def attention(module, q, k, v, mask, dropout=0.0, scaling=None, sliding_window=None, softcap=None, **kw):
+        # q: [1, Hq, T, D]; k, v: [1, Hkv, T, D]
+        T, rep = q.shape[2], q.shape[1] // k.shape[1]
+        pos = torch.arange(T, device=q.device)
+        rel = pos[:, None] - pos[None, :]
+        vis = rel >= 0
+        if module.is_sliding:
+            vis &= rel < sliding_window
+        elif state["collect"] is not None:
+            state["collect"].setdefault(module.layer_idx, []).append((q[0], k[0], v[0]))
+        kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        s = (q @ kr.transpose(-1, -2)) * scaling
+        if module.is_sliding or state["code"] is None:
+            return (s.masked_fill(~vis, float("-inf")).softmax(-1) @ vr).transpose(1, 2), None
+        kc, vc = state["code"](module.layer_idx, k[0], v[0])  # [Hkv, T, D] decoded rows
+        kc, vc = kc[None].repeat_interleave(rep, 1), vc[None].repeat_interleave(rep, 1)
+        old = (rel >= a.window) & (pos[None, :] >= a.sink)  # read from the coded rows
+        s = torch.where(old, (q @ kc.transpose(-1, -2)) * scaling, s).masked_fill(~vis, float("-inf"))
+        p = s.softmax(-1)
+        return ((p * ~old) @ vr + (p * old) @ vc).transpose(1, 2), None
+
+    AttentionInterface.register("codec_sim", attention)
+    for m in model.modules():
+        if hasattr(m, "config"):
+            m.config._attn_implementation = "codec_sim"
+
+    def ids_of(path, n, count=1):
+        ids = tok(open(path).read(), return_tensors="pt").input_ids[0]
+        ids = ids[ids != cfg.bos_token_id]
+        out = [torch.cat([torch.tensor([cfg.bos_token_id]), ids[s : s + n - 1]]) for s in range(0, len(ids) - n + 2, n - 1)]
+        if not out:
+            sys.exit(f"codec_sim: {path}: {len(ids)} tokens, fewer than --context {n}")
+        return out[:count]
+
+    # Calibration: the full-attention layers' q, k, v on --calib text.
+    state["collect"] = {}
+    with torch.no_grad():
+        for ids in ids_of(a.calib, a.calib_context, a.calib_windows):
+            model(ids[None].to(a.device))
+    cal = {}
+    for li, rows in state["collect"].items():
+        q = torch.cat([r[0] for r in rows], 1)  # [Hq, N, D]
+        k = torch.cat([r[1] for r in rows], 1)  # [Hkv, N, D]
+        v = torch.cat([r[2] for r in rows], 1)
+        rep = q.shape[0] // k.shape[0]
+        for h in range(k.shape[0]):
+            qh = q[h * rep : (h + 1) * rep].reshape(-1, q.shape[-1])
+            for name, x in (("k", k[h]), ("v", v[h])):
+                xc = x - x.mean(0)
+                ev, U = torch.linalg.eigh(xc.T @ xc / len(xc))
+                U, ev = U.flip(1), ev.flip(0).clamp_min(1e-12)
+                energy = ((qh @ U) ** 2).mean(0) if name == "k" else torch.ones_like(ev)
+                cal[li, h, name] = (U, ev.sqrt(), (ev * energy).cpu())
+    state["collect"] = None
+    allocs = {}
+
+    def code_fn(code):
+        bits = int(code[-1])
+
+        def run(li, k, v):
+            T = k.shape[1]
+            end = T - a.tail if a.mean == "prompt" else int(a.mean[6:])
+            out = {"k": [], "v": []}
+            for h in range(k.shape[0]):
+                for name, x in (("k", k[h]), ("v", v[h])):
+                    m = x[a.sink : end].mean(0)
+                    if code.startswith("lm"):
+                        xh = rotated(x - m, bits)
+                    else:
+                        U, sig, w = cal[li, h, name]
+                        if (li, h, name, bits) not in allocs:
+                            allocs[li, h, name, bits] = allocate(w, bits * x.shape[-1])
+                        xh = calibrated(x - m, U, sig, allocs[li, h, name, bits].to(x.device))
+                    out[name].append(xh + m)
+            return torch.stack(out["k"]), torch.stack(out["v"])
+
+        return run
+
+    docs = [ids_of(p, a.context)[0] for p in a.docs.split(",")]
+    report = {"command": " ".join(sys.argv), "context": a.context, "tail": a.tail, "window": a.window, "sink": a.sink,
+              "mean": a.mean, "docs": a.docs.split(","), "codes": {}}
+    base = None
+    for code in codes:
+        state["code"] = None if code == "exact" else code_fn(code)
+        t0 = time.time()
+        nll = []
+        with torch.no_grad():
+            for ids in docs:
+                ids = ids.to(a.device)  # logits of the scored tail only (a 16k prefix's are 17 GB)
+                lp = model(ids[None], logits_to_keep=a.tail + 1).logits[0, :-1].float().log_softmax(-1)
+                nll.append(-lp.gather(1, ids[-a.tail :, None]).mean().item())
+        if base is None:
+            base = nll
+        ratios = [math.exp(x - b) for x, b in zip(nll, base)]
+        mean_ratio = math.exp(sum(nll) / len(nll) - sum(base) / len(base))
+        report["codes"][code] = {"nll": nll, "ppl": math.exp(sum(nll) / len(nll)), "ratio_per_doc": ratios,
+                                 "ppl_ratio": mean_ratio}
+        print(f"{code:6s} ppl {math.exp(sum(nll) / len(nll)):8.4f}  vs exact {mean_ratio:.4f}  per doc "
+              + " ".join(f"{r:.4f}" for r in ratios) + f"  ({time.time() - t0:.0f} s)", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
