@@ -14,6 +14,9 @@ side on the same tokens, so a code can be judged before it is built into the ker
                bits by greedy reverse water-filling (B·D bits a row), K's coordinates weighted by the
                calibrated query energy along them (an error in k moves the score by q·Δk).
 
+A code may give V rows other bits than K rows (`lm5v3`: K in 5, V in 3) and re-code rows once they are
+DIST positions behind the query (`lm5/3@2048`: 5 bits, then 3; what a decoder re-coding aging rows reads).
+
 Rows are coded less a mean per head, as the decoder does; --mean says which: `prompt` (every
 scored prefix's positions before the tail: the best a session could know) or `first:N` (its first N
 positions: the decoder's rule, the means of a session's first forward, N = its prefill chunk).
@@ -96,6 +99,11 @@ def calibrated(x, basis, sigma, bits):
     return out @ basis.T
 
 
+# A code: its kind, K rows' bits, V rows' bits (default K's), and optionally the bits F both take
+# once a row is DIST positions behind the query (a row re-coded as it ages; F always rotated).
+CODE = r"exact|(lm|cal)([1-8])(?:v([1-8]))?(?:/([2-8])@([0-9]+))?"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="checkpoints/models/gemma3-270m")
@@ -115,8 +123,9 @@ def main():
     torch.set_num_threads(max(1, torch.get_num_threads()))
     codes = a.codes.split(",")
     for c in codes:
-        if not re.fullmatch(r"exact|lm[2-8]|cal[1-8]", c):
-            sys.exit(f"codec_sim: --codes: unknown code '{c}' (expected exact | lmB (B 2..8) | calB (B 1..8))")
+        if not re.fullmatch(CODE, c):
+            sys.exit(f"codec_sim: --codes: unknown code '{c}' (expected exact | lmK[vV][/F@DIST] | calK[vV][/F@DIST]: "
+                     "K, V bits of K and V rows (lm 2..8, cal 1..8), F bits of both once DIST positions old)")
     if codes[0] != "exact":
         sys.exit("codec_sim: --codes: the list starts with exact (every ratio is to it)")
     if a.mean != "prompt" and not (a.mean.startswith("first:") and a.mean[6:].isdigit()):
@@ -141,12 +150,20 @@ def main():
         s = (q @ kr.transpose(-1, -2)) * scaling
         if module.is_sliding or state["code"] is None:
             return (s.masked_fill(~vis, float("-inf")).softmax(-1) @ vr).transpose(1, 2), None
-        kc, vc = state["code"](module.layer_idx, k[0], v[0])  # [Hkv, T, D] decoded rows
-        kc, vc = kc[None].repeat_interleave(rep, 1), vc[None].repeat_interleave(rep, 1)
-        old = (rel >= a.window) & (pos[None, :] >= a.sink)  # read from the coded rows
-        s = torch.where(old, (q @ kc.transpose(-1, -2)) * scaling, s).masked_fill(~vis, float("-inf"))
-        p = s.softmax(-1)
-        return ((p * ~old) @ vr + (p * old) @ vc).transpose(1, 2), None
+        tiers = state["code"](module.layer_idx, k[0], v[0])  # [(from distance, k, v [Hkv, T, D] decoded rows)]
+        reads = []
+        for i, (d, kc, vc) in enumerate(tiers):  # tier i: rows d_i <= q - p < d_i+1 (and p >= sink)
+            sel = (rel >= d) & (pos[None, :] >= a.sink)
+            if i + 1 < len(tiers):
+                sel &= rel < tiers[i + 1][0]
+            kc, vc = kc[None].repeat_interleave(rep, 1), vc[None].repeat_interleave(rep, 1)
+            s = torch.where(sel, (q @ kc.transpose(-1, -2)) * scaling, s)
+            reads.append((sel, vc))
+        p = s.masked_fill(~vis, float("-inf")).softmax(-1)
+        out = p @ vr
+        for sel, vc in reads:  # swap the exact values for the coded ones where read coded
+            out = out + (p * sel) @ (vc - vr)
+        return out.transpose(1, 2), None
 
     AttentionInterface.register("codec_sim", attention)
     for m in model.modules():
@@ -184,24 +201,31 @@ def main():
     allocs = {}
 
     def code_fn(code):
-        bits = int(code[-1])
+        kind, kb, vb, fb, dist = re.fullmatch(CODE, code).groups()
+        bits = {"k": int(kb), "v": int(vb or kb)}
 
         def run(li, k, v):
             T = k.shape[1]
             end = T - a.tail if a.mean == "prompt" else int(a.mean[6:])
-            out = {"k": [], "v": []}
+            out = {"k": [], "v": [], "kfar": [], "vfar": []}
             for h in range(k.shape[0]):
                 for name, x in (("k", k[h]), ("v", v[h])):
                     m = x[a.sink : end].mean(0)
-                    if code.startswith("lm"):
-                        xh = rotated(x - m, bits)
+                    b = bits[name]
+                    if kind == "lm":
+                        xh = rotated(x - m, b)
                     else:
                         U, sig, w = cal[li, h, name]
-                        if (li, h, name, bits) not in allocs:
-                            allocs[li, h, name, bits] = allocate(w, bits * x.shape[-1])
-                        xh = calibrated(x - m, U, sig, allocs[li, h, name, bits].to(x.device))
+                        if (li, h, name, b) not in allocs:
+                            allocs[li, h, name, b] = allocate(w, b * x.shape[-1])
+                        xh = calibrated(x - m, U, sig, allocs[li, h, name, b].to(x.device))
                     out[name].append(xh + m)
-            return torch.stack(out["k"]), torch.stack(out["v"])
+                    if fb:
+                        out[name + "far"].append(rotated(x - m, int(fb)) + m)
+            tiers = [(a.window, torch.stack(out["k"]), torch.stack(out["v"]))]
+            if fb:
+                tiers.append((int(dist), torch.stack(out["kfar"]), torch.stack(out["vfar"])))
+            return tiers
 
         return run
 
