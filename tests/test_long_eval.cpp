@@ -209,7 +209,7 @@ TEST(LongEval, BadInput) {
   o = options();
   o.ppl_docs = 0;
   expect_error([&] { run(o, configs("oracle,restored:600")); }, "config 'restored:600'");
-  for (const char* bad : {"restored:x", "restored:0", "stream:64", "evict", "oracle,oracle", "restored-lm5:64",
+  for (const char* bad : {"restored:x", "restored:0", "stream:64", "evict", "oracle,oracle", "restored-lm6:64",
                           "restored-codec-all-foo:64"})
     expect_error([&] { configs(bad); }, "--configs");
   expect_error([&] { configs("restored:x"); }, "'restored:x'");

@@ -634,8 +634,8 @@ TEST(Restored, BadInput) {
   expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--stats");
   o.restore.layers = "auto";
   o.restore.stats = false;
-  o.restore.region_code = {ops::RowKind::Rotated, 5};
-  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--restored-code on layer 0: lm5: bits expected 2, 3 or 4");
+  o.restore.region_code = {ops::RowKind::Rotated, 6};
+  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--restored-code on layer 0: lm6: bits expected 2, 3, 4 or 5");
   expect_error([] { ops::parse_row_code("int2", "--restored-code"); }, "--restored-code: expected none | int8 | int4 | lm5 | lm4 | lm3 | lm2");
 }
 
