@@ -24,7 +24,7 @@ positions: the decoder's rule, the means of a session's first forward, N = its p
   .venv/bin/python tools/codec_sim.py --context 4096 --docs data/longeval/docs/00.txt,... \
       --codes exact,lm4,lm3,cal4,cal3 --mean first:256 --json out.json
 """
-import argparse, json, math, re, sys, time
+import argparse, functools, json, math, re, sys, time
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -65,7 +65,8 @@ def fwht(x):
     return (y / math.sqrt(D)).view(x.shape)
 
 
-def signs(D, device):  # ops::rotation_sign
+@functools.lru_cache(maxsize=None)
+def signs(D, device):  # ops::rotation_sign, built once per (D, device): rotated() runs per layer, head and code
     return torch.tensor([-1.0 if ((i * 0x9E3779B1) & 0xFFFFFFFF) >> 31 else 1.0 for i in range(D)], device=device)
 
 
@@ -120,7 +121,6 @@ def main():
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json")
     a = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     codes = a.codes.split(",")
     for c in codes:
         if not re.fullmatch(CODE, c):
