@@ -9,6 +9,13 @@ side on the same tokens, so a code can be judged before it is built into the ker
 
   lmB          the shipped rotated code (core/kernels/ops.h "Rotated"): randomized Hadamard rotation,
                N(0,1) Lloyd-Max levels of B bits, one scale per row keeping its norm;
+  pwB          the rotated code of B bits on w ⊙ (x - mean), read back as decoded / w: per-coordinate
+               weights fixed by calibration that shape where the code's (isotropic) error lands. K: the
+               error moves a score by q·Δk, so w² = |q|/σ per RoPE pair (q's and k's energy over the pair
+               (i, i + D/2), which the rotation of a position leaves unchanged, so far positions keep
+               them); V: the error reaches the layer's output through o_proj, so w² = |o_proj column|/σ
+               per coordinate. Minimizes (Σ w²σ²)(Σ e/w²) with e the error's weight: the gain over lmB
+               is (Σσ²)(Σe)/(Σ σ·sqrt(e))² in distortion.
   calB         a calibrated code: per layer and KV head, the PCA basis of K (V) on --calib text,
                each coordinate scaled by its calibrated deviation and given an integer number of
                bits by greedy reverse water-filling (B·D bits a row), K's coordinates weighted by the
@@ -102,7 +109,7 @@ def calibrated(x, basis, sigma, bits):
 
 # A code: its kind, K rows' bits, V rows' bits (default K's), and optionally the bits F both take
 # once a row is DIST positions behind the query (a row re-coded as it ages; F always rotated).
-CODE = r"exact|(lm|cal)([1-8])(?:v([1-8]))?(?:/([2-8])@([0-9]+))?"
+CODE = r"exact|(lm|cal|pw)([1-8])(?:v([1-8]))?(?:/([2-8])@([0-9]+))?"
 
 
 def main():
@@ -118,13 +125,14 @@ def main():
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--codes", default="exact,lm4,lm3,cal4,cal3")
     ap.add_argument("--mean", default="first:256", help="prompt | first:N")
+    ap.add_argument("--pw-power", type=float, default=1.0, help="pw codes: w² = (|q|/σ)^power (1: the optimum)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json")
     a = ap.parse_args()
     codes = a.codes.split(",")
     for c in codes:
         if not re.fullmatch(CODE, c):
-            sys.exit(f"codec_sim: --codes: unknown code '{c}' (expected exact | lmK[vV][/F@DIST] | calK[vV][/F@DIST]: "
+            sys.exit(f"codec_sim: --codes: unknown code '{c}' (expected exact | lmK[vV][/F@DIST] | pwK[vV][/F@DIST] | calK[vV][/F@DIST]: "
                      "K, V bits of K and V rows (lm 2..8, cal 1..8), F bits of both once DIST positions old)")
     if codes[0] != "exact":
         sys.exit("codec_sim: --codes: the list starts with exact (every ratio is to it)")
@@ -183,7 +191,8 @@ def main():
     with torch.no_grad():
         for ids in ids_of(a.calib, a.calib_context, a.calib_windows):
             model(ids[None].to(a.device))
-    cal = {}
+    cal, pw = {}, {}
+    attn_of = {m.layer_idx: m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
     for li, rows in state["collect"].items():
         q = torch.cat([r[0] for r in rows], 1)  # [Hq, N, D]
         k = torch.cat([r[1] for r in rows], 1)  # [Hkv, N, D]
@@ -197,6 +206,21 @@ def main():
                 U, ev = U.flip(1), ev.flip(0).clamp_min(1e-12)
                 energy = ((qh @ U) ** 2).mean(0) if name == "k" else torch.ones_like(ev)
                 cal[li, h, name] = (U, ev.sqrt(), (ev * energy).cpu())
+                # pw: per-coordinate weights (K: RoPE pairs; V: o_proj column energy)
+                D = x.shape[-1]
+                var = (xc ** 2).mean(0)
+                if name == "k":
+                    var = var.view(2, D // 2).mean(0).repeat(2)
+                    e = (qh ** 2).mean(0).view(2, D // 2).mean(0).repeat(2)
+                else:
+                    W = attn_of[li].o_proj.weight  # [hidden, Hq·D]; the head group of KV head h
+                    e = sum((W[:, (h * rep + j) * D : (h * rep + j + 1) * D] ** 2).sum(0) for j in range(rep))
+                var, e = var.clamp_min(1e-12), e.clamp_min(1e-12)
+                w = (e / var) ** (0.25 * a.pw_power)  # the optimum at --pw-power 1
+                pw[li, h, name] = w / w.pow(2).mean().sqrt()
+                gain = float(var.sum() * e.sum() / (var.sqrt() * e.sqrt()).sum() ** 2)
+                print(f"calib layer {li} head {h} {name}: pw distortion gain over lm {gain:.3f} "
+                      f"({0.5 * math.log2(gain):.2f} bits)", flush=True)
     state["collect"] = None
     allocs = {}
 
@@ -214,6 +238,9 @@ def main():
                     b = bits[name]
                     if kind == "lm":
                         xh = rotated(x - m, b)
+                    elif kind == "pw":
+                        w = pw[li, h, name]
+                        xh = rotated(w * (x - m), b) / w
                     else:
                         U, sig, w = cal[li, h, name]
                         if (li, h, name, b) not in allocs:
