@@ -193,6 +193,90 @@ void save_sigma_q(const std::string& dir, const ModelConfig& cfg, const SigmaQRe
   CalibBundle::update_manifest(dir, cfg, "sigma_q", entry);
 }
 
+// ---------------------------------------------------------------- K weights
+
+KWeightAccumulator::KWeightAccumulator(const Model& model, int64_t sink) : model_(model), sink_(sink) {
+  const ModelConfig& cfg = model.config();
+  KAKEYA_CHECK(cfg.num_kv_shared() == 0, "k-weights: not supported with KV sharing (config field "
+                                             << "'num_kv_shared_layers' = " << cfg.num_kv_shared() << ")");
+  auto opt = at::TensorOptions().dtype(at::kDouble).device(model.device());
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    const bool full = !cfg.is_sliding(l);
+    q_.push_back(full ? at::zeros({cfg.kv_heads(l), cfg.layer_head_dim[l]}, opt) : at::Tensor());
+    k_.push_back(full ? at::zeros({cfg.kv_heads(l), cfg.layer_head_dim[l]}, opt) : at::Tensor());
+    qn_.push_back(0);
+    kn_.push_back(0);
+  }
+}
+
+void KWeightAccumulator::on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) {
+  const int64_t l = ctx.layer;
+  if (!q_[l].defined()) return;
+  if (tap == Tap::QNorm) {  // x: [B, T, H_q, D]; head h reads KV head h / G
+    const int64_t B = x.size(0), T = x.size(1), Hkv = q_[l].size(0), G = x.size(2) / Hkv, D = x.size(3);
+    q_[l] += x.to(at::kFloat).reshape({B * T, Hkv, G, D}).pow(2).sum(at::IntArrayRef{0, 2}).to(at::kDouble);
+    qn_[l] += B * T * G;
+  } else if (tap == Tap::KNorm) {  // x: [B, T, H_kv, D] before RoPE
+    auto k = model_.rope(l).apply(x, ctx.positions).to(at::kFloat);  // as the cache holds it
+    auto keep = ctx.positions.ge(sink_).to(at::kFloat).view({1, -1, 1, 1});  // [1, T, 1, 1]
+    const double n = keep.sum().item<double>() * x.size(0);
+    if (n < 2) return;
+    auto mean = (k * keep).sum(at::IntArrayRef{0, 1}, true) / n;  // [1, 1, H_kv, D]: the window's mean
+    k_[l] += ((k - mean).pow(2) * keep).sum(at::IntArrayRef{0, 1}).to(at::kDouble);
+    kn_[l] += (int64_t)n;
+  }
+}
+
+KWeightsResult finish_k_weights(const KWeightAccumulator& acc, const ModelConfig& cfg, double power) {
+  KAKEYA_CHECK(power > 0 && power <= 4, "k-weights: --power expected in (0, 4], got " << power);
+  KWeightsResult r;
+  r.diagnostics = {{"power", power}, {"layers", json::array()}};
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    if (!acc.q_energy(l).defined()) {
+      r.weight.emplace_back();
+      continue;
+    }
+    KAKEYA_CHECK(acc.q_count(l) > 0 && acc.k_count(l) > 1,
+                 "k-weights: layer " << l << " saw no queries or keys (calibration text too short for --sink?)");
+    const int64_t D = cfg.layer_head_dim[l];
+    auto q = acc.q_energy(l).cpu() / (double)acc.q_count(l), k = acc.k_energy(l).cpu() / (double)acc.k_count(l);  // [H, D]
+    KAKEYA_CHECK(at::isfinite(q).all().item<bool>() && at::isfinite(k).all().item<bool>(),
+                 "k-weights: layer " << l << ": non-finite query or key energy");
+    // Pair energies: coordinates i and i + rot/2 rotate together; the rest pass through alone.
+    const int64_t h = rope_inv_freq(cfg.rope(l), D).size(0);
+    auto pair = [&](const at::Tensor& e) {
+      auto p = e.clone();
+      auto s = e.slice(1, 0, h) + e.slice(1, h, 2 * h);
+      p.slice(1, 0, h).copy_(s);
+      p.slice(1, h, 2 * h).copy_(s);
+      return p;
+    };
+    auto qp = pair(q), kp = pair(k);
+    qp = at::maximum(qp, qp.amax(1, true) * 1e-9);  // a coordinate no query reads still gets a (tiny) weight
+    kp = at::maximum(kp, kp.amax(1, true) * 1e-9);
+    auto w = (qp / kp).pow(power / 4.0);
+    w = w / w.pow(2).mean(1, true).sqrt();
+    // The distortion gain over the unweighted code, at power 1's optimum: (Σσ²)(Σe)/(Σσ·sqrt(e))².
+    auto gain = (k.sum(1) * q.sum(1) / (k.sqrt() * q.sqrt()).sum(1).pow(2));
+    r.diagnostics["layers"].push_back({{"layer", l}, {"optimal_gain", std::vector<double>(gain.data_ptr<double>(), gain.data_ptr<double>() + gain.numel())}});
+    r.weight.push_back(w.to(at::kFloat).cpu().contiguous());
+  }
+  return r;
+}
+
+void save_k_weights(const std::string& dir, const ModelConfig& cfg, const KWeightsResult& r, json entry) {
+  CalibBundle::prepare_dir(dir, cfg);
+  std::map<std::string, at::Tensor> t;
+  for (int64_t l = 0; l < cfg.num_layers; ++l)
+    if (r.weight[l].defined()) t["layer_" + std::to_string(l) + "_k_weight"] = r.weight[l];
+  KAKEYA_CHECK(!t.empty(), "k-weights: the model has no full-attention layers");
+  save_safetensors(dir + "/k_weights.safetensors", t, {{"format", kCalibFormat}, {"config_hash", config_hash(cfg)}});
+  entry["file"] = "k_weights.safetensors";
+  entry["power"] = r.diagnostics["power"];
+  entry["layers"] = r.diagnostics["layers"];
+  CalibBundle::update_manifest(dir, cfg, "k_weights", entry);
+}
+
 // ---------------------------------------------------------------- K/V capture
 
 KVCapture::KVCapture(const ModelConfig& cfg) : k_(cfg.num_layers), v_(cfg.num_layers) {

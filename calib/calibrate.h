@@ -86,6 +86,40 @@ class KVCapture : public TapSubscriber {
   std::vector<std::vector<at::Tensor>> k_, v_;
 };
 
+// Tap::QNorm + Tap::KNorm subscriber for the weights of weighted row codes (core/kernels/ops.h
+// pwB) on full-attention layers: per KV head and coordinate, the energy of the queries (the G
+// heads of the group pooled) and of the post-RoPE keys about each window's mean (positions
+// >= sink), which is what the decoder's coded rows hold (k - the session's mean).
+class KWeightAccumulator : public TapSubscriber {
+ public:
+  KWeightAccumulator(const Model& model, int64_t sink);
+  void on_tap(Tap tap, const TapContext& ctx, at::Tensor& x) override;
+  bool reads(Tap tap) const override { return tap == Tap::QNorm || tap == Tap::KNorm; }
+  const at::Tensor& q_energy(int64_t layer) const { return q_[layer]; }  // [H_kv, D] f64 sums (undefined: sliding)
+  const at::Tensor& k_energy(int64_t layer) const { return k_[layer]; }  // [H_kv, D] f64 sums
+  int64_t q_count(int64_t layer) const { return qn_[layer]; }
+  int64_t k_count(int64_t layer) const { return kn_[layer]; }
+
+ private:
+  const Model& model_;
+  int64_t sink_;
+  std::vector<at::Tensor> q_, k_;
+  std::vector<int64_t> qn_, kn_;
+};
+
+// Per full-attention layer [H_kv, D] f32 weights w: over each RoPE pair (i, i + rot/2) — whose
+// energy a position's rotation leaves unchanged, so the weights hold at any distance — w² =
+// (E|q|² / E|k - mean|²)^(power/2) on both coordinates, normalised to mean w² = 1 (a row code
+// ignores the scale). power 1 minimises the mean squared score error of a rotated code
+// (Σ w²σ²)(Σ e/w²); 0.75 did better in perplexity (bench/results, 2026-11-27).
+struct KWeightsResult {
+  std::vector<at::Tensor> weight;  // per layer, undefined on sliding layers
+  nlohmann::json diagnostics;      // per layer/head: the predicted distortion gain over the unweighted code
+};
+KWeightsResult finish_k_weights(const KWeightAccumulator& acc, const ModelConfig& cfg, double power);
+// Writes k_weights.safetensors (layer_{l}_k_weight) and the manifest entry "k_weights".
+void save_k_weights(const std::string& dir, const ModelConfig& cfg, const KWeightsResult& r, nlohmann::json entry);
+
 struct BasisOptions {
   int64_t block = 512;  // the codec's block: bases are fitted to block-centred data, as the codec codes it
 };

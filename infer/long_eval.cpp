@@ -19,9 +19,10 @@
 namespace kakeya {
 namespace {
 
-constexpr const char* kConfigForms =
-    "oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W, e.g. restored:W, restored-int4:W, "
-    "restored-codec-lm3:W (W: the exact window, a positive integer; CODE: int8 | int4 | lm5 | lm4 | lm3 | lm2)";
+std::string config_forms() {
+  return "oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W, e.g. restored:W, restored-int4:W, "
+         "restored-codec-lm3:W (W: the exact window, a positive integer; CODE: " + ops::row_code_names() + ")";
+}
 
 double mean(const std::vector<double>& x) {
   double s = 0;
@@ -268,11 +269,11 @@ LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOpti
   c.restore = base;
   if (spec == "oracle") return c;
   const size_t colon = spec.find(':');
-  KAKEYA_CHECK(colon != std::string::npos, "--configs: bad spec '" << spec << "': expected " << kConfigForms);
+  KAKEYA_CHECK(colon != std::string::npos, "--configs: bad spec '" << spec << "': expected " << config_forms());
   const std::string kind = spec.substr(0, colon), w = spec.substr(colon + 1);
   const bool digits = !w.empty() && w.size() <= 9 && std::all_of(w.begin(), w.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
   KAKEYA_CHECK(digits && std::stoll(w) > 0,
-               "--configs: bad spec '" << spec << "': window '" << w << "' is not a positive integer; expected " << kConfigForms);
+               "--configs: bad spec '" << spec << "': window '" << w << "' is not a positive integer; expected " << config_forms());
   c.mode = DecodeMode::Restored;
   c.restore.window = std::stoll(w);
   if (kind == "evict") {
@@ -284,17 +285,16 @@ LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOpti
   std::stringstream ks(kind);
   for (std::string p; std::getline(ks, p, '-');) parts.push_back(p);
   auto bad = [&](const std::string& why) {
-    KAKEYA_FAIL("--configs: bad spec '" << spec << "': " << why << "; expected " << kConfigForms);
+    KAKEYA_FAIL("--configs: bad spec '" << spec << "': " << why << "; expected " << config_forms());
   };
-  auto is_code = [](const std::string& p) { return p == "int8" || p == "int4" || p == "lm5" || p == "lm4" || p == "lm3" || p == "lm2"; };
   if (parts.empty() || parts[0] != "restored") bad("unknown kind '" + kind + "'");
   for (size_t i = 1; i < parts.size(); ++i) {
     if (parts[i] == "all") {
       c.restore.layers = "all";
     } else if (parts[i] == "codec") {
       c.restore.full_attn = FullAttn::Codec;
-      if (i + 1 < parts.size() && is_code(parts[i + 1])) c.restore.full_code = ops::parse_row_code(parts[++i], "--configs");
-    } else if (is_code(parts[i])) {
+      if (i + 1 < parts.size() && ops::is_row_code_name(parts[i + 1])) c.restore.full_code = ops::parse_row_code(parts[++i], "--configs");
+    } else if (ops::is_row_code_name(parts[i])) {
       c.restore.region_code = ops::parse_row_code(parts[i], "--configs");
     } else {
       bad("unknown modifier '" + parts[i] + "' in '" + kind + "'");
@@ -313,7 +313,7 @@ std::vector<LongEvalConfig> parse_long_eval_configs(const std::string& specs, co
       KAKEYA_CHECK(c.name != item, "--configs: '" << item << "' is listed twice");
     out.push_back(parse_long_eval_config(item, base));
   }
-  KAKEYA_CHECK(!out.empty(), "--configs: expected a comma-separated list of " << kConfigForms << ", got '" << specs << "'");
+  KAKEYA_CHECK(!out.empty(), "--configs: expected a comma-separated list of " << config_forms() << ", got '" << specs << "'");
   return out;
 }
 

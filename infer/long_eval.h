@@ -42,7 +42,7 @@ struct LongEvalConfig {
 //   restored:W        restored mode, layers as in base (the caller's default, "auto")
 // and modifiers after "restored", joined by '-', in any order:
 //   all               every covered layer reads its restored positions (restored-all:W)
-//   CODE              the restored regions stored as CODE coded rows (int8 | int4 | lm5 | lm4 | lm3 | lm2,
+//   CODE              the restored regions stored as CODE coded rows (ops::row_code_names(),
 //                     core/kernels/ops.h): restored-int4:W
 //   codec [CODE]      full-attention layers as coded rows (--full-attn codec), in CODE right after
 //                     it, else base's full_code: restored-codec:W, restored-int4-codec-lm3:W

@@ -312,10 +312,11 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
       p.full_rest_slots = o.evict_only() && o.full_attn == FullAttn::Restored ? o.sink + 1 : n;
       p.full_rest = region_bytes_for(cfg, elem, p.full_rest_slots, 1,
                                      o.full_attn == FullAttn::Codec ? o.full_code : o.region_code);
-      // Rotated codes on coded layers: the session's K and V means, f32.
+      // Rotated codes on coded layers: the session's K and V means (and K weights, weighted codes), f32.
       if (o.full_attn == FullAttn::Codec && o.full_code.rotated())
         for (int64_t l = 0; l < cfg.num_layers; ++l)
-          if (!cfg.is_sliding(l) && !cfg.kv_shared(l)) p.full_rest += 2 * cfg.kv_heads(l) * cfg.layer_head_dim[l] * 4;
+          if (!cfg.is_sliding(l) && !cfg.kv_shared(l))
+            p.full_rest += (o.full_code.weighted ? 3 : 2) * cfg.kv_heads(l) * cfg.layer_head_dim[l] * 4;
     }
     p.full_exact = kv_bytes_for(cfg, elem, p.full_exact_slots, 1);
   }

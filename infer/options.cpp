@@ -43,6 +43,7 @@ nlohmann::json RestoreOptions::to_json() const {
                    {"mix_alpha", mix_alpha}, {"chunk", resolved_chunk()}, {"stats", stats},
                    {"layers", layers}};
   if (full_attn == FullAttn::Codec) j["full_code"] = ops::row_code_name(full_code);
+  if (full_attn == FullAttn::Codec && full_code.weighted) j["calib"] = calib;
   // Only when coded: reports written before the option existed describe the same runs.
   if (region_code.defined()) j["restored_code"] = ops::row_code_name(region_code);
   return j;

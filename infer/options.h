@@ -37,6 +37,9 @@ struct RestoreOptions {
   // FullAttn::Codec: every position of the full-attention layers stored as these coded rows
   // (--full-code; core/kernels/ops.h), the exact window beside them; the attention kernel reads the codes.
   ops::RowCode full_code{ops::RowKind::Rotated, 4};
+  // A calibration bundle holding K weights (kakeya calibrate k-weights): read when full_code is
+  // weighted (pwB), refused when made for another model.
+  std::string calib;
   // Restored regions stored as coded rows (--restored-code; undefined: in the model dtype).
   ops::RowCode region_code;
   // Which of the covered layers read their restored positions (beyond the sinks); the others drop

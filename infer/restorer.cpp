@@ -4,6 +4,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "calib/codec/calib_bundle.h"
 #include "core/error.h"
 #include "infer/loop_util.h"
 #include "infer/memory.h"
@@ -45,7 +46,9 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
                                                          << " (a longer chunk would need restored K/V of itself)");
   KAKEYA_CHECK(o.mix_alpha >= 0.0 && o.mix_alpha <= 1.0, "decode: --mix-alpha expected in [0, 1], got " << o.mix_alpha);
   KAKEYA_CHECK(o.full_attn != FullAttn::Codec || o.full_code.defined(),
-               "decode: --full-attn codec needs a --full-code (int8 | int4 | lm5 | lm4 | lm3 | lm2)");
+               "decode: --full-attn codec needs a --full-code (" << ops::row_code_names() << ")");
+  KAKEYA_CHECK(!o.region_code.weighted, "decode: --restored-code " << ops::row_code_name(o.region_code)
+                                                                     << ": weighted codes are for full-attention rows (--full-code)");
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     if (o.region_code.defined())
       ops::check_row_code(cfg.layer_head_dim[l], o.region_code,
@@ -510,7 +513,16 @@ KVCacheOptions restored_cache_options(const Model& v, const FTheta* f, const Res
   co.restore.window = o.window;
   co.restore.sliding = true;
   co.restore.full = o.full_attn == FullAttn::Restored;
-  if (o.full_attn == FullAttn::Codec) co.restore.full_code = o.full_code;
+  if (o.full_attn == FullAttn::Codec) {
+    co.restore.full_code = o.full_code;
+    if (o.full_code.weighted) {
+      KAKEYA_CHECK(!o.calib.empty(), "decode: --full-code " << ops::row_code_name(o.full_code)
+                                                            << " needs --calib DIR, a bundle with K weights (kakeya calibrate k-weights)");
+      const CalibBundle b = CalibBundle::load(o.calib, v.config());  // refuses another model's bundle
+      for (int64_t l = 0; l < v.config().num_layers; ++l)
+        co.restore.full_k_weight.push_back(v.config().is_sliding(l) ? at::Tensor() : b.k_weight(l));
+    }
+  }
   co.restore.max_chunk = o.resolved_chunk();
   co.restore.linear = linear;
   co.restore.region_code = o.region_code;

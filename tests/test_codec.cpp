@@ -54,6 +54,20 @@ std::string temp_dir(const std::string& name) {
   return d;
 }
 
+// A tiny random model of tests/fixtures/make_model_fixtures.py ("gemma3", "gemma4").
+Model tiny_model(const std::string& name, int64_t max_positions) {
+  ModelOptions mo;
+  mo.max_positions = max_positions;
+  return Model::load(test::fixtures_dir("model_parity") + "/" + name, mo);
+}
+
+// n random token ids (past the special ones) of the model's vocabulary.
+std::vector<int64_t> random_ids(const ModelConfig& cfg, int64_t n, uint64_t seed) {
+  auto g = at::detail::createCPUGenerator(seed);
+  auto rid = at::randint(3, cfg.vocab_size, {n}, g, at::kLong);
+  return std::vector<int64_t>(rid.data_ptr<int64_t>(), rid.data_ptr<int64_t>() + n);
+}
+
 // Correlated, anisotropic data with a large common offset, like post-norm K: [H, N, D].
 at::Tensor kv_like(int64_t H, int64_t N, int64_t D, uint64_t seed) {
   auto g = at::detail::createCPUGenerator(seed);
@@ -389,14 +403,9 @@ TEST(CalibBundle, RefusesAnotherModelAndWrongShapes) {
 // The tiny random Gemma 3 of tests/fixtures/make_model_fixtures.py: calibrate
 // Σ_q, bases and codebooks through the taps, then Scenario A on random tokens.
 TEST(CodecEval, EndToEndOnTinyModel) {
-  std::string mdir = test::fixtures_dir("model_parity") + "/gemma3";
-  ModelOptions mo;
-  mo.max_positions = 128;
-  auto model = Model::load(mdir, mo);
+  auto model = tiny_model("gemma3", 128);
   const auto& cfg = model.config();
-  auto g = at::detail::createCPUGenerator(21);
-  auto rid = at::randint(3, cfg.vocab_size, {600}, g, at::kLong);
-  std::vector<int64_t> ids(rid.data_ptr<int64_t>(), rid.data_ptr<int64_t>() + 600);
+  auto ids = random_ids(cfg, 600, 21);
   auto dir = temp_dir("e2e");
 
   calib::SigmaQAccumulator acc(cfg, at::kCPU);
@@ -511,16 +520,11 @@ TEST(Codec, CacheEntryPointCodesPreRopeK) {
 // Gemma 4: full layers have their own KV head count and head dim (tiny fixture: sliding 2 × 16,
 // full 1 × 32). Σ_q, bases, codebooks and Scenario A all follow the layer's shapes.
 TEST(CodecEval, PerLayerKVHeadsGemma4) {
-  std::string mdir = test::fixtures_dir("model_parity") + "/gemma4";
-  ModelOptions mo;
-  mo.max_positions = 64;
-  auto model = Model::load(mdir, mo);
+  auto model = tiny_model("gemma4", 64);
   const auto& cfg = model.config();
   ASSERT_NE(cfg.kv_heads(0), cfg.kv_heads(2));
   ASSERT_NE(cfg.layer_head_dim[0], cfg.layer_head_dim[2]);
-  auto g = at::detail::createCPUGenerator(22);
-  auto rid = at::randint(3, cfg.vocab_size, {300}, g, at::kLong);
-  std::vector<int64_t> ids(rid.data_ptr<int64_t>(), rid.data_ptr<int64_t>() + 300);
+  auto ids = random_ids(cfg, 300, 22);
   auto dir = temp_dir("g4");
   calib::SigmaQAccumulator acc(cfg, at::kCPU);
   calib::KVCapture cap(cfg);
@@ -554,6 +558,65 @@ TEST(CodecEval, PerLayerKVHeadsGemma4) {
   EXPECT_GT(res.rows[1].ratio(), 3.0);
   EXPECT_TRUE(std::isfinite(res.rows[1].pooled().kl));
   EXPECT_GT(res.rows[1].pooled().kl, 0.0);
+}
+
+// K weights of weighted row codes (pwB) on the tiny Gemma 3: the accumulator's taps against the
+// queries and keys captured on their own (Σ_q's diagonal; pre-RoPE K through the model's RoPE,
+// less each window's mean past the sink), then the bundle round trip.
+TEST(Codec, KWeightsMatchCapturedQueriesAndKeys) {
+  auto model = tiny_model("gemma3", 128);
+  const auto& cfg = model.config();
+  auto ids = random_ids(cfg, 300, 5);
+  const int64_t sink = 2;
+  calib::KWeightAccumulator acc(model, sink);
+  calib::SigmaQAccumulator sq(cfg, at::kCPU);
+  calib::KVCapture cap(cfg);
+  Taps taps;
+  taps.subscribe(&acc);
+  taps.subscribe(&sq);
+  taps.subscribe(&cap);
+  calib::run_windows(model, ids, 50, 300, cfg.bos_token_id, taps);
+  const double power = 0.75;
+  auto r = calib::finish_k_weights(acc, cfg, power);
+  int64_t full = 0;
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    if (cfg.is_sliding(l)) {
+      EXPECT_FALSE(r.weight[l].defined()) << "sliding layer " << l;
+      continue;
+    }
+    ++full;
+    const int64_t D = cfg.layer_head_dim[l], h = D / 2;
+    auto q = at::diagonal(sq.sum(l), 0, 1, 2) / (double)sq.count(l);  // [H, D]
+    at::Tensor k = at::zeros_like(q);
+    int64_t n = 0;
+    for (const at::Tensor& kw : cap.k(l)) {  // [H, T, D] pre-RoPE
+      const int64_t T = kw.size(1);
+      auto kr = model.rope(l).apply(kw.permute({1, 0, 2}).unsqueeze(0), at::arange(T, at::kLong))[0].to(at::kDouble);  // [T, H, D]
+      auto kept = kr.slice(0, sink, T);
+      k += (kept - kept.mean(0, true)).pow(2).sum(0);
+      n += T - sink;
+    }
+    k = k / (double)n;
+    auto pair = [&](const at::Tensor& e) { auto s = e.slice(1, 0, h) + e.slice(1, h, D); return at::cat({s, s}, 1); };
+    auto w = (pair(q) / pair(k)).pow(power / 4);
+    w = w / w.pow(2).mean(1, true).sqrt();
+    EXPECT_TRUE(at::allclose(r.weight[l].to(at::kDouble), w, 1e-4, 1e-5)) << "layer " << l;
+    EXPECT_TRUE(r.weight[l].slice(1, 0, h).equal(r.weight[l].slice(1, h, D))) << "RoPE pairs share a weight";
+    EXPECT_GT((r.weight[l].max() / r.weight[l].min()).item<double>(), 1.05) << "weights that weigh nothing";
+  }
+  ASSERT_GT(full, 0) << "the fixture has no full-attention layer";
+  auto dir = temp_dir("kw");
+  calib::save_k_weights(dir, cfg, r, {{"data", "random ids"}});
+  auto b = CalibBundle::load(dir, cfg);
+  ASSERT_TRUE(b.has_k_weights());
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    if (cfg.is_sliding(l)) {
+      test::expect_error([&] { b.k_weight(l); }, "no K weights for layer " + std::to_string(l));
+    } else {
+      EXPECT_TRUE(b.k_weight(l).equal(r.weight[l]));
+    }
+  }
+  test::expect_error([&] { calib::finish_k_weights(acc, cfg, 0.0); }, "--power expected in (0, 4]");
 }
 
 // The shipped bundle (checkpoints/gemma3-270m/calib, made on the H100) loads for the real model,

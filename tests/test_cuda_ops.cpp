@@ -483,7 +483,11 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
                  Case{4, 1, 256, 40, 77, 16, 0, 33, 9, {RowKind::Rotated, 4}},
                  Case{6, 2, 64, 19, 45, 3, 50, 13, -1, {RowKind::Rotated, 4}, 30},
                  Case{8, 1, 128, 37, 101, 1, 0, 30, -1, {RowKind::Rotated, 2}},
-                 Case{4, 2, 512, 23, 59, 5, 70, 21, -1, {RowKind::Rotated, 3}}}) {
+                 Case{4, 2, 512, 23, 59, 5, 70, 21, -1, {RowKind::Rotated, 3}},
+                 // Weighted rows (pwB): K coded as w ⊙ (k - mean), read as decoded / w + mean.
+                 Case{4, 1, 256, 271, 515, 3, 0, 256, -1, {RowKind::Rotated, 4, true}, 4},
+                 Case{6, 2, 64, 19, 45, 3, 50, 13, -1, {RowKind::Rotated, 4, true}, 30},
+                 Case{8, 1, 128, 37, 101, 16, 0, 30, -1, {RowKind::Rotated, 2, true}}}) {
     const int64_t B = 2, T = c.T, S = c.ring + c.rows;
     auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
     auto k = at::randn({B, c.Hkv, S, c.D}).to(dt()), v = (at::randn({B, c.Hkv, S, c.D}) * 2).to(dt());
@@ -493,9 +497,11 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
       km = at::randn({B, c.Hkv, 1, c.D}) * 2;
       vm = at::randn({B, c.Hkv, 1, c.D});
     }
-    auto [kc, ks] = ops::quantize_rows(k.narrow(2, c.ring, c.rows).to(at::kFloat) - km, c.code);
+    // Weighted: per-coordinate K weights spanning 16x, as calibrated ones do.
+    const at::Tensor kw = c.code.weighted ? at::exp(at::rand({B, c.Hkv, 1, c.D}) * 2.8 - 1.4) : at::ones({B, c.Hkv, 1, c.D});
+    auto [kc, ks] = ops::quantize_rows((k.narrow(2, c.ring, c.rows).to(at::kFloat) - km) * kw, c.code);
     auto [vc, vs] = ops::quantize_rows(v.narrow(2, c.ring, c.rows).to(at::kFloat) - vm, c.code);
-    auto kf = at::cat({k.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(kc, ks, c.code, at::kFloat) + km}, 2);
+    auto kf = at::cat({k.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(kc, ks, c.code, at::kFloat) / kw + km}, 2);
     auto vf = at::cat({v.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(vc, vs, c.code, at::kFloat) + vm}, 2);
     // Ring slots hold recent positions, region slots older ones (as a restored layer's do), a few empty.
     auto slot_pos = at::cat({at::randperm(c.ring, at::kLong) + c.rows, at::randperm(c.rows, at::kLong)});
@@ -522,6 +528,7 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
       rule.codes.k_mean = km.squeeze(2).contiguous().to(kCuda);
       rule.codes.v_mean = vm.squeeze(2).contiguous().to(kCuda);
     }
+    if (c.code.weighted) rule.codes.k_weight = kw.squeeze(2).contiguous().to(kCuda);
     auto got = ops::decode_attention(q.to(kCuda), k.narrow(2, 0, c.ring).contiguous().to(kCuda),
                                      v.narrow(2, 0, c.ring).contiguous().to(kCuda), slot_pos.to(kCuda), q_pos.to(kCuda),
                                      c.window, scale, 0.0, rule);
@@ -544,7 +551,7 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
 // sink also copied to their exact slots.
 TEST_P(CudaOps, CodeRows) {
   for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 5}, {ops::RowKind::Rotated, 4},
-                            {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}}) {
+                            {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}, {ops::RowKind::Rotated, 4, true}}) {
     for (const auto& [Hkv, D] : {std::pair<int64_t, int64_t>{1, 256}, {2, 128}, {3, 512}, {2, 64}}) {
       if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;
       const int64_t B = 2, S = 19, R = 37;
@@ -555,12 +562,16 @@ TEST_P(CudaOps, CodeRows) {
       auto hopt = at::TensorOptions().dtype(at::kHalf).device(kCuda);
       ops::CodedSlots c;
       c.code = code;
-      at::Tensor km, vm;  // rotated: rows coded less these means ([B, H, D])
+      at::Tensor km, vm, kw;  // rotated: rows coded less these means ([B, H, D]); weighted: K times kw
       if (code.rotated()) {
         km = at::randn({B, Hkv, D}) * 2;
         vm = at::randn({B, Hkv, D});
         c.k_mean = km.to(kCuda);
         c.v_mean = vm.to(kCuda);
+      }
+      if (code.weighted) {
+        kw = at::exp(at::rand({B, Hkv, D}) * 2.8 - 1.4);
+        c.k_weight = kw.to(kCuda);
       }
       c.k_codes = at::full({B, Hkv, R, ops::code_bytes(D, code)}, 7, bopt);
       c.v_codes = at::full({B, Hkv, R, ops::code_bytes(D, code)}, 7, bopt);
@@ -579,6 +590,7 @@ TEST_P(CudaOps, CodeRows) {
         const std::string tag = std::string(kv ? "v " : "k ") + ops::row_code_name(code) + " D=" + std::to_string(D);
         auto dense = (kv ? v : k).index_select(2, src);
         if (code.rotated()) dense = dense.to(at::kFloat) - (kv ? vm : km).unsqueeze(2);
+        if (code.weighted && !kv) dense = dense * kw.unsqueeze(2);
         auto [want_c, want_s] = ops::quantize_rows(dense, code);
         auto gc = (kv ? c.v_codes : c.k_codes).cpu(), gs = (kv ? c.v_side : c.k_side).cpu();
         auto hc = gc.index_select(2, dst), hs = gs.index_select(2, dst);

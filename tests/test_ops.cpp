@@ -158,7 +158,49 @@ TEST(CodedRows, BadInput) {
   EXPECT_EQ(ops::parse_row_code("int8", "--x"), kInt8);
   EXPECT_FALSE(ops::parse_row_code("none", "--x").defined());
   EXPECT_EQ(ops::row_code_name(kInt4), "int4");
-  expect_error([] { ops::parse_row_code("lm6", "--full-code"); }, "--full-code: expected none | int8 | int4 | lm5 | lm4 | lm3 | lm2, got 'lm6'");
+  expect_error([] { ops::parse_row_code("lm6", "--full-code"); },
+               "--full-code: expected none | int8 | int4 | lm5 | lm4 | lm3 | lm2 | pw5 | pw4 | pw3 | pw2, got 'lm6'");
+  expect_error([] { ops::parse_row_code("pw1", "--full-code"); }, "got 'pw1'");
+  EXPECT_EQ(ops::parse_row_code("pw4", "--x"), (ops::RowCode{ops::RowKind::Rotated, 4, true}));
+  EXPECT_FALSE(ops::parse_row_code("pw4", "--x") == ops::parse_row_code("lm4", "--x"));
+  EXPECT_EQ(ops::row_code_name(ops::parse_row_code("pw5", "--x")), "pw5");
+  for (const char* n : {"int8", "int4", "lm5", "lm2", "pw5", "pw2"}) EXPECT_TRUE(ops::is_row_code_name(n)) << n;
+  for (const char* n : {"none", "lm6", "pw", "int2", "lm44"}) EXPECT_FALSE(ops::is_row_code_name(n)) << n;
+  expect_error([] { ops::check_row_code(256, ops::RowCode{ops::RowKind::Affine, 4, true}, "--x"); },
+               "weighted rows are rotated codes");
+}
+
+// Weighted rows (pwB) through the reference code_rows: K rows are coded as w ⊙ (k - mean), so
+// read back as decoded / w + mean their error lands where w is small: with w = 2 on half the
+// coordinates and 0.5 on the rest, the squared error is (0.5 / 2)² = 1/16 as large on the first half.
+// V rows are coded as the unweighted code codes them.
+TEST(CodedRows, WeightedRows) {
+  const ops::RowCode pw4 = ops::parse_row_code("pw4", "--x"), lm4 = ops::parse_row_code("lm4", "--x");
+  const int64_t H = 1, S = 64, D = 256;
+  auto k = at::randn({1, H, S, D}) * 3, v = at::randn({1, H, S, D});
+  auto w = at::cat({at::full({D / 2}, 2.0), at::full({D / 2}, 0.5)}).view({1, H, D});
+  ops::CodedSlots c;
+  c.code = pw4;
+  c.k_codes = at::zeros({1, H, S, ops::code_bytes(D, pw4)}, at::kByte);
+  c.v_codes = at::zeros_like(c.k_codes);
+  c.k_side = at::zeros({1, H, S, ops::side_halves(D, pw4)}, at::kHalf);
+  c.v_side = at::zeros_like(c.k_side);
+  c.k_mean = at::randn({1, H, D});
+  c.v_mean = at::randn({1, H, D});
+  c.k_weight = w;
+  auto slots = at::arange(S, at::kLong);
+  ops::code_rows(k, v, slots, slots, c);
+  auto kd = ops::dequantize_rows(c.k_codes, c.k_side, pw4, at::kFloat) / w.unsqueeze(2) + c.k_mean.unsqueeze(2);
+  auto e = (kd - k).pow(2).mean(at::IntArrayRef{0, 1, 2});  // [D]
+  const double ratio = (e.slice(0, 0, D / 2).mean() / e.slice(0, D / 2, D).mean()).item<double>();
+  EXPECT_GT(ratio, 1.0 / 24) << "squared error, w = 2 vs w = 0.5 coordinates";
+  EXPECT_LT(ratio, 1.0 / 10) << "squared error, w = 2 vs w = 0.5 coordinates";
+  // The codes are the unweighted code's of the weighted rows; V's are plain lm4 rows.
+  auto [want_k, want_ks] = ops::quantize_rows((k - c.k_mean.unsqueeze(2)) * w.unsqueeze(2), lm4);
+  EXPECT_TRUE(c.k_codes.equal(want_k));
+  auto [want_v, want_vs] = ops::quantize_rows(v - c.v_mean.unsqueeze(2), lm4);
+  EXPECT_TRUE(c.v_codes.equal(want_v));
+  EXPECT_TRUE(c.v_side.view(at::kShort).equal(want_vs.view(at::kShort)));  // f32 scales in f16 halves: compare bits
 }
 
 }  // namespace

@@ -421,6 +421,50 @@ TEST(RestoredCodec, IncrementalEqualsReforward) {
   EXPECT_EQ(inc.tokens, ref.tokens);
 }
 
+void expect_same_kv_lines(const MemoryReport& measured, const MemoryReport& plan);
+
+// Weighted rows (--full-code pw4): K weights from the shipped bundle (kakeya calibrate k-weights),
+// held per session beside the means. Teacher-forced agreement with exact full attention as for
+// lm4 above; the bytes as planned; a missing or wrong bundle and a weighted restored region
+// refused before any decoding.
+TEST(RestoredCodec, WeightedRowsReadTheShippedBundle) {
+  RestoreOptions ro = codec_options(DecodeMode::Restored, 1).restore;
+  ro.full_code = ops::parse_row_code("pw4", "--full-code");
+  ro.calib = test::shipped_dir("calib");
+  int64_t same_forced = 0, total = 0;
+  for (const auto& p : codec_prompts()) {
+    auto exact = decode(model(), nullptr, nullptr, p, codec_options(DecodeMode::Restored, 32, FullAttn::Exact));
+    ASSERT_EQ(exact.tokens.size(), 32u);
+    std::vector<int64_t> seq = p;
+    seq.insert(seq.end(), exact.tokens.begin(), exact.tokens.end());
+    auto forced = score_restored(model(), nullptr, nullptr, seq, ro);
+    for (size_t i = forced.top1.size() - 32; i < forced.top1.size(); ++i) same_forced += forced.top1[i];
+    total += 32;
+  }
+  std::printf("pw4 vs exact full attention: %lld of %lld tokens equal teacher-forced\n", (long long)same_forced,
+              (long long)total);
+  EXPECT_GE(same_forced, total * 9 / 10);
+
+  auto o = codec_options(DecodeMode::Restored, 6);
+  o.restore.full_code = ro.full_code;
+  o.restore.calib = ro.calib;
+  auto r = decode(model(), &drafter(), &ftheta(), prompt(), o);
+  const int64_t n = prompt().size() + 6;
+  expect_same_kv_lines(r.memory, restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(),
+                                                      o.restore, at::kFloat, n));
+  EXPECT_NE(r.memory.table().find("as pw4 coded rows"), std::string::npos) << r.memory.table();
+
+  auto bad = o;
+  bad.restore.calib = "";
+  expect_error([&] { decode(model(), nullptr, nullptr, prompt(), bad); }, "--full-code pw4 needs --calib DIR");
+  bad.restore.calib = "/nonexistent/kakeya-calib";
+  expect_error([&] { decode(model(), nullptr, nullptr, prompt(), bad); }, "/nonexistent/kakeya-calib/manifest.json");
+  bad = o;
+  bad.restore.region_code = ro.full_code;
+  expect_error([&] { decode(model(), nullptr, nullptr, prompt(), bad); },
+               "--restored-code pw4: weighted codes are for full-attention rows");
+}
+
 void expect_same_kv_lines(const MemoryReport& measured, const MemoryReport& plan) {
   ASSERT_EQ(measured.kv.size(), plan.kv.size()) << measured.table() << plan.table();
   for (size_t i = 0; i < plan.kv.size(); ++i) {

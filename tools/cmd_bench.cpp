@@ -67,10 +67,11 @@ void register_bench(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--full-attn", o->rf.full_attn, "--restored: exact | restored | codec")->capture_default_str();
   c->add_option("--restored-code", o->rf.region_code,
-                "--restored: restored regions stored as none | int8 | int4 | lm5 | lm4 | lm3 | lm2")
+                "--restored: restored regions stored as none | " + ops::row_code_names())
       ->capture_default_str();
-  c->add_option("--full-code", o->rf.full_code, "--restored --full-attn codec: full-attention rows as int8 | int4 | lm5 | lm4 | lm3 | lm2")
+  c->add_option("--full-code", o->rf.full_code, "--restored --full-attn codec: full-attention rows as " + ops::row_code_names())
       ->capture_default_str();
+  c->add_option("--calib", o->rf.calib, "--restored --full-code pwB: calibration bundle with K weights")->capture_default_str();
   o->df.add(c);
   c->callback([o] {
     KAKEYA_CHECK(o->llama_bench.empty() == o->ggufs.empty(),

@@ -1,4 +1,4 @@
-// kakeya calibrate sigma-q | codebook: the KV codec's calibration jobs, writing a
+// kakeya calibrate sigma-q | codebook | k-weights: the KV codec's calibration jobs, writing a
 // bundle directory (calib/codec/calib_bundle.h) that codec-eval and the decoder load.
 //
 // Calibration text (default data/codec/calib.txt) is disjoint from the
@@ -149,6 +149,46 @@ void register_calibrate(CLI::App& app) {
                     "%.2f s = %.0f tok/s, linalg %.2f s, write %.2f s)\n",
                     device_description(model.device()).c_str(), (long long)n, t_end - t0, t_tok - t0, t_load - t_tok,
                     t_fwd - t_load, n / std::max(t_fwd - t_load, 1e-9), t_lin - t_fwd, t_end - t_lin);
+    });
+  }
+
+  // ---- k-weights
+  {
+    struct Opts : Common {
+      double power = 0.75;
+      int64_t sink = 4;
+    };
+    auto o = std::make_shared<Opts>();
+    auto* c = cal->add_subcommand(
+        "k-weights", "K weights of weighted row codes (--full-code pwB): query / key energy per RoPE pair, full-attention layers");
+    o->add(c);
+    c->add_option("--power", o->power, "w² = (E|q|² / E|k - mean|²)^(power/2) per RoPE pair (1: least mean squared score error)")
+        ->capture_default_str();
+    c->add_option("--sink", o->sink, "positions left out of the keys' means and energy (the decoder's exact sinks)")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
+    c->callback([o] {
+      auto cfg = ModelConfig::from_file(o->model + "/config.json");
+      CalibBundle::prepare_dir(o->out, cfg);
+      nlohmann::json data;
+      auto ids = o->corpus.load(o->model, cfg, data);
+      auto model = load_model(o->model, o->df, o->corpus.context + 1);
+      calib::KWeightAccumulator acc(model, o->sink);
+      Taps taps;
+      taps.subscribe(&acc);
+      Progress prog("[k-weights]", std::min<int64_t>(o->corpus.tokens, ids.size()));
+      int64_t n = calib::run_windows(model, ids, o->corpus.context, o->corpus.tokens, model.config().bos_token_id, taps,
+                                     [&](int64_t d, int64_t) { prog.update(d); });
+      prog.finish();
+      auto r = calib::finish_k_weights(acc, model.config(), o->power);
+      data["tokens"] = n;
+      calib::save_k_weights(o->out, model.config(), r,
+                            {{"command", command_line()}, {"data", data}, {"sink", o->sink},
+                             {"device", device_description(model.device())}, {"dtype", c10::toString(model.dtype())}});
+      for (const auto& e : r.diagnostics["layers"])
+        std::printf("k-weights: layer %lld: distortion gain over the unweighted code at power 1: %s\n",
+                    (long long)e["layer"].get<int64_t>(), e["optimal_gain"].dump().c_str());
+      std::printf("k-weights: %lld tokens -> %s/k_weights.safetensors\n", (long long)n, o->out.c_str());
     });
   }
 

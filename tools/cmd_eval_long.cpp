@@ -159,8 +159,8 @@ void register_eval_long(CLI::App& app) {
   o->rf.add(c);
   c->add_option("--configs", o->configs,
                 "decoder configs: oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W, e.g. restored-int4:W, "
-                "restored-codec-lm4:W (W: exact window; CODE: int8 | int4 | lm5 | lm4 | lm3 | lm2; "
-                "the other restore options come from the flags above)")
+                "restored-codec-lm4:W (W: exact window; CODE: " + ops::row_code_names() +
+                    "; the other restore options come from the flags above)")
       ->capture_default_str();
   c->add_option("--tasks", o->tasks, "all | none (perplexity only) | comma list of data/longeval.h tasks")
       ->capture_default_str();

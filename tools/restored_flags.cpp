@@ -21,7 +21,11 @@ void RestoreFlags::add(CLI::App* c, bool with_alpha) {
                 "restored regions stored as: none (the model dtype) | int8 | int4 (affine, groups of 32) | lm5 | lm4 | lm3 | "
                 "lm2 (rotated rows, Lloyd-Max levels; core/kernels/ops.h)")
       ->capture_default_str();
-  c->add_option("--full-code", full_code, "--full-attn codec: full-attention K/V stored as int8 | int4 | lm5 | lm4 | lm3 | lm2 rows")
+  c->add_option("--full-code", full_code,
+                "--full-attn codec: full-attention K/V stored as " + ops::row_code_names() +
+                    " rows (pwB: lmB with calibrated K weights from --calib)")
+      ->capture_default_str();
+  c->add_option("--calib", calib, "--full-code pwB: calibration bundle holding K weights (kakeya calibrate k-weights)")
       ->capture_default_str();
   c->add_option("--restore-layers", layers,
                 "layers that read restored positions: auto (f_θ's measured list) | all | none (evict-only) | L1,L2,...")
@@ -43,6 +47,7 @@ RestoreOptions RestoreFlags::options() const {
   o.layers = layers;
   o.region_code = ops::parse_row_code(region_code, "--restored-code");
   o.full_code = ops::parse_row_code(full_code, "--full-code");
+  o.calib = calib;
   return o;
 }
 

@@ -25,6 +25,7 @@ struct RestoreFlags {
   std::string layers = "auto";  // --restore-layers (RestoreOptions::layers)
   std::string region_code = "none";  // --restored-code (RestoreOptions::region_code)
   std::string full_code = ops::row_code_name(RestoreOptions{}.full_code);  // --full-code
+  std::string calib = "checkpoints/gemma3-270m/calib";                    // --calib (pwB's K weights)
   double mix_alpha = 0.0;
   DeviceFlags df;
   void add(CLI::App* app, bool with_alpha = true);

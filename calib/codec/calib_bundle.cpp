@@ -153,6 +153,21 @@ CalibBundle CalibBundle::load(const std::string& dir, const ModelConfig& cfg) {
       finite(b.inv_chol_.back(), path + " tensor " + p + "inv_chol");
     }
   }
+  if (ent.contains("k_weights")) {
+    const std::string path = dir + "/" + ent["k_weights"].value("file", "k_weights.safetensors");
+    auto st = TensorStore::open_file(path);
+    for (int64_t l = 0; l < L; ++l) {
+      const std::string name = "layer_" + std::to_string(l) + "_k_weight";
+      if (cfg.is_sliding(l)) {
+        b.k_weight_.emplace_back();
+        continue;
+      }
+      auto w = st.get(name, {cfg.kv_heads(l), cfg.layer_head_dim[l]}).to(at::kFloat).clone();
+      finite(w, path + " tensor " + name);
+      KAKEYA_CHECK(w.gt(0).all().item<bool>(), path << " tensor " << name << ": weights must be > 0");
+      b.k_weight_.push_back(w);
+    }
+  }
   if (ent.contains("basis")) {
     const std::string path = dir + "/" + ent["basis"].value("file", "pca_basis.safetensors");
     auto st = TensorStore::open_file(path);
@@ -205,6 +220,12 @@ const at::Tensor& CalibBundle::inv_chol(int64_t l) const {
   KAKEYA_CHECK(has_sigma_q(), dir_ << ": bundle has no Σ_q (run `kakeya calibrate sigma-q --out " << dir_ << "`)");
   return inv_chol_.at(l);
 }
+const at::Tensor& CalibBundle::k_weight(int64_t l) const {
+  KAKEYA_CHECK(has_k_weights() && k_weight_.at(l).defined(),
+               dir_ << ": bundle has no K weights for layer " << l << " (run `kakeya calibrate k-weights --out " << dir_ << "`)");
+  return k_weight_.at(l);
+}
+
 const at::Tensor& CalibBundle::sigma(int64_t l) const {
   KAKEYA_CHECK(has_sigma_q(), dir_ << ": bundle has no Σ_q (run `kakeya calibrate sigma-q --out " << dir_ << "`)");
   return sigma_.at(l);

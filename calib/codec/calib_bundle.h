@@ -13,6 +13,8 @@
 //                                 (k: raw pre-RoPE K, kw: K whitened by Σ_q, v: V)
 //   codebook_{k,v}_b{1..4}.f32    Lloyd-Max tables, little-endian f32 [num_layers, 2^bits] (row = layer)
 //   codebook_summary.json         MSE of the fitted vs the Gaussian-optimal tables
+//   k_weights.safetensors         layer_{l}_k_weight [n_kv, D] f32 > 0 on full-attention layers: the
+//                                 K weights of weighted row codes (--full-code pwB; calib/calibrate.h)
 //
 // Loading checks the model identity first: a bundle made for another model is
 // refused with an error naming manifest.json and the mismatching field.
@@ -57,6 +59,9 @@ class CalibBundle {
   bool has_sigma_q() const { return !chol_.empty(); }
   bool has_basis() const { return !basis_.empty(); }
   bool has_codebooks(char stream) const;
+  bool has_k_weights() const { return !k_weight_.empty(); }
+  // [n_kv, D] f32 on the CPU; throws naming the bundle when it has none for `layer`.
+  const at::Tensor& k_weight(int64_t layer) const;
 
   // Σ_q factors, per layer [n_kv, D, D] f32 on the CPU: Σ_q + ridge = L·Lᵀ, L lower triangular.
   const at::Tensor& chol(int64_t layer) const;
@@ -76,6 +81,7 @@ class CalibBundle {
   std::string dir_;
   nlohmann::json manifest_;
   std::vector<at::Tensor> chol_, inv_chol_, sigma_;            // per layer [n_kv, D, D]
+  std::vector<at::Tensor> k_weight_;                           // per layer [n_kv, D] (undefined: sliding)
   std::map<std::string, std::vector<at::Tensor>> basis_, eig_;  // kind -> per layer
   std::map<std::pair<char, int>, std::vector<ScalarCodebook>> codebooks_;  // (stream, bits) -> per layer
 };

@@ -217,20 +217,27 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 #endif
 }
 
+const std::string& row_code_names() {
+  static const std::string names = "int8 | int4 | lm5 | lm4 | lm3 | lm2 | pw5 | pw4 | pw3 | pw2";
+  return names;
+}
+
+bool is_row_code_name(const std::string& s) {
+  if (s == "int8" || s == "int4") return true;
+  return s.size() == 3 && (s.compare(0, 2, "lm") == 0 || s.compare(0, 2, "pw") == 0) && s[2] >= '2' && s[2] <= '5';
+}
+
 RowCode parse_row_code(const std::string& s, const std::string& flag) {
   if (s == "none") return {};
+  KAKEYA_CHECK(is_row_code_name(s), flag << ": expected none | " << row_code_names() << ", got '" << s << "'");
   if (s == "int8") return {RowKind::Affine, 8};
   if (s == "int4") return {RowKind::Affine, 4};
-  if (s == "lm5") return {RowKind::Rotated, 5};
-  if (s == "lm4") return {RowKind::Rotated, 4};
-  if (s == "lm3") return {RowKind::Rotated, 3};
-  if (s == "lm2") return {RowKind::Rotated, 2};
-  KAKEYA_FAIL(flag << ": expected none | int8 | int4 | lm5 | lm4 | lm3 | lm2, got '" << s << "'");
+  return {RowKind::Rotated, s[2] - '0', s[0] == 'p'};
 }
 
 std::string row_code_name(const RowCode& c) {
   if (!c.defined()) return "none";
-  return (c.rotated() ? "lm" : "int") + std::to_string(c.bits);
+  return (c.rotated() ? (c.weighted ? "pw" : "lm") : "int") + std::to_string(c.bits);
 }
 
 void check_row_code(int64_t D, const RowCode& c, const std::string& what) {
@@ -241,6 +248,7 @@ void check_row_code(int64_t D, const RowCode& c, const std::string& what) {
                       << "whole bytes of codes, at most 8 a lane; the head dim is " << D
                       << (D == 128 ? " (use lm4 or lm2)" : D == 64 ? " (use lm4)" : D == 512 ? " (use lm4, lm3 or lm2)" : ""));
   } else {
+    KAKEYA_CHECK(!c.weighted, what << ": weighted rows are rotated codes (pw2 .. pw5)");
     KAKEYA_CHECK(c.bits == 8 || c.bits == 4, what << ": affine codes take 8 or 4 bits, got " << c.bits);
     KAKEYA_CHECK(D > 0 && D % kCodeGroup == 0,
                  what << ": row length " << D << " is not a multiple of the code group " << kCodeGroup);
@@ -403,7 +411,9 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
   auto centred = [](const at::Tensor& x, const at::Tensor& mean) {
     return mean.defined() ? x.to(at::kFloat) - mean.unsqueeze(2) : x;
   };
-  auto [kc, ks] = quantize_rows(centred(rk, to.k_mean), to.code);
+  auto kx = centred(rk, to.k_mean);
+  if (to.k_weight.defined()) kx = kx * to.k_weight.unsqueeze(2);
+  auto [kc, ks] = quantize_rows(kx, to.code);
   auto [vc, vs] = quantize_rows(centred(rv, to.v_mean), to.code);
   if (sink > 0) {
     auto t = dst_rows.lt(sink).nonzero().view({-1});  // SYNC: the reference path (CPU)

@@ -158,18 +158,27 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 //    Attention needs no per-row rotation: q·x̂ = (H(s ⊙ q)/sqrt(D))·(g · c), and the value rows'
 //    weighted sum is rotated back once. D = 256 costs 100 bytes in 3 bits. D a power of two.
 //    Indices are packed little-endian: value i at bits i·b .. i·b + b - 1 of the row's bytes.
+//  Weighted rotated (pw5, pw4, pw3, pw2): the rotated code of K rows scaled per coordinate first,
+//    w ⊙ x, read back as decoded / w (CodedSlots::k_weight; V rows are coded as lmB). The code's
+//    error is spread evenly over the rotated coordinates, so w decides where it lands in x: a
+//    score moves by q·Δk, and calibrated weights (calib/calibrate.h k_weights) put it where the
+//    queries look least. Full-attention layers only (the weights are calibrated per layer).
 // Both kinds: codes [..., code_bytes] uint8 and side [..., side_halves] f16 (the rotated kind's f32
 // scale is stored as the two halves of its bytes: side.view(at::kFloat)).
 constexpr int64_t kCodeGroup = 32;
 enum class RowKind { Affine, Rotated };
 struct RowCode {
   RowKind kind = RowKind::Affine;
-  int bits = 0;  // 0: not coded
+  int bits = 0;           // 0: not coded
+  bool weighted = false;  // rotated only: K rows coded as k_weight ⊙ x (pwB)
   bool defined() const { return bits > 0; }
   bool rotated() const { return kind == RowKind::Rotated; }
-  bool operator==(const RowCode& o) const { return kind == o.kind && bits == o.bits; }
+  bool operator==(const RowCode& o) const { return kind == o.kind && bits == o.bits && weighted == o.weighted; }
 };
-// "none" (undefined) | "int8" | "int4" | "lm5" | "lm4" | "lm3" | "lm2"; `flag` names the option in errors.
+// The codes' names for help texts and errors: "int8 | int4 | lm5 | lm4 | lm3 | lm2 | pw5 | pw4 | pw3 | pw2".
+const std::string& row_code_names();
+bool is_row_code_name(const std::string& s);  // one of row_code_names()
+// "none" (undefined) or one of row_code_names(); `flag` names the option in errors.
 RowCode parse_row_code(const std::string& s, const std::string& flag);
 std::string row_code_name(const RowCode& c);  // "none" for an undefined code
 // Bytes of the codes / f16 halves of side values of one row of D values.
@@ -205,10 +214,15 @@ struct CodedSlots {
   // K rows share a large common part (most of their energy on full-attention layers), which a
   // row code would otherwise spend its bits on.
   at::Tensor k_mean, v_mean;
+  // [B, H_kv, D] f32, or undefined; defined exactly when code.weighted (with the means): K rows are
+  // coded as k_weight ⊙ (k - k_mean) and read as decoded / k_weight + k_mean.
+  at::Tensor k_weight;
   bool defined() const { return code.defined(); }
   // Every tensor above, for what treats them alike (row views, byte counts).
-  std::array<at::Tensor*, 6> tensors() { return {&k_codes, &v_codes, &k_side, &v_side, &k_mean, &v_mean}; }
-  std::array<const at::Tensor*, 6> tensors() const { return {&k_codes, &v_codes, &k_side, &v_side, &k_mean, &v_mean}; }
+  std::array<at::Tensor*, 7> tensors() { return {&k_codes, &v_codes, &k_side, &v_side, &k_mean, &v_mean, &k_weight}; }
+  std::array<const at::Tensor*, 7> tensors() const {
+    return {&k_codes, &v_codes, &k_side, &v_side, &k_mean, &v_mean, &k_weight};
+  }
 };
 
 // Codes rows of a dense cache into coded rows: for each t, the K and V rows at slot src_slots[t]

@@ -33,6 +33,8 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
     KAKEYA_CHECK(!(rp.full && rp.full_code.defined()),
                  "KV cache: full-attention layers are either restored or coded (full_code "
                      << ops::row_code_name(rp.full_code) << ")");
+    KAKEYA_CHECK(!rp.region_code.weighted, "KV cache: restored regions take unweighted codes (region_code "
+                                               << ops::row_code_name(rp.region_code) << "; pwB is for full-attention rows)");
   }
   auto iopt = at::TensorOptions().dtype(at::kLong).device(opt.device);
   auto setup = [&](TypeState& s, bool sliding) {
@@ -98,6 +100,17 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
       if (st.coded && code.rotated()) {  // the session's means, set by its first forward (code_stored)
         c.k_mean = at::zeros({opt.batch, H, D}, at::TensorOptions().dtype(at::kFloat).device(opt.device));
         c.v_mean = at::zeros_like(c.k_mean);
+        if (code.weighted) {
+          KAKEYA_CHECK(l < (int64_t)rp.full_k_weight.size() && rp.full_k_weight[l].defined(),
+                       "KV cache: layer " << l << " codes its rows as " << ops::row_code_name(code)
+                                          << " but has no K weights (restore policy full_k_weight)");
+          const at::Tensor& w = rp.full_k_weight[l];
+          KAKEYA_CHECK(w.dim() == 2 && w.size(0) == H && w.size(1) == D,
+                       "KV cache: layer " << l << " K weights " << w.sizes() << ", expected [" << H << ", " << D << "]");
+          KAKEYA_CHECK(w.gt(0).all().item<bool>() && w.isfinite().all().item<bool>(),
+                       "KV cache: layer " << l << " K weights must be finite and > 0");
+          c.k_weight = w.to(at::TensorOptions().dtype(at::kFloat).device(opt.device)).unsqueeze(0).expand({opt.batch, H, D}).contiguous();
+        }
       }
       k_.push_back(at::zeros({opt.batch, H, st.ring + st.held, D}, fopt));
       v_.push_back(at::zeros({opt.batch, H, st.ring + st.held, D}, fopt));
@@ -114,12 +127,14 @@ std::pair<at::Tensor, at::Tensor> KVCache::attend_kv(int64_t layer) const {
   const ops::CodedSlots& c = codes_[layer];
   if (!c.defined()) return {k_[layer], v_[layer]};
   const auto dt = k_[layer].scalar_type();
-  auto rows = [&](const at::Tensor& codes, const at::Tensor& side, const at::Tensor& mean) {
+  auto rows = [&](const at::Tensor& codes, const at::Tensor& side, const at::Tensor& mean, const at::Tensor& weight) {
     if (!mean.defined()) return ops::dequantize_rows(codes, side, c.code, dt);
-    return (ops::dequantize_rows(codes, side, c.code, at::kFloat) + mean.unsqueeze(2)).to(dt);
+    auto x = ops::dequantize_rows(codes, side, c.code, at::kFloat);
+    if (weight.defined()) x = x / weight.unsqueeze(2);
+    return (x + mean.unsqueeze(2)).to(dt);
   };
-  return {at::cat({k_[layer], rows(c.k_codes, c.k_side, c.k_mean)}, 2),
-          at::cat({v_[layer], rows(c.v_codes, c.v_side, c.v_mean)}, 2)};
+  return {at::cat({k_[layer], rows(c.k_codes, c.k_side, c.k_mean, c.k_weight)}, 2),
+          at::cat({v_[layer], rows(c.v_codes, c.v_side, c.v_mean, at::Tensor())}, 2)};
 }
 
 const at::Tensor& KVCache::slot_positions(int64_t layer) const { return state(layer).pos; }

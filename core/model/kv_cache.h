@@ -67,6 +67,9 @@ struct RestorePolicy {
   std::vector<bool> drop;
   int64_t sink = 0;
   ops::RowCode region_code;  // defined: restored regions stored as coded rows (else in the cache dtype)
+  // full_code.weighted: per layer, the K weights of its coded rows ([H_kv, D] f32, any device;
+  // calib/calibrate.h k_weights); read on the full-attention layers, which must all have one.
+  std::vector<at::Tensor> full_k_weight;
   bool enabled() const { return window > 0; }
   bool drops(int64_t layer) const { return layer < (int64_t)drop.size() && drop[layer]; }
 };

@@ -383,10 +383,11 @@ __device__ __forceinline__ void warp_fwht(float* v, int lane) {
 // holding VPL consecutive values (whose codes are the lane's VPL·bits/8 bytes of the row): no
 // barriers. The arithmetic follows ops::quantize_rows step for step (the norm's sum order aside).
 // held: when not null, the row is also copied there as it is. mean: when not null, coded is
-// row - mean ([D] f32).
+// row - mean ([D] f32); weight: when not null, that times weight ([D] f32, a weighted code).
 template <typename T, int VPL>
 __device__ __forceinline__ void warp_rot_code(const T* row, int bits, uint8_t* __restrict__ codes, float* __restrict__ side,
-                                              T* held, const float* __restrict__ mean, int lane) {
+                                              T* held, const float* __restrict__ mean, const float* __restrict__ weight,
+                                              int lane) {
   constexpr int D = VPL * 32;
   float v[VPL];
   float ss = 0.f;
@@ -396,6 +397,7 @@ __device__ __forceinline__ void warp_rot_code(const T* row, int bits, uint8_t* _
     if (held) held[lane * VPL + i] = x;
     v[i] = from_t<T>(x);
     if (mean) v[i] -= mean[lane * VPL + i];
+    if (weight) v[i] *= weight[lane * VPL + i];
     ss += v[i] * v[i];
     v[i] *= rot_sign(lane * VPL + i);
   }
@@ -430,12 +432,12 @@ __device__ __forceinline__ void warp_rot_code(const T* row, int bits, uint8_t* _
 // warp_rot_code for a head dim known at run time (64, 128, 256 or 512).
 template <typename T>
 __device__ __forceinline__ void warp_rot_code_d(const T* row, int D, int bits, uint8_t* codes, float* side, T* held,
-                                                const float* mean, int lane) {
+                                                const float* mean, const float* weight, int lane) {
   switch (D) {
-    case 64: warp_rot_code<T, 2>(row, bits, codes, side, held, mean, lane); break;
-    case 128: warp_rot_code<T, 4>(row, bits, codes, side, held, mean, lane); break;
-    case 256: warp_rot_code<T, 8>(row, bits, codes, side, held, mean, lane); break;
-    default: warp_rot_code<T, 16>(row, bits, codes, side, held, mean, lane); break;
+    case 64: warp_rot_code<T, 2>(row, bits, codes, side, held, mean, weight, lane); break;
+    case 128: warp_rot_code<T, 4>(row, bits, codes, side, held, mean, weight, lane); break;
+    case 256: warp_rot_code<T, 8>(row, bits, codes, side, held, mean, weight, lane); break;
+    default: warp_rot_code<T, 16>(row, bits, codes, side, held, mean, weight, lane); break;
   }
 }
 
@@ -518,7 +520,7 @@ __global__ void restore_store_kernel(const T* __restrict__ k_raw, const T* __res
     if (warp < 2)
       warp_rot_code_d<T>(warp ? vr : kr, D, L.bits, warp ? vc : kc,
                          reinterpret_cast<float*>((__half*)(warp ? L.vs : L.ks) + h * L.side_head_stride + slot * 2),
-                         (T*)nullptr, nullptr, threadIdx.x & 31);
+                         (T*)nullptr, nullptr, nullptr, threadIdx.x & 31);
     return;
   }
   const int64_t sh = D / 16;
@@ -541,12 +543,13 @@ void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t
 // at slot src[t] of head h into row dst[t], and copies them to slot sink_slot0 + dst[t] when
 // dst[t] < sink; src, dst are row b's from b·idx_bs (idx_bs 0: shared by the rows). k, v: [B, Hkv, S, D] (strides cache_bs, cache_hs); codes [B, Hkv, R, cb] and
 // side [B, Hkv, R, sh halves], contiguous; km, vm: [B, Hkv, D] f32 means coded rows leave out
-// (rotated codes; nullptr: none). 64 threads: a rotated code takes a warp per row (K, V).
+// (rotated codes; nullptr: none); kw: [B, Hkv, D] f32 weights of K rows (weighted codes; nullptr:
+// none). 64 threads: a rotated code takes a warp per row (K, V).
 template <typename T>
 __global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int64_t* __restrict__ src,
                                  const int64_t* __restrict__ dst, int idx_bs, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs,
-                                 const float* km, const float* vm, int Hkv, int R, int D, bool rotated, int bits,
-                                 int64_t sink, int64_t sink_slot0) {
+                                 const float* km, const float* vm, const float* kw, int Hkv, int R, int D, bool rotated,
+                                 int bits, int64_t sink, int64_t sink_slot0) {
   extern __shared__ float row_f[];  // affine: the row in T
   const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   src += (int64_t)b * idx_bs;
@@ -560,7 +563,8 @@ __global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs,
     warp_rot_code_d<T>(x + base + src[t] * D, D, bits, (kv ? vc : kc) + r * cb,
                        reinterpret_cast<float*>((kv ? vs : ks) + r * 2),
                        p < sink ? x + base + (sink_slot0 + p) * D : nullptr,
-                       mean ? mean + ((int64_t)b * Hkv + h) * D : nullptr, threadIdx.x & 31);
+                       mean ? mean + ((int64_t)b * Hkv + h) * D : nullptr,
+                       !kv && kw ? kw + ((int64_t)b * Hkv + h) * D : nullptr, threadIdx.x & 31);
     return;
   }
   T* row = reinterpret_cast<T*>(row_f);
@@ -579,11 +583,12 @@ __global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs,
 
 template <typename T>
 void launch_code_rows(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int64_t* src, const int64_t* dst,
-                      int idx_bs, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs, const float* km, const float* vm, int B, int Hkv,
-                      int Tn, int R, int D, bool rotated, int bits, int64_t sink, int64_t sink_slot0, cudaStream_t s) {
+                      int idx_bs, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs, const float* km, const float* vm,
+                      const float* kw, int B, int Hkv, int Tn, int R, int D, bool rotated, int bits, int64_t sink,
+                      int64_t sink_slot0, cudaStream_t s) {
   dim3 grid(Tn, Hkv, B);
   code_rows_kernel<T><<<grid, 64, rotated ? 0 : D * sizeof(T), s>>>(k, v, cache_bs, cache_hs, src, dst, idx_bs, kc, vc, ks, vs,
-                                                                   km, vm, Hkv, R, D, rotated, bits, sink, sink_slot0);
+                                                                   km, vm, kw, Hkv, R, D, rotated, bits, sink, sink_slot0);
 }
 
 // Coded rows back to dense ones (ops::dequantize_rows, the reference): one warp per row of
@@ -651,6 +656,7 @@ struct CodedRegion {
   const __half* vs = nullptr;
   const float* km = nullptr;  // rotated codes: [B, Hkv, D] f32 means the rows left out (nullptr: none)
   const float* vm = nullptr;
+  const float* kw = nullptr;  // weighted codes: [B, Hkv, D] f32 K weights (rows read as decoded / kw + km)
   int bits = 0, ring = 0, rows = 0;
   bool rotated = false;
 };
@@ -687,7 +693,9 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
       for (int i = 0; i < VPL; ++i) qmu += qv[i] * km[i];
       qmu = warp_sum(qmu);
     }
-    for (int i = 0; i < VPL; ++i) qr[i] = qv[i] * rot_sign(lane * VPL + i);
+    // Weighted rows: q·(x̂'/w) = (q/w)·x̂', so the query is divided by the weights before its rotation.
+    const float* kw = cr.kw ? cr.kw + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
+    for (int i = 0; i < VPL; ++i) qr[i] = (kw ? qv[i] / kw[i] : qv[i]) * rot_sign(lane * VPL + i);
     warp_fwht<VPL>(qr, lane);
     if (threadIdx.x < (1 << cr.bits)) lv[threadIdx.x] = rot_level(cr.bits, threadIdx.x);
     __syncthreads();

@@ -212,11 +212,13 @@ void check_coded_slots(const CodedSlots& c, int64_t B, int64_t Hkv, int64_t D, c
               what, ": side values f16 [.., ", side_halves(D, c.code), "] expected, got ", c.k_side.sizes());
   TORCH_CHECK(c.k_mean.defined() == c.v_mean.defined() && (!c.k_mean.defined() || c.code.rotated()), what,
               ": means go with rotated codes, both K and V");
-  for (const at::Tensor* m : {&c.k_mean, &c.v_mean})
+  TORCH_CHECK(c.k_weight.defined() == c.code.weighted && (!c.code.weighted || c.k_mean.defined()), what, ": ",
+              row_code_name(c.code), " rows ", c.code.weighted ? "need k_weight and means" : "take no k_weight");
+  for (const at::Tensor* m : {&c.k_mean, &c.v_mean, &c.k_weight})
     if (m->defined()) {
       check_cuda(*m, what);
       TORCH_CHECK(m->scalar_type() == at::kFloat && m->dim() == 3 && m->size(0) == B && m->size(1) == Hkv && m->size(2) == D,
-                  what, ": means f32 [", B, ", ", Hkv, ", ", D, "] expected, got ", m->sizes());
+                  what, ": means and weights f32 [", B, ", ", Hkv, ", ", D, "] expected, got ", m->sizes());
     }
 }
 // The activation dtype a RestoreStore layer works in: its dense caches', or its sinks' ring when coded.
@@ -242,6 +244,8 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
     TORCH_CHECK(!a.v_norm.defined() && !a.v_from_k, "RestoreStore layer ", i,
                 ": stores raw v from its own rows (no v_norm, no K=V layers)");
     if (cs.defined()) {
+      TORCH_CHECK(!cs.code.weighted, "RestoreStore layer ", i, ": restored regions take unweighted codes, got ",
+                  row_code_name(cs.code));
       check_coded_slots(cs, 1, a.num_kv_heads, a.head_dim, "RestoreStore codes");
     } else {
       check_cache_rows(kc, kc, "RestoreStore k_cache");
@@ -364,7 +368,8 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
                            dst_rows.data_ptr<int64_t>(), per_row ? (int)Tn : 0, to.k_codes.data_ptr<uint8_t>(), to.v_codes.data_ptr<uint8_t>(),
                            reinterpret_cast<__half*>(to.k_side.data_ptr()), reinterpret_cast<__half*>(to.v_side.data_ptr()),
                            to.k_mean.defined() ? to.k_mean.data_ptr<float>() : nullptr,
-                           to.v_mean.defined() ? to.v_mean.data_ptr<float>() : nullptr, (int)B, (int)Hkv, (int)Tn, (int)to.k_codes.size(2), (int)D, to.code.rotated(), to.code.bits,
+                           to.v_mean.defined() ? to.v_mean.data_ptr<float>() : nullptr,
+                           to.k_weight.defined() ? to.k_weight.data_ptr<float>() : nullptr, (int)B, (int)Hkv, (int)Tn, (int)to.k_codes.size(2), (int)D, to.code.rotated(), to.code.bits,
                            sink, sink_slot0, at::cuda::getCurrentCUDAStream());
   });
 }
@@ -426,6 +431,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
       cr.km = cs.k_mean.data_ptr<float>();
       cr.vm = cs.v_mean.data_ptr<float>();
     }
+    if (cs.k_weight.defined()) cr.kw = cs.k_weight.data_ptr<float>();
     cr.ring = (int)k.size(2);
     cr.rows = (int)cs.k_codes.size(2);
   } else {
