@@ -245,11 +245,8 @@ KWeightsResult finish_k_weights(const KWeightAccumulator& acc, const ModelConfig
     // Pair energies: coordinates i and i + rot/2 rotate together; the rest pass through alone.
     const int64_t h = rope_inv_freq(cfg.rope(l), D).size(0);
     auto pair = [&](const at::Tensor& e) {
-      auto p = e.clone();
       auto s = e.slice(1, 0, h) + e.slice(1, h, 2 * h);
-      p.slice(1, 0, h).copy_(s);
-      p.slice(1, h, 2 * h).copy_(s);
-      return p;
+      return at::cat({s, s, e.slice(1, 2 * h)}, 1);
     };
     auto qp = pair(q), kp = pair(k);
     qp = at::maximum(qp, qp.amax(1, true) * 1e-9);  // a coordinate no query reads still gets a (tiny) weight

@@ -518,9 +518,7 @@ KVCacheOptions restored_cache_options(const Model& v, const FTheta* f, const Res
     if (o.full_code.weighted) {
       KAKEYA_CHECK(!o.calib.empty(), "decode: --full-code " << ops::row_code_name(o.full_code)
                                                             << " needs --calib DIR, a bundle with K weights (kakeya calibrate k-weights)");
-      const CalibBundle b = CalibBundle::load(o.calib, v.config());  // refuses another model's bundle
-      for (int64_t l = 0; l < v.config().num_layers; ++l)
-        co.restore.full_k_weight.push_back(v.config().is_sliding(l) ? at::Tensor() : b.k_weight(l));
+      co.restore.full_k_weight = CalibBundle::load_k_weights(o.calib, v.config());  // refuses another model's bundle
     }
   }
   co.restore.max_chunk = o.resolved_chunk();

@@ -606,14 +606,20 @@ TEST(Codec, KWeightsMatchCapturedQueriesAndKeys) {
   }
   ASSERT_GT(full, 0) << "the fixture has no full-attention layer";
   auto dir = temp_dir("kw");
+  CalibBundle::prepare_dir(dir, cfg);
+  test::expect_error([&] { CalibBundle::load_k_weights(dir, cfg); }, "bundle has no K weights");
   calib::save_k_weights(dir, cfg, r, {{"data", "random ids"}});
   auto b = CalibBundle::load(dir, cfg);
   ASSERT_TRUE(b.has_k_weights());
+  const auto alone = CalibBundle::load_k_weights(dir, cfg);  // what the decoder reads
+  ASSERT_EQ((int64_t)alone.size(), cfg.num_layers);
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     if (cfg.is_sliding(l)) {
       test::expect_error([&] { b.k_weight(l); }, "no K weights for layer " + std::to_string(l));
+      EXPECT_FALSE(alone[l].defined());
     } else {
       EXPECT_TRUE(b.k_weight(l).equal(r.weight[l]));
+      EXPECT_TRUE(alone[l].equal(r.weight[l]));
     }
   }
   test::expect_error([&] { calib::finish_k_weights(acc, cfg, 0.0); }, "--power expected in (0, 4]");

@@ -67,7 +67,7 @@ void register_bench(CLI::App& app) {
       ->capture_default_str();
   c->add_option("--full-attn", o->rf.full_attn, "--restored: exact | restored | codec")->capture_default_str();
   c->add_option("--restored-code", o->rf.region_code,
-                "--restored: restored regions stored as none | " + ops::row_code_names())
+                "--restored: restored regions stored as none | int8 | int4 | lm5 | lm4 | lm3 | lm2 (no weighted pwB)")
       ->capture_default_str();
   c->add_option("--full-code", o->rf.full_code, "--restored --full-attn codec: full-attention rows as " + ops::row_code_names())
       ->capture_default_str();

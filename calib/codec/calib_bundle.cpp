@@ -131,15 +131,48 @@ std::vector<float> CalibBundle::read_f32(const std::string& path, int64_t expect
   return v;
 }
 
+namespace {
+
+void finite(const at::Tensor& t, const std::string& what) {
+  KAKEYA_CHECK(at::isfinite(t).all().item<bool>(), what << ": contains NaN or Inf");
+}
+
+// The manifest entry "k_weights" of a bundle's entries: per layer [n_kv, D] (undefined on sliding
+// layers); empty when the bundle has none.
+std::vector<at::Tensor> read_k_weights(const std::string& dir, const json& ent, const ModelConfig& cfg) {
+  std::vector<at::Tensor> out;
+  if (!ent.contains("k_weights")) return out;
+  const std::string path = dir + "/" + ent["k_weights"].value("file", "k_weights.safetensors");
+  auto st = TensorStore::open_file(path);
+  for (int64_t l = 0; l < cfg.num_layers; ++l) {
+    const std::string name = "layer_" + std::to_string(l) + "_k_weight";
+    if (cfg.is_sliding(l)) {
+      out.emplace_back();
+      continue;
+    }
+    auto w = st.get(name, {cfg.kv_heads(l), cfg.layer_head_dim[l]}).to(at::kFloat).clone();
+    finite(w, path + " tensor " + name);
+    KAKEYA_CHECK(w.gt(0).all().item<bool>(), path << " tensor " << name << ": weights must be > 0");
+    out.push_back(w);
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> CalibBundle::load_k_weights(const std::string& dir, const ModelConfig& cfg) {
+  const json m = check_manifest(dir, cfg);
+  auto w = read_k_weights(dir, m.value("entries", json::object()), cfg);
+  KAKEYA_CHECK(!w.empty(), dir << ": bundle has no K weights (run `kakeya calibrate k-weights --out " << dir << "`)");
+  return w;
+}
+
 CalibBundle CalibBundle::load(const std::string& dir, const ModelConfig& cfg) {
   CalibBundle b;
   b.dir_ = dir;
   b.manifest_ = check_manifest(dir, cfg);
   const json& ent = b.manifest_.value("entries", json::object());
   const int64_t L = cfg.num_layers;
-  auto finite = [](const at::Tensor& t, const std::string& what) {
-    KAKEYA_CHECK(at::isfinite(t).all().item<bool>(), what << ": contains NaN or Inf");
-  };
   if (ent.contains("sigma_q")) {
     const std::string path = dir + "/" + ent["sigma_q"].value("file", "q_calib.safetensors");
     auto st = TensorStore::open_file(path);
@@ -153,21 +186,7 @@ CalibBundle CalibBundle::load(const std::string& dir, const ModelConfig& cfg) {
       finite(b.inv_chol_.back(), path + " tensor " + p + "inv_chol");
     }
   }
-  if (ent.contains("k_weights")) {
-    const std::string path = dir + "/" + ent["k_weights"].value("file", "k_weights.safetensors");
-    auto st = TensorStore::open_file(path);
-    for (int64_t l = 0; l < L; ++l) {
-      const std::string name = "layer_" + std::to_string(l) + "_k_weight";
-      if (cfg.is_sliding(l)) {
-        b.k_weight_.emplace_back();
-        continue;
-      }
-      auto w = st.get(name, {cfg.kv_heads(l), cfg.layer_head_dim[l]}).to(at::kFloat).clone();
-      finite(w, path + " tensor " + name);
-      KAKEYA_CHECK(w.gt(0).all().item<bool>(), path << " tensor " << name << ": weights must be > 0");
-      b.k_weight_.push_back(w);
-    }
-  }
+  b.k_weight_ = read_k_weights(dir, ent, cfg);
   if (ent.contains("basis")) {
     const std::string path = dir + "/" + ent["basis"].value("file", "pca_basis.safetensors");
     auto st = TensorStore::open_file(path);

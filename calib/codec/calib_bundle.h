@@ -46,6 +46,10 @@ class CalibBundle {
   static CalibBundle load(const std::string& dir, const ModelConfig& cfg);
   // Checks only the manifest's model identity (what load() does first).
   static nlohmann::json check_manifest(const std::string& dir, const ModelConfig& cfg);
+  // The K weights alone (what the decoder's weighted rows read, without the bundle's bases and
+  // tables): per layer [n_kv, D] f32 on the CPU, undefined on sliding layers. Checks the model
+  // identity as load() does; throws naming the bundle when it has no K weights.
+  static std::vector<at::Tensor> load_k_weights(const std::string& dir, const ModelConfig& cfg);
   // Before a job writes into dir: creates dir/manifest.json for `cfg` if absent,
   // refuses a directory holding another model's bundle.
   static void prepare_dir(const std::string& dir, const ModelConfig& cfg);
