@@ -384,7 +384,9 @@ TEST_P(CudaOps, DecodeAttention) {
                  Case{4, 1, 256, 333, 0, 0.0, 16, false, 0}, Case{8, 1, 64, 201, 0, 0.0, 13, true, 0},
                  Case{4, 1, 256, 399, 512, 0.0, 16, false, 64}, Case{6, 3, 128, 250, 0, 0.0, 7, false, 40},
                  Case{4, 2, 64, 517, 0, 0.0, 5, false, 70}, Case{4, 1, 256, 130, 0, 0.0, 1, false, 64},
-                 Case{4, 1, 256, 399, 512, 0.0, 3, false, 64, 9}, Case{6, 3, 128, 250, 0, 0.0, 1, false, 40, 77}}) {
+                 Case{4, 1, 256, 399, 512, 0.0, 3, false, 64, 9}, Case{6, 3, 128, 250, 0, 0.0, 1, false, 40, 77},
+                 // Enough query rows x keys for full 64-key blocks (small grids take blocks of 8-32 keys).
+                 Case{4, 1, 256, 2049, 0, 0.0, 16, false, 0}}) {
     const int64_t B = 2, T = c.T;
     auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
     auto k = at::randn({B, c.Hkv, c.S, c.D}).to(dt()), v = at::randn({B, c.Hkv, c.S, c.D}).to(dt());
@@ -487,7 +489,9 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
                  // Weighted rows (pwB): K coded as w ⊙ (k - mean), read as decoded / w + mean.
                  Case{4, 1, 256, 271, 515, 3, 0, 256, -1, {RowKind::Rotated, 4, true}, 4},
                  Case{6, 2, 64, 19, 45, 3, 50, 13, -1, {RowKind::Rotated, 4, true}, 30},
-                 Case{8, 1, 128, 37, 101, 16, 0, 30, -1, {RowKind::Rotated, 2, true}}}) {
+                 Case{8, 1, 128, 37, 101, 16, 0, 30, -1, {RowKind::Rotated, 2, true}},
+                 // 64-key blocks over coded rows (the grid is large enough).
+                 Case{4, 1, 256, 271, 515, 16, 0, 256, -1, {RowKind::Rotated, 4, true}, 4}}) {
     const int64_t B = 2, T = c.T, S = c.ring + c.rows;
     auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
     auto k = at::randn({B, c.Hkv, S, c.D}).to(dt()), v = (at::randn({B, c.Hkv, S, c.D}) * 2).to(dt());

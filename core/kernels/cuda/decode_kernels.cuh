@@ -662,14 +662,14 @@ struct CodedRegion {
 };
 
 constexpr int kAttnWarps = 8;
-constexpr int kAttnChunk = 64;  // keys per block: 8 per warp keeps each warp's serial chain short
+constexpr int kAttnChunk = 64;  // keys per block at most: 8 per warp keeps each warp's serial chain short
 
 template <typename T, int VPL>  // VPL: values per lane = D / 32
 __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            const int64_t* __restrict__ slot_pos, int sp_bs, const int64_t* __restrict__ q_pos,
                                            int qstride, int qp_bs, const bool* __restrict__ in_restored, int rwin, int64_t code_from,
                                            int64_t keep_below, CodedRegion cr, float* __restrict__ partial, int Tq,
-                                           int Hq, int Hkv, int S, int window, float scale, float softcap) {
+                                           int Hq, int Hkv, int S, int keys, int window, float scale, float softcap) {
   constexpr int D = VPL * 32;
   const int chunk = blockIdx.x, bh = blockIdx.y, nchunks = gridDim.x;  // bh: row (b, t, hq) of q
   const int b = bh / (Tq * Hq), t = (bh / Hq) % Tq, hq = bh % Hq, hk = hq / (Hq / Hkv);
@@ -705,7 +705,7 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
   const T* kb = k + ((int64_t)b * Hkv + hk) * dense * D;
   const T* vb = v + ((int64_t)b * Hkv + hk) * dense * D;
   const int64_t crow0 = ((int64_t)b * Hkv + hk) * cr.rows;  // this head's first coded row
-  const int start = chunk * kAttnChunk, end = min(S, start + kAttnChunk);
+  const int start = chunk * keys, end = min(S, start + keys);
   for (int j = start + warp; j < end; j += kAttnWarps) {
     // Both loads issue together: the restored-region flag must not add a dependent load
     // to every key's chain on restored layers.
@@ -792,14 +792,19 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
 }
 
 // The chunks' (max, sum) pairs are read once, in parallel, and each chunk's weight
-// exp(m_c - M) kept in shared memory, so the per-dimension sums below issue their loads
-// back to back: the combine's time hardly grows with the number of chunks (long contexts,
-// and restored layers whose buffer holds the exact ring and the restored region).
+// exp(m_c - M) kept in shared memory. Block (row, slice) sums kCombineDims dimensions of one
+// query row, its warps taking every kAttnWarps-th chunk (lanes read consecutive dimensions of a
+// chunk), then adds the warps' sums: each thread waits on nchunks / kAttnWarps loads, not nchunks.
+// (One block per row, a thread per dimension walking every chunk, took 10 us for the 64-72
+// chunks of a sliding layer's step with small key blocks: H100, ncu.)
+constexpr int kCombineDims = 32;
 template <typename T>
 __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T* __restrict__ out, int D, int nchunks) {
   extern __shared__ float wgt[];  // [nchunks]: exp(m_c - M), 0 for empty chunks
   __shared__ float red[32];
-  const int bh = blockIdx.x;
+  __shared__ float sums[kAttnWarps][kCombineDims];
+  const int bh = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int d = blockIdx.y * kCombineDims + lane;
   const float* p = partial + (int64_t)bh * nchunks * (D + 2);
   float m = -INFINITY;
   for (int c = threadIdx.x; c < nchunks; c += blockDim.x) m = fmaxf(m, p[c * (D + 2) + D]);
@@ -812,23 +817,39 @@ __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T*
     l += w == 0.f ? 0.f : p[c * (D + 2) + D + 1] * w;
   }
   const float L = block_sum(l, red);  // its barriers also publish wgt
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float a = 0.f;
+  float a = 0.f;
+  if (d < D) {
 #pragma unroll 4
-    for (int c = 0; c < nchunks; ++c) a += p[c * (D + 2) + d] * wgt[c];
-    out[(int64_t)bh * D + d] = to_t<T>(L > 0.f ? a / L : 0.f);
+    for (int c = warp; c < nchunks; c += kAttnWarps) a += p[c * (D + 2) + d] * wgt[c];
+  }
+  sums[warp][lane] = a;
+  __syncthreads();
+  if (warp == 0 && d < D) {
+    float t = 0.f;
+    for (int w = 0; w < kAttnWarps; ++w) t += sums[w][lane];
+    out[(int64_t)bh * D + d] = to_t<T>(L > 0.f ? t / L : 0.f);
   }
 }
 
-inline int decode_attn_chunks(int S) { return (S + kAttnChunk - 1) / kAttnChunk; }
+// Keys per block. A step's attention is bound by each warp's chain of dependent loads (a key's
+// slot position, then its row), not by bandwidth: 64 keys keep the combine's partials few on long
+// caches, but a short one with few query rows (a decode step on a sliding layer: 512-640 slots,
+// 4 query heads) would fill 32 of the GPU's SMs, each warp walking 8 keys. Such a grid takes
+// blocks of 32, 16 or 8 keys until it has two blocks per SM.
+inline int decode_attn_keys(int S, int rows, int sms) {
+  int keys = kAttnChunk;
+  while (keys > kAttnWarps && (int64_t)((S + keys - 1) / keys) * rows < 2 * sms) keys /= 2;
+  return keys;
+}
+inline int decode_attn_chunks(int S, int keys) { return (S + keys - 1) / keys; }
 
 // Returns false if D is not one of the supported head dims (64, 128, 256, 512).
 template <typename T>
 bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs, const int64_t* q_pos,
                              int qstride, int qp_bs, const bool* in_restored, int rwin, int64_t code_from, int64_t keep_below,
                              const CodedRegion& cr, float* partial, T* out, int B, int Tq, int Hq, int Hkv, int S, int D,
-                             int window, float scale, float softcap, cudaStream_t s) {
-  const int nchunks = decode_attn_chunks(S);
+                             int keys, int window, float scale, float softcap, cudaStream_t s) {
+  const int nchunks = decode_attn_chunks(S, keys);
   dim3 grid(nchunks, B * Tq * Hq);
   const int threads = kAttnWarps * 32;
 #define KAKEYA_ATTN_CASE(DIM, VPL)                                                                                  \
@@ -836,14 +857,15 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
     decode_attn_partial_kernel<T, VPL><<<grid, threads, 0, s>>>(q, k, v, slot_pos, sp_bs, q_pos, qstride, qp_bs,        \
                                                                  in_restored, rwin,                                   \
                                                                  code_from, keep_below, cr, partial, Tq, Hq, Hkv, S,  \
-                                                                 window, scale, softcap);                             \
+                                                                 keys, window, scale, softcap);                             \
     break;
   switch (D) {
     KAKEYA_ATTN_CASE(64, 2) KAKEYA_ATTN_CASE(128, 4) KAKEYA_ATTN_CASE(256, 8) KAKEYA_ATTN_CASE(512, 16)
     default: return false;
   }
 #undef KAKEYA_ATTN_CASE
-  decode_attn_combine_kernel<T><<<B * Tq * Hq, D < 256 ? D : 256, nchunks * sizeof(float), s>>>(partial, out, D, nchunks);
+  const dim3 cgrid(B * Tq * Hq, (D + kCombineDims - 1) / kCombineDims);
+  decode_attn_combine_kernel<T><<<cgrid, kAttnWarps * 32, nchunks * sizeof(float), s>>>(partial, out, D, nchunks);
   return true;
 }
 

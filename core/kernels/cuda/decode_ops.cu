@@ -459,7 +459,10 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     in_restored = copies.in_restored.data_ptr<bool>();
   }
   c10::cuda::CUDAGuard g(q.device());
-  auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S), D + 2}, q.options().dtype(at::kFloat));
+  // From one sequence's query rows, not the batch's: a session's result must not depend on the
+  // sessions batched with it (the key blocks fix the order of the softmax sums).
+  const int keys = k::decode_attn_keys((int)S, (int)(T * Hq), at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S, keys), D + 2}, q.options().dtype(at::kFloat));
   auto out = at::empty({B, T, Hq * D}, q.options());
   bool ok = false;
   dispatch(q.scalar_type(), [&](auto* tag) {
@@ -469,7 +472,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
                                         qp_rows || q_pos.numel() != 1 ? 1 : 0, qp_rows ? (int)T : 0, in_restored,
                                         (int)copies.window, copies.code_from,
                                         in_restored ? copies.keep_below : (int64_t)-1, cr, partial.data_ptr<float>(), ptr<T_>(out),
-                                        B, T, Hq, Hkv, S, D, window, scale, softcap, at::cuda::getCurrentCUDAStream());
+                                        B, T, Hq, Hkv, S, D, keys, window, scale, softcap, at::cuda::getCurrentCUDAStream());
   });
   TORCH_CHECK(ok, "decode_attention: head dim ", D, " not supported (64, 128, 256, 512)");
   return out;
