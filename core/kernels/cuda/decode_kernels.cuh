@@ -466,6 +466,23 @@ __device__ __forceinline__ void load_bytes(const uint8_t* __restrict__ p, uint8_
   else b[0] = p[0];
 }
 
+// load_rotated for 4-bit rows: one load of the lane's VPL / 2 code bytes, and one lookup per
+// byte in lv2, the levels of both its nibbles (value 2i: byte i's low nibble, as load_rotated).
+// The attention kernel is bound by its loads: a row took VPL / 2 byte loads and VPL lookups.
+template <int VPL>
+__device__ __forceinline__ void load_rotated4(const uint8_t* __restrict__ codes, const float* __restrict__ side,
+                                              int lane, const float2* lv2, float* out) {
+  alignas(8) uint8_t b[VPL / 2];
+  load_bytes<VPL / 2>(codes + lane * (VPL / 2), b);
+  const float g = *side;
+#pragma unroll
+  for (int i = 0; i < VPL / 2; ++i) {
+    const float2 t = lv2[b[i]];
+    out[2 * i] = g * t.x;
+    out[2 * i + 1] = g * t.y;
+  }
+}
+
 // The VPL values lane·VPL .. lane·VPL + VPL - 1 of a coded row (VPL even, within one group):
 // one load of the lane's code bytes and one of its group's (scale, min) pair.
 template <int VPL>
@@ -683,7 +700,8 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     accr[i] = 0.f;
   }
   const bool rot = cr.kc && cr.rotated;  // the same for the whole grid
-  __shared__ float lv[32];  // the rotated code's levels (up to 5 bits)
+  __shared__ float lv[32];     // the rotated code's levels (up to 5 bits)
+  __shared__ float2 lv2[256];  // 4-bit codes: the levels of a byte's two values
   // Coded rows with means: score q·(x̂ + mean_k) = rot(q)·(g·c) + q·mean_k; value rows add
   // (Σ of their weights)·mean_v once at the end (lc: that sum, rescaled as l is).
   float qmu = 0.f, lc = 0.f;
@@ -698,6 +716,8 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     for (int i = 0; i < VPL; ++i) qr[i] = (kw ? qv[i] / kw[i] : qv[i]) * rot_sign(lane * VPL + i);
     warp_fwht<VPL>(qr, lane);
     if (threadIdx.x < (1 << cr.bits)) lv[threadIdx.x] = rot_level(cr.bits, threadIdx.x);
+    if (cr.bits == 4)
+      for (int x = threadIdx.x; x < 256; x += blockDim.x) lv2[x] = make_float2(rot_level(4, x & 15), rot_level(4, x >> 4));
     __syncthreads();
   }
   float m = -INFINITY, l = 0.f;
@@ -721,8 +741,13 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     float kv[VPL], vv[VPL];
     if (rot && j >= cr.ring) {  // warp-uniform: a rotated row, attended in the rotated frame
       const int64_t r = crow0 + (j - cr.ring);
-      load_rotated<VPL>(cr.kc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.ks) + r, cr.bits, lane, lv, kv);
-      load_rotated<VPL>(cr.vc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.vs) + r, cr.bits, lane, lv, vv);
+      if (cr.bits == 4) {
+        load_rotated4<VPL>(cr.kc + r * (D / 2), reinterpret_cast<const float*>(cr.ks) + r, lane, lv2, kv);
+        load_rotated4<VPL>(cr.vc + r * (D / 2), reinterpret_cast<const float*>(cr.vs) + r, lane, lv2, vv);
+      } else {
+        load_rotated<VPL>(cr.kc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.ks) + r, cr.bits, lane, lv, kv);
+        load_rotated<VPL>(cr.vc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.vs) + r, cr.bits, lane, lv, vv);
+      }
       float sdot = 0.f;
       for (int i = 0; i < VPL; ++i) sdot += qr[i] * kv[i];
       sdot = warp_sum(sdot) + qmu;
