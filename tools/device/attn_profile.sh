@@ -58,7 +58,7 @@ case ${STEP:-decode} in
     N=pw4 run "${W[@]}" --full-attn codec --full-code pw4
     ;;
   prefill)
-    # ~128 chunks of ~3,000 kernels would be too many to profile: skip to the middle of the prompt.
+    # An 8k prompt is 128 chunks of ~830 kernels, too many to profile one by one: skip into the prompt.
     SKIP=${SKIP:-20000}
     echo "== ${NCU[*]} --launch-skip $SKIP -c 2000 $K decode ${R[*]} --max-new-tokens 1 ${W[*]} --full-attn codec --full-code pw4"
     "${NCU[@]}" --launch-skip "$SKIP" -c 2000 $K decode "${R[@]}" --max-new-tokens 1 "${W[@]}" --full-attn codec \

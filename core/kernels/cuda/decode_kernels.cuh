@@ -861,12 +861,12 @@ __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T*
 // caches, but a short one with few query rows (a decode step on a sliding layer: 512-640 slots,
 // 4 query heads) would fill 32 of the GPU's SMs, each warp walking 8 keys. Such a grid takes
 // blocks of 32, 16 or 8 keys until it has two blocks per SM.
+inline int decode_attn_chunks(int S, int keys) { return (S + keys - 1) / keys; }
 inline int decode_attn_keys(int S, int rows, int sms) {
   int keys = kAttnChunk;
-  while (keys > kAttnWarps && (int64_t)((S + keys - 1) / keys) * rows < 2 * sms) keys /= 2;
+  while (keys > kAttnWarps && (int64_t)decode_attn_chunks(S, keys) * rows < 2 * sms) keys /= 2;
   return keys;
 }
-inline int decode_attn_chunks(int S, int keys) { return (S + keys - 1) / keys; }
 
 // Returns false if D is not one of the supported head dims (64, 128, 256, 512).
 template <typename T>
