@@ -59,19 +59,7 @@ void register_bench(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::ExistingFile);
   c->add_flag("--restored", o->restored, "also time the restored decoder (infer/restored.h), ratio vs ar in this run");
-  c->add_option("--drafter", o->rf.drafter, "--restored: DFlash drafter directory, or random[:SEED]")->capture_default_str();
-  c->add_option("--ftheta", o->rf.ftheta, "--restored: f_θ directory, or random[:SEED]")->capture_default_str();
-  c->add_option("--sink", o->rf.sink, "--restored: attention-sink positions")->capture_default_str();
-  c->add_option("--window", o->rf.window, "--restored: exact recent positions")->capture_default_str();
-  c->add_option("--chunk", o->rf.chunk, "--restored: prefill tokens per forward, 1..window (0: window)")
-      ->capture_default_str();
-  c->add_option("--full-attn", o->rf.full_attn, "--restored: exact | restored | codec")->capture_default_str();
-  c->add_option("--restored-code", o->rf.region_code,
-                "--restored: restored regions stored as none | int8 | int4 | lm5 | lm4 | lm3 | lm2 (no weighted pwB)")
-      ->capture_default_str();
-  c->add_option("--full-code", o->rf.full_code, "--restored --full-attn codec: full-attention rows as " + ops::row_code_names())
-      ->capture_default_str();
-  c->add_option("--calib", o->rf.calib, "--restored --full-code pwB: calibration bundle with K weights")->capture_default_str();
+  o->rf.add_restore(c, "--restored: ");
   o->df.add(c);
   c->callback([o] {
     KAKEYA_CHECK(o->llama_bench.empty() == o->ggufs.empty(),

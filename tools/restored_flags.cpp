@@ -1,35 +1,57 @@
 #include "tools/restored_flags.h"
 
+#include <sstream>
+
 #include "core/error.h"
 #include "core/io/fs.h"
 
 namespace kakeya::cli {
 
-void RestoreFlags::add(CLI::App* c, bool with_alpha) {
-  c->add_option("--verifier", verifier, "verifier model directory (HF layout)")->capture_default_str();
-  c->add_option("--drafter", drafter, "DFlash drafter directory, or random[:SEED]")->capture_default_str();
-  c->add_option("--ftheta", ftheta, "f_θ directory (kakeya train-ftheta), or random[:SEED]")->capture_default_str();
-  c->add_option("--sink", sink, "attention-sink positions kept exact")->capture_default_str()->check(CLI::NonNegativeNumber);
-  c->add_option("--window", window, "exact recent positions per query on restored layers")
+namespace {
+
+// The codes a restored region takes: the unweighted row codes (a weighted pwB code's K weights
+// are calibrated for full-attention rows; the KV cache refuses it in a region).
+std::string region_code_names() {
+  std::istringstream names(ops::row_code_names());
+  std::string out, name;
+  while (names >> name)
+    if (name != "|" && !ops::parse_row_code(name, "--restored-code").weighted) out += (out.empty() ? "" : " | ") + name;
+  return out;
+}
+
+}  // namespace
+
+void RestoreFlags::add_restore(CLI::App* c, const std::string& prefix) {
+  c->add_option("--drafter", drafter, prefix + "DFlash drafter directory, or random[:SEED]")->capture_default_str();
+  c->add_option("--ftheta", ftheta, prefix + "f_θ directory (kakeya train-ftheta), or random[:SEED]")->capture_default_str();
+  c->add_option("--sink", sink, prefix + "attention-sink positions kept exact")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  c->add_option("--window", window, prefix + "exact recent positions per query on restored layers")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
-  c->add_option("--chunk", chunk, "prefill tokens per forward, 1..window (0: window)")->capture_default_str();
-  c->add_option("--full-attn", full_attn, "full-attention layers: exact | restored | codec")
+  c->add_option("--chunk", chunk, prefix + "prefill tokens per forward, 1..window (0: window)")->capture_default_str();
+  c->add_option("--full-attn", full_attn, prefix + "full-attention layers: exact | restored | codec")
       ->capture_default_str()
       ->check(CLI::IsMember({"exact", "restored", "codec"}));
   c->add_option("--restored-code", region_code,
-                "restored regions stored as: none (the model dtype) | int8 | int4 (affine, groups of 32) | lm5 | lm4 | lm3 | "
-                "lm2 (rotated rows, Lloyd-Max levels; core/kernels/ops.h)")
+                prefix + "restored regions stored as: none (the model dtype) | " + region_code_names() +
+                    " (intB: affine, groups of 32; lmB: rotated rows, Lloyd-Max levels; core/kernels/ops.h)")
       ->capture_default_str();
   c->add_option("--full-code", full_code,
-                "--full-attn codec: full-attention K/V stored as " + ops::row_code_names() +
+                prefix + "--full-attn codec: full-attention K/V stored as " + ops::row_code_names() +
                     " rows (pwB: lmB with calibrated K weights from --calib)")
       ->capture_default_str();
-  c->add_option("--calib", calib, "--full-code pwB: calibration bundle holding K weights (kakeya calibrate k-weights)")
+  c->add_option("--calib", calib, prefix + "--full-code pwB: calibration bundle holding K weights (kakeya calibrate k-weights)")
       ->capture_default_str();
   c->add_option("--restore-layers", layers,
-                "layers that read restored positions: auto (f_θ's measured list) | all | none (evict-only) | L1,L2,...")
+                prefix + "layers that read restored positions: auto (f_θ's measured list) | all | none (evict-only) | L1,L2,...")
       ->capture_default_str();
+}
+
+void RestoreFlags::add(CLI::App* c, bool with_alpha) {
+  c->add_option("--verifier", verifier, "verifier model directory (HF layout)")->capture_default_str();
+  add_restore(c);
   if (with_alpha)
     c->add_option("--mix-alpha", mix_alpha,
                   "research mode: restored raw K/V = a·true + (1-a)·f_θ (a > 0 keeps the true K/V)")
@@ -46,6 +68,8 @@ RestoreOptions RestoreFlags::options() const {
   o.mix_alpha = mix_alpha;
   o.layers = layers;
   o.region_code = ops::parse_row_code(region_code, "--restored-code");
+  KAKEYA_CHECK(!o.region_code.weighted, "--restored-code: expected none | " << region_code_names() << ", got '" << region_code
+                                                                         << "' (pwB codes are for full-attention rows)");
   o.full_code = ops::parse_row_code(full_code, "--full-code");
   o.calib = calib;
   return o;

@@ -28,7 +28,12 @@ struct RestoreFlags {
   std::string calib = "checkpoints/gemma3-270m/calib";                    // --calib (pwB's K weights)
   double mix_alpha = 0.0;
   DeviceFlags df;
+  // --verifier, add_restore's options, --mix-alpha (with_alpha) and the device flags.
   void add(CLI::App* app, bool with_alpha = true);
+  // The restored decoder's own options (drafter, f_θ, sink, window, chunk, full-attn, codes,
+  // calib, restore-layers), each help line led by `prefix`: a command that times the restored
+  // decoder beside another one names them "--restored: ".
+  void add_restore(CLI::App* app, const std::string& prefix = "");
   RestoreOptions options() const;
   nlohmann::json to_json() const;
 };

@@ -6,6 +6,8 @@
 #   STEP=prefill tools/device/attn_profile.sh  # 2,000 consecutive kernels in the middle of the restored
 #                                              # prefill (window 64, chunk 64, int4 regions, pw4 rows),
 #                                              # summed per kernel and per chunk
+#   STEP=step    tools/device/attn_profile.sh  # every kernel of one AR decode step on a ~1k prompt, summed
+#                                              # per kernel (the run's last step)
 # ncu runs with --cache-control none --clock-control none so a kernel's time is close to its time
 # in the run (small kernels keep their warm L2); every run prints its command first.
 # Env: MODEL (/tmp/models/gemma3-270m), OUT ($OUT or /tmp/attn-profile).
@@ -21,11 +23,20 @@ R=(--device cuda --verifier "$MODEL" --prompts /tmp/attn-profile-prompt.jsonl)
 W=(--mode restored --window 64 --chunk 64 --restored-code int4)
 NCU=(ncu --metrics gpu__time_duration.sum --csv --print-units base --cache-control none --clock-control none)
 
-# Sum a CSV of ncu rows per (kernel, grid): count, mean and total microseconds.
+# Sum a CSV of ncu rows per (kernel, grid): count, mean and total microseconds. LAST_STEP=1: only
+# the run's last decode step (graph replays repeat one kernel sequence: the shortest period the
+# run's tail repeats).
 summarize() {
-  python3 - "$1" <<'PY'
-import csv, sys, collections
+  LAST_STEP=${LAST_STEP:-0} python3 - "$1" <<'PY'
+import csv, os, sys, collections
 rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('"'))]
+if os.environ["LAST_STEP"] == "1":
+    names = [r["Kernel Name"] + r["Grid Size"] for r in rows]
+    period = next((p for p in range(8, len(names) // 2 + 1) if names[-p:] == names[-2 * p:-p]), None)
+    if period is None:
+        sys.exit(f"no repeated decode step among the {len(rows)} kernels profiled")
+    rows = rows[-period:]
+    print(f"last decode step: {period} kernels")
 us = lambda r: float(r["Metric Value"].replace(",", ""))  # ns, with thousands separators
 agg = collections.OrderedDict()
 for r in rows:
@@ -65,5 +76,14 @@ case ${STEP:-decode} in
       --full-code pw4 > "$OUT/ncu_prefill.csv" 2> "$OUT/ncu_prefill.err" || tail -5 "$OUT/ncu_prefill.err"
     summarize "$OUT/ncu_prefill.csv"
     ;;
-  *) echo "STEP: decode or prefill, got ${STEP}"; exit 2 ;;
+  step)
+    python3 -c "
+import json; t = open('data/longeval/docs/01.txt').read()[:4000]
+open('/tmp/attn-profile-prompt.jsonl', 'w').write(json.dumps({'prompt': t}) + '\n')"
+    echo "== ${NCU[*]} $K decode ${R[*]} --max-new-tokens 4 --mode ar"
+    "${NCU[@]}" $K decode "${R[@]}" --max-new-tokens 4 --mode ar > "$OUT/ncu_step_ar.csv" 2> "$OUT/ncu_step_ar.err" ||
+      tail -5 "$OUT/ncu_step_ar.err"
+    LAST_STEP=1 summarize "$OUT/ncu_step_ar.csv"
+    ;;
+  *) echo "STEP: decode, prefill or step, got ${STEP}"; exit 2 ;;
 esac

@@ -727,27 +727,43 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
   const int64_t crow0 = ((int64_t)b * Hkv + hk) * cr.rows;  // this head's first coded row
   const int start = chunk * keys, end = min(S, start + keys);
   for (int j = start + warp; j < end; j += kAttnWarps) {
-    // Both loads issue together: the restored-region flag must not add a dependent load
-    // to every key's chain on restored layers.
+    // Exact and rotated rows: every load of the key issues before its visibility is known (the
+    // addresses depend on j alone), so a warp waits one memory round trip per key, not two (the
+    // slot's position, then its row); an invisible slot's row is read for nothing (every slot has
+    // one). Affine coded rows (intB regions) load behind the test: loading them early made a
+    // sliding layer's step with int4 regions slower (H100, ncu: 6.4 -> 7.1 us), where exact rows
+    // gained (full-attention layer at 8k: 21.8 -> 18.1 us; lm4 / pw4 rows 28.8 / 30.2 -> 25.5 / 27.1).
     const int64_t p = slot_pos[j];
     const bool restored_slot = in_restored && in_restored[j];
+    const bool coded_row = cr.kc && j >= cr.ring;  // warp-uniform
+    const int64_t r = crow0 + (j - cr.ring);       // its row, when coded_row
+    float kv[VPL], vv[VPL];
+    if (coded_row && rot && cr.bits == 4) {
+      load_rotated4<VPL>(cr.kc + r * (D / 2), reinterpret_cast<const float*>(cr.ks) + r, lane, lv2, kv);
+      load_rotated4<VPL>(cr.vc + r * (D / 2), reinterpret_cast<const float*>(cr.vs) + r, lane, lv2, vv);
+    } else if (coded_row && rot) {
+      load_rotated<VPL>(cr.kc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.ks) + r, cr.bits, lane, lv, kv);
+      load_rotated<VPL>(cr.vc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.vs) + r, cr.bits, lane, lv, vv);
+    } else if (!coded_row) {
+      const T* kr = kb + (int64_t)j * D + lane * VPL;
+      const T* vr = vb + (int64_t)j * D + lane * VPL;
+      for (int i = 0; i < VPL; ++i) {
+        kv[i] = from_t<T>(kr[i]);
+        vv[i] = from_t<T>(vr[i]);
+      }
+    }
     if (p < 0 || p > qp || (window > 0 && qp - p >= window)) continue;  // warp-uniform
     if (in_restored) {
       const bool recent = qp - p < rwin;
       if (recent == restored_slot) continue;  // the other region holds this query's copy
-      if (restored_slot && cr.kc && j >= cr.ring && p < code_from) continue;  // an exact sink holds it
+      if (restored_slot && coded_row && p < code_from) continue;  // an exact sink holds it
       if (restored_slot && keep_below >= 0 && p >= keep_below) continue;  // dropped on this layer
     }
-    float kv[VPL], vv[VPL];
-    if (rot && j >= cr.ring) {  // warp-uniform: a rotated row, attended in the rotated frame
-      const int64_t r = crow0 + (j - cr.ring);
-      if (cr.bits == 4) {
-        load_rotated4<VPL>(cr.kc + r * (D / 2), reinterpret_cast<const float*>(cr.ks) + r, lane, lv2, kv);
-        load_rotated4<VPL>(cr.vc + r * (D / 2), reinterpret_cast<const float*>(cr.vs) + r, lane, lv2, vv);
-      } else {
-        load_rotated<VPL>(cr.kc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.ks) + r, cr.bits, lane, lv, kv);
-        load_rotated<VPL>(cr.vc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.vs) + r, cr.bits, lane, lv, vv);
-      }
+    if (coded_row && !rot) {
+      load_coded<VPL>(cr.kc + r * (D * cr.bits / 8), cr.ks + r * (D / 16), cr.bits, lane, kv);
+      load_coded<VPL>(cr.vc + r * (D * cr.bits / 8), cr.vs + r * (D / 16), cr.bits, lane, vv);
+    }
+    if (rot && coded_row) {  // a rotated row, attended in the rotated frame
       float sdot = 0.f;
       for (int i = 0; i < VPL; ++i) sdot += qr[i] * kv[i];
       sdot = warp_sum(sdot) + qmu;
@@ -762,18 +778,6 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
       }
       m = m_new;
       continue;
-    }
-    if (cr.kc && j >= cr.ring) {  // warp-uniform
-      const int64_t r = crow0 + (j - cr.ring);
-      load_coded<VPL>(cr.kc + r * (D * cr.bits / 8), cr.ks + r * (D / 16), cr.bits, lane, kv);
-      load_coded<VPL>(cr.vc + r * (D * cr.bits / 8), cr.vs + r * (D / 16), cr.bits, lane, vv);
-    } else {
-      const T* kr = kb + (int64_t)j * D + lane * VPL;
-      const T* vr = vb + (int64_t)j * D + lane * VPL;
-      for (int i = 0; i < VPL; ++i) {
-        kv[i] = from_t<T>(kr[i]);
-        vv[i] = from_t<T>(vr[i]);
-      }
     }
     float sdot = 0.f;
     for (int i = 0; i < VPL; ++i) sdot += qv[i] * kv[i];
