@@ -67,9 +67,11 @@ RestoreOptions RestoreFlags::options() const {
   o.full_attn = parse_full_attn(full_attn);
   o.mix_alpha = mix_alpha;
   o.layers = layers;
+  // A weighted pwB code's K weights are calibrated for full-attention rows: refused here, by name.
+  KAKEYA_CHECK(region_code == "none" ||
+                   (ops::is_row_code_name(region_code) && !ops::parse_row_code(region_code, "--restored-code").weighted),
+               "--restored-code: expected none | " << region_code_names() << ", got '" << region_code << "'");
   o.region_code = ops::parse_row_code(region_code, "--restored-code");
-  KAKEYA_CHECK(!o.region_code.weighted, "--restored-code: expected none | " << region_code_names() << ", got '" << region_code
-                                                                         << "' (pwB codes are for full-attention rows)");
   o.full_code = ops::parse_row_code(full_code, "--full-code");
   o.calib = calib;
   return o;
