@@ -870,11 +870,15 @@ __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T*
 // slot position, then its row), not by bandwidth: 64 keys keep the combine's partials few on long
 // caches, but a short one with few query rows (a decode step on a sliding layer: 512-640 slots,
 // 4 query heads) would fill 32 of the GPU's SMs, each warp walking 8 keys. Such a grid takes
-// blocks of 32, 16 or 8 keys until it has two blocks per SM.
+// blocks of 32, 16 or 8 keys while the smaller blocks still fit in one wave: two blocks per SM are
+// resident (the partial kernel's registers), and a grid just past that runs a second wave for a few
+// blocks. A restored layer's 767 slots (window 256) or 575 (window 64, int4 region) took 8-key
+// blocks in 384 / 288 blocks; 16-key blocks, one wave, made the restored decode step 0.945x ->
+// 0.973x AR at 8k (window 256) and 0.962x -> 0.983x (window 64; H100, same run).
 inline int decode_attn_chunks(int S, int keys) { return (S + keys - 1) / keys; }
 inline int decode_attn_keys(int S, int rows, int sms) {
   int keys = kAttnChunk;
-  while (keys > kAttnWarps && (int64_t)decode_attn_chunks(S, keys) * rows < 2 * sms) keys /= 2;
+  while (keys > kAttnWarps && (int64_t)decode_attn_chunks(S, keys / 2) * rows <= 2 * sms) keys /= 2;
   return keys;
 }
 
