@@ -16,6 +16,22 @@
 
 namespace kakeya::cli {
 
+namespace {
+CLI::Validator bound(bool strict, const std::string& name) {
+  const std::string what = strict ? "> 0" : ">= 0";
+  return CLI::Validator(
+      [strict, what](std::string& s) -> std::string {
+        double v = 0;
+        if (!CLI::detail::lexical_cast(s, v)) return "expected a number " + what + ", got '" + s + "'";
+        return (strict ? v > 0 : v >= 0) ? std::string() : "expected a number " + what + ", got '" + s + "'";
+      },
+      name);
+}
+}  // namespace
+
+CLI::Validator positive() { return bound(true, "POSITIVE"); }
+CLI::Validator non_negative() { return bound(false, "NONNEGATIVE"); }
+
 void DeviceFlags::add(CLI::App* app) {
   app->add_option("--device", device, "cpu | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app->add_option("--dtype", dtype, "f32 | bf16 (default: f32 on cpu, bf16 on cuda)")

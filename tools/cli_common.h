@@ -12,6 +12,12 @@
 
 namespace kakeya::cli {
 
+// Numeric flag bounds whose error names the bound and the value ("--window: expected a number > 0,
+// got '0'"); CLI11's PositiveNumber / NonNegativeNumber report "Value 0 not in range 0.000000 to
+// 1.797693e+308".
+CLI::Validator positive();      // > 0
+CLI::Validator non_negative();  // >= 0
+
 struct DeviceFlags {
   std::string device = "cpu";  // cpu | cuda
   std::string dtype = "";      // f32 | bf16 (default: f32 on CPU, bf16 on CUDA)

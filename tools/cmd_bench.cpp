@@ -40,9 +40,9 @@ void register_bench(CLI::App& app) {
   auto* c = bench->add_subcommand("decode", "AR decode tok/s: ours vs HF transformers generate (batch 1)");
   c->add_option("--model", o->model, "HF model directory")->capture_default_str();
   c->add_option("--json", o->json, "write the results here");
-  c->add_option("--prompt-len", o->prompt_len, "prompt tokens")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--prompt-len", o->prompt_len, "prompt tokens")->capture_default_str()->check(positive());
   c->add_option("--new-tokens", o->new_tokens, "generated tokens")->capture_default_str()->check(CLI::Range(2, 1 << 20));
-  c->add_option("--repeats", o->repeats, "timed runs per engine (median reported)")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--repeats", o->repeats, "timed runs per engine (median reported)")->capture_default_str()->check(positive());
   c->add_option("--python", o->python, "python with transformers for the peer")->capture_default_str();
   c->add_option("--peer", o->peer, "HF peer script")->capture_default_str();
   c->add_flag("--no-peer", o->no_peer, "skip the HF transformers peer");

@@ -166,7 +166,7 @@ void register_calibrate(CLI::App& app) {
         ->capture_default_str();
     c->add_option("--sink", o->sink, "positions left out of the keys' means and energy (the decoder's exact sinks)")
         ->capture_default_str()
-        ->check(CLI::NonNegativeNumber);
+        ->check(non_negative());
     c->callback([o] {
       auto cfg = ModelConfig::from_file(o->model + "/config.json");
       CalibBundle::prepare_dir(o->out, cfg);

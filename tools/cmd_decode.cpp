@@ -77,8 +77,8 @@ void register_decode(CLI::App& app) {
       ->capture_default_str();
   auto* p = c->add_option("--prompt", o->prompt, "prompt text (streamed)");
   c->add_option("--prompts", o->prompts, "JSONL file: one {\"prompt\": ...} per line")->excludes(p);
-  c->add_option("--max-new-tokens", o->max_new, "tokens to generate")->capture_default_str()->check(CLI::PositiveNumber);
-  c->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str()->check(CLI::NonNegativeNumber);
+  c->add_option("--max-new-tokens", o->max_new, "tokens to generate")->capture_default_str()->check(positive());
+  c->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str()->check(non_negative());
   c->add_option("--top-p", o->top_p, "nucleus mass in (0, 1]")->capture_default_str();
   c->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
   c->add_flag("--raw", o->raw, "do not add BOS / special tokens to the prompt");

@@ -33,7 +33,7 @@ void register_draft_vocab(CLI::App& app) {
   c->add_option("--prose", o->prose, "prose sources, as train-drafter's --prose")->required();
   c->add_option("--heldout-percent", o->heldout_percent, "files held out, as train-drafter's (not counted)")
       ->capture_default_str();
-  c->add_option("--size", o->size, "tokens kept (K)")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--size", o->size, "tokens kept (K)")->capture_default_str()->check(positive());
   c->add_option("--out", o->out, "drafter directory to write draft_vocab.safetensors into")->required();
   c->add_option("--json", o->json_out, "also write the coverage report here");
   c->callback([o] {

@@ -165,11 +165,11 @@ void register_eval_long(CLI::App& app) {
   c->add_option("--tasks", o->tasks, "all | none (perplexity only) | comma list of data/longeval.h tasks")
       ->capture_default_str();
   c->add_option("--contexts", o->contexts, "prompt lengths in tokens")->capture_default_str();
-  c->add_option("--samples", o->samples, "prompts per (task, context)")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--samples", o->samples, "prompts per (task, context)")->capture_default_str()->check(positive());
   c->add_option("--seed", o->seed, "first sample seed")->capture_default_str();
   c->add_option("--ppl-docs", o->ppl_docs, "held-out documents scored per context (0: no perplexity)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative());
   c->add_option("--ppl-tail", o->ppl_tail, "last tokens of each context-long prefix scored")->capture_default_str();
   c->add_option("--ppl-dir", o->ppl_dir, "held-out documents (*.txt, name order)")->capture_default_str();
   c->add_option("--source-dir", o->source_dir, "the tasks' text sources (default: data/longeval.h's)");
@@ -180,7 +180,7 @@ void register_eval_long(CLI::App& app) {
                 "seconds from the start: the run ends before a prompt that would pass it and reports what is done "
                 "as partial (0: no limit)")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative());
   c->add_option("--json", o->json, "write the report here (also every 30 s while the run goes on)");
   c->add_flag("--resume", o->resume,
               "continue the report at --json when it exists: its prompts and documents are not run again (a run "

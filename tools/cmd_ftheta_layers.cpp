@@ -31,7 +31,7 @@ void register_ftheta_layers(CLI::App& app) {
       ->required();
   c->add_option("--save", o->save, "output f_theta directory (config with restore_layers + weights, layers.json)")
       ->required();
-  c->add_option("--seqs", o->seqs, "held-out sequences")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--seqs", o->seqs, "held-out sequences")->capture_default_str()->check(positive());
   c->add_option("--seq-len", o->seq_len, "tokens per sequence")->capture_default_str()->check(CLI::Range(128, 1 << 20));
   c->add_option("--min-gain", o->min_gain, "nats per token a layer must gain alone to be chosen")->capture_default_str();
   c->callback([o] {

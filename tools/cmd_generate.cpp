@@ -22,8 +22,8 @@ void register_generate(CLI::App& app) {
   auto* c = app.add_subcommand("generate", "Generate text (greedy by default) and print tok/s");
   c->add_option("--model", o->model, "HF model directory")->capture_default_str();
   c->add_option("--prompt", o->prompt, "prompt text")->required();
-  c->add_option("--max-new-tokens", o->max_new, "tokens to generate")->capture_default_str()->check(CLI::PositiveNumber);
-  c->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str()->check(CLI::NonNegativeNumber);
+  c->add_option("--max-new-tokens", o->max_new, "tokens to generate")->capture_default_str()->check(positive());
+  c->add_option("--temperature", o->temperature, "0 = greedy")->capture_default_str()->check(non_negative());
   c->add_option("--top-p", o->top_p, "nucleus mass in (0, 1]")->capture_default_str();
   c->add_option("--seed", o->seed, "sampling seed")->capture_default_str();
   c->add_flag("--no-cuda-graph", o->no_graph, "run the decode step eagerly on CUDA");

@@ -62,8 +62,8 @@ struct NiahFlags {
     c->add_option("--depths", depths, "needle depths in [0, 1], one prompt each")->capture_default_str();
     c->add_option("--samples", samples, "prompts per depth and rung (different needles and haystack)")
         ->capture_default_str()
-        ->check(CLI::PositiveNumber);
-    c->add_option("--max-new-tokens", max_new, "tokens generated per prompt")->capture_default_str()->check(CLI::PositiveNumber);
+        ->check(positive());
+    c->add_option("--max-new-tokens", max_new, "tokens generated per prompt")->capture_default_str()->check(positive());
     c->add_option("--seed", seed, "first sample number of the split")->capture_default_str();
     c->add_option("--chat", chat, "auto | none | gemma | chatml")->capture_default_str();
     c->add_option("--split", split, "eval | train haystack and keys")->capture_default_str()->check(CLI::IsMember({"eval", "train"}));
@@ -288,7 +288,7 @@ void register_sweep_alpha(CLI::App& app) {
   o->nf.add(c);
   c->add_option("--alphas", o->alphas, "a in [0, 1]: restored raw K/V = a·true + (1-a)·f_θ")->capture_default_str();
   c->add_option("--ppl-text", o->ppl_text, "text scored for perplexity")->capture_default_str();
-  c->add_option("--ppl-tokens", o->ppl_tokens, "tokens of it scored (one window)")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--ppl-tokens", o->ppl_tokens, "tokens of it scored (one window)")->capture_default_str()->check(positive());
   c->add_option("--json", o->json, "write the sweep here");
   c->add_option("--plot", o->png, "write the sweep PNG here (needs --json)");
   c->add_option("--python", o->python, "python for the plot (default: $KAKEYA_PYTHON, .venv/bin/python, python3)");

@@ -67,16 +67,16 @@ void register_serve(CLI::App& app) {
       ->check(CLI::Range(int64_t{2}, int64_t{1} << 30));
   c->add_option("--max-queue", o->so.max_queue, "requests that may wait for the decode worker (beyond: 429)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   c->add_option("--max-body-bytes", o->so.max_body_bytes, "largest request body (beyond: 413)")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   c->add_option("--max-tokens-default", o->so.max_tokens_default, "max_tokens of a request that gives none")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   c->add_option("--max-sessions", o->so.max_sessions, "sampling settings whose decode sessions are kept at once")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   c->add_option("--batch", o->so.batch,
                 "requests decoded together in one batched step (continuous batching; ar or restored mode, each a row of --max-context positions)")
       ->capture_default_str()

@@ -34,7 +34,7 @@ void register_spec(CLI::App& app) {
   c->add_option("--drafter", o->drafter, "DFlash drafter directory (z-lab layout)")->capture_default_str();
   auto* p = c->add_option("--prompt", o->prompt, "prompt text");
   c->add_option("--prompt-file", o->prompt_file, "read the prompt from this file")->excludes(p);
-  c->add_option("--max-new-tokens", o->max_new, "tokens to generate")->capture_default_str()->check(CLI::PositiveNumber);
+  c->add_option("--max-new-tokens", o->max_new, "tokens to generate")->capture_default_str()->check(positive());
   c->add_option("--block-size", o->block_size, "tokens per verify forward (default: the drafter's block_size)")
       ->check(CLI::Range((int64_t)2, (int64_t)1024));
   c->add_flag("--raw", o->raw, "do not add BOS / special tokens to the prompt");

@@ -26,10 +26,10 @@ void RestoreFlags::add_restore(CLI::App* c, const std::string& prefix) {
   c->add_option("--ftheta", ftheta, prefix + "f_θ directory (kakeya train-ftheta), or random[:SEED]")->capture_default_str();
   c->add_option("--sink", sink, prefix + "attention-sink positions kept exact")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative());
   c->add_option("--window", window, prefix + "exact recent positions per query on restored layers")
       ->capture_default_str()
-      ->check(CLI::PositiveNumber);
+      ->check(positive());
   c->add_option("--chunk", chunk, prefix + "prefill tokens per forward, 1..window (0: window)")->capture_default_str();
   c->add_option("--full-attn", full_attn, prefix + "full-attention layers: exact | restored | codec")
       ->capture_default_str()
