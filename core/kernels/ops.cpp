@@ -467,7 +467,8 @@ void greedy_accept(const at::Tensor& scores, const at::Tensor& block, at::Tensor
 
 void argmax_rows(const at::Tensor& scores, const at::Tensor& map, at::Tensor& out) {
 #ifdef KAKEYA_CUDA
-  if (scores.is_cuda()) return cuda::argmax_rows(scores, map, out);
+  if (scores.is_cuda() && (scores.scalar_type() == at::kFloat || scores.scalar_type() == at::kBFloat16))
+    return cuda::argmax_rows(scores, map, out);
 #endif
   at::Tensor idx = scores.reshape({-1, scores.size(-1)}).argmax(-1);  // [rows]
   out.view({-1}).copy_(map.defined() ? map.index_select(0, idx) : idx);

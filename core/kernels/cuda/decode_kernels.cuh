@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 namespace kakeya::kernels {
 
@@ -66,10 +67,53 @@ __device__ __forceinline__ float apply_act(float g, Act act) {
 }
 
 // ---------------------------------------------------------------------------
+// Programmatic dependent launch (Hopper). A decode step is ~170 kernels of a few microseconds
+// each, and every boundary costs a launch, a ramp-up and a tail in which the GPU idles. Kernels
+// here are launched with launch_pdl: the next kernel on the stream may start as soon as every
+// block of the one before it has started (pdl_trigger, first thing in each kernel), so its
+// blocks sit resident and its launch overlaps the previous kernel's work. Before pdl_wait() a
+// kernel reads only what no kernel of the step writes (weights) and writes nothing; pdl_wait()
+// returns once the kernel before it has finished and its writes are visible. Every kernel calls
+// it on every path before it touches activations: the next kernel's wait covers only its own
+// predecessor, so the chain is ordered only if each link waits. Kernels launched with <<<>>>
+// (ATen's, and any launched without the attribute) keep full stream order.
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+// The two, for a kernel with nothing to read before its inputs.
+__device__ __forceinline__ void pdl_begin() {
+  pdl_trigger();
+  pdl_wait();
+}
+
+template <typename... P, typename... A>
+void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A&&... args) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+}
+
+// ---------------------------------------------------------------------------
 // out[r, :] = rms_norm(x[r, :]) · w            x, out: [rows, H]; w: [H] f32
 template <typename T>
 __global__ void rms_norm_kernel(const T* __restrict__ x, const float* __restrict__ w, T* __restrict__ out, int H,
                                 float eps, bool unit_offset) {
+  pdl_begin();
   __shared__ float red[32];
   const T* xr = x + (int64_t)blockIdx.x * H;
   T* orow = out + (int64_t)blockIdx.x * H;
@@ -92,7 +136,7 @@ inline int norm_threads(int H) { return std::min(1024, std::max(32, (H + 31) / 3
 
 template <typename T>
 void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float eps, bool unit_offset, cudaStream_t s) {
-  rms_norm_kernel<T><<<rows, norm_threads(H), 0, s>>>(x, w, out, H, eps, unit_offset);
+  launch_pdl(rms_norm_kernel<T>, rows, norm_threads(H), 0, s, x, w, out, H, eps, unit_offset);
 }
 
 // The end of a residual step, every thread of the block: the new residual hs [H] (f32 values of
@@ -128,6 +172,7 @@ __global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict
                                     const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ y, int H,
                                     float eps, bool unit_offset, T* __restrict__ copy, int64_t copy_stride,
                                     const int64_t* __restrict__ copy_pos, int64_t copy_rows, int T_len) {
+  pdl_begin();
   extern __shared__ float smem[];  // [2H]: x, then the new residual
   float* xs = smem;
   float* hs = smem + H;
@@ -154,8 +199,8 @@ template <typename T>
 void launch_add_rms_norm(const T* h, const T* x, const float* w_post, const float* w_next, T* h_out, T* y, int rows,
                          int H, float eps, bool unit_offset, T* copy, int64_t copy_stride, const int64_t* copy_pos,
                          int64_t copy_rows, int T_len, cudaStream_t s) {
-  add_rms_norm_kernel<T><<<rows, norm_threads(H), 2 * H * sizeof(float), s>>>(h, x, w_post, w_next, h_out, y, H, eps, unit_offset,
-                                                                   copy, copy_stride, copy_pos, copy_rows, T_len);
+  launch_pdl(add_rms_norm_kernel<T>, rows, norm_threads(H), 2 * H * sizeof(float), s, h, x, w_post, w_next, h_out, y,
+             H, eps, unit_offset, copy, copy_stride, copy_pos, copy_rows, T_len);
 }
 
 // ---------------------------------------------------------------------------
@@ -242,6 +287,7 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
                                           T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
                                           int T_len, int pos_bs, int Hq, int Hkv, int D, int rot, int64_t cache_bs,
                                           int64_t cache_hs, int ring, float eps, bool unit_offset) {
+  pdl_begin();
   __shared__ float red[32];
   extern __shared__ float xs[];  // [D] the normed head, rounded to T
   const int n = blockIdx.x;      // token row: b·T + t
@@ -274,10 +320,9 @@ void launch_qk_norm_rope_store(const T* qkv, const float* q_w, const float* k_w,
                                int Hq, int Hkv, int D, int rot, int64_t cache_bs, int64_t cache_hs, int ring, float eps,
                                bool unit_offset, cudaStream_t s) {
   dim3 grid(B * T_len, Hq + Hkv);
-  qk_norm_rope_store_kernel<T><<<grid, head_threads(D), D * sizeof(float), s>>>(
-      qkv, q_w, k_w, v_w, v_from_k, cos_t, sin_t, positions, q_out, k_cache, v_cache, T_len, pos_bs, Hq, Hkv, D, rot, cache_bs,
-      cache_hs, ring,
-      eps, unit_offset);
+  launch_pdl(qk_norm_rope_store_kernel<T>, grid, head_threads(D), D * sizeof(float), s, qkv, q_w, k_w, v_w, v_from_k,
+             cos_t, sin_t, positions, q_out, k_cache, v_cache, T_len, pos_bs, Hq, Hkv, D, rot, cache_bs, cache_hs, ring,
+             eps, unit_offset);
 }
 
 // ---------------------------------------------------------------------------
@@ -519,6 +564,7 @@ __global__ void restore_store_kernel(const T* __restrict__ k_raw, const T* __res
                                      int64_t v_row, const RestoreLayerDesc* __restrict__ desc,
                                      const int64_t* __restrict__ positions, int D, int sink, float eps,
                                      bool unit_offset) {
+  pdl_begin();
   __shared__ float red[32];
   extern __shared__ float xs[];
   const int n = blockIdx.x, h = blockIdx.y;
@@ -558,8 +604,9 @@ void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t
   dim3 grid(N, Hkv, layers);
   // xs [D] f32, then (coded regions) the K and V rows in T.
   // At least two warps: a rotated code takes one per row (K, V).
-  restore_store_kernel<T><<<grid, head_threads(D) < 64 ? 64 : head_threads(D), D * sizeof(float) + 2 * D * sizeof(T), s>>>(k_raw, v_raw, k_row, v_row, desc, positions,
-                                                                          D, sink, eps, unit_offset);
+  launch_pdl(restore_store_kernel<T>, grid, head_threads(D) < 64 ? 64 : head_threads(D),
+             D * sizeof(float) + 2 * D * sizeof(T), s, k_raw, v_raw, k_row, v_row, desc, positions, D, sink, eps,
+             unit_offset);
 }
 
 // Rows of a dense cache into coded rows (ops::code_rows): block (t, h, b) codes the K and V rows
@@ -573,6 +620,7 @@ __global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs,
                                  const int64_t* __restrict__ dst, int idx_bs, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs,
                                  const float* km, const float* vm, const float* kw, int Hkv, int R, int D, bool rotated,
                                  int bits, int64_t sink, int64_t sink_slot0) {
+  pdl_begin();
   extern __shared__ float row_f[];  // affine: the row in T
   const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   src += (int64_t)b * idx_bs;
@@ -610,8 +658,8 @@ void launch_code_rows(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int6
                       const float* kw, int B, int Hkv, int Tn, int R, int D, bool rotated, int bits, int64_t sink,
                       int64_t sink_slot0, cudaStream_t s) {
   dim3 grid(Tn, Hkv, B);
-  code_rows_kernel<T><<<grid, 64, rotated ? 0 : D * sizeof(T), s>>>(k, v, cache_bs, cache_hs, src, dst, idx_bs, kc, vc, ks, vs,
-                                                                   km, vm, kw, Hkv, R, D, rotated, bits, sink, sink_slot0);
+  launch_pdl(code_rows_kernel<T>, grid, 64, rotated ? 0 : D * sizeof(T), s, k, v, cache_bs, cache_hs, src, dst, idx_bs,
+             kc, vc, ks, vs, km, vm, kw, Hkv, R, D, rotated, bits, sink, sink_slot0);
 }
 
 // Coded rows back to dense ones (ops::dequantize_rows, the reference): one warp per row of
@@ -620,6 +668,7 @@ void launch_code_rows(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int6
 template <typename T, int VPL>
 __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ codes, const __half* __restrict__ side,
                                        int64_t rows, bool rotated, int bits, T* __restrict__ out) {
+  pdl_begin();
   constexpr int D = VPL * 32;
   const int lane = threadIdx.x & 31;
   const int64_t r = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
@@ -645,10 +694,10 @@ void launch_dequantize_rows(const uint8_t* codes, const __half* side, int64_t ro
   constexpr int kWarps = 4;
   const unsigned blocks = (unsigned)((rows + kWarps - 1) / kWarps);
   switch (D) {
-    case 64: dequantize_rows_kernel<T, 2><<<blocks, 32 * kWarps, 0, s>>>(codes, side, rows, rotated, bits, out); break;
-    case 128: dequantize_rows_kernel<T, 4><<<blocks, 32 * kWarps, 0, s>>>(codes, side, rows, rotated, bits, out); break;
-    case 256: dequantize_rows_kernel<T, 8><<<blocks, 32 * kWarps, 0, s>>>(codes, side, rows, rotated, bits, out); break;
-    default: dequantize_rows_kernel<T, 16><<<blocks, 32 * kWarps, 0, s>>>(codes, side, rows, rotated, bits, out); break;
+    case 64: launch_pdl(dequantize_rows_kernel<T, 2>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, bits, out); break;
+    case 128: launch_pdl(dequantize_rows_kernel<T, 4>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, bits, out); break;
+    case 256: launch_pdl(dequantize_rows_kernel<T, 8>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, bits, out); break;
+    default: launch_pdl(dequantize_rows_kernel<T, 16>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, bits, out); break;
   }
 }
 
@@ -693,6 +742,7 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
                                            int qstride, int qp_bs, const bool* __restrict__ in_restored, int rwin, int64_t code_from,
                                            int64_t keep_below, CodedRegion cr, float* __restrict__ partial, int Tq,
                                            int Hq, int Hkv, int S, int keys, int window, float scale, float softcap) {
+  pdl_begin();
   constexpr int D = VPL * 32;
   const int chunk = blockIdx.x, bh = blockIdx.y, nchunks = gridDim.x;  // bh: row (b, t, hq) of q
   const int b = bh / (Tq * Hq), t = (bh / Hq) % Tq, hq = bh % Hq, hk = hq / (Hq / Hkv);
@@ -835,6 +885,7 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
 constexpr int kCombineDims = 32;
 template <typename T>
 __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T* __restrict__ out, int D, int nchunks) {
+  pdl_begin();
   extern __shared__ float wgt[];  // [nchunks]: exp(m_c - M), 0 for empty chunks
   __shared__ float red[32];
   __shared__ float sums[kAttnWarps][kCombineDims];
@@ -891,12 +942,11 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
   const int nchunks = decode_attn_chunks(S, keys);
   dim3 grid(nchunks, B * Tq * Hq);
   const int threads = kAttnWarps * 32;
-#define KAKEYA_ATTN_CASE(DIM, VPL)                                                                                  \
-  case DIM:                                                                                                          \
-    decode_attn_partial_kernel<T, VPL><<<grid, threads, 0, s>>>(q, k, v, slot_pos, sp_bs, q_pos, qstride, qp_bs,        \
-                                                                 in_restored, rwin,                                   \
-                                                                 code_from, keep_below, cr, partial, Tq, Hq, Hkv, S,  \
-                                                                 keys, window, scale, softcap);                             \
+#define KAKEYA_ATTN_CASE(DIM, VPL)                                                                                   \
+  case DIM:                                                                                                         \
+    launch_pdl(decode_attn_partial_kernel<T, VPL>, grid, threads, 0, s, q, k, v, slot_pos, sp_bs, q_pos, qstride,    \
+               qp_bs, in_restored, rwin, code_from, keep_below, cr, partial, Tq, Hq, Hkv, S, keys, window, scale,     \
+               softcap);                                                                                            \
     break;
   switch (D) {
     KAKEYA_ATTN_CASE(64, 2) KAKEYA_ATTN_CASE(128, 4) KAKEYA_ATTN_CASE(256, 8) KAKEYA_ATTN_CASE(512, 16)
@@ -904,7 +954,7 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
   }
 #undef KAKEYA_ATTN_CASE
   const dim3 cgrid(B * Tq * Hq, (D + kCombineDims - 1) / kCombineDims);
-  decode_attn_combine_kernel<T><<<cgrid, kAttnWarps * 32, nchunks * sizeof(float), s>>>(partial, out, D, nchunks);
+  launch_pdl(decode_attn_combine_kernel<T>, cgrid, kAttnWarps * 32, nchunks * sizeof(float), s, partial, out, D, nchunks);
   return true;
 }
 
@@ -913,6 +963,7 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
 // act(gate) is rounded to T before the product, as PyTorch materialises it.
 template <typename T>
 __global__ void act_mul_kernel(const T* __restrict__ gu, T* __restrict__ out, int64_t rows, int I, Act act) {
+  pdl_begin();
   const int64_t n = rows * I;
   for (int64_t idx = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; idx < n; idx += (int64_t)gridDim.x * blockDim.x) {
     const int64_t r = idx / I, i = idx % I;
@@ -926,7 +977,7 @@ void launch_act_mul(const T* gu, T* out, int64_t rows, int I, Act act, cudaStrea
   const int64_t n = rows * I;
   const int threads = 256;
   const int blocks = (int)std::min<int64_t>((n + threads - 1) / threads, 4096);
-  act_mul_kernel<T><<<blocks, threads, 0, s>>>(gu, out, rows, I, act);
+  launch_pdl(act_mul_kernel<T>, blocks, threads, 0, s, gu, out, rows, I, act);
 }
 
 // ---------------------------------------------------------------------------
@@ -953,7 +1004,8 @@ template <> struct Vec16<__nv_bfloat16> { static constexpr int n = 8; };
 // together instead of one latency after another. acc: [R, M]; the sum order per lane is k's order.
 // x: staged as f32 in shared memory (xs [M, K]), or (XG, one row) read from global memory next
 // to the weights (xg [K]): a decode step's block then waits for no staging and no barrier
-// before its weight loads; the products are the same.
+// before its weight loads, which issue before pdl_wait and so overlap the kernel before it;
+// the products are the same.
 template <typename T, int M, int R, bool XG = false>
 __device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t stride, int nrows,
                                          const float* __restrict__ xs, const T* __restrict__ xg, int K, int k0,
@@ -970,6 +1022,8 @@ __device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t strid
         raw[r][u] = r < nrows && k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(w0 + r * stride + k + u * STEP)
                                                    : make_uint4(0, 0, 0, 0);
     if constexpr (XG) {
+      // x is the previous kernel's output; the weight loads above are already in flight.
+      pdl_wait();
 #pragma unroll
       for (int u = 0; u < kGemvUnroll; ++u)
         xraw[u] = k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(xg + k + u * STEP) : make_uint4(0, 0, 0, 0);
@@ -1043,6 +1097,7 @@ __device__ __forceinline__ void gemv_rows(const float* __restrict__ xs, float* _
       acc[M + m] = a1;
     }
   }
+  if constexpr (XG) pdl_wait();  // a warp without rows or K range has not waited in dot_rows
   if (lane != 0 || n >= N || part_idx != 0) return;
 #pragma unroll
   for (int m = 0; m < M; ++m) {
@@ -1068,6 +1123,7 @@ struct DenseRows {
 template <typename T>
 __global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias,
                             T* __restrict__ y, int N, int K, int wpr, Act act) {
+  pdl_trigger();  // its weights load before pdl_wait (dot_rows)
   extern __shared__ float xs[];  // [kGemvWarps, 2] partial sums
   gemv_rows<T, 1, 1, DenseRows<T>, true>(nullptr, xs, W, bias, N, K, wpr, act, DenseRows<T>{y, N}, x);
 }
@@ -1083,7 +1139,7 @@ bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int 
   const int wpr = N >= 4096 ? 1 : (N >= 1024 ? 2 : 4);
   const int rows_per_block = kGemvWarps / wpr;
   const dim3 grid((N + rows_per_block - 1) / rows_per_block);
-  gemv_kernel<T><<<grid, kGemvWarps * 32, kGemvWarps * 2 * sizeof(float), s>>>(x, W, bias, y, N, K, wpr, act);
+  launch_pdl(gemv_kernel<T>, grid, kGemvWarps * 32, kGemvWarps * 2 * sizeof(float), s, x, W, bias, y, N, K, wpr, act);
   return true;
 }
 
@@ -1139,6 +1195,7 @@ __device__ __forceinline__ void build_expert_plan(const int* ex, int P, int E, i
 }
 
 static __global__ void expert_plan_kernel(const int64_t* __restrict__ experts, int P, int E, int* __restrict__ plan) {
+  pdl_begin();
   extern __shared__ int sm[];  // count[E], group_of[E], ex[P]
   int* ex = sm + 2 * E;
   for (int p = threadIdx.x; p < P; p += blockDim.x) ex[p] = (int)experts[p];
@@ -1147,7 +1204,7 @@ static __global__ void expert_plan_kernel(const int64_t* __restrict__ experts, i
 }
 
 inline void launch_expert_plan(const int64_t* experts, int P, int E, int* plan, cudaStream_t s) {
-  expert_plan_kernel<<<1, 256, (2 * E + P) * sizeof(int), s>>>(experts, P, E, plan);
+  launch_pdl(expert_plan_kernel, 1, 256, (2 * E + P) * sizeof(int), s, experts, P, E, plan);
 }
 
 // Output rows of the expert GEMV: y[pairs[b + m], :].
@@ -1187,6 +1244,7 @@ inline int rows_bucket(int most) { return most <= 1 ? 1 : most <= 2 ? 2 : most <
 template <typename T, int RMAX, int RW>
 __global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const int* __restrict__ plan,
                                    T* __restrict__ y, int P, int N, int K, int x_div, int rows, Act act) {
+  pdl_begin();
   const int g = blockIdx.y;
   if (g >= plan[0]) return;  // uniform over the block
   extern __shared__ float xs[];  // [rows, K], then [kGemvWarps, 2, rows] partial sums
@@ -1231,7 +1289,7 @@ bool launch_expert_gemv(const T* x, const T* W, const int* plan, T* y, int P, in
   const dim3 grid((N + kGemvWarps * rw - 1) / (kGemvWarps * rw), P);
   const size_t smem = rmax == 1 ? 0 : rows * per_row;  // one-row passes read x from global memory
 #define KAKEYA_EXPERT_LAUNCH(R, RWC) \
-  expert_gemv_kernel<T, R, RWC><<<grid, kGemvWarps * 32, smem, s>>>(x, W, plan, y, P, N, K, x_div, rows, act)
+  launch_pdl(expert_gemv_kernel<T, R, RWC>, grid, kGemvWarps * 32, smem, s, x, W, plan, y, P, N, K, x_div, rows, act)
 #define KAKEYA_EXPERT_CASE(R)                                   \
   case R:                                                       \
     if (rw == 1) KAKEYA_EXPERT_LAUNCH(R, 1);                    \
@@ -1254,6 +1312,7 @@ bool launch_expert_gemv(const T* x, const T* W, const int* plan, T* y, int P, in
 template <typename T, int RMAX>
 __global__ void router_logits_kernel(const T* __restrict__ h, const T* __restrict__ scale, const T* __restrict__ proj,
                                      T* __restrict__ logits, int N, int E, int H, float c, float eps, int rows) {
+  pdl_begin();
   extern __shared__ float xs[];  // [rows, H], then [kGemvWarps, 2, rows] partial sums
   __shared__ float red[32];
   for (int b = 0; b < N; b += rows) {
@@ -1286,6 +1345,7 @@ __global__ void router_logits_kernel(const T* __restrict__ h, const T* __restric
 template <typename T>
 __global__ void router_topk_kernel(const T* __restrict__ logits, const T* __restrict__ pes, int N, int E, int top_k,
                                    float* __restrict__ weights, int64_t* __restrict__ experts, int* __restrict__ plan) {
+  pdl_begin();
   extern __shared__ float xs[];  // [warps, E] probabilities (then the plan's 2E ints), ex [N·top_k]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   int* ex = reinterpret_cast<int*>(xs) + max(nwarps * E, 2 * E);  // the experts, for the plan
@@ -1355,13 +1415,13 @@ bool launch_router(const T* h, const T* scale, const T* proj, const T* pes, T* l
   switch (rmax) {
 #define KAKEYA_ROUTER_CASE(R)                                                                                       \
   case R:                                                                                                          \
-    router_logits_kernel<T, R><<<grid, kGemvWarps * 32, rows * per_row, s>>>(h, scale, proj, logits, N, E, H, c, eps, \
+    launch_pdl(router_logits_kernel<T, R>, grid, kGemvWarps * 32, rows * per_row, s, h, scale, proj, logits, N, E, H, c, eps, \
                                                                              rows);                                \
     break;
     KAKEYA_ROUTER_CASE(1) KAKEYA_ROUTER_CASE(2) KAKEYA_ROUTER_CASE(4) KAKEYA_ROUTER_CASE(8)
 #undef KAKEYA_ROUTER_CASE
   }
-  router_topk_kernel<T><<<1, warps * 32, topk_smem, s>>>(logits, pes, N, E, top_k, weights, experts, plan);
+  launch_pdl(router_topk_kernel<T>, 1, warps * 32, topk_smem, s, logits, pes, N, E, top_k, weights, experts, plan);
   return true;
 }
 
@@ -1382,6 +1442,7 @@ __global__ void moe_residual_kernel(const T* __restrict__ h, const T* __restrict
                                     T* __restrict__ x_out, int H, float eps, bool unit_offset, T* __restrict__ copy,
                                     int64_t copy_stride, const int64_t* __restrict__ copy_pos, int64_t copy_rows,
                                     int T_len) {
+  pdl_begin();
   extern __shared__ float smem[];  // [3H]: f, m, h
   float* fs = smem;
   float* ms = smem + H;
@@ -1433,9 +1494,8 @@ void launch_moe_residual(const T* h, const T* f, const T* y, const float* r, int
                          const float* w_moe, const float* w_ffn, const T* s, const float* w_next, T* h_out, T* x_out,
                          int rows, int H, float eps, bool unit_offset, T* copy, int64_t copy_stride,
                          const int64_t* copy_pos, int64_t copy_rows, int T_len, cudaStream_t st) {
-  moe_residual_kernel<T><<<rows, norm_threads(H), 3 * H * sizeof(float), st>>>(
-      h, f, y, r, K, w_dense, w_moe, w_ffn, s, w_next, h_out, x_out, H, eps, unit_offset, copy, copy_stride, copy_pos,
-      copy_rows, T_len);
+  launch_pdl(moe_residual_kernel<T>, rows, norm_threads(H), 3 * H * sizeof(float), st, h, f, y, r, K, w_dense, w_moe,
+             w_ffn, s, w_next, h_out, x_out, H, eps, unit_offset, copy, copy_stride, copy_pos, copy_rows, T_len);
 }
 
 }  // namespace kakeya::kernels

@@ -46,6 +46,7 @@ constexpr int kArgmaxThreads = 256;
 template <typename T>
 __global__ void argmax_partial_kernel(const T* __restrict__ scores, int V, int chunk, float* __restrict__ pval,
                                       int* __restrict__ pidx) {
+  pdl_begin();
   const int c = blockIdx.x, row = blockIdx.y, chunks = gridDim.x;
   const T* r = scores + (int64_t)row * V;
   const int start = c * chunk, end = min(V, start + chunk);
@@ -97,6 +98,7 @@ __device__ __forceinline__ int row_argmax(const float* __restrict__ pval, const 
 
 __global__ void greedy_accept_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
                                      const int64_t* __restrict__ block, int64_t* __restrict__ report, int Tn) {
+  pdl_begin();
   extern __shared__ int64_t post[];  // [Tn]
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (int row = warp; row < Tn; row += warps) {
@@ -118,6 +120,7 @@ __global__ void greedy_accept_kernel(const float* __restrict__ pval, const int* 
 // drafter's greedy drafts over its draft vocabulary). out: [rows] int64.
 __global__ void argmax_final_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
                                     const int64_t* __restrict__ map, int64_t* __restrict__ out, int rows) {
+  pdl_begin();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   for (int row = warp; row < rows; row += warps) {
     const int bi = row_argmax(pval, pidx, chunks, row, lane);
@@ -132,8 +135,8 @@ template <typename T>
 void launch_greedy_accept(const T* scores, const int64_t* block, int64_t* report, float* pval, int* pidx, int Tn,
                           int V, cudaStream_t s) {
   const int chunks = argmax_chunks(V), chunk = (V + chunks - 1) / chunks;
-  argmax_partial_kernel<T><<<dim3(chunks, Tn), kArgmaxThreads, 0, s>>>(scores, V, chunk, pval, pidx);
-  greedy_accept_kernel<<<1, 256, Tn * sizeof(int64_t), s>>>(pval, pidx, chunks, block, report, Tn);
+  launch_pdl(argmax_partial_kernel<T>, dim3(chunks, Tn), kArgmaxThreads, 0, s, scores, V, chunk, pval, pidx);
+  launch_pdl(greedy_accept_kernel, 1, 256, Tn * sizeof(int64_t), s, pval, pidx, chunks, block, report, Tn);
 }
 
 // scratch: argmax_chunks(V) · rows floats and as many ints.
@@ -141,8 +144,8 @@ template <typename T>
 void launch_argmax_rows(const T* scores, const int64_t* map, int64_t* out, float* pval, int* pidx, int rows, int V,
                         cudaStream_t s) {
   const int chunks = argmax_chunks(V), chunk = (V + chunks - 1) / chunks;
-  argmax_partial_kernel<T><<<dim3(chunks, rows), kArgmaxThreads, 0, s>>>(scores, V, chunk, pval, pidx);
-  argmax_final_kernel<<<1, 256, 0, s>>>(pval, pidx, chunks, map, out, rows);
+  launch_pdl(argmax_partial_kernel<T>, dim3(chunks, rows), kArgmaxThreads, 0, s, scores, V, chunk, pval, pidx);
+  launch_pdl(argmax_final_kernel, 1, 256, 0, s, pval, pidx, chunks, map, out, rows);
 }
 
 // ---------------------------------------------------------------------------
@@ -157,6 +160,7 @@ template <typename T>
 __global__ void advance_block_kernel(const int64_t* __restrict__ report, int Tn, int64_t* __restrict__ block,
                                      int64_t* __restrict__ pos0, int64_t* __restrict__ qpos,
                                      const T* __restrict__ table, float scale, T* __restrict__ emb, int H) {
+  pdl_begin();
   const int64_t n = report[Tn];
   const int64_t p = pos0[0] + n;
   const int64_t tok = report[n - 1];
@@ -173,7 +177,7 @@ __global__ void advance_block_kernel(const int64_t* __restrict__ report, int Tn,
 template <typename T>
 void launch_advance_block(const int64_t* report, int Tn, int64_t* block, int64_t* pos0, int64_t* qpos, const T* table,
                           float scale, T* emb, int H, cudaStream_t s) {
-  advance_block_kernel<T><<<1, 256, 0, s>>>(report, Tn, block, pos0, qpos, table, scale, emb, H);
+  launch_pdl(advance_block_kernel<T>, 1, 256, 0, s, report, Tn, block, pos0, qpos, table, scale, emb, H);
 }
 
 // ---------------------------------------------------------------------------
@@ -196,6 +200,7 @@ struct RowSources {
 template <typename T, bool VEC>
 __global__ void concat_rows_kernel(RowSources<T> parts, const int64_t* __restrict__ pos, int F, T* __restrict__ out,
                                    T* __restrict__ ring, int64_t ring_rows) {
+  pdl_begin();
   const int t = blockIdx.x, i = blockIdx.y;
   const int w = parts.width[i], off = parts.offset[i];
   const T* sr = parts.src[i] + (int64_t)t * w;
@@ -221,8 +226,8 @@ template <typename T>
 void launch_concat_rows(const RowSources<T>& parts, const int64_t* pos, int rows, int F, T* out, T* ring,
                         int64_t ring_rows, bool vec, cudaStream_t s) {
   const dim3 grid(rows, parts.n);
-  if (vec) concat_rows_kernel<T, true><<<grid, 128, 0, s>>>(parts, pos, F, out, ring, ring_rows);
-  else concat_rows_kernel<T, false><<<grid, 128, 0, s>>>(parts, pos, F, out, ring, ring_rows);
+  if (vec) launch_pdl(concat_rows_kernel<T, true>, grid, 128, 0, s, parts, pos, F, out, ring, ring_rows);
+  else launch_pdl(concat_rows_kernel<T, false>, grid, 128, 0, s, parts, pos, F, out, ring, ring_rows);
 }
 
 }  // namespace kakeya::kernels
