@@ -24,6 +24,21 @@ void check_restores_something(const RestoreOptions& o, int64_t n_prompt, int64_t
                                    << " positions): nothing would ever be restored; use a smaller --window");
 }
 
+std::string region_code_names() {
+  std::istringstream names(ops::row_code_names());
+  std::string out, name;
+  while (names >> name)
+    if (name != "|" && !ops::parse_row_code(name, "").weighted) out += (out.empty() ? "" : " | ") + name;
+  return out;
+}
+
+void check_region_code(const ops::RowCode& code, const std::string& flag) {
+  KAKEYA_CHECK(!code.weighted, flag << " " << ops::row_code_name(code)
+                                    << ": weighted codes are for full-attention rows (--full-code); a restored region "
+                                       "takes none | "
+                                    << region_code_names());
+}
+
 void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& o,
                       int64_t n_prompt, int64_t max_new, const std::string& ftheta_origin) {
   const ModelConfig& cfg = verifier.config();
@@ -47,8 +62,7 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
   KAKEYA_CHECK(o.mix_alpha >= 0.0 && o.mix_alpha <= 1.0, "decode: --mix-alpha expected in [0, 1], got " << o.mix_alpha);
   KAKEYA_CHECK(o.full_attn != FullAttn::Codec || o.full_code.defined(),
                "decode: --full-attn codec needs a --full-code (" << ops::row_code_names() << ")");
-  KAKEYA_CHECK(!o.region_code.weighted, "decode: --restored-code " << ops::row_code_name(o.region_code)
-                                                                     << ": weighted codes are for full-attention rows (--full-code)");
+  check_region_code(o.region_code, "decode: --restored-code");
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     if (o.region_code.defined())
       ops::check_row_code(cfg.layer_head_dim[l], o.region_code,

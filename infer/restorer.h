@@ -71,6 +71,14 @@ namespace kakeya {
 void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& opt,
                       int64_t n_prompt, int64_t max_new_tokens, const std::string& ftheta_origin = "f_theta");
 
+// The codes a restored region takes, "int8 | int4 | lm5 | ...": the unweighted row codes (a
+// weighted pwB code's K weights are calibrated for full-attention rows, --full-code).
+std::string region_code_names();
+// Throws unless `code` is one a restored region takes (none or unweighted), naming `flag` and
+// region_code_names(). validate_restore calls it; the CLI calls it while parsing, so that a run
+// with several decoders refuses the flag before the first one starts.
+void check_region_code(const ops::RowCode& code, const std::string& flag);
+
 // For one-off measurements (a decode, a NIAH ladder, an evaluation, scoring): a context the
 // window covers whole restores nothing, so the run would measure the plain model; throws naming
 // --window. The decoders themselves accept it: a conversation (a session, the server) may start

@@ -22,8 +22,8 @@ CLI::Validator bound(bool strict, const std::string& name) {
   return CLI::Validator(
       [strict, what](std::string& s) -> std::string {
         double v = 0;
-        if (!CLI::detail::lexical_cast(s, v)) return "expected a number " + what + ", got '" + s + "'";
-        return (strict ? v > 0 : v >= 0) ? std::string() : "expected a number " + what + ", got '" + s + "'";
+        const bool ok = CLI::detail::lexical_cast(s, v) && (strict ? v > 0 : v >= 0);
+        return ok ? std::string() : "expected a number " + what + ", got '" + s + "'";
       },
       name);
 }

@@ -80,6 +80,9 @@ void register_bench(CLI::App& app) {
     } else {
       prompt = bench_prompt(load_tokenizer(o->model), o->prompt_len);
     }
+    // The restore flags are parsed before anything runs: a flag the restored decoder refuses
+    // fails the command at once, not after the peer and the AR runs.
+    const RestoreOptions restore = o->restored ? o->rf.options() : RestoreOptions{};
     // The HF peer runs first, before our weights exist: a model that fills most of the GPU
     // (26B-A4B: 50 GB in bf16) is then never held twice at once.
     nlohmann::json peer = nlohmann::json::object();
@@ -112,7 +115,7 @@ void register_bench(CLI::App& app) {
     if (o->restored) {
       load_restoration(o->rf, model, load_tokenizer(o->model), st);
       d.mode = DecodeMode::Restored;
-      d.restore = o->rf.options();
+      d.restore = restore;
       d.max_new_tokens = o->new_tokens;
       d.stream = false;
     }

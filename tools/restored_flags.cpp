@@ -1,25 +1,9 @@
 #include "tools/restored_flags.h"
 
-#include <sstream>
-
 #include "core/error.h"
 #include "core/io/fs.h"
 
 namespace kakeya::cli {
-
-namespace {
-
-// The codes a restored region takes: the unweighted row codes (a weighted pwB code's K weights
-// are calibrated for full-attention rows; the KV cache refuses it in a region).
-std::string region_code_names() {
-  std::istringstream names(ops::row_code_names());
-  std::string out, name;
-  while (names >> name)
-    if (name != "|" && !ops::parse_row_code(name, "--restored-code").weighted) out += (out.empty() ? "" : " | ") + name;
-  return out;
-}
-
-}  // namespace
 
 void RestoreFlags::add_restore(CLI::App* c, const std::string& prefix) {
   c->add_option("--drafter", drafter, prefix + "DFlash drafter directory, or random[:SEED]")->capture_default_str();
@@ -67,11 +51,8 @@ RestoreOptions RestoreFlags::options() const {
   o.full_attn = parse_full_attn(full_attn);
   o.mix_alpha = mix_alpha;
   o.layers = layers;
-  // A weighted pwB code's K weights are calibrated for full-attention rows: refused here, by name.
-  KAKEYA_CHECK(region_code == "none" ||
-                   (ops::is_row_code_name(region_code) && !ops::parse_row_code(region_code, "--restored-code").weighted),
-               "--restored-code: expected none | " << region_code_names() << ", got '" << region_code << "'");
   o.region_code = ops::parse_row_code(region_code, "--restored-code");
+  check_region_code(o.region_code, "--restored-code");
   o.full_code = ops::parse_row_code(full_code, "--full-code");
   o.calib = calib;
   return o;
