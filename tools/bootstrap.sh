@@ -27,9 +27,11 @@ want="$(printf '%s\n' "${PY_PKGS[@]}")"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$want" ]; then
   PY=${PYTHON:-python3}
   [ -x .venv/bin/python ] || "$PY" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
-  echo "[bootstrap] pip: ${PY_PKGS[*]}"
-  .venv/bin/python -m pip install -q "${PY_PKGS[@]}"
+  # No pip cache: the torch wheel and its CUDA libraries are ~3.5 GB compressed, and a cached
+  # copy beside the ~5.5 GB they unpack to has filled a CI machine's disk.
+  .venv/bin/python -m pip install -q --no-cache-dir --upgrade pip
+  echo "[bootstrap] pip: ${PY_PKGS[*]} ($(df -h --output=avail . | tail -1 | tr -d ' ') free here)"
+  .venv/bin/python -m pip install -q --no-cache-dir "${PY_PKGS[@]}"
   printf '%s' "$want" > "$STAMP"
 fi
 echo "[bootstrap] ok"
