@@ -76,7 +76,9 @@ __device__ __forceinline__ float apply_act(float g, Act act) {
 // returns once the kernel before it has finished and its writes are visible. Every kernel calls
 // it on every path before it touches activations: the next kernel's wait covers only its own
 // predecessor, so the chain is ordered only if each link waits. Kernels launched with <<<>>>
-// (ATen's, and any launched without the attribute) keep full stream order.
+// (ATen's, and any launched without the attribute) keep full stream order. A failed launch leaves
+// its error where cudaGetLastError finds it, as <<<>>> does: the wrappers (decode_ops.cu,
+// spec_ops.cu) check after every launch.
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -1,4 +1,5 @@
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstring>
@@ -108,6 +109,7 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, boo
     using T = std::remove_pointer_t<decltype(tag)>;
     k::launch_rms_norm<T>(ptr<T>(x), w.data_ptr<float>(), ptr<T>(out), x.numel() / H, H, eps, unit_offset,
                           at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
 }
@@ -132,6 +134,7 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in, const at:
                               w_next.data_ptr<float>(), ptr<T>(r.h_out), ptr<T>(r.y), h.numel() / H, H, eps,
                               unit_offset, r.copy_dst<T>(copy), r.copy_stride, r.copy_pos, r.copy_rows, r.T_len,
                               at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {r.h_out, r.y};
 }
@@ -149,6 +152,7 @@ at::Tensor act_mul(const at::Tensor& gu_in, bool gelu_tanh) {
     using T = std::remove_pointer_t<decltype(tag)>;
     k::launch_act_mul<T>(ptr<T>(gu), ptr<T>(out), gu.numel() / (2 * I), I, gelu_tanh ? k::Act::GeluTanh : k::Act::Silu,
                          at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
 }
@@ -190,6 +194,7 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv_in, const at::Tensor& positi
                                      ptr<Ty>(a.sin), positions.data_ptr<int64_t>(), per_row ? (int)T : 0, ptr<Ty>(q), ptr<Ty>(k_cache),
                                      ptr<Ty>(v_cache), B, T, Hq, Hkv, D, rot, k_cache.stride(0), k_cache.stride(1), ring,
                                      a.norm.eps, a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return q;
 }
@@ -338,6 +343,7 @@ void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer
                                reinterpret_cast<const k::RestoreLayerDesc*>(desc.data_ptr()), (int)layers.size(),
                                positions.data_ptr<int64_t>(), (int)N, (int)Hkv, (int)D, (int)a.sink, a.norm.eps,
                                a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -371,6 +377,7 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
                            to.v_mean.defined() ? to.v_mean.data_ptr<float>() : nullptr,
                            to.k_weight.defined() ? to.k_weight.data_ptr<float>() : nullptr, (int)B, (int)Hkv, (int)Tn, (int)to.k_codes.size(2), (int)D, to.code.rotated(), to.code.bits,
                            sink, sink_slot0, at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
 
@@ -397,6 +404,7 @@ at::Tensor dequantize_rows(const at::Tensor& codes_in, const at::Tensor& side_in
     using T = std::remove_pointer_t<decltype(tag)>;
     k::launch_dequantize_rows<T>(codes.data_ptr<uint8_t>(), reinterpret_cast<const __half*>(side.data_ptr()), rows,
                                  (int)D, code.rotated(), code.bits, ptr<T>(out), at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
 }
@@ -473,6 +481,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
                                         (int)copies.window, copies.code_from,
                                         in_restored ? copies.keep_below : (int64_t)-1, cr, partial.data_ptr<float>(), ptr<T_>(out),
                                         B, T, Hq, Hkv, S, D, keys, window, scale, softcap, at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   TORCH_CHECK(ok, "decode_attention: head dim ", D, " not supported (64, 128, 256, 512)");
   return out;
@@ -498,6 +507,7 @@ at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
     using T = std::remove_pointer_t<decltype(tag)>;
     launched = k::launch_gemv<T>(ptr<T>(x), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, ptr<T>(y), M, N, K,
                                  act, at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return launched ? y : at::Tensor();
 }
@@ -527,6 +537,7 @@ at::Tensor expert_plan(const at::Tensor& experts, int64_t num_experts) {
   auto plan = at::empty({k::expert_plan_size(P)}, experts.options().dtype(at::kInt));
   k::launch_expert_plan(experts.data_ptr<int64_t>(), (int)P, (int)num_experts, plan.data_ptr<int>(),
                         at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return plan;
 }
 
@@ -551,6 +562,7 @@ at::Tensor expert_linear(const at::Tensor& x_in, const at::Tensor& w, const at::
                                         (int)x_div, (int)std::min<int64_t>(most_per_expert, P),
                                         gated ? (gelu_tanh ? k::Act::GeluTanh : k::Act::Silu) : k::Act::None,
                                         at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return launched ? y : at::Tensor();
 }
@@ -578,6 +590,7 @@ bool route_experts(const at::Tensor& h_in, const at::Tensor& scale, const at::Te
                                    weights.data_ptr<float>(), experts.data_ptr<int64_t>(),
                                    with_plan ? plan.data_ptr<int>() : nullptr, (int)N, (int)E, (int)H, (int)top_k,
                                    (float)eps, at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   if (!launched) return false;
   out.weights = weights;
@@ -624,6 +637,7 @@ std::pair<at::Tensor, at::Tensor> moe_residual(const at::Tensor& h_in, const at:
                               ptr<T>(out.h_out), ptr<T>(out.y), (int)rows, (int)H, (float)eps, unit_offset,
                               out.copy_dst<T>(copy), out.copy_stride, out.copy_pos, out.copy_rows, out.T_len,
                               at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {out.h_out, out.y};
 }

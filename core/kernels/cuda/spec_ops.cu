@@ -1,6 +1,7 @@
 // at::Tensor wrappers of core/kernels/cuda/spec_kernels.cuh (CUDA builds only); infer/fused.cpp
 // calls them through core/kernels/ops.h.
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "core/kernels/cuda/spec_kernels.cuh"
@@ -39,6 +40,7 @@ void greedy_accept(const at::Tensor& scores_in, const at::Tensor& block, at::Ten
     k::launch_greedy_accept<__nv_bfloat16>(ptr<__nv_bfloat16>(scores), block.data_ptr<int64_t>(),
                                            report.data_ptr<int64_t>(), pval.data_ptr<float>(), pidx.data_ptr<int>(), T,
                                            V, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void argmax_rows(const at::Tensor& scores_in, const at::Tensor& map, at::Tensor& out) {
@@ -61,6 +63,7 @@ void argmax_rows(const at::Tensor& scores_in, const at::Tensor& map, at::Tensor&
   else
     k::launch_argmax_rows<__nv_bfloat16>(ptr<__nv_bfloat16>(scores), m, out.data_ptr<int64_t>(), pval.data_ptr<float>(),
                                          pidx.data_ptr<int>(), rows, V, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos,
@@ -75,6 +78,7 @@ void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0
   if (!emb) {
     k::launch_advance_block<float>(report.data_ptr<int64_t>(), T, block.data_ptr<int64_t>(), pos0.data_ptr<int64_t>(),
                                    qpos.data_ptr<int64_t>(), nullptr, 1.f, nullptr, 0, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
     return;
   }
   const at::Tensor& t = emb->table;
@@ -92,6 +96,7 @@ void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0
     k::launch_advance_block<__nv_bfloat16>(report.data_ptr<int64_t>(), T, block.data_ptr<int64_t>(),
                                            pos0.data_ptr<int64_t>(), qpos.data_ptr<int64_t>(), ptr<__nv_bfloat16>(t),
                                            (float)emb->scale, ptr<__nv_bfloat16>(emb->out), H, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void concat_rows(const std::vector<at::Tensor>& parts, at::Tensor* out, at::Tensor* ring, const at::Tensor& pos) {
@@ -139,6 +144,7 @@ void concat_rows(const std::vector<at::Tensor>& parts, at::Tensor* out, at::Tens
     }
     k::launch_concat_rows<T>(src, p, (int)rows, (int)F, out ? ptr<T>(*out) : nullptr, ring ? ptr<T>(*ring) : nullptr,
                              ring_rows, vec, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   if (st == at::kFloat) run((float*)nullptr);
   else run((__nv_bfloat16*)nullptr);
