@@ -104,8 +104,48 @@ nlohmann::json paired_cell(const std::vector<double>& diffs, double scale) {
   return {{"delta", scale * mean(diffs)}, {"ci95", interval({scale * ci.first, scale * ci.second})}, {"n", diffs.size()}};
 }
 
-nlohmann::json summary(const ConfigRun& run, const ConfigRun* oracle, const LongEvalOptions& opt,
-                       const LongEvalPlan& plan) {
+// Prompt by prompt and document by document against `other`: both saw the same inputs, so the
+// differences carry no prompt-to-prompt variance.
+nlohmann::json versus(const ConfigRun& run, const ConfigRun& other, const std::vector<std::string>& families,
+                      const LongEvalOptions& opt, const LongEvalPlan& plan) {
+  nlohmann::json delta = nlohmann::json::object(), by_family = nlohmann::json::object(),
+                 ratio = nlohmann::json::object(), ratio_ci = nlohmann::json::object();
+  std::vector<double> deltas;
+  int64_t same = 0, compared = 0;
+  for (const auto& f : families)
+    for (size_t c = 0; c < plan.contexts.size(); ++c) {
+      std::vector<double> diffs;
+      for (size_t t = 0; t < opt.tasks.size(); ++t) {
+        if (long_task_family(opt.tasks[t]) != f) continue;
+        const auto d = paired_differences(run.scores[t][c], other.scores[t][c]);
+        diffs.insert(diffs.end(), d.begin(), d.end());
+        if (!d.empty()) {
+          delta[opt.tasks[t]][key(plan.contexts[c])] = 100 * mean(d);
+          deltas.push_back(100 * mean(d));
+        }
+        for (size_t i = 0; i < d.size(); ++i, ++compared)
+          same += run.per_sample[t][c][i]["text"] == other.per_sample[t][c][i]["text"];
+      }
+      if (!diffs.empty()) by_family[f][key(plan.contexts[c])] = paired_cell(diffs, 100);
+    }
+  for (size_t c = 0; c < plan.contexts.size(); ++c) {
+    const auto d = paired_differences(run.nll[c], other.nll[c]);
+    if (d.empty()) continue;
+    ratio[key(plan.contexts[c])] = std::exp(mean(d));
+    const auto ci = mean_ci95(d);
+    ratio_ci[key(plan.contexts[c])] = interval({std::exp(ci.first), std::exp(ci.second)});
+  }
+  return {{"config", other.config->name},
+          {"delta_pp", delta},
+          {"mean_delta_pp", deltas.empty() ? nlohmann::json(nullptr) : nlohmann::json(mean(deltas))},
+          {"family_delta_pp", by_family},
+          {"same_text", compared ? nlohmann::json((double)same / compared) : nlohmann::json(nullptr)},
+          {"ppl_ratio", ratio},
+          {"ppl_ratio_ci95", ratio_ci}};
+}
+
+nlohmann::json summary(const ConfigRun& run, const ConfigRun* oracle, const ConfigRun* reference,
+                       const LongEvalOptions& opt, const LongEvalPlan& plan) {
   std::vector<double> cells;
   std::vector<std::string> families;
   for (const auto& t : opt.tasks)
@@ -130,48 +170,13 @@ nlohmann::json summary(const ConfigRun& run, const ConfigRun* oracle, const Long
       if (!run.scores[t][c].empty()) cells.push_back(mean(run.scores[t][c]));
   nlohmann::json s{{"mean_score", cells.empty() ? nlohmann::json(nullptr) : nlohmann::json(mean(cells))},
                    {"families", fam}};
-  if (!oracle || oracle == &run) return s;
-  // Prompt by prompt and document by document against the oracle: both saw the same inputs, so
-  // the differences carry no prompt-to-prompt variance.
-  nlohmann::json delta = nlohmann::json::object(), by_family = nlohmann::json::object(),
-                 ratio = nlohmann::json::object(), ratio_ci = nlohmann::json::object();
-  std::vector<double> deltas;
-  int64_t same = 0, compared = 0;
-  for (const auto& f : families)
-    for (size_t c = 0; c < plan.contexts.size(); ++c) {
-      std::vector<double> diffs;
-      for (size_t t = 0; t < opt.tasks.size(); ++t) {
-        if (long_task_family(opt.tasks[t]) != f) continue;
-        const auto d = paired_differences(run.scores[t][c], oracle->scores[t][c]);
-        diffs.insert(diffs.end(), d.begin(), d.end());
-        if (!d.empty()) {
-          delta[opt.tasks[t]][key(plan.contexts[c])] = 100 * mean(d);
-          deltas.push_back(100 * mean(d));
-        }
-        for (size_t i = 0; i < d.size(); ++i, ++compared)
-          same += run.per_sample[t][c][i]["text"] == oracle->per_sample[t][c][i]["text"];
-      }
-      if (!diffs.empty()) by_family[f][key(plan.contexts[c])] = paired_cell(diffs, 100);
-    }
-  for (size_t c = 0; c < plan.contexts.size(); ++c) {
-    const auto d = paired_differences(run.nll[c], oracle->nll[c]);
-    if (d.empty()) continue;
-    ratio[key(plan.contexts[c])] = std::exp(mean(d));
-    const auto ci = mean_ci95(d);
-    ratio_ci[key(plan.contexts[c])] = interval({std::exp(ci.first), std::exp(ci.second)});
-  }
-  s["vs_oracle"] = {{"config", oracle->config->name},
-                    {"delta_pp", delta},
-                    {"mean_delta_pp", deltas.empty() ? nlohmann::json(nullptr) : nlohmann::json(mean(deltas))},
-                    {"family_delta_pp", by_family},
-                    {"same_text", compared ? nlohmann::json((double)same / compared) : nlohmann::json(nullptr)},
-                    {"ppl_ratio", ratio},
-                    {"ppl_ratio_ci95", ratio_ci}};
+  if (oracle && oracle != &run) s["vs_oracle"] = versus(run, *oracle, families, opt, plan);
+  if (reference && reference != &run) s["vs_reference"] = versus(run, *reference, families, opt, plan);
   return s;
 }
 
-nlohmann::json config_report(const ConfigRun& run, const ConfigRun* oracle, const LongEvalOptions& opt,
-                             const LongEvalPlan& plan) {
+nlohmann::json config_report(const ConfigRun& run, const ConfigRun* oracle, const ConfigRun* reference,
+                             const LongEvalOptions& opt, const LongEvalPlan& plan) {
   nlohmann::json tasks = nlohmann::json::object(), ppl = nlohmann::json::object();
   for (size_t t = 0; t < opt.tasks.size(); ++t)
     for (size_t c = 0; c < plan.contexts.size(); ++c) {
@@ -193,7 +198,7 @@ nlohmann::json config_report(const ConfigRun& run, const ConfigRun* oracle, cons
           {"tasks", tasks},
           {"ppl", ppl},
           {"seconds", run.seconds},
-          {"summary", summary(run, oracle, opt, plan)}};
+          {"summary", summary(run, oracle, reference, opt, plan)}};
 }
 
 // Fills `runs` with what `prev` (an earlier report of this suite) holds; returns how many prompts
@@ -487,6 +492,15 @@ nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FThet
     r.per_sample.assign(T, std::vector<nlohmann::json>(C, nlohmann::json::array()));
     r.nll.assign(C, {});
   }
+  const ConfigRun* reference = nullptr;
+  if (!opt.reference.empty()) {
+    std::string names;
+    for (const auto& r : runs) {
+      if (r.config->name == opt.reference) reference = &r;
+      names += (names.empty() ? "" : ", ") + r.config->name;
+    }
+    KAKEYA_CHECK(reference, "eval-long: --reference '" << opt.reference << "' is none of the configs (" << names << ")");
+  }
   const int64_t resumed = opt.resume.is_null() ? 0 : take_resumed(opt.resume, opt, plan, runs);
   // Decoders for the prompts (none to build when only documents are scored).
   if (plan.decode_capacity > 0)
@@ -523,7 +537,7 @@ nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FThet
   };
   auto report = [&](bool is_partial) {
     nlohmann::json reports = nlohmann::json::array();
-    for (const auto& r : runs) reports.push_back(config_report(r, oracle, opt, plan));
+    for (const auto& r : runs) reports.push_back(config_report(r, oracle, reference, opt, plan));
     // The prompts any config answered (every config answers them in the same order).
     nlohmann::json prompts = nlohmann::json::object();
     for (size_t c = 0; c < C; ++c)
@@ -547,6 +561,7 @@ nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FThet
                           {"seed", opt.seed},
                           {"chat", data::chat_format_name(opt.chat)},
                           {"oracle", oracle ? nlohmann::json(oracle->config->name) : nlohmann::json(nullptr)},
+                          {"reference", reference ? nlohmann::json(reference->config->name) : nlohmann::json(nullptr)},
                           {"ppl_docs", docs},
                           {"ppl_tail", opt.ppl_tail},
                           {"prompts", prompts},

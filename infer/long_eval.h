@@ -75,6 +75,9 @@ struct LongEvalOptions {
   // checkpoint_seconds while the run goes on: the caller writes it where a later run can resume.
   std::function<void(const nlohmann::json&)> checkpoint;
   double checkpoint_seconds = 30;
+  // A config's name (empty: none): every other config is also compared with it, paired as with
+  // the oracle ("vs_reference"), e.g. compact restored modes against the uncompressed one.
+  std::string reference;
 };
 
 struct LongEvalDoc {
@@ -115,7 +118,9 @@ using LongEvalProgress = std::function<void(int64_t done, int64_t total)>;
 // task family, and vs the oracle (the first config in Ar mode, if any), paired prompt by prompt
 // and document by document: the score difference in points per task and per family with its 95%
 // interval, the share of generated texts identical to the oracle's, and the perplexity ratio with its
-// interval (exp of the mean per-document NLL difference ± its 95% half-width).
+// interval (exp of the mean per-document NLL difference ± its 95% half-width); with
+// opt.reference, "reference" names it and every other config's summary has the same comparison
+// with it as "vs_reference".
 nlohmann::json run_long_eval(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const Tokenizer& tok,
                              const std::vector<LongEvalConfig>& configs, const LongEvalOptions& opt,
                              const LongEvalPlan& plan, const LongEvalProgress& progress = {});

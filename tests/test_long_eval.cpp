@@ -2,9 +2,10 @@
 // with the shipped drafter and f_θ: one smoke run at 1k over oracle, evict:64 and restored:64
 // (two single-answer NIAH tasks, one sample, one document with 128 scored tokens) whose report
 // has every cell, the same prompts for every config and an evict-only perplexity that differs
-// from the oracle's, paired differences that agree with the cells, and a resumed run that runs
-// only what its report lacks; perplexity alone; a run past its deadline reports partial; bad
-// input fails before anything decodes, naming what is wrong; the interval helpers on known values.
+// from the oracle's, paired differences that agree with the cells, a resumed run that runs only
+// what its report lacks, and comparisons with a named reference config; perplexity alone; a run
+// past its deadline reports partial; bad input fails before anything decodes, naming what is
+// wrong; the interval helpers on known values.
 #include <ATen/ATen.h>
 
 #include <chrono>
@@ -144,6 +145,29 @@ TEST(LongEval, SmokeAt1kOracleEvictRestored) {
     EXPECT_EQ(again["configs"][k]["tasks"], rep["configs"][k]["tasks"]);
     EXPECT_EQ(again["configs"][k]["ppl"], rep["configs"][k]["ppl"]);
   }
+  EXPECT_TRUE(again["reference"].is_null());
+  // A reference config: every other one is compared with it as with the oracle (paired), and the
+  // comparison agrees with the cells; the reference itself carries none. Nothing decodes again.
+  ro.reference = "evict:64";
+  const auto ref = run(ro, configs());
+  EXPECT_EQ(ref["reference"], "evict:64");
+  EXPECT_FALSE(ref["configs"][1]["summary"].contains("vs_reference"));
+  for (int k : {0, 2}) {
+    const auto& vr = ref["configs"][k]["summary"]["vs_reference"];
+    EXPECT_EQ(vr["config"], "evict:64");
+    EXPECT_NEAR(vr["ppl_ratio"]["1024"].get<double>(),
+                rep["configs"][k]["ppl"]["1024"]["ppl"].get<double>() / rep["configs"][1]["ppl"]["1024"]["ppl"].get<double>(),
+                1e-9);
+    for (const auto& task : o.tasks)
+      EXPECT_NEAR(vr["delta_pp"][task]["1024"].get<double>(),
+                  100 * (rep["configs"][k]["tasks"][task]["1024"]["score"].get<double>() -
+                         rep["configs"][1]["tasks"][task]["1024"]["score"].get<double>()),
+                  1e-9);
+  }
+  EXPECT_EQ(ref["configs"][2]["summary"]["vs_oracle"], rep["configs"][2]["summary"]["vs_oracle"]);
+  ro.reference = "restored:128";
+  expect_error([&] { run(ro, configs()); }, "--reference 'restored:128' is none of the configs (oracle, evict:64, restored:64)");
+  ro.reference.clear();
   // A report that lacks the evict-only document: only that one runs, to the same value.
   auto cut = rep;
   cut["configs"][1]["ppl"] = nlohmann::json::object();

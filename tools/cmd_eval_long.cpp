@@ -59,6 +59,9 @@ std::string table(const nlohmann::json& rep) {
     if (!rep["oracle"].is_null() && c["name"] == rep["oracle"]) oracle = &c;
   std::string out;
   char buf[512];
+  auto interval = [](const nlohmann::json& ci, const char* f) {
+    return ci.is_null() ? std::string("[n<2]") : "[" + fmt(f, ci[0].get<double>()) + "," + fmt(f, ci[1].get<double>()) + "]";
+  };
   for (const auto& cfg : rep["configs"]) {
     const bool vs = oracle && oracle != &cfg;
     std::string what = cfg["mode"].get<std::string>();
@@ -106,22 +109,25 @@ std::string table(const nlohmann::json& rep) {
         if (!vs || !s["vs_oracle"]["ppl_ratio"].contains(k)) return fmt("%.3f", p);
         return fmt("%.3f (%.3fx)", p, s["vs_oracle"]["ppl_ratio"][k].get<double>());
       });
-    if (vs) {
-      // Paired against the oracle: same prompts, same documents.
-      const auto& v = s["vs_oracle"];
-      auto interval = [&](const nlohmann::json& ci, const char* f) {
-        return ci.is_null() ? std::string("[n<2]") : "[" + fmt(f, ci[0].get<double>()) + "," + fmt(f, ci[1].get<double>()) + "]";
-      };
-      if (!v["ppl_ratio_ci95"].empty())
-        row("  ppl ratio 95% CI", [&](const std::string& k) -> std::string {
-          return v["ppl_ratio_ci95"].contains(k) ? interval(v["ppl_ratio_ci95"][k], "%.3f") : "-";
+    // A paired comparison (same prompts, same documents): the perplexity ratio and the points per
+    // task family, each with its 95% interval.
+    auto paired = [&](const nlohmann::json& v, const std::string& indent) {
+      if (!v["ppl_ratio"].empty())
+        row(indent + "ppl ratio, 95% CI", [&](const std::string& k) -> std::string {
+          if (!v["ppl_ratio"].contains(k)) return "-";
+          return fmt("%.3f", v["ppl_ratio"][k].get<double>()) + interval(v["ppl_ratio_ci95"][k], "%.3f");
         });
       for (const auto& f : v["family_delta_pp"].items())
-        row("  " + f.key() + " pp, 95% CI", [&](const std::string& k) -> std::string {
+        row(indent + f.key() + " pp, 95% CI", [&](const std::string& k) -> std::string {
           if (!f.value().contains(k)) return "-";
           const auto& cell = f.value()[k];
           return fmt("%+.1f", cell["delta"].get<double>()) + interval(cell["ci95"], "%+.0f");
         });
+    };
+    if (vs) paired(s["vs_oracle"], "  ");
+    if (s.contains("vs_reference")) {
+      out += "  vs " + s["vs_reference"]["config"].get<std::string>() + ":\n";
+      paired(s["vs_reference"], "    ");
     }
     if (!s["mean_score"].is_null()) {
       std::snprintf(buf, sizeof buf, "mean score %.3f", s["mean_score"].get<double>());
@@ -149,7 +155,7 @@ void register_eval_long(CLI::App& app) {
                 tasks = "all", contexts = "1024,2048,4096,8192,16384";
     int64_t samples = 3, ppl_docs = 4, ppl_tail = 512;
     uint64_t seed = 0;
-    std::string ppl_dir = "data/longeval/docs", source_dir, chat = "auto", json, png, python;
+    std::string ppl_dir = "data/longeval/docs", source_dir, chat = "auto", json, png, python, reference;
     double budget = 0;
     bool resume = false;
   };
@@ -181,6 +187,9 @@ void register_eval_long(CLI::App& app) {
                 "as partial (0: no limit)")
       ->capture_default_str()
       ->check(non_negative());
+  c->add_option("--reference", o->reference,
+                "a config name: every other config is also compared with it, paired (e.g. compact restored modes "
+                "against restored:W)");
   c->add_option("--json", o->json, "write the report here (also every 30 s while the run goes on)");
   c->add_flag("--resume", o->resume,
               "continue the report at --json when it exists: its prompts and documents are not run again (a run "
@@ -200,6 +209,7 @@ void register_eval_long(CLI::App& app) {
     lo.ppl_tail = o->ppl_tail;
     lo.ppl_dir = o->ppl_dir;
     lo.source_dir = o->source_dir;
+    lo.reference = o->reference;
     if (o->budget > 0)
       lo.deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                 std::chrono::duration<double>(o->budget));
