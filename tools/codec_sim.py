@@ -21,12 +21,20 @@ side on the same tokens, so a code can be judged before it is built into the ker
                bits by greedy reverse water-filling (B·D bits a row), K's coordinates weighted by the
                calibrated query energy along them (an error in k moves the score by q·Δk).
 
+  intB         the affine code of restored regions (core/kernels/ops.h "Affine"): groups of 32 values,
+               x ≈ min + scale · c with min and scale in f16, c rounded half to even.
+
 A code may give V rows other bits than K rows (`lm5v3`: K in 5, V in 3) and re-code rows once they are
 DIST positions behind the query (`lm5/3@2048`: 5 bits, then 3; what a decoder re-coding aging rows reads).
 
 Rows are coded less a mean per head, as the decoder does; --mean says which: `prompt` (every
 scored prefix's positions before the tail: the best a session could know) or `first:N` (its first N
-positions: the decoder's rule, the means of a session's first forward, N = its prefill chunk).
+positions: the decoder's rule, the means of a session's first forward, N = its prefill chunk) or
+`none` (rows coded as they are: what a restored region holds).
+
+--row-error measures the codes where perplexity is too coarse: the relative squared error
+|x̂ - x|² / |x|² of every layer's K and V rows as the model caches them (K after its norm and RoPE;
+the first document's --context tokens, positions past --sink), per layer and code (int and lm codes).
 
   .venv/bin/python tools/codec_sim.py --context 4096 --docs data/longeval/docs/00.txt,... \
       --codes exact,lm4,lm3,cal4,cal3 --mean first:256 --json out.json
@@ -86,6 +94,15 @@ def rotated(x, bits):
     return s * fwht(c * (n / c.norm(dim=-1, keepdim=True).clamp_min(1e-12)))
 
 
+def affine(x, bits):
+    """The decoded rows of the affine code (x: [..., D], D a multiple of 32)."""
+    g = x.reshape(*x.shape[:-1], -1, 32)
+    mn = g.amin(-1, keepdim=True).half().float()
+    sc = ((g.amax(-1, keepdim=True) - mn) / (2 ** bits - 1)).half().float()
+    c = torch.where(sc > 0, torch.round((g - mn) / torch.where(sc > 0, sc, 1)), 0).clamp(0, 2 ** bits - 1)
+    return (mn + sc * c).reshape(x.shape)
+
+
 def allocate(weight, total):
     """Integer bits per coordinate (0..8) for `total` bits: greedy on weight_i · distortion(b_i)."""
     g = torch.randn(200000, generator=torch.Generator().manual_seed(0))
@@ -109,7 +126,7 @@ def calibrated(x, basis, sigma, bits):
 
 # A code: its kind, K rows' bits, V rows' bits (default K's), and optionally the bits F both take
 # once a row is DIST positions behind the query (a row re-coded as it ages; F always rotated).
-CODE = r"exact|(lm|cal|pw)([1-8])(?:v([1-8]))?(?:/([2-8])@([0-9]+))?"
+CODE = r"exact|(lm|cal|pw|int)([1-8])(?:v([1-8]))?(?:/([2-8])@([0-9]+))?"
 
 
 def main():
@@ -124,7 +141,9 @@ def main():
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--sink", type=int, default=4)
     ap.add_argument("--codes", default="exact,lm4,lm3,cal4,cal3")
-    ap.add_argument("--mean", default="first:256", help="prompt | first:N")
+    ap.add_argument("--mean", default="first:256", help="prompt | first:N | none")
+    ap.add_argument("--row-error", action="store_true",
+                    help="each code's relative error on every layer's K and V rows instead of perplexity")
     ap.add_argument("--pw-power", type=float, default=1.0, help="pw codes: w² = (|q|/σ)^power (1: the optimum)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json")
@@ -132,12 +151,14 @@ def main():
     codes = a.codes.split(",")
     for c in codes:
         if not re.fullmatch(CODE, c):
-            sys.exit(f"codec_sim: --codes: unknown code '{c}' (expected exact | lmK[vV][/F@DIST] | pwK[vV][/F@DIST] | calK[vV][/F@DIST]: "
-                     "K, V bits of K and V rows (lm 2..8, cal 1..8), F bits of both once DIST positions old)")
+            sys.exit(f"codec_sim: --codes: unknown code '{c}' (expected exact | lmK[vV][/F@DIST] | pwK[vV][/F@DIST] | calK[vV][/F@DIST] "
+                     "| intK[vV]: K, V bits of K and V rows (lm 2..8, cal 1..8), F bits of both once DIST positions old)")
     if codes[0] != "exact":
         sys.exit("codec_sim: --codes: the list starts with exact (every ratio is to it)")
-    if a.mean != "prompt" and not (a.mean.startswith("first:") and a.mean[6:].isdigit()):
-        sys.exit(f"codec_sim: --mean: expected prompt | first:N, got '{a.mean}'")
+    if a.mean not in ("prompt", "none") and not (a.mean.startswith("first:") and a.mean[6:].isdigit()):
+        sys.exit(f"codec_sim: --mean: expected prompt | first:N | none, got '{a.mean}'")
+    if a.row_error and any(re.fullmatch(CODE, c).group(1) not in (None, "lm", "int") for c in codes):
+        sys.exit("codec_sim: --row-error: int and lm codes only (pw and cal are calibrated for full-attention layers)")
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval().to(a.device)
     cfg = model.config
@@ -186,11 +207,12 @@ def main():
             sys.exit(f"codec_sim: {path}: {len(ids)} tokens, fewer than --context {n}")
         return out[:count]
 
-    # Calibration: the full-attention layers' q, k, v on --calib text.
+    # Calibration (pw and cal codes): the full-attention layers' q, k, v on --calib text.
     state["collect"] = {}
-    with torch.no_grad():
-        for ids in ids_of(a.calib, a.calib_context, a.calib_windows):
-            model(ids[None].to(a.device))
+    if any(re.fullmatch(CODE, c).group(1) in ("pw", "cal") for c in codes):
+        with torch.no_grad():
+            for ids in ids_of(a.calib, a.calib_context, a.calib_windows):
+                model(ids[None].to(a.device))
     cal, pw = {}, {}
     attn_of = {m.layer_idx: m for m in model.modules() if hasattr(m, "o_proj") and hasattr(m, "layer_idx")}
     for li, rows in state["collect"].items():
@@ -230,13 +252,15 @@ def main():
 
         def run(li, k, v):
             T = k.shape[1]
-            end = T - a.tail if a.mean == "prompt" else int(a.mean[6:])
+            end = T - a.tail if a.mean == "prompt" else a.sink if a.mean == "none" else int(a.mean[6:])
             out = {"k": [], "v": [], "kfar": [], "vfar": []}
             for h in range(k.shape[0]):
                 for name, x in (("k", k[h]), ("v", v[h])):
-                    m = x[a.sink : end].mean(0)
+                    m = x[a.sink : end].mean(0) if end > a.sink else torch.zeros_like(x[0])
                     b = bits[name]
-                    if kind == "lm":
+                    if kind == "int":
+                        xh = affine(x - m, b)
+                    elif kind == "lm":
                         xh = rotated(x - m, b)
                     elif kind == "pw":
                         w = pw[li, h, name]
@@ -257,6 +281,9 @@ def main():
         return run
 
     docs = [ids_of(p, a.context)[0] for p in a.docs.split(",")]
+    if a.row_error:
+        row_error(a, model, docs[0], codes[1:], code_fn)
+        return
     report = {"command": " ".join(sys.argv), "context": a.context, "tail": a.tail, "window": a.window, "sink": a.sink,
               "mean": a.mean, "docs": a.docs.split(","), "codes": {}}
     base = None
@@ -277,6 +304,29 @@ def main():
                                  "ppl_ratio": mean_ratio}
         print(f"{code:6s} ppl {math.exp(sum(nll) / len(nll)):8.4f}  vs exact {mean_ratio:.4f}  per doc "
               + " ".join(f"{r:.4f}" for r in ratios) + f"  ({time.time() - t0:.0f} s)", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def row_error(a, model, ids, codes, code_fn):
+    """Relative error of each code on every layer's cached K and V rows (positions >= --sink)."""
+    with torch.no_grad():
+        cache = model(ids[None].to(a.device), use_cache=True).past_key_values
+    types = model.config.get_text_config().layer_types
+    report = {"command": " ".join(sys.argv), "context": a.context, "sink": a.sink, "mean": a.mean, "doc": a.docs.split(",")[0],
+              "layers": []}
+    print("layer type     " + " ".join(f"{c + ' ' + n:>9s}" for n in ("K", "V") for c in codes), flush=True)
+    for li, layer in enumerate(cache.layers):
+        k, v = layer.keys[0].float(), layer.values[0].float()  # [Hkv, T, D]
+        row = {"layer": li, "type": types[li], "k": {}, "v": {}}
+        for code in codes:
+            (_, kc, vc), = code_fn(code)(li, k, v)  # one tier: decoded rows of every position
+            for name, x, xh in (("k", k, kc), ("v", v, vc)):
+                x, xh = x[:, a.sink :], xh[:, a.sink :]
+                row[name][code] = float(((xh - x) ** 2).sum() / (x ** 2).sum())
+        report["layers"].append(row)
+        print(f"{li:5d} {types[li].replace('_attention', ''):8s} " + " ".join(f"{row[n][c]:9.5f}" for n in ("k", "v") for c in codes), flush=True)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(report, f, indent=1)
