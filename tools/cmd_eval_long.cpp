@@ -78,7 +78,7 @@ std::string table(const nlohmann::json& rep) {
     std::snprintf(buf, sizeof buf, "%-22s", "task");
     out += buf;
     for (const auto& c : contexts) {
-      std::snprintf(buf, sizeof buf, "%18lld", (long long)c.get<int64_t>());
+      std::snprintf(buf, sizeof buf, "%20lld", (long long)c.get<int64_t>());
       out += buf;
     }
     out += "\n";
@@ -86,7 +86,7 @@ std::string table(const nlohmann::json& rep) {
       std::snprintf(buf, sizeof buf, "%-22s", label.c_str());
       out += buf;
       for (const auto& c : contexts) {
-        std::snprintf(buf, sizeof buf, "%18s", cell(std::to_string(c.get<int64_t>())).c_str());
+        std::snprintf(buf, sizeof buf, "%20s", cell(std::to_string(c.get<int64_t>())).c_str());
         out += buf;
       }
       out += "\n";
@@ -115,7 +115,7 @@ std::string table(const nlohmann::json& rep) {
       if (!v["ppl_ratio"].empty())
         row(indent + "ppl ratio, 95% CI", [&](const std::string& k) -> std::string {
           if (!v["ppl_ratio"].contains(k)) return "-";
-          return fmt("%.3f", v["ppl_ratio"][k].get<double>()) + interval(v["ppl_ratio_ci95"][k], "%.3f");
+          return fmt("%.3f ", v["ppl_ratio"][k].get<double>()) + interval(v["ppl_ratio_ci95"][k], "%.3f");
         });
       for (const auto& f : v["family_delta_pp"].items())
         row(indent + f.key() + " pp, 95% CI", [&](const std::string& k) -> std::string {

@@ -8,9 +8,10 @@ OUT.png      one heat map per decoder config (rows: tasks, columns: contexts, va
              report has an oracle config). Cells a partial run (deadline) never reached are grey.
              Skipped when the report has no tasks (--tasks none).
 OUT-ppl.png  perplexity of the held-out documents' last tokens against the context: the ratio
-             to the oracle's (paired over the same documents, with its 95% interval as error
-             bars), one line per config (the plain perplexity when there is no oracle). Skipped
-             when the report has no perplexity.
+             to the reference config's (eval-long --reference) or else the oracle's, paired over
+             the same documents, with its 95% interval as error bars, one line per config (the
+             plain perplexity when there is neither); configs side by side around each context.
+             Skipped when the report has no perplexity.
 """
 import json, math, sys, textwrap
 
@@ -84,17 +85,20 @@ def ppl_plot(rep, out):
     if not any(cfg.get("ppl") for cfg in configs):
         print("no perplexity in the report: skipping the perplexity plot")
         return
-    oracle = next((c for c in configs if c["name"] == rep.get("oracle")), None)
+    # Ratios to the reference when the run named one, else to the oracle (each config's summary
+    # holds the paired comparison: vs_reference / vs_oracle).
+    base_name, key = (rep["reference"], "vs_reference") if rep.get("reference") else (rep.get("oracle"), "vs_oracle")
+    base = next((c for c in configs if c["name"] == base_name), None)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for cfg in configs:
-        # Against the oracle: the paired ratio (same documents) and its 95% interval as error bars.
-        vs = cfg.get("summary", {}).get("vs_oracle", {})
+    for i, cfg in enumerate(configs):
+        vs = cfg.get("summary", {}).get(key, {})
+        dodge = 2 ** (0.04 * (i - (len(configs) - 1) / 2))  # configs side by side on the log axis
         xs, ys, lo, hi = [], [], [], []
         for c in contexts:
             p = cfg["ppl"].get(str(c))
             if not p:
                 continue
-            if oracle is not None and cfg is not oracle:
+            if base is not None and cfg is not base:
                 r = vs.get("ppl_ratio", {}).get(str(c))
                 if r is None:
                     continue
@@ -103,18 +107,19 @@ def ppl_plot(rep, out):
                 lo.append(r - ci[0])
                 hi.append(ci[1] - r)
             else:
-                ys.append(1.0 if cfg is oracle else p["ppl"])
+                ys.append(1.0 if cfg is base else p["ppl"])
                 lo.append(0.0)
                 hi.append(0.0)
-            xs.append(c)
-        style = "s--" if cfg is oracle else "o-"
+            xs.append(c * dodge)
+        style = "s--" if cfg is base else "o-"
         ax.errorbar(xs, ys, yerr=[lo, hi], fmt=style, capsize=3, label=config_title(cfg))
     ax.set_xscale("log", base=2)
     ax.set_xticks(contexts, [ctx_label(c) for c in contexts])
     ax.set_xlabel("context (tokens)")
-    ax.set_ylabel("perplexity / oracle perplexity" if oracle is not None else "perplexity")
+    ax.set_ylabel(f"perplexity / {base_name} perplexity" if base is not None else "perplexity")
     ax.set_title(f'perplexity of the last {rep.get("ppl_tail")} tokens, {len(rep.get("ppl_docs", []))} held-out '
-                 f'document(s){" — PARTIAL" if rep.get("partial") else ""}', fontsize=9)
+                 f'document(s), {rep.get("device", "?")} ({rep.get("dtype", "?")})'
+                 f'{" — PARTIAL" if rep.get("partial") else ""}', fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
