@@ -155,7 +155,9 @@ std::string bench_memory_table(const nlohmann::json& r) {
   std::ostringstream os;
   char buf[256];
   const int64_t ctx = r["context"];
-  std::snprintf(buf, sizeof buf, "%-22s %12s %9s", "config", ("KV @" + std::to_string(ctx)).c_str(), "vs native");
+  int name_w = 22;  // the config column fits the longest name
+  for (const auto& row : r["configs"]) name_w = std::max(name_w, (int)row["config"].get<std::string>().size());
+  std::snprintf(buf, sizeof buf, "%-*s %12s %9s", name_w, "config", ("KV @" + std::to_string(ctx)).c_str(), "vs native");
   os << buf;
   for (int64_t b : r["budgets_bytes"]) {
     const std::string name = std::to_string(b >> 20) + " MiB";
@@ -164,7 +166,7 @@ std::string bench_memory_table(const nlohmann::json& r) {
   }
   os << (r["ar_decode_tps"].is_null() ? "" : "   decode tok/s  vs AR  prefill tok/s  vs AR") << "\n";
   for (const auto& row : r["configs"]) {
-    std::snprintf(buf, sizeof buf, "%-22s %12s %8.3fx", row["config"].get<std::string>().c_str(),
+    std::snprintf(buf, sizeof buf, "%-*s %12s %8.3fx", name_w, row["config"].get<std::string>().c_str(),
                   mb(row["kv_bytes_at_context"]).c_str(), row["ratio_vs_native_at_context"].get<double>());
     os << buf;
     for (const auto& f : row["budgets"]) {
