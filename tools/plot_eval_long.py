@@ -117,9 +117,12 @@ def ppl_plot(rep, out):
     ax.set_xticks(contexts, [ctx_label(c) for c in contexts])
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel(f"perplexity / {base_name} perplexity" if base is not None else "perplexity")
-    ax.set_title(f'perplexity of the last {rep.get("ppl_tail")} tokens, {len(rep.get("ppl_docs", []))} held-out '
-                 f'document(s), {rep.get("device", "?")} ({rep.get("dtype", "?")})'
-                 f'{" — PARTIAL" if rep.get("partial") else ""}', fontsize=9)
+    planned = len(rep.get("ppl_docs", []))
+    scored = max((p.get("n", 0) for cfg in configs for p in cfg["ppl"].values()), default=0)
+    docs = f"{scored} of {planned}" if scored < planned else f"{planned}"
+    ax.set_title(f'perplexity of the last {rep.get("ppl_tail")} tokens, {docs} held-out document(s), '
+                 f'{rep.get("device", "?")} ({rep.get("dtype", "?")}){" — PARTIAL" if rep.get("partial") else ""}',
+                 fontsize=9)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()
