@@ -301,6 +301,8 @@ LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOpti
       if (i + 1 < parts.size() && ops::is_row_code_name(parts[i + 1])) c.restore.full_code = ops::parse_row_code(parts[++i], "--configs");
     } else if (ops::is_row_code_name(parts[i])) {
       c.restore.region_code = ops::parse_row_code(parts[i], "--configs");
+      // Refused here, not only when a decoder is built: bench memory plans configs without one.
+      check_region_code(c.restore.region_code, "--configs '" + spec + "', code");
     } else {
       bad("unknown modifier '" + parts[i] + "' in '" + kind + "'");
     }

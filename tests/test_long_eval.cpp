@@ -263,6 +263,11 @@ TEST(LongEval, ConfigSpecs) {
   EXPECT_EQ(c[5].restore.region_code, (ops::RowCode{ops::RowKind::Affine, 4}));
   EXPECT_EQ(c[6].restore.full_attn, FullAttn::Exact);
   EXPECT_EQ(c[6].restore.region_code, (ops::RowCode{ops::RowKind::Rotated, 4}));
+  // A weighted code names full-attention rows only: refused while parsing (bench memory plans
+  // configs without building a decoder, so it would otherwise report bytes for one that cannot run).
+  expect_error([&] { parse_long_eval_configs("oracle,restored-pw4:64", base); },
+               "--configs 'restored-pw4:64', code pw4: weighted codes are for full-attention rows");
+  EXPECT_NO_THROW(parse_long_eval_configs("restored-lm5-codec-pw4:64", base));
 }
 
 TEST(LongEval, Intervals) {
