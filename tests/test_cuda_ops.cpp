@@ -550,6 +550,72 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
   EXPECT_THROW(ops::decode_attention(q, k, k, pos, pos.narrow(0, 11, 1), 0, 0.125, 0.0, rule), c10::Error);
 }
 
+// decode_attention with a tail (a chunk's own keys, not in the cache yet): the same as attending
+// over [cache ++ tail] with the tail's rows as exact slots. Reference: the cache's rows decoded
+// (a coded region through dequantize_rows) and the tail appended, softmax attention in f32 under
+// the visibility rule of the tests above. Plain layers, dense restored regions, coded regions.
+TEST_P(CudaOps, DecodeAttentionTail) {
+  using ops::RowKind;
+  struct Case { int64_t Hq, Hkv, D, ring, rows, T, window, rwin; ops::RowCode code; };  // rwin 0: plain layer
+  for (auto c : {Case{4, 1, 256, 300, 0, 64, 512, 0, {}}, Case{6, 2, 64, 37, 0, 13, 40, 0, {}},
+                 Case{4, 1, 256, 64, 511, 64, 512, 64, {}}, Case{8, 2, 128, 33, 70, 31, 0, 33, {}},
+                 Case{4, 1, 256, 64, 511, 64, 512, 64, {RowKind::Affine, 4}},
+                 Case{4, 1, 256, 64, 511, 64, 512, 64, {RowKind::Rotated, 5}},
+                 Case{6, 2, 64, 19, 45, 7, 50, 19, {RowKind::Rotated, 4}}}) {
+    const int64_t B = 2, T = c.T, S = c.ring + c.rows, q0 = S + 5;
+    auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
+    auto k = at::randn({B, c.Hkv, S, c.D}).to(dt()), v = at::randn({B, c.Hkv, S, c.D}).to(dt());
+    auto tk = at::randn({B, c.Hkv, T, c.D}).to(dt()), tv = at::randn({B, c.Hkv, T, c.D}).to(dt());
+    // The cache: the ring holds the positions just before the chunk, the region older ones, a few
+    // slots empty; the tail the chunk's positions in a rotated order (as the fused store leaves them).
+    auto slot_pos = at::cat({at::randperm(c.ring, at::kLong) + (q0 - c.ring), at::randperm(c.rows, at::kLong) + (q0 - c.rows)});
+    slot_pos.index_put_({at::arange(3, S, 13)}, -1);
+    auto q_pos = at::arange(q0, q0 + T, at::kLong);
+    auto tail_pos = at::roll(q_pos, 5);
+    auto in_restored = at::arange(S, at::kLong).ge(c.ring);
+    at::Tensor kf = k.to(at::kFloat), vf = v.to(at::kFloat);
+    ops::CopyRule rule;
+    if (c.rwin > 0) rule = {in_restored.to(kCuda), c.rwin, 0, -1};
+    at::Tensor kd = k, vd = v;  // the dense slots the kernel reads
+    if (c.code.defined()) {
+      auto [kc, ks] = ops::quantize_rows(k.narrow(2, c.ring, c.rows).to(at::kFloat), c.code);
+      auto [vc, vs] = ops::quantize_rows(v.narrow(2, c.ring, c.rows).to(at::kFloat), c.code);
+      kf = at::cat({kf.narrow(2, 0, c.ring), ops::dequantize_rows(kc, ks, c.code, at::kFloat)}, 2);
+      vf = at::cat({vf.narrow(2, 0, c.ring), ops::dequantize_rows(vc, vs, c.code, at::kFloat)}, 2);
+      rule.codes = {kc.to(kCuda), vc.to(kCuda), ks.to(kCuda), vs.to(kCuda), c.code};
+      kd = k.narrow(2, 0, c.ring).contiguous();
+      vd = v.narrow(2, 0, c.ring).contiguous();
+    }
+    // [cache ++ tail]: the tail's slots are exact (never in a restored region).
+    auto all_pos = at::cat({slot_pos, tail_pos});
+    auto all_restored = at::cat({in_restored, at::zeros({T}, at::kBool)});
+    auto kall = at::cat({kf, tk.to(at::kFloat)}, 2), vall = at::cat({vf, tv.to(at::kFloat)}, 2);
+    auto sp = all_pos.unsqueeze(0), qp = q_pos.unsqueeze(1);
+    auto mask = sp.ge(0).logical_and(sp.le(qp));
+    if (c.window) mask = mask.logical_and((qp - sp).lt(c.window));
+    if (c.rwin > 0) mask = mask.logical_and((qp - sp).lt(c.rwin).ne(all_restored.unsqueeze(0)));
+    const double scale = 1.0 / std::sqrt((double)c.D);
+    const int64_t G = c.Hq / c.Hkv;
+    auto qf = q.to(at::kFloat).permute({0, 2, 1, 3}).reshape({B, c.Hkv, G, T, c.D});
+    auto sc = at::matmul(qf, kall.unsqueeze(2).transpose(-1, -2)) * scale;
+    sc = sc.masked_fill(mask.logical_not(), -INFINITY);
+    auto ref = at::nan_to_num(at::matmul(at::softmax(sc, -1), vall.unsqueeze(2)), 0.0)
+                   .reshape({B, c.Hq, T, c.D}).permute({0, 2, 1, 3}).reshape({B, T, c.Hq * c.D}).to(dt());
+    auto got = ops::decode_attention(q.to(kCuda), kd.to(kCuda), vd.to(kCuda), slot_pos.to(kCuda), q_pos.to(kCuda),
+                                     c.window, scale, 0.0, rule, {tk.to(kCuda), tv.to(kCuda), tail_pos.to(kCuda)});
+    expect_close(got, ref, "decode_attention tail D=" + std::to_string(c.D) + " T=" + std::to_string(T) + " rwin=" +
+                               std::to_string(c.rwin) + " " + ops::row_code_name(c.code));
+  }
+  // A tail whose shape or positions do not fit: refused, naming the tail.
+  auto o = at::TensorOptions().device(kCuda);
+  auto q = at::randn({1, 2, 4, 64}, o).to(dt()), k = at::randn({1, 1, 9, 64}, o).to(dt());
+  auto pos = at::arange(9, o.dtype(at::kLong)), qp = at::arange(9, 11, o.dtype(at::kLong));
+  auto tk = at::randn({1, 1, 2, 64}, o).to(dt());
+  EXPECT_THROW(ops::decode_attention(q, k, k, pos, qp, 0, 0.125, 0.0, {}, {tk, tk, qp.narrow(0, 0, 1)}), c10::Error);
+  EXPECT_THROW(ops::decode_attention(q, k, k, pos, qp, 0, 0.125, 0.0, {}, {at::randn({1, 1, 2, 32}, o).to(dt()), tk, qp}),
+               c10::Error);
+}
+
 // code_rows (the coded full-attention layers' store): the rows at the given ring slots become the
 // coded rows quantize_rows makes of them, at the given rows; other rows untouched; rows below the
 // sink also copied to their exact slots.

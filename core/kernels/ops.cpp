@@ -446,10 +446,11 @@ void RestoreStore::run(const at::Tensor& k_raw, const at::Tensor& v_raw, const a
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
-                            const CopyRule& copies) {
+                            const CopyRule& copies, const AttnTail& tail) {
 #ifdef KAKEYA_CUDA
-  return cuda::decode_attention(q, k, v, slot_pos, q_pos, window, scale, softcap, copies);
+  return cuda::decode_attention(q, k, v, slot_pos, q_pos, window, scale, softcap, copies, tail);
 #else
+  (void)tail;
   KAKEYA_FAIL("decode_attention: built without CUDA kernels (KAKEYA_CUDA=OFF)");
 #endif
 }

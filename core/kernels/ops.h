@@ -281,9 +281,17 @@ struct CopyRule {
 // whose queries all see up to the block's last position). Slot s is visible to query
 // t iff 0 <= p = slot_pos[s] <= q_pos[t], (window == 0 or q_pos[t] - p < window) and
 // the copy rule holds. window 0 = full attention; softcap 0 = none. Returns [B, T, Hq·D].
+// tail: keys of the forward's own positions not written to the cache yet (a sliding layer's chunk
+// longer than its ring lets it write first attends over [cache as it was ++ chunk]): slots S ..
+// S + n - 1 after the cache's, exact (never in a restored region), the same rule otherwise.
+struct AttnTail {
+  at::Tensor k, v;  // [B, H_kv, n, D] dense rows, contiguous, q's dtype
+  at::Tensor pos;   // [n] int64 on the device: the position row r holds
+  bool defined() const { return k.defined(); }
+};
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
-                            const CopyRule& copies = {});
+                            const CopyRule& copies = {}, const AttnTail& tail = {});
 
 // ---- speculative blocks (infer/fused.h): a verify block's bookkeeping in one kernel each ----
 

@@ -334,6 +334,15 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   // The kernel re-reads K/V per query: right for a few queries; prefill chunks take SDPA.
   constexpr int64_t kAttnKernelMaxQueries = 32;
   const bool attn_kernel = cuda_fused && T <= kAttnKernelMaxQueries;
+  // A sliding chunk that attends over [slots as they were ++ chunk] (a restored decoder's prefill
+  // chunk of up to its window): on a few hundred slots re-reading them per query costs less than
+  // the ~30 small kernels per layer of decoding the region, concatenating, masking and softmax;
+  // the chunk's own keys go to the kernel as its tail, and to the ring after it.
+  // (Not with KV-shared layers: they attend over the [slots ++ chunk] their source layer built.)
+  constexpr int64_t kTailKernelMaxQueries = 64;
+  bool kv_shared = false;
+  for (int64_t l = 0; l < cfg_.num_layers; ++l) kv_shared = kv_shared || cfg_.kv_shared(l);
+  const bool tail_kernel = cuda_fused && sliding_concat && T <= kTailKernelMaxQueries && !kv_shared;
   // Layers that drop their restored positions (RestorePolicy::drop) see fewer slots: one mask
   // per (layer type, drop) pair, built from the first such layer.
   at::Tensor mask[2][2];  // [full|sliding][keeps|drops]: [T, S] bool
@@ -342,10 +351,17 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       const bool sl = cfg_.is_sliding(l), dr = cache.options().restore.drops(l);
       at::Tensor& m = mask[sl][dr];
       if (m.defined()) continue;
-      if (sl && sliding_concat) m = cache.visible_concat(l, old_sliding_pos, positions);
-      else if (!attn_kernel) m = cache.visible(l, positions);
+      if (sl && sliding_concat) {
+        if (!tail_kernel) m = cache.visible_concat(l, old_sliding_pos, positions);
+      } else if (!attn_kernel) {
+        m = cache.visible(l, positions);
+      }
     }
   }
+  // The tail's row order: the fused store below writes position p to row p mod T of a [.., T, D]
+  // scratch (a forward's positions are consecutive, so the rows are a rotation of them).
+  at::Tensor tail_pos;  // [T] int64: the position each scratch row holds
+  if (tail_kernel && !qkv_tapped) tail_pos = at::empty_like(positions).index_copy_(0, positions.remainder(T), positions);
 
   at::Tensor h = embed(ids);                         // [B, T, hidden]
   const at::Tensor ple = ple_embed_.defined() ? per_layer_inputs(ids, h) : at::Tensor();  // [B, T, L, P]
@@ -372,6 +388,11 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       q = ops::qk_norm_rope_store(qkv, positions, rope_args(l, Hq, cache.exact_slots(l)), cache.k_mut(l),
                                   cache.v_mut(l));
       if (cache.coded(l)) cache.code_stored(l, positions);
+    } else if (tail_kernel && !qkv_tapped && sliding) {
+      // Into the tail's scratch (rows in tail_pos order), written to the ring after attending.
+      kc = at::empty({B, Hkv, T, D}, qkv.options());
+      vc = at::empty({B, Hkv, T, D}, qkv.options());
+      q = ops::qk_norm_rope_store(qkv, positions, rope_args(l, Hq, T), kc, vc);
     } else {
       q = qkv.slice(-1, 0, qd).view({B, T, Hq, D});
       at::Tensor k, v;  // raw [B, T, H_kv, D]; none on KV-shared layers
@@ -400,7 +421,14 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     }
 
     at::Tensor attn;  // [B, T, Hq·D]
-    if (!write_first) {
+    if (!write_first && tail_kernel) {
+      // Rows of kc/vc: tail_pos order from the fused store, else the forward's own order.
+      const at::Tensor& rows = qkv_tapped ? positions : tail_pos;
+      attn = ops::decode_attention(q, cache.keys(l), cache.values(l), old_sliding_pos, positions, cfg_.sliding_window,
+                                   cfg_.attn_scale, cfg_.attn_logit_softcap.value_or(0.0), cache.copy_rule(l),
+                                   {kc.contiguous(), vc.contiguous(), rows});
+      cache.write(l, kc, vc, rows);
+    } else if (!write_first) {
       // [slots as they were ++ chunk], written after attending; KV-shared sliding layers attend
       // over the one their source layer built (the ring no longer holds what it overwrote).
       if (!shared) {

@@ -723,6 +723,8 @@ void launch_dequantize_rows(const uint8_t* codes, const __half* side, int64_t ro
 // kc/vc (code_bytes each) with side values ks/vs; the dense k/v then hold the ring's slots only.
 // A rotated code's rows are attended in the rotated frame: the query is rotated once per block
 // (q·x̂ = rot(q)·(g·c)), the coded slots' value rows summed there and rotated back once at the end.
+// A tail (AttnTail): tn more dense, exact slots after the cache's S, row r of tk/tv [B, Hkv, tn, D]
+// holding position tpos[r] (a chunk's own keys, attended before the chunk is written to its ring).
 struct CodedRegion {
   const uint8_t* kc = nullptr;  // nullptr: no coded region
   const uint8_t* vc = nullptr;
@@ -742,8 +744,10 @@ template <typename T, int VPL>  // VPL: values per lane = D / 32
 __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            const int64_t* __restrict__ slot_pos, int sp_bs, const int64_t* __restrict__ q_pos,
                                            int qstride, int qp_bs, const bool* __restrict__ in_restored, int rwin, int64_t code_from,
-                                           int64_t keep_below, CodedRegion cr, float* __restrict__ partial, int Tq,
-                                           int Hq, int Hkv, int S, int keys, int window, float scale, float softcap) {
+                                           int64_t keep_below, CodedRegion cr, const T* __restrict__ tk,
+                                           const T* __restrict__ tv, const int64_t* __restrict__ tpos, int tn,
+                                           float* __restrict__ partial, int Tq, int Hq, int Hkv, int S, int keys,
+                                           int window, float scale, float softcap) {
   pdl_begin();
   constexpr int D = VPL * 32;
   const int chunk = blockIdx.x, bh = blockIdx.y, nchunks = gridDim.x;  // bh: row (b, t, hq) of q
@@ -783,7 +787,9 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
   const T* kb = k + ((int64_t)b * Hkv + hk) * dense * D;
   const T* vb = v + ((int64_t)b * Hkv + hk) * dense * D;
   const int64_t crow0 = ((int64_t)b * Hkv + hk) * cr.rows;  // this head's first coded row
-  const int start = chunk * keys, end = min(S, start + keys);
+  const T* tkb = tk + ((int64_t)b * Hkv + hk) * tn * D;     // this head's tail rows (tn 0: none)
+  const T* tvb = tv + ((int64_t)b * Hkv + hk) * tn * D;
+  const int start = chunk * keys, end = min(S + tn, start + keys);
   for (int j = start + warp; j < end; j += kAttnWarps) {
     // Exact and rotated rows: every load of the key issues before its visibility is known (the
     // addresses depend on j alone), so a warp waits one memory round trip per key, not two (the
@@ -791,9 +797,10 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     // one). Affine coded rows (intB regions) load behind the test: loading them early made a
     // sliding layer's step with int4 regions slower (H100, ncu: 6.4 -> 7.1 us), where exact rows
     // gained (full-attention layer at 8k: 21.8 -> 18.1 us; lm4 / pw4 rows 28.8 / 30.2 -> 25.5 / 27.1).
-    const int64_t p = slot_pos[j];
-    const bool restored_slot = in_restored && in_restored[j];
-    const bool coded_row = cr.kc && j >= cr.ring;  // warp-uniform
+    const bool tail_row = j >= S;  // warp-uniform: an exact key of the tail
+    const int64_t p = tail_row ? tpos[j - S] : slot_pos[j];
+    const bool restored_slot = !tail_row && in_restored && in_restored[j];
+    const bool coded_row = !tail_row && cr.kc && j >= cr.ring;  // warp-uniform
     const int64_t r = crow0 + (j - cr.ring);       // its row, when coded_row
     float kv[VPL], vv[VPL];
     if (coded_row && rot && cr.bits == 4) {
@@ -803,8 +810,8 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
       load_rotated<VPL>(cr.kc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.ks) + r, cr.bits, lane, lv, kv);
       load_rotated<VPL>(cr.vc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.vs) + r, cr.bits, lane, lv, vv);
     } else if (!coded_row) {
-      const T* kr = kb + (int64_t)j * D + lane * VPL;
-      const T* vr = vb + (int64_t)j * D + lane * VPL;
+      const T* kr = (tail_row ? tkb + (int64_t)(j - S) * D : kb + (int64_t)j * D) + lane * VPL;
+      const T* vr = (tail_row ? tvb + (int64_t)(j - S) * D : vb + (int64_t)j * D) + lane * VPL;
       for (int i = 0; i < VPL; ++i) {
         kv[i] = from_t<T>(kr[i]);
         vv[i] = from_t<T>(vr[i]);
@@ -936,19 +943,21 @@ inline int decode_attn_keys(int S, int rows, int sms) {
 }
 
 // Returns false if D is not one of the supported head dims (64, 128, 256, 512).
+// tk, tv, tpos: the tail's tn rows (tn 0: none); keys: decode_attn_keys of S + tn.
 template <typename T>
 bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs, const int64_t* q_pos,
                              int qstride, int qp_bs, const bool* in_restored, int rwin, int64_t code_from, int64_t keep_below,
-                             const CodedRegion& cr, float* partial, T* out, int B, int Tq, int Hq, int Hkv, int S, int D,
-                             int keys, int window, float scale, float softcap, cudaStream_t s) {
-  const int nchunks = decode_attn_chunks(S, keys);
+                             const CodedRegion& cr, const T* tk, const T* tv, const int64_t* tpos, int tn, float* partial,
+                             T* out, int B, int Tq, int Hq, int Hkv, int S, int D, int keys, int window, float scale,
+                             float softcap, cudaStream_t s) {
+  const int nchunks = decode_attn_chunks(S + tn, keys);
   dim3 grid(nchunks, B * Tq * Hq);
   const int threads = kAttnWarps * 32;
 #define KAKEYA_ATTN_CASE(DIM, VPL)                                                                                   \
   case DIM:                                                                                                         \
     launch_pdl(decode_attn_partial_kernel<T, VPL>, grid, threads, 0, s, q, k, v, slot_pos, sp_bs, q_pos, qstride,    \
-               qp_bs, in_restored, rwin, code_from, keep_below, cr, partial, Tq, Hq, Hkv, S, keys, window, scale,     \
-               softcap);                                                                                            \
+               qp_bs, in_restored, rwin, code_from, keep_below, cr, tk, tv, tpos, tn, partial, Tq, Hq, Hkv, S, keys,  \
+               window, scale, softcap);                                                                             \
     break;
   switch (D) {
     KAKEYA_ATTN_CASE(64, 2) KAKEYA_ATTN_CASE(128, 4) KAKEYA_ATTN_CASE(256, 8) KAKEYA_ATTN_CASE(512, 16)

@@ -411,7 +411,7 @@ at::Tensor dequantize_rows(const at::Tensor& codes_in, const at::Tensor& side_in
 
 at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
-                            const CopyRule& copies) {
+                            const CopyRule& copies, const AttnTail& tail) {
   auto q = q_in.contiguous();
   check_act(q, "decode_attention q");
   check_cuda(k, "decode_attention k");
@@ -466,11 +466,30 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
                 " code_from ", copies.code_from);
     in_restored = copies.in_restored.data_ptr<bool>();
   }
+  int64_t tn = 0;
+  if (tail.defined()) {
+    check_cuda(tail.k, "decode_attention tail k");
+    check_cuda(tail.v, "decode_attention tail v");
+    check_cuda(tail.pos, "decode_attention tail pos");
+    tn = tail.k.size(2);
+    TORCH_CHECK(tail.k.dim() == 4 && tail.k.sizes() == tail.v.sizes() && tail.k.size(0) == B && tail.k.size(1) == Hkv &&
+                    tail.k.size(3) == D && tn > 0,
+                "decode_attention tail k/v: expected [", B, ", ", Hkv, ", n, ", D, "], got ", tail.k.sizes(), " / ",
+                tail.v.sizes());
+    TORCH_CHECK(tail.k.is_contiguous() && tail.v.is_contiguous() && tail.k.scalar_type() == q.scalar_type() &&
+                    tail.v.scalar_type() == q.scalar_type(),
+                "decode_attention tail k/v: contiguous, in q's dtype");
+    TORCH_CHECK(tail.pos.is_contiguous() && tail.pos.scalar_type() == at::kLong && tail.pos.dim() == 1 &&
+                    tail.pos.numel() == tn,
+                "decode_attention tail pos: expected contiguous [", tn, "] int64, got ", tail.pos.sizes());
+    TORCH_CHECK(!sp_rows, "decode_attention: a tail with per-row slot positions (independent rows never attend one)");
+  }
   c10::cuda::CUDAGuard g(q.device());
   // From one sequence's query rows, not the batch's: a session's result must not depend on the
   // sessions batched with it (the key blocks fix the order of the softmax sums).
-  const int keys = k::decode_attn_keys((int)S, (int)(T * Hq), at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S, keys), D + 2}, q.options().dtype(at::kFloat));
+  const int keys =
+      k::decode_attn_keys((int)(S + tn), (int)(T * Hq), at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S + tn, keys), D + 2}, q.options().dtype(at::kFloat));
   auto out = at::empty({B, T, Hq * D}, q.options());
   bool ok = false;
   dispatch(q.scalar_type(), [&](auto* tag) {
@@ -479,7 +498,9 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
                                         sp_rows ? (int)S : 0, q_pos.data_ptr<int64_t>(),
                                         qp_rows || q_pos.numel() != 1 ? 1 : 0, qp_rows ? (int)T : 0, in_restored,
                                         (int)copies.window, copies.code_from,
-                                        in_restored ? copies.keep_below : (int64_t)-1, cr, partial.data_ptr<float>(), ptr<T_>(out),
+                                        in_restored ? copies.keep_below : (int64_t)-1, cr,
+                                        tn ? ptr<T_>(tail.k) : nullptr, tn ? ptr<T_>(tail.v) : nullptr,
+                                        tn ? tail.pos.data_ptr<int64_t>() : nullptr, (int)tn, partial.data_ptr<float>(), ptr<T_>(out),
                                         B, T, Hq, Hkv, S, D, keys, window, scale, softcap, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -44,6 +44,6 @@ std::pair<at::Tensor, at::Tensor> moe_residual(const at::Tensor& h, const at::Te
                                                double eps, bool unit_offset, const RowCopy* copy);
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& slot_pos,
                             const at::Tensor& q_pos, int64_t window, double scale, double softcap,
-                            const CopyRule& copies);
+                            const CopyRule& copies, const AttnTail& tail);
 
 }  // namespace kakeya::ops::cuda
