@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 namespace kakeya::kernels {
@@ -536,6 +537,19 @@ __device__ __forceinline__ void load_rotated4(const uint8_t* __restrict__ codes,
   }
 }
 
+// load_rotated for 5-bit rows of D = 256 (VPL 8): the lane's 5 code bytes (lane·5 .. lane·5 + 4) lie
+// in the two aligned 32-bit words from byte (lane·5) & ~3 (a row's 160 bytes start word-aligned, and the
+// last lane's bytes end the row), so two word loads and constant shifts replace five byte loads.
+__device__ __forceinline__ void load_rotated5(const uint8_t* __restrict__ codes, const float* __restrict__ side, int lane,
+                                              const float* lv, float* out) {
+  const int b0 = lane * 5;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(codes) + (b0 >> 2);
+  const uint64_t x = (((uint64_t)w[1] << 32) | w[0]) >> (8 * (b0 & 3));
+  const float g = *side;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = g * lv[(x >> (5 * i)) & 31u];
+}
+
 // The VPL values lane·VPL .. lane·VPL + VPL - 1 of a coded row (VPL even, within one group):
 // one load of the lane's code bytes and one of its group's (scale, min) pair.
 template <int VPL>
@@ -740,7 +754,58 @@ struct CodedRegion {
 constexpr int kAttnWarps = 8;
 constexpr int kAttnChunk = 64;  // keys per block at most: 8 per warp keeps each warp's serial chain short
 
-template <typename T, int VPL>  // VPL: values per lane = D / 32
+// Query heads per block: the G query heads of one KV head (grouped-query attention) share every
+// key's slot position, row load, decode and visibility test, so each warp's chain of dependent
+// loads serves G heads, and a coded row is decoded once for them instead of once per head. Their
+// state (q, the rotated q, two accumulators) takes 4·G·VPL registers per lane: G = 4 at D = 256
+// holds 230 registers, one block per SM against two at G = 1, and still won where keys are many
+// (H100, Gemma 3 270M bf16, one lease: AR decode at 32k 937 -> 1,160 tok/s, the pw4-coded restored
+// decoder 840 -> 996, restored prefill at 8k 19.2k -> 25.7k tok/s; 8k decode steps within 2% either
+// way; G = 2 fell between). kAttnGroupValues bounds G·VPL (16 values of state per lane and array).
+constexpr int kAttnGroupValues = 32;
+
+// G sums over the warp, their shuffles interleaved (the same order per value as warp_sum).
+template <int G>
+__device__ __forceinline__ void warp_sums(float* v) {
+  for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+    for (int g = 0; g < G; ++g) v[g] += __shfl_xor_sync(0xffffffffu, v[g], o);
+}
+
+// One key's softmax step for the G heads of a block: sdot[g] its score for head g, vv its value
+// row (lane's VPL values), added into acc (the rotated frame's accr for a rotated coded row: rot_row);
+// the other accumulator (and lc) only rescaled.
+template <int G, int VPL>
+__device__ __forceinline__ void attn_update(const float* sdot, const float* vv, bool rot, bool rot_row, float softcap,
+                                            float* m, float* l, float* lc, float (*acc)[VPL], float (*accr)[VPL]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float sd = sdot[g];
+    if (softcap > 0.f) sd = tanhf(sd / softcap) * softcap;
+    const float m_new = fmaxf(m[g], sd);
+    const float corr = __expf(m[g] - m_new), pj = __expf(sd - m_new);
+    l[g] = l[g] * corr + pj;
+    m[g] = m_new;
+    if (rot_row) {
+      lc[g] = lc[g] * corr + pj;
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) {
+        acc[g][i] *= corr;
+        accr[g][i] = accr[g][i] * corr + pj * vv[i];
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) acc[g][i] = acc[g][i] * corr + pj * vv[i];
+      if (rot) {
+#pragma unroll
+        for (int i = 0; i < VPL; ++i) accr[g][i] *= corr;
+        lc[g] *= corr;
+      }
+    }
+  }
+}
+
+template <typename T, int VPL, int G>  // VPL: values per lane = D / 32; G: query heads per block
 __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            const int64_t* __restrict__ slot_pos, int sp_bs, const int64_t* __restrict__ q_pos,
                                            int qstride, int qp_bs, const bool* __restrict__ in_restored, int rwin, int64_t code_from,
@@ -750,39 +815,56 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
                                            int window, float scale, float softcap) {
   pdl_begin();
   constexpr int D = VPL * 32;
-  const int chunk = blockIdx.x, bh = blockIdx.y, nchunks = gridDim.x;  // bh: row (b, t, hq) of q
-  const int b = bh / (Tq * Hq), t = (bh / Hq) % Tq, hq = bh % Hq, hk = hq / (Hq / Hkv);
+  const int chunk = blockIdx.x, nchunks = gridDim.x;
+  // The block's first query row (b, t, hq0): rows row0 .. row0 + G - 1 are heads hq0 .. hq0 + G - 1
+  // of one (b, t), all reading KV head hk (G divides Hq / Hkv).
+  const int row0 = blockIdx.y * G;
+  const int b = row0 / (Tq * Hq), t = (row0 / Hq) % Tq, hq0 = row0 % Hq, hk = hq0 / (Hq / Hkv);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t qp = q_pos[(int64_t)b * qp_bs + t * qstride];
   slot_pos += (int64_t)b * sp_bs;
-  float qv[VPL], acc[VPL], qr[VPL], accr[VPL];  // qr, accr: the rotated frame (rotated codes only)
-  for (int i = 0; i < VPL; ++i) {
-    qv[i] = from_t<T>(q[(int64_t)bh * D + lane * VPL + i]) * scale;
-    acc[i] = 0.f;
-    accr[i] = 0.f;
-  }
+  float qv[G][VPL], acc[G][VPL], qr[G][VPL], accr[G][VPL];  // qr, accr: the rotated frame (rotated codes only)
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      qv[g][i] = from_t<T>(q[(int64_t)(row0 + g) * D + lane * VPL + i]) * scale;
+      acc[g][i] = 0.f;
+      accr[g][i] = 0.f;
+    }
   const bool rot = cr.kc && cr.rotated;  // the same for the whole grid
   __shared__ float lv[32];     // the rotated code's levels (up to 5 bits)
   __shared__ float2 lv2[256];  // 4-bit codes: the levels of a byte's two values
   // Coded rows with means: score q·(x̂ + mean_k) = rot(q)·(g·c) + q·mean_k; value rows add
   // (Σ of their weights)·mean_v once at the end (lc: that sum, rescaled as l is).
-  float qmu = 0.f, lc = 0.f;
+  float qmu[G], lc[G], m[G], l[G];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    qmu[g] = 0.f;
+    lc[g] = 0.f;
+    m[g] = -INFINITY;
+    l[g] = 0.f;
+  }
   if (rot) {
     if (cr.km) {
       const float* km = cr.km + ((int64_t)b * Hkv + hk) * D + lane * VPL;
-      for (int i = 0; i < VPL; ++i) qmu += qv[i] * km[i];
-      qmu = warp_sum(qmu);
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < VPL; ++i) qmu[g] += qv[g][i] * km[i];
+      warp_sums<G>(qmu);
     }
     // Weighted rows: q·(x̂'/w) = (q/w)·x̂', so the query is divided by the weights before its rotation.
     const float* kw = cr.kw ? cr.kw + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
-    for (int i = 0; i < VPL; ++i) qr[i] = (kw ? qv[i] / kw[i] : qv[i]) * rot_sign(lane * VPL + i);
-    warp_fwht<VPL>(qr, lane);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      for (int i = 0; i < VPL; ++i) qr[g][i] = (kw ? qv[g][i] / kw[i] : qv[g][i]) * rot_sign(lane * VPL + i);
+      warp_fwht<VPL>(qr[g], lane);
+    }
     if (threadIdx.x < (1 << cr.bits)) lv[threadIdx.x] = rot_level(cr.bits, threadIdx.x);
     if (cr.bits == 4)
       for (int x = threadIdx.x; x < 256; x += blockDim.x) lv2[x] = make_float2(rot_level(4, x & 15), rot_level(4, x >> 4));
     __syncthreads();
   }
-  float m = -INFINITY, l = 0.f;
   const int dense = cr.kc ? cr.ring : S;  // slots the dense k/v hold
   const T* kb = k + ((int64_t)b * Hkv + hk) * dense * D;
   const T* vb = v + ((int64_t)b * Hkv + hk) * dense * D;
@@ -806,6 +888,9 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     if (coded_row && rot && cr.bits == 4) {
       load_rotated4<VPL>(cr.kc + r * (D / 2), reinterpret_cast<const float*>(cr.ks) + r, lane, lv2, kv);
       load_rotated4<VPL>(cr.vc + r * (D / 2), reinterpret_cast<const float*>(cr.vs) + r, lane, lv2, vv);
+    } else if (coded_row && rot && cr.bits == 5 && VPL == 8) {
+      load_rotated5(cr.kc + r * (D * 5 / 8), reinterpret_cast<const float*>(cr.ks) + r, lane, lv, kv);
+      load_rotated5(cr.vc + r * (D * 5 / 8), reinterpret_cast<const float*>(cr.vs) + r, lane, lv, vv);
     } else if (coded_row && rot) {
       load_rotated<VPL>(cr.kc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.ks) + r, cr.bits, lane, lv, kv);
       load_rotated<VPL>(cr.vc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.vs) + r, cr.bits, lane, lv, vv);
@@ -828,60 +913,58 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
       load_coded<VPL>(cr.kc + r * (D * cr.bits / 8), cr.ks + r * (D / 16), cr.bits, lane, kv);
       load_coded<VPL>(cr.vc + r * (D * cr.bits / 8), cr.vs + r * (D / 16), cr.bits, lane, vv);
     }
-    if (rot && coded_row) {  // a rotated row, attended in the rotated frame
-      float sdot = 0.f;
-      for (int i = 0; i < VPL; ++i) sdot += qr[i] * kv[i];
-      sdot = warp_sum(sdot) + qmu;
-      if (softcap > 0.f) sdot = tanhf(sdot / softcap) * softcap;
-      const float m_new = fmaxf(m, sdot);
-      const float corr = __expf(m - m_new), pj = __expf(sdot - m_new);
-      l = l * corr + pj;
-      lc = lc * corr + pj;
-      for (int i = 0; i < VPL; ++i) {
-        acc[i] *= corr;
-        accr[i] = accr[i] * corr + pj * vv[i];
-      }
-      m = m_new;
-      continue;
+    // A rotated coded row is attended in the rotated frame, with the rotated queries.
+    const bool rot_row = rot && coded_row;
+    float sdot[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      sdot[g] = 0.f;
+      if (rot_row)
+        for (int i = 0; i < VPL; ++i) sdot[g] += qr[g][i] * kv[i];
+      else
+        for (int i = 0; i < VPL; ++i) sdot[g] += qv[g][i] * kv[i];
     }
-    float sdot = 0.f;
-    for (int i = 0; i < VPL; ++i) sdot += qv[i] * kv[i];
-    sdot = warp_sum(sdot);
-    if (softcap > 0.f) sdot = tanhf(sdot / softcap) * softcap;
-    const float m_new = fmaxf(m, sdot);
-    const float corr = __expf(m - m_new), pj = __expf(sdot - m_new);
-    l = l * corr + pj;
-    for (int i = 0; i < VPL; ++i) acc[i] = acc[i] * corr + pj * vv[i];
-    if (rot) {
-      for (int i = 0; i < VPL; ++i) accr[i] *= corr;
-      lc *= corr;
-    }
-    m = m_new;
+    warp_sums<G>(sdot);
+    if (rot_row)
+#pragma unroll
+      for (int g = 0; g < G; ++g) sdot[g] += qmu[g];
+    attn_update<G, VPL>(sdot, vv, rot, rot_row, softcap, m, l, lc, acc, accr);
   }
   if (rot) {  // the coded slots' value sum back from the rotated frame: s ⊙ H·accr / sqrt(D), + lc·mean_v
-    warp_fwht<VPL>(accr, lane);
     const float* vm = cr.vm ? cr.vm + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
-    for (int i = 0; i < VPL; ++i) acc[i] += accr[i] * rot_sign(lane * VPL + i) + (vm ? lc * vm[i] : 0.f);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      warp_fwht<VPL>(accr[g], lane);
+      for (int i = 0; i < VPL; ++i) acc[g][i] += accr[g][i] * rot_sign(lane * VPL + i) + (vm ? lc[g] * vm[i] : 0.f);
+    }
   }
-  // Merge the warps of this block.
-  __shared__ float sm[kAttnWarps], sl[kAttnWarps];
-  __shared__ float sacc[kAttnWarps][D];
-  if (lane == 0) { sm[warp] = m; sl[warp] = l; }
-  for (int i = 0; i < VPL; ++i) sacc[warp][lane * VPL + i] = acc[i];
+  // Merge the warps of this block, head by head.
+  __shared__ float sm[G][kAttnWarps], sl[G][kAttnWarps];
+  __shared__ float sacc[G][kAttnWarps][D];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (lane == 0) {
+      sm[g][warp] = m[g];
+      sl[g][warp] = l[g];
+    }
+    for (int i = 0; i < VPL; ++i) sacc[g][warp][lane * VPL + i] = acc[g][i];
+  }
   __syncthreads();
-  float M = -INFINITY;
-  for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm[w]);
-  float* out = partial + ((int64_t)bh * nchunks + chunk) * (D + 2);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float a = 0.f;
-    for (int w = 0; w < kAttnWarps; ++w) a += sm[w] == -INFINITY ? 0.f : sacc[w][d] * __expf(sm[w] - M);
-    out[d] = a;
-  }
-  if (threadIdx.x == 0) {
-    float L = 0.f;
-    for (int w = 0; w < kAttnWarps; ++w) L += sm[w] == -INFINITY ? 0.f : sl[w] * __expf(sm[w] - M);
-    out[D] = M;
-    out[D + 1] = L;
+  for (int g = 0; g < G; ++g) {
+    float M = -INFINITY;
+    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm[g][w]);
+    float* out = partial + ((int64_t)(row0 + g) * nchunks + chunk) * (D + 2);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+      float a = 0.f;
+      for (int w = 0; w < kAttnWarps; ++w) a += sm[g][w] == -INFINITY ? 0.f : sacc[g][w][d] * __expf(sm[g][w] - M);
+      out[d] = a;
+    }
+    if (threadIdx.x == 0) {
+      float L = 0.f;
+      for (int w = 0; w < kAttnWarps; ++w) L += sm[g][w] == -INFINITY ? 0.f : sl[g][w] * __expf(sm[g][w] - M);
+      out[D] = M;
+      out[D + 1] = L;
+    }
   }
 }
 
@@ -934,7 +1017,9 @@ __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T*
 // resident (the partial kernel's registers), and a grid just past that runs a second wave for a few
 // blocks. A restored layer's 767 slots (window 256) or 575 (window 64, int4 region) took 8-key
 // blocks in 384 / 288 blocks; 16-key blocks, one wave, made the restored decode step 0.945x ->
-// 0.973x AR at 8k (window 256) and 0.962x -> 0.983x (window 64; H100, same run).
+// 0.973x AR at 8k (window 256) and 0.962x -> 0.983x (window 64; H100, same run). `rows` counts
+// blocks of query heads (one sequence's Tq·Hq / G); the bound of 2 blocks per SM was measured at
+// G = 1 and kept for G = 4 (one resident block per SM): not re-tuned there.
 inline int decode_attn_chunks(int S, int keys) { return (S + keys - 1) / keys; }
 inline int decode_attn_keys(int S, int rows, int sms) {
   int keys = kAttnChunk;
@@ -942,28 +1027,48 @@ inline int decode_attn_keys(int S, int rows, int sms) {
   return keys;
 }
 
-// Returns false if D is not one of the supported head dims (64, 128, 256, 512).
-// tk, tv, tpos: the tail's tn rows (tn 0: none); keys: decode_attn_keys of S + tn.
+// Query heads per block (decode_attn_partial_kernel's G) for Hq query heads over Hkv KV heads of D
+// values: the largest of 4, 2, 1 that divides Hq / Hkv within kAttnGroupValues; `forced` (> 0) asks
+// for that one where it is allowed (a measurement's override).
+inline int decode_attn_group(int Hq, int Hkv, int D, int forced = 0) {
+  for (int g : {4, 2, 1})
+    if ((Hq / Hkv) % g == 0 && g * (D / 32) <= kAttnGroupValues && (forced <= 0 || g <= forced)) return g;
+  return 1;
+}
+
+// Returns false if D is not one of the supported head dims (64, 128, 256, 512) or G is not one
+// decode_attn_group gives for D. tk, tv, tpos: the tail's tn rows (tn 0: none); keys:
+// decode_attn_keys of S + tn over one sequence's Tq·Hq / G block rows; G: decode_attn_group.
 template <typename T>
 bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs, const int64_t* q_pos,
                              int qstride, int qp_bs, const bool* in_restored, int rwin, int64_t code_from, int64_t keep_below,
                              const CodedRegion& cr, const T* tk, const T* tv, const int64_t* tpos, int tn, float* partial,
-                             T* out, int B, int Tq, int Hq, int Hkv, int S, int D, int keys, int window, float scale,
+                             T* out, int B, int Tq, int Hq, int Hkv, int S, int D, int keys, int G, int window, float scale,
                              float softcap, cudaStream_t s) {
   const int nchunks = decode_attn_chunks(S + tn, keys);
-  dim3 grid(nchunks, B * Tq * Hq);
+  const dim3 grid(nchunks, B * Tq * Hq / G);
   const int threads = kAttnWarps * 32;
-#define KAKEYA_ATTN_CASE(DIM, VPL)                                                                                   \
-  case DIM:                                                                                                         \
-    launch_pdl(decode_attn_partial_kernel<T, VPL>, grid, threads, 0, s, q, k, v, slot_pos, sp_bs, q_pos, qstride,    \
-               qp_bs, in_restored, rwin, code_from, keep_below, cr, tk, tv, tpos, tn, partial, Tq, Hq, Hkv, S, keys,  \
-               window, scale, softcap);                                                                             \
-    break;
-  switch (D) {
-    KAKEYA_ATTN_CASE(64, 2) KAKEYA_ATTN_CASE(128, 4) KAKEYA_ATTN_CASE(256, 8) KAKEYA_ATTN_CASE(512, 16)
-    default: return false;
-  }
-#undef KAKEYA_ATTN_CASE
+  bool launched = false;
+  auto launch = [&](auto vpl, auto g) {
+    constexpr int VPL = decltype(vpl)::value, GG = decltype(g)::value;
+    if constexpr (GG * VPL <= kAttnGroupValues || GG == 1) {
+      if (D == VPL * 32 && G == GG) {
+        launch_pdl(decode_attn_partial_kernel<T, VPL, GG>, grid, threads, 0, s, q, k, v, slot_pos, sp_bs, q_pos, qstride, qp_bs, in_restored, rwin,
+                   code_from, keep_below, cr, tk, tv, tpos, tn, partial, Tq, Hq, Hkv, S, keys, window, scale, softcap);
+        launched = true;
+      }
+    }
+  };
+  auto each_group = [&](auto vpl) {
+    launch(vpl, std::integral_constant<int, 1>{});
+    launch(vpl, std::integral_constant<int, 2>{});
+    launch(vpl, std::integral_constant<int, 4>{});
+  };
+  each_group(std::integral_constant<int, 2>{});
+  each_group(std::integral_constant<int, 4>{});
+  each_group(std::integral_constant<int, 8>{});
+  each_group(std::integral_constant<int, 16>{});
+  if (!launched) return false;
   const dim3 cgrid(B * Tq * Hq, (D + kCombineDims - 1) / kCombineDims);
   launch_pdl(decode_attn_combine_kernel<T>, cgrid, kAttnWarps * 32, nchunks * sizeof(float), s, partial, out, D, nchunks);
   return true;

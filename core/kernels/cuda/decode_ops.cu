@@ -2,6 +2,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstdlib>
 #include <cstring>
 
 #include "core/kernels/cuda/decode_kernels.cuh"
@@ -487,8 +488,15 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   c10::cuda::CUDAGuard g(q.device());
   // From one sequence's query rows, not the batch's: a session's result must not depend on the
   // sessions batched with it (the key blocks fix the order of the softmax sums).
-  const int keys =
-      k::decode_attn_keys((int)(S + tn), (int)(T * Hq), at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  // Query heads per block: every head of a KV head's group where the registers allow;
+  // KAKEYA_ATTN_GROUP=N caps it (a measurement's switch: the same run timed with N = 1).
+  static const int group_cap = [] {
+    const char* e = std::getenv("KAKEYA_ATTN_GROUP");
+    return e ? std::atoi(e) : 0;
+  }();
+  const int G = k::decode_attn_group((int)Hq, (int)Hkv, (int)D, group_cap);
+  const int keys = k::decode_attn_keys((int)(S + tn), (int)(T * Hq / G),
+                                       at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S + tn, keys), D + 2}, q.options().dtype(at::kFloat));
   auto out = at::empty({B, T, Hq * D}, q.options());
   bool ok = false;
@@ -501,7 +509,8 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
                                         in_restored ? copies.keep_below : (int64_t)-1, cr,
                                         tn ? ptr<T_>(tail.k) : nullptr, tn ? ptr<T_>(tail.v) : nullptr,
                                         tn ? tail.pos.data_ptr<int64_t>() : nullptr, (int)tn, partial.data_ptr<float>(), ptr<T_>(out),
-                                        B, T, Hq, Hkv, S, D, keys, window, scale, softcap, at::cuda::getCurrentCUDAStream());
+                                        B, T, Hq, Hkv, S, D, keys, G, window, scale, softcap,
+                                        at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   TORCH_CHECK(ok, "decode_attention: head dim ", D, " not supported (64, 128, 256, 512)");
