@@ -21,6 +21,8 @@ side on the same tokens, so a code can be judged before it is built into the ker
                bits by greedy reverse water-filling (B·D bits a row), K's coordinates weighted by the
                calibrated query energy along them (an error in k moves the score by q·Δk).
 
+  ruB          the rotated code with 2^B evenly spaced levels (spacing fitted to N(0,1)) instead of Lloyd-Max
+               ones: a level is an integer times a step, so a reader decodes with a multiply-add, no table.
   intB         the affine code of restored regions (core/kernels/ops.h "Affine"): groups of 32 values,
                x ≈ min + scale · c with min and scale in f16, c rounded half to even.
 
@@ -60,13 +62,30 @@ def lloyd_max(bits, iters=200):
     return lv.float()
 
 
+def uniform_levels(bits):
+    """2^bits evenly spaced levels, symmetric about 0, whose spacing minimizes the N(0,1) error (ascending)."""
+    g = torch.linspace(-8, 8, 200001, dtype=torch.float64)
+    p = torch.exp(-g * g / 2)
+    n = 2 ** bits
+    best = None
+    for clip in torch.linspace(1.0, 5.0, 401, dtype=torch.float64):
+        lv = (torch.arange(n, dtype=torch.float64) - (n - 1) / 2) * (2 * clip / n)
+        e = float((((lv[torch.bucketize(g, (lv[1:] + lv[:-1]) / 2)] - g) ** 2) * p).sum() / p.sum())
+        if best is None or e < best[0]:
+            best = (e, lv)
+    return best[1].float()
+
+
 LEVELS = {b: lloyd_max(b) for b in range(1, 9)}
+UNIFORM = {}
 
 
-def nearest(u, bits):
+def nearest(u, bits, uniform=False):
     if bits == 0:
         return torch.zeros_like(u)
-    lv = LEVELS[bits].to(u.device)
+    if uniform and bits not in UNIFORM:
+        UNIFORM[bits] = uniform_levels(bits)
+    lv = (UNIFORM if uniform else LEVELS)[bits].to(u.device)
     return lv[torch.bucketize(u.contiguous(), (lv[1:] + lv[:-1]) / 2)]
 
 
@@ -85,12 +104,12 @@ def signs(D, device):  # ops::rotation_sign, built once per (D, device): rotated
     return torch.tensor([-1.0 if ((i * 0x9E3779B1) & 0xFFFFFFFF) >> 31 else 1.0 for i in range(D)], device=device)
 
 
-def rotated(x, bits):
-    """The decoded rows of the shipped rotated code (x: [..., D], less its mean)."""
+def rotated(x, bits, uniform=False):
+    """The decoded rows of the shipped rotated code (x: [..., D], less its mean); uniform: evenly spaced levels."""
     s = signs(x.shape[-1], x.device)
     y = fwht(s * x)
     n = x.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-    c = nearest(y * math.sqrt(x.shape[-1]) / n, bits)
+    c = nearest(y * math.sqrt(x.shape[-1]) / n, bits, uniform)
     return s * fwht(c * (n / c.norm(dim=-1, keepdim=True).clamp_min(1e-12)))
 
 
@@ -126,7 +145,7 @@ def calibrated(x, basis, sigma, bits):
 
 # A code: its kind, K rows' bits, V rows' bits (default K's), and optionally the bits F both take
 # once a row is DIST positions behind the query (a row re-coded as it ages; F always rotated).
-CODE = r"exact|(lm|cal|pw|int)([1-8])(?:v([1-8]))?(?:/([2-8])@([0-9]+))?"
+CODE = r"exact|(lm|ru|cal|pw|int)([1-8])(?:v([1-8]))?(?:/([2-8])@([0-9]+))?"
 
 
 def main():
@@ -151,14 +170,14 @@ def main():
     codes = a.codes.split(",")
     for c in codes:
         if not re.fullmatch(CODE, c):
-            sys.exit(f"codec_sim: --codes: unknown code '{c}' (expected exact | lmK[vV][/F@DIST] | pwK[vV][/F@DIST] | calK[vV][/F@DIST] "
+            sys.exit(f"codec_sim: --codes: unknown code '{c}' (expected exact | lmK[vV][/F@DIST] | ruK[vV][/F@DIST] | pwK[vV][/F@DIST] | calK[vV][/F@DIST] "
                      "| intK[vV]: K, V bits of K and V rows (lm 2..8, cal 1..8), F bits of both once DIST positions old)")
     if codes[0] != "exact":
         sys.exit("codec_sim: --codes: the list starts with exact (every ratio is to it)")
     if a.mean not in ("prompt", "none") and not (a.mean.startswith("first:") and a.mean[6:].isdigit()):
         sys.exit(f"codec_sim: --mean: expected prompt | first:N | none, got '{a.mean}'")
-    if a.row_error and any(re.fullmatch(CODE, c).group(1) not in (None, "lm", "int") for c in codes):
-        sys.exit("codec_sim: --row-error: int and lm codes only (pw and cal are calibrated for full-attention layers)")
+    if a.row_error and any(re.fullmatch(CODE, c).group(1) not in (None, "lm", "ru", "int") for c in codes):
+        sys.exit("codec_sim: --row-error: int, lm and ru codes only (pw and cal are calibrated for full-attention layers)")
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval().to(a.device)
     cfg = model.config
@@ -260,8 +279,8 @@ def main():
                     b = bits[name]
                     if kind == "int":
                         xh = affine(x - m, b)
-                    elif kind == "lm":
-                        xh = rotated(x - m, b)
+                    elif kind in ("lm", "ru"):
+                        xh = rotated(x - m, b, kind == "ru")
                     elif kind == "pw":
                         w = pw[li, h, name]
                         xh = rotated(w * (x - m), b) / w
