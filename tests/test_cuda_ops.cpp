@@ -254,8 +254,10 @@ TEST_P(CudaOps, RestoreStoreLayersWithSinks) {
 
 // The N(0,1) Lloyd-Max distortion of a rotated code's levels (per coordinate, relative to the
 // row's mean square): what decoding a rotated row may lose, with room for rounding and the norm.
-double rotated_distortion(int bits) {
-  return bits == 5 ? 0.0025 : bits == 4 ? 0.0095 : bits == 3 ? 0.0345 : 0.1175;
+// The N(0,1) distortion of a rotated code's levels: Lloyd-Max, or evenly spaced (ruB).
+double rotated_distortion(const ops::RowCode& c) {
+  if (c.uniform) return c.bits == 5 ? 0.0035 : c.bits == 4 ? 0.0115 : c.bits == 3 ? 0.0374 : 0.1188;
+  return c.bits == 5 ? 0.0025 : c.bits == 4 ? 0.0095 : c.bits == 3 ? 0.0345 : 0.1175;
 }
 
 // A coded row against the dense one it stands for: affine codes within one step of their group,
@@ -268,9 +270,9 @@ void expect_coded_like(const at::Tensor& codes, const at::Tensor& side, const op
     // The worst row: a row of fewer values averages its error over fewer coordinates, so it
     // strays further from the mean distortion (D = 128 rows reach 2.8× it in these draws).
     const double worst = want.size(-1) < 256 ? 3.5 : 2.5;
-    EXPECT_TRUE(rel.le(rotated_distortion(code.bits) * worst).all().item<bool>())
+    EXPECT_TRUE(rel.le(rotated_distortion(code) * worst).all().item<bool>())
         << tag << ": worst relative squared error " << rel.max().item<double>();
-    EXPECT_LT(rel.mean().item<double>(), rotated_distortion(code.bits) * 1.3) << tag;
+    EXPECT_LT(rel.mean().item<double>(), rotated_distortion(code) * 1.3) << tag;
   }
 }
 
@@ -280,7 +282,8 @@ void expect_coded_like(const at::Tensor& codes, const at::Tensor& side, const op
 // a coordinate falls within rounding of a level boundary), by one step.
 TEST_P(CudaOps, RestoreStoreCodedRegion) {
   for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 8}, {ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 5},
-                            {ops::RowKind::Rotated, 4}, {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}}) {
+                            {ops::RowKind::Rotated, 4}, {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2},
+                            {ops::RowKind::Rotated, 5, false, true}, {ops::RowKind::Rotated, 4, false, true}}) {
     for (const auto& [Hkv, D, sink] : {std::tuple<int64_t, int64_t, int64_t>{1, 256, 4}, {2, 64, 3}, {3, 128, 0}}) {
       if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;  // refused by check_row_code (tested on the CPU)
       const int bits = code.bits;
@@ -482,6 +485,11 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
                  Case{4, 2, 512, 23, 59, 5, 70, 21, -1, {RowKind::Affine, 8}},
                  Case{4, 1, 256, 271, 1023, 1, 0, 256, -1, {RowKind::Rotated, 3}, 4},
                  Case{4, 1, 256, 271, 515, 3, 0, 256, -1, {RowKind::Rotated, 5}, 4},
+                 // Evenly spaced levels (ruB): 5 bits read by multiply-adds, 4 bits through the byte table.
+                 Case{4, 1, 256, 271, 515, 3, 0, 256, -1, {RowKind::Rotated, 5, false, true}, 4},
+                 Case{4, 1, 256, 271, 515, 16, 0, 256, -1, {RowKind::Rotated, 5, false, true}, 4},
+                 Case{6, 2, 64, 19, 45, 3, 50, 13, -1, {RowKind::Rotated, 4, false, true}, 30},
+                 Case{8, 1, 128, 37, 101, 1, 0, 30, -1, {RowKind::Rotated, 2, false, true}},
                  Case{4, 1, 256, 40, 77, 16, 0, 33, 9, {RowKind::Rotated, 4}},
                  Case{6, 2, 64, 19, 45, 3, 50, 13, -1, {RowKind::Rotated, 4}, 30},
                  Case{8, 1, 128, 37, 101, 1, 0, 30, -1, {RowKind::Rotated, 2}},
@@ -561,6 +569,7 @@ TEST_P(CudaOps, DecodeAttentionTail) {
                  Case{4, 1, 256, 64, 511, 64, 512, 64, {}}, Case{8, 2, 128, 33, 70, 31, 0, 33, {}},
                  Case{4, 1, 256, 64, 511, 64, 512, 64, {RowKind::Affine, 4}},
                  Case{4, 1, 256, 64, 511, 64, 512, 64, {RowKind::Rotated, 5}},
+                 Case{4, 1, 256, 64, 511, 64, 512, 64, {RowKind::Rotated, 5, false, true}},
                  Case{6, 2, 64, 19, 45, 7, 50, 19, {RowKind::Rotated, 4}}}) {
     const int64_t B = 2, T = c.T, S = c.ring + c.rows, q0 = S + 5;
     auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
@@ -621,7 +630,8 @@ TEST_P(CudaOps, DecodeAttentionTail) {
 // sink also copied to their exact slots.
 TEST_P(CudaOps, CodeRows) {
   for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 5}, {ops::RowKind::Rotated, 4},
-                            {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}, {ops::RowKind::Rotated, 4, true}}) {
+                            {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}, {ops::RowKind::Rotated, 4, true},
+                            {ops::RowKind::Rotated, 5, false, true}}) {
     for (const auto& [Hkv, D] : {std::pair<int64_t, int64_t>{1, 256}, {2, 128}, {3, 512}, {2, 64}}) {
       if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;
       const int64_t B = 2, S = 19, R = 37;
@@ -678,7 +688,7 @@ TEST_P(CudaOps, CodeRows) {
 // Coded rows decoded on the device (one warp per row; rotated rows rotated back in registers)
 // against the reference ops on the host, every code and head dim the kernel takes, odd row counts.
 TEST_P(CudaOps, DequantizeRows) {
-  for (const char* name : {"int8", "int4", "lm5", "lm4", "lm3", "lm2"}) {
+  for (const char* name : {"int8", "int4", "lm5", "lm4", "lm3", "lm2", "ru5", "ru4", "ru3", "ru2"}) {
     const ops::RowCode code = ops::parse_row_code(name, "code");
     for (int64_t D : {64, 128, 256, 512}) {
       // Rotated codes need whole bytes per lane, at most 8 (CodedRows.BadInput): lm3 from D = 256,

@@ -90,6 +90,30 @@ TEST(CodedRows, RotatedLevelsAreTheGaussianLloydMaxTables) {
   }
 }
 
+// Uniform levels (ruB): evenly spaced by uniform_step, symmetric, and the step is the N(0,1) optimum
+// (calib's own distortion integral is larger 1% to either side).
+TEST(CodedRows, UniformLevelsAreEvenlySpacedAtTheGaussianOptimum) {
+  for (int bits : {2, 3, 4, 5}) {
+    const auto& lv = ops::rotated_levels(bits, true);
+    const float step = ops::uniform_step(bits);
+    ASSERT_EQ((int)lv.size(), 1 << bits);
+    for (size_t i = 0; i < lv.size(); ++i) {
+      EXPECT_NEAR(lv[i], ((double)i - 0.5 * (double)(lv.size() - 1)) * step, 1e-6) << bits << " bits, level " << i;
+      EXPECT_EQ(lv[i], -lv[lv.size() - 1 - i]) << bits << " bits: symmetric";
+    }
+    auto mse = [&](double s) {
+      ScalarCodebook cb;
+      for (size_t i = 0; i < lv.size(); ++i) cb.centroids.push_back((float)(((double)i - 0.5 * (lv.size() - 1)) * s));
+      return gaussian_mse(cb);
+    };
+    EXPECT_LT(mse(step), mse(step * 0.99)) << bits << " bits";
+    EXPECT_LT(mse(step), mse(step * 1.01)) << bits << " bits";
+    // Lloyd-Max is the optimum over every level set: uniform levels cost more, by at most 1.6x here.
+    EXPECT_GT(mse(step), gaussian_mse(gaussian_codebook(bits))) << bits << " bits";
+    EXPECT_LT(mse(step), 1.6 * gaussian_mse(gaussian_codebook(bits))) << bits << " bits";
+  }
+}
+
 // The bit stream: value i's index at bits i·b .. i·b + b - 1. Hand-packed indices i mod 2^b (scale
 // g = 1) decode to x̂ whose rotation H·(s ⊙ x̂)/sqrt(D) is exactly those levels.
 TEST(CodedRows, RotatedLayout) {
@@ -122,21 +146,25 @@ TEST(CodedRows, RotatedRoundTripKeepsTheNormAtTheGaussianDistortion) {
       x.select(-1, 3).mul_(20);  // outlier channels
       x.select(-1, 100).add_(15);
       x = x.to(dt);
-      const ops::RowCode code{ops::RowKind::Rotated, bits};
-      auto [codes, side] = ops::quantize_rows(x, code);
-      ASSERT_EQ(codes.sizes(), (std::vector<int64_t>{4, 7, D * bits / 8}));
-      ASSERT_EQ(side.sizes(), (std::vector<int64_t>{4, 7, 2}));
-      auto y = ops::dequantize_rows(codes, side, code, at::kFloat);
-      auto xf = x.to(at::kFloat);
-      auto n = xf.pow(2).sum(-1);
-      EXPECT_TRUE(at::allclose(y.pow(2).sum(-1), n, 1e-4, 0)) << bits << " bits: the norm is kept";
-      const double rel = ((y - xf).pow(2).sum(-1) / n).mean().item<double>();
-      const double want = gaussian_mse(gaussian_codebook(bits));
-      EXPECT_GT(rel, want * 0.8) << bits << " bits";
-      EXPECT_LT(rel, want * 1.2) << bits << " bits";
-      // A zero row decodes to zeros.
-      auto [zc, zs] = ops::quantize_rows(at::zeros({1, D}), code);
-      EXPECT_TRUE(ops::dequantize_rows(zc, zs, code, at::kFloat).eq(0).all().item<bool>());
+      for (bool uniform : {false, true}) {  // lmB, ruB
+        const ops::RowCode code{ops::RowKind::Rotated, bits, false, uniform};
+        auto [codes, side] = ops::quantize_rows(x, code);
+        ASSERT_EQ(codes.sizes(), (std::vector<int64_t>{4, 7, D * bits / 8}));
+        ASSERT_EQ(side.sizes(), (std::vector<int64_t>{4, 7, 2}));
+        auto y = ops::dequantize_rows(codes, side, code, at::kFloat);
+        auto xf = x.to(at::kFloat);
+        auto n = xf.pow(2).sum(-1);
+        EXPECT_TRUE(at::allclose(y.pow(2).sum(-1), n, 1e-4, 0)) << ops::row_code_name(code) << ": the norm is kept";
+        const double rel = ((y - xf).pow(2).sum(-1) / n).mean().item<double>();
+        ScalarCodebook cb;
+        cb.centroids = ops::rotated_levels(bits, uniform);
+        const double want = gaussian_mse(cb);
+        EXPECT_GT(rel, want * 0.8) << ops::row_code_name(code);
+        EXPECT_LT(rel, want * 1.2) << ops::row_code_name(code);
+        // A zero row decodes to zeros.
+        auto [zc, zs] = ops::quantize_rows(at::zeros({1, D}), code);
+        EXPECT_TRUE(ops::dequantize_rows(zc, zs, code, at::kFloat).eq(0).all().item<bool>());
+      }
     }
   }
 }
@@ -159,12 +187,17 @@ TEST(CodedRows, BadInput) {
   EXPECT_FALSE(ops::parse_row_code("none", "--x").defined());
   EXPECT_EQ(ops::row_code_name(kInt4), "int4");
   expect_error([] { ops::parse_row_code("lm6", "--full-code"); },
-               "--full-code: expected none | int8 | int4 | lm5 | lm4 | lm3 | lm2 | pw5 | pw4 | pw3 | pw2, got 'lm6'");
+               "--full-code: expected none | int8 | int4 | lm5 | lm4 | lm3 | lm2 | ru5 | ru4 | ru3 | ru2 | pw5 | pw4 | pw3 | pw2, got 'lm6'");
   expect_error([] { ops::parse_row_code("pw1", "--full-code"); }, "got 'pw1'");
   EXPECT_EQ(ops::parse_row_code("pw4", "--x"), (ops::RowCode{ops::RowKind::Rotated, 4, true}));
   EXPECT_FALSE(ops::parse_row_code("pw4", "--x") == ops::parse_row_code("lm4", "--x"));
   EXPECT_EQ(ops::row_code_name(ops::parse_row_code("pw5", "--x")), "pw5");
-  for (const char* n : {"int8", "int4", "lm5", "lm2", "pw5", "pw2"}) EXPECT_TRUE(ops::is_row_code_name(n)) << n;
+  EXPECT_EQ(ops::parse_row_code("ru5", "--x"), (ops::RowCode{ops::RowKind::Rotated, 5, false, true}));
+  EXPECT_FALSE(ops::parse_row_code("ru5", "--x") == ops::parse_row_code("lm5", "--x"));
+  EXPECT_EQ(ops::row_code_name(ops::parse_row_code("ru3", "--x")), "ru3");
+  expect_error([] { ops::check_row_code(256, ops::RowCode{ops::RowKind::Rotated, 4, true, true}, "--x"); },
+               "weighted rows (pwB) take Lloyd-Max levels");
+  for (const char* n : {"int8", "int4", "lm5", "lm2", "ru5", "ru2", "pw5", "pw2"}) EXPECT_TRUE(ops::is_row_code_name(n)) << n;
   for (const char* n : {"none", "lm6", "pw", "int2", "lm44"}) EXPECT_FALSE(ops::is_row_code_name(n)) << n;
   expect_error([] { ops::check_row_code(256, ops::RowCode{ops::RowKind::Affine, 4, true}, "--x"); },
                "weighted rows are rotated codes");

@@ -530,22 +530,26 @@ TEST(RestoredCodec, PlanAt8kIsWithinAFifthOfFullKv) {
 
 // ---- restored regions stored as coded rows (--restored-code int8 | int4) ----
 
-DecodeOptions coded_region_options(DecodeMode mode, int bits, double alpha, int64_t max_new,
-                                   ops::RowKind kind = ops::RowKind::Affine) {
+DecodeOptions coded_region_options(DecodeMode mode, int bits, double alpha, int64_t max_new) {
   auto o = options(mode, alpha, max_new);
-  o.restore.region_code = {kind, bits};
+  o.restore.region_code = {ops::RowKind::Affine, bits};
   return o;
 }
 
 // The coded region changes what restored positions hold, not the rules: the incremental decoder
 // and its reforward reference quantize the same restored rows, so they agree token for token.
 TEST(RestoredRegionCode, IncrementalEqualsReforward) {
-  for (auto kind : {ops::RowKind::Affine, ops::RowKind::Rotated}) {
-    auto inc = decode(model(), &drafter(), &ftheta(), prompt(), coded_region_options(DecodeMode::Restored, 4, 0.0, 4, kind));
-    auto o = coded_region_options(DecodeMode::RestoredReforward, 4, 0.0, 4, kind);
+  // int4, lm4 and ru5 (evenly spaced levels) regions.
+  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 4},
+                            {ops::RowKind::Rotated, 5, false, true}}) {
+    auto oi = options(DecodeMode::Restored, 0.0, 4);
+    oi.restore.region_code = code;
+    auto inc = decode(model(), &drafter(), &ftheta(), prompt(), oi);
+    auto o = options(DecodeMode::RestoredReforward, 0.0, 4);
+    o.restore.region_code = code;
     o.restore.chunk = 5;
     auto ref = decode(model(), &drafter(), &ftheta(), prompt(), o);
-    EXPECT_EQ(inc.tokens, ref.tokens);
+    EXPECT_EQ(inc.tokens, ref.tokens) << ops::row_code_name(code);
     EXPECT_DOUBLE_EQ(inc.attention_fraction_sliding, 1.0);
   }
 }

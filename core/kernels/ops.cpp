@@ -218,13 +218,14 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 }
 
 const std::string& row_code_names() {
-  static const std::string names = "int8 | int4 | lm5 | lm4 | lm3 | lm2 | pw5 | pw4 | pw3 | pw2";
+  static const std::string names = "int8 | int4 | lm5 | lm4 | lm3 | lm2 | ru5 | ru4 | ru3 | ru2 | pw5 | pw4 | pw3 | pw2";
   return names;
 }
 
 bool is_row_code_name(const std::string& s) {
   if (s == "int8" || s == "int4") return true;
-  return s.size() == 3 && (s.compare(0, 2, "lm") == 0 || s.compare(0, 2, "pw") == 0) && s[2] >= '2' && s[2] <= '5';
+  return s.size() == 3 && (s.compare(0, 2, "lm") == 0 || s.compare(0, 2, "ru") == 0 || s.compare(0, 2, "pw") == 0) &&
+         s[2] >= '2' && s[2] <= '5';
 }
 
 RowCode parse_row_code(const std::string& s, const std::string& flag) {
@@ -232,30 +233,53 @@ RowCode parse_row_code(const std::string& s, const std::string& flag) {
   KAKEYA_CHECK(is_row_code_name(s), flag << ": expected none | " << row_code_names() << ", got '" << s << "'");
   if (s == "int8") return {RowKind::Affine, 8};
   if (s == "int4") return {RowKind::Affine, 4};
-  return {RowKind::Rotated, s[2] - '0', s[0] == 'p'};
+  return {RowKind::Rotated, s[2] - '0', s[0] == 'p', s[0] == 'r'};
 }
 
 std::string row_code_name(const RowCode& c) {
   if (!c.defined()) return "none";
-  return (c.rotated() ? (c.weighted ? "pw" : "lm") : "int") + std::to_string(c.bits);
+  return (c.rotated() ? (c.weighted ? "pw" : c.uniform ? "ru" : "lm") : "int") + std::to_string(c.bits);
 }
 
 void check_row_code(int64_t D, const RowCode& c, const std::string& what) {
   if (c.rotated()) {
     KAKEYA_CHECK(c.bits >= 2 && c.bits <= 5, what << ": " << row_code_name(c) << ": bits expected 2, 3, 4 or 5");
+    KAKEYA_CHECK(!(c.weighted && c.uniform), what << ": weighted rows (pwB) take Lloyd-Max levels, not uniform ones");
     KAKEYA_CHECK(rotated_code_fits(D, c),
                  what << ": " << row_code_name(c) << " codes rows of a power-of-two length in 64..512 whose 32nds are "
                       << "whole bytes of codes, at most 8 a lane; the head dim is " << D
                       << (D == 128 ? " (use lm4 or lm2)" : D == 64 ? " (use lm4)" : D == 512 ? " (use lm4, lm3 or lm2)" : ""));
   } else {
-    KAKEYA_CHECK(!c.weighted, what << ": weighted rows are rotated codes (pw2 .. pw5)");
+    KAKEYA_CHECK(!c.weighted && !c.uniform, what << ": weighted and uniform rows are rotated codes (pw2 .. pw5, ru2 .. ru5)");
     KAKEYA_CHECK(c.bits == 8 || c.bits == 4, what << ": affine codes take 8 or 4 bits, got " << c.bits);
     KAKEYA_CHECK(D > 0 && D % kCodeGroup == 0,
                  what << ": row length " << D << " is not a multiple of the code group " << kCodeGroup);
   }
 }
 
-const std::vector<float>& rotated_levels(int bits) {
+float uniform_step(int bits) {
+  // The spacing of 2^bits evenly spaced levels that minimizes the N(0,1) squared error (fitted by
+  // ternary search on a 1.8M-point grid of the density); tests/test_ops.cpp checks it is a minimum.
+  static const float steps[4] = {0.9956858f, 0.5860178f, 0.3352013f, 0.1881388f};
+  KAKEYA_CHECK(bits >= 2 && bits <= 5, "uniform rotated row code: bits expected 2, 3, 4 or 5, got " << bits);
+  return steps[bits - 2];
+}
+
+const std::vector<float>& rotated_levels(int bits, bool uniform) {
+  if (uniform) {
+    static const std::vector<std::vector<float>> tables = [] {
+      std::vector<std::vector<float>> t;
+      for (int b = 2; b <= 5; ++b) {
+        std::vector<float> lv;
+        const int L = 1 << b;
+        for (int i = 0; i < L; ++i) lv.push_back(((float)i - 0.5f * (float)(L - 1)) * uniform_step(b));
+        t.push_back(lv);
+      }
+      return t;
+    }();
+    KAKEYA_CHECK(bits >= 2 && bits <= 5, "rotated row code: bits expected 2, 3, 4 or 5, got " << bits);
+    return tables[bits - 2];
+  }
   // N(0,1) Lloyd-Max levels (positive half; the tables are symmetric). tests/test_ops.cpp checks them
   // against the numerically fitted tables of calib/codec/lloyd_max.h.
   static const std::vector<float> t2 = {-1.5104176f, -0.4527800f, 0.4527800f, 1.5104176f};
@@ -290,26 +314,33 @@ namespace {
 // reference path also runs inside captured CUDA graphs (restored prefill chunks decode coded
 // regions through it), where no copy from host memory may be enqueued. Never freed: the
 // tensors must not outlive the CUDA context at exit.
-enum class Table { Levels, Mids, Signs };
+enum class Table { Levels, Mids, Signs, UniformLevels, UniformMids };
 const at::Tensor& device_table(Table what, int64_t n, const at::Device& dev) {
   static std::mutex m;
   static auto* tables = new std::map<std::tuple<int, int64_t, int, int>, at::Tensor>();
   std::lock_guard<std::mutex> lk(m);
   at::Tensor& t = (*tables)[{(int)what, n, (int)dev.type(), dev.has_index() ? (int)dev.index() : -1}];
   if (t.defined()) return t;
-  std::vector<float> v;  // Signs: n = D; Levels, Mids: n = bits
+  std::vector<float> v;  // Signs: n = D; the others: n = bits
+  const bool uniform = what == Table::UniformLevels || what == Table::UniformMids;
   if (what == Table::Signs) {
     for (int64_t i = 0; i < n; ++i) v.push_back(rotation_sign(i));
-  } else if (what == Table::Levels) {
-    v = rotated_levels((int)n);
+  } else if (what == Table::Levels || what == Table::UniformLevels) {
+    v = rotated_levels((int)n, uniform);
   } else {
-    const auto& lv = rotated_levels((int)n);  // the midpoints between neighbouring levels
+    const auto& lv = rotated_levels((int)n, uniform);  // the midpoints between neighbouring levels
     for (size_t i = 0; i + 1 < lv.size(); ++i) v.push_back(0.5f * (lv[i] + lv[i + 1]));
   }
   t = at::tensor(v).to(dev);
   return t;
 }
 at::Tensor rotation_signs(int64_t D, at::Device dev) { return device_table(Table::Signs, D, dev); }
+const at::Tensor& code_levels(const RowCode& c, const at::Device& dev) {
+  return device_table(c.uniform ? Table::UniformLevels : Table::Levels, c.bits, dev);
+}
+const at::Tensor& code_mids(const RowCode& c, const at::Device& dev) {
+  return device_table(c.uniform ? Table::UniformMids : Table::Mids, c.bits, dev);
+}
 // idx [N, D] uint8 (< 2^bits) -> [N, D·bits/8] uint8, little-endian bit stream.
 at::Tensor pack_indices(const at::Tensor& idx, int bits) {
   const int64_t N = idx.size(0), D = idx.size(1);
@@ -340,8 +371,8 @@ std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const RowCo
     auto n = xf.pow(2).sum(-1, true).sqrt();                           // [N, 1]
     auto inv = at::where(n.gt(0), (float)std::sqrt((double)D) / n, at::zeros_like(n));
     auto u = y * inv;
-    auto idx = at::bucketize(u, device_table(Table::Mids, code.bits, x.device()));  // count of thresholds < u
-    auto c = device_table(Table::Levels, code.bits, x.device()).index_select(0, idx.flatten()).view(idx.sizes());  // [N, D]
+    auto idx = at::bucketize(u, code_mids(code, x.device()));  // count of thresholds < u
+    auto c = code_levels(code, x.device()).index_select(0, idx.flatten()).view(idx.sizes());  // [N, D]
     auto g = n / c.pow(2).sum(-1, true).sqrt();                        // the row's norm kept
     auto side = g.contiguous().view(at::kHalf);                         // [N, 2]: f32 bytes as halves
     return {pack_indices(idx.to(at::kByte), code.bits).reshape(codes_shape), side.reshape(side_shape)};
@@ -381,7 +412,7 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, cons
   if (code.rotated()) {
     auto idx = unpack_indices(c, D, code.bits);                                // [N, D]
     auto g = side.reshape({-1, 2}).contiguous().view(at::kFloat);             // [N, 1]
-    auto y = device_table(Table::Levels, code.bits, codes.device()).index_select(0, idx.flatten()).view(idx.sizes()) * g;
+    auto y = code_levels(code, codes.device()).index_select(0, idx.flatten()).view(idx.sizes()) * g;
     return (fwht(y) * rotation_signs(D, codes.device())).reshape(shape).to(dtype);
   }
   const int64_t G = D / kCodeGroup;

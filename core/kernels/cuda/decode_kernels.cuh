@@ -350,7 +350,8 @@ struct RestoreLayerDesc {
   void* vs;
   int64_t code_head_stride, side_head_stride;
   int ring, sink_ring, rot, bits;
-  bool rotated;                  // the code's kind (ops::RowCode): rotated Lloyd-Max, else affine
+  bool rotated;                  // the code's kind (ops::RowCode): rotated, else affine
+  bool uniform;                  // rotated: evenly spaced levels (ruB), else Lloyd-Max ones
 };
 
 // ---------------------------------------------------------------------------
@@ -391,9 +392,10 @@ __device__ __forceinline__ void code_row(const T* row, int D, int bits, uint8_t*
 }
 
 // Rotated codes (core/kernels/ops.h RowKind::Rotated; the reference is ops::quantize_rows).
-// The N(0,1) Lloyd-Max levels of 2 to 5 bits, the same numbers as ops::rotated_levels (in
-// constant memory: a table local to a function would be rebuilt on the stack at every lookup).
-static __constant__ float kRotLevels[4][32] = {
+// The levels of 2 to 5 bits, the same numbers as ops::rotated_levels (in constant memory: a table
+// local to a function would be rebuilt on the stack at every lookup): rows 0-3 the N(0,1) Lloyd-Max
+// levels, rows 4-7 the evenly spaced ones, ((float)i - 0.5f·(2^bits - 1)) · uniform_step(bits) in float.
+static __constant__ float kRotLevels[8][32] = {
     {-1.5104176f, -0.4527800f, 0.4527800f, 1.5104176f},
     {-2.1519457f, -1.3439093f, -0.7560053f, -0.2450942f, 0.2450942f, 0.7560053f, 1.3439093f, 2.1519457f},
     {-2.7325896f, -2.0690172f, -1.6180464f, -1.2562312f, -0.9423405f, -0.6567591f, -0.3880483f, -0.1283950f,
@@ -401,8 +403,15 @@ static __constant__ float kRotLevels[4][32] = {
     {-3.2607325f, -2.6911196f, -2.3177394f, -2.0287284f, -1.7872332f, -1.5762281f, -1.3863403f, -1.2118044f,
      -1.0487833f, -0.8945651f, -0.7471357f, -0.6049336f, -0.4666995f, -0.3313783f, -0.1980518f, -0.0658897f,
      0.0658897f,  0.1980518f,  0.3313783f,  0.4666995f,  0.6049336f,  0.7471357f,  0.8945651f,  1.0487833f,
-     1.2118044f,  1.3863403f,  1.5762281f,  1.7872332f,  2.0287284f,  2.3177394f,  2.6911196f,  3.2607325f}};
-__device__ __forceinline__ float rot_level(int bits, int i) { return kRotLevels[bits - 2][i]; }
+     1.2118044f,  1.3863403f,  1.5762281f,  1.7872332f,  2.0287284f,  2.3177394f,  2.6911196f,  3.2607325f},
+{-1.4935287237167358f, -0.4978429079055786f, 0.4978429079055786f, 1.4935287237167358f},
+{-2.0510623455047607f, -1.4650444984436035f, -0.8790266513824463f, -0.2930088937282562f, 0.2930088937282562f, 0.8790266513824463f, 1.4650444984436035f, 2.0510623455047607f},
+{-2.514009714126587f, -2.1788084506988525f, -1.8436070680618286f, -1.5084058046340942f, -1.1732045412063599f, -0.8380032181739807f, -0.5028019547462463f, -0.16760064661502838f, 0.16760064661502838f, 0.5028019547462463f, 0.8380032181739807f, 1.1732045412063599f, 1.5084058046340942f, 1.8436070680618286f, 2.1788084506988525f, 2.514009714126587f},
+{-2.916151285171509f, -2.7280125617980957f, -2.5398738384246826f, -2.3517348766326904f, -2.1635961532592773f, -1.9754574298858643f, -1.7873185873031616f, -1.599179744720459f, -1.411041021347046f, -1.2229021787643433f, -1.0347633361816406f, -0.8466246128082275f, -0.6584857702255249f, -0.47034698724746704f, -0.2822082042694092f, -0.09406939893960953f, 0.09406939893960953f, 0.2822082042694092f, 0.47034698724746704f, 0.6584857702255249f, 0.8466246128082275f, 1.0347633361816406f, 1.2229021787643433f, 1.411041021347046f, 1.599179744720459f, 1.7873185873031616f, 1.9754574298858643f, 2.1635961532592773f, 2.3517348766326904f, 2.5398738384246826f, 2.7280125617980957f, 2.916151285171509f}};
+// ops::uniform_step: the spacing of the evenly spaced levels.
+static __constant__ float kUniformStep[4] = {0.9956858f, 0.5860178f, 0.3352013f, 0.1881388f};
+__device__ __forceinline__ const float* rot_levels(int bits, bool uniform) { return kRotLevels[(uniform ? 4 : 0) + bits - 2]; }
+__device__ __forceinline__ float rot_level(int bits, int i, bool uniform) { return rot_levels(bits, uniform)[i]; }
 __device__ __forceinline__ float rot_sign(int i) { return ((unsigned)i * 0x9E3779B1u) >> 31 ? -1.f : 1.f; }
 // 1 / sqrt(D) as the host computes it ((float)(1.0 / std::sqrt((double)D))).
 __device__ __forceinline__ float inv_sqrt_dim(int D) { return (float)(1.0 / sqrt((double)D)); }
@@ -439,9 +448,9 @@ __device__ __forceinline__ void warp_fwht(float* v, int lane) {
 // held: when not null, the row is also copied there as it is. mean: when not null, coded is
 // row - mean ([D] f32); weight: when not null, that times weight ([D] f32, a weighted code).
 template <typename T, int VPL>
-__device__ __forceinline__ void warp_rot_code(const T* row, int bits, uint8_t* __restrict__ codes, float* __restrict__ side,
-                                              T* held, const float* __restrict__ mean, const float* __restrict__ weight,
-                                              int lane) {
+__device__ __forceinline__ void warp_rot_code(const T* row, int bits, bool uniform, uint8_t* __restrict__ codes,
+                                              float* __restrict__ side, T* held, const float* __restrict__ mean,
+                                              const float* __restrict__ weight, int lane) {
   constexpr int D = VPL * 32;
   float v[VPL];
   float ss = 0.f;
@@ -466,9 +475,10 @@ __device__ __forceinline__ void warp_rot_code(const T* row, int bits, uint8_t* _
     // The nearest level: past every midpoint u exceeds (the warp walks the table in step).
     const float u = v[i] * inv;
     int c = 0;
-    float lv = rot_level(bits, 0);
+    const float* levels = rot_levels(bits, uniform);
+    float lv = levels[0];
     for (int j = 0; j + 1 < L; ++j) {
-      const float lo = rot_level(bits, j), hi = rot_level(bits, j + 1);
+      const float lo = levels[j], hi = levels[j + 1];
       if (u > 0.5f * (lo + hi)) {
         c = j + 1;
         lv = hi;
@@ -485,13 +495,13 @@ __device__ __forceinline__ void warp_rot_code(const T* row, int bits, uint8_t* _
 
 // warp_rot_code for a head dim known at run time (64, 128, 256 or 512).
 template <typename T>
-__device__ __forceinline__ void warp_rot_code_d(const T* row, int D, int bits, uint8_t* codes, float* side, T* held,
-                                                const float* mean, const float* weight, int lane) {
+__device__ __forceinline__ void warp_rot_code_d(const T* row, int D, int bits, bool uniform, uint8_t* codes, float* side,
+                                                T* held, const float* mean, const float* weight, int lane) {
   switch (D) {
-    case 64: warp_rot_code<T, 2>(row, bits, codes, side, held, mean, weight, lane); break;
-    case 128: warp_rot_code<T, 4>(row, bits, codes, side, held, mean, weight, lane); break;
-    case 256: warp_rot_code<T, 8>(row, bits, codes, side, held, mean, weight, lane); break;
-    default: warp_rot_code<T, 16>(row, bits, codes, side, held, mean, weight, lane); break;
+    case 64: warp_rot_code<T, 2>(row, bits, uniform, codes, side, held, mean, weight, lane); break;
+    case 128: warp_rot_code<T, 4>(row, bits, uniform, codes, side, held, mean, weight, lane); break;
+    case 256: warp_rot_code<T, 8>(row, bits, uniform, codes, side, held, mean, weight, lane); break;
+    default: warp_rot_code<T, 16>(row, bits, uniform, codes, side, held, mean, weight, lane); break;
   }
 }
 
@@ -550,6 +560,17 @@ __device__ __forceinline__ void load_rotated5(const uint8_t* __restrict__ codes,
   for (int i = 0; i < 8; ++i) out[i] = g * lv[(x >> (5 * i)) & 31u];
 }
 
+// load_rotated5 for evenly spaced levels (ru5): value = g·step·(c - 15.5), one multiply-add each.
+__device__ __forceinline__ void load_uniform5(const uint8_t* __restrict__ codes, const float* __restrict__ side, int lane,
+                                             float* out) {
+  const int b0 = lane * 5;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(codes) + (b0 >> 2);
+  const uint64_t x = (((uint64_t)w[1] << 32) | w[0]) >> (8 * (b0 & 3));
+  const float gs = *side * kUniformStep[3], off = -15.5f * gs;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) out[i] = fmaf(gs, (float)((x >> (5 * i)) & 31u), off);
+}
+
 // The VPL values lane·VPL .. lane·VPL + VPL - 1 of a coded row (VPL even, within one group):
 // one load of the lane's code bytes and one of its group's (scale, min) pair.
 template <int VPL>
@@ -603,7 +624,7 @@ __global__ void restore_store_kernel(const T* __restrict__ k_raw, const T* __res
   if (L.rotated) {  // warp 0 codes K, warp 1 V
     const int warp = threadIdx.x >> 5;
     if (warp < 2)
-      warp_rot_code_d<T>(warp ? vr : kr, D, L.bits, warp ? vc : kc,
+      warp_rot_code_d<T>(warp ? vr : kr, D, L.bits, L.uniform, warp ? vc : kc,
                          reinterpret_cast<float*>((__half*)(warp ? L.vs : L.ks) + h * L.side_head_stride + slot * 2),
                          (T*)nullptr, nullptr, nullptr, threadIdx.x & 31);
     return;
@@ -635,7 +656,7 @@ template <typename T>
 __global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int64_t* __restrict__ src,
                                  const int64_t* __restrict__ dst, int idx_bs, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs,
                                  const float* km, const float* vm, const float* kw, int Hkv, int R, int D, bool rotated,
-                                 int bits, int64_t sink, int64_t sink_slot0) {
+                                 bool uniform, int bits, int64_t sink, int64_t sink_slot0) {
   pdl_begin();
   extern __shared__ float row_f[];  // affine: the row in T
   const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -647,7 +668,7 @@ __global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs,
     const int kv = threadIdx.x >> 5;
     T* x = kv ? v : k;
     const float* mean = kv ? vm : km;
-    warp_rot_code_d<T>(x + base + src[t] * D, D, bits, (kv ? vc : kc) + r * cb,
+    warp_rot_code_d<T>(x + base + src[t] * D, D, bits, uniform, (kv ? vc : kc) + r * cb,
                        reinterpret_cast<float*>((kv ? vs : ks) + r * 2),
                        p < sink ? x + base + (sink_slot0 + p) * D : nullptr,
                        mean ? mean + ((int64_t)b * Hkv + h) * D : nullptr,
@@ -671,11 +692,11 @@ __global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs,
 template <typename T>
 void launch_code_rows(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int64_t* src, const int64_t* dst,
                       int idx_bs, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs, const float* km, const float* vm,
-                      const float* kw, int B, int Hkv, int Tn, int R, int D, bool rotated, int bits, int64_t sink,
-                      int64_t sink_slot0, cudaStream_t s) {
+                      const float* kw, int B, int Hkv, int Tn, int R, int D, bool rotated, bool uniform, int bits,
+                      int64_t sink, int64_t sink_slot0, cudaStream_t s) {
   dim3 grid(Tn, Hkv, B);
   launch_pdl(code_rows_kernel<T>, grid, 64, rotated ? 0 : D * sizeof(T), s, k, v, cache_bs, cache_hs, src, dst, idx_bs,
-             kc, vc, ks, vs, km, vm, kw, Hkv, R, D, rotated, bits, sink, sink_slot0);
+             kc, vc, ks, vs, km, vm, kw, Hkv, R, D, rotated, uniform, bits, sink, sink_slot0);
 }
 
 // Coded rows back to dense ones (ops::dequantize_rows, the reference): one warp per row of
@@ -683,7 +704,7 @@ void launch_code_rows(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int6
 // registers (warp_fwht, then the signs), as the attention kernel does with its value sum.
 template <typename T, int VPL>
 __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ codes, const __half* __restrict__ side,
-                                       int64_t rows, bool rotated, int bits, T* __restrict__ out) {
+                                       int64_t rows, bool rotated, bool uniform, int bits, T* __restrict__ out) {
   pdl_begin();
   constexpr int D = VPL * 32;
   const int lane = threadIdx.x & 31;
@@ -692,7 +713,7 @@ __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ codes, const 
   const int64_t cb = D * bits / 8;
   float v[VPL];
   if (rotated) {
-    load_rotated<VPL>(codes + r * cb, reinterpret_cast<const float*>(side) + r, bits, lane, kRotLevels[bits - 2], v);
+    load_rotated<VPL>(codes + r * cb, reinterpret_cast<const float*>(side) + r, bits, lane, rot_levels(bits, uniform), v);
     warp_fwht<VPL>(v, lane);
 #pragma unroll
     for (int i = 0; i < VPL; ++i) v[i] *= rot_sign(lane * VPL + i);
@@ -705,15 +726,15 @@ __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ codes, const 
 }
 
 template <typename T>
-void launch_dequantize_rows(const uint8_t* codes, const __half* side, int64_t rows, int D, bool rotated, int bits,
-                            T* out, cudaStream_t s) {
+void launch_dequantize_rows(const uint8_t* codes, const __half* side, int64_t rows, int D, bool rotated, bool uniform,
+                            int bits, T* out, cudaStream_t s) {
   constexpr int kWarps = 4;
   const unsigned blocks = (unsigned)((rows + kWarps - 1) / kWarps);
   switch (D) {
-    case 64: launch_pdl(dequantize_rows_kernel<T, 2>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, bits, out); break;
-    case 128: launch_pdl(dequantize_rows_kernel<T, 4>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, bits, out); break;
-    case 256: launch_pdl(dequantize_rows_kernel<T, 8>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, bits, out); break;
-    default: launch_pdl(dequantize_rows_kernel<T, 16>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, bits, out); break;
+    case 64: launch_pdl(dequantize_rows_kernel<T, 2>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, uniform, bits, out); break;
+    case 128: launch_pdl(dequantize_rows_kernel<T, 4>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, uniform, bits, out); break;
+    case 256: launch_pdl(dequantize_rows_kernel<T, 8>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, uniform, bits, out); break;
+    default: launch_pdl(dequantize_rows_kernel<T, 16>, blocks, 32 * kWarps, 0, s, codes, side, rows, rotated, uniform, bits, out); break;
   }
 }
 
@@ -749,6 +770,7 @@ struct CodedRegion {
   const float* kw = nullptr;  // weighted codes: [B, Hkv, D] f32 K weights (rows read as decoded / kw + km)
   int bits = 0, ring = 0, rows = 0;
   bool rotated = false;
+  bool uniform = false;  // rotated: evenly spaced levels (ruB)
 };
 
 constexpr int kAttnWarps = 8;
@@ -860,9 +882,10 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
       for (int i = 0; i < VPL; ++i) qr[g][i] = (kw ? qv[g][i] / kw[i] : qv[g][i]) * rot_sign(lane * VPL + i);
       warp_fwht<VPL>(qr[g], lane);
     }
-    if (threadIdx.x < (1 << cr.bits)) lv[threadIdx.x] = rot_level(cr.bits, threadIdx.x);
+    if (threadIdx.x < (1 << cr.bits)) lv[threadIdx.x] = rot_level(cr.bits, threadIdx.x, cr.uniform);
     if (cr.bits == 4)
-      for (int x = threadIdx.x; x < 256; x += blockDim.x) lv2[x] = make_float2(rot_level(4, x & 15), rot_level(4, x >> 4));
+      for (int x = threadIdx.x; x < 256; x += blockDim.x)
+        lv2[x] = make_float2(rot_level(4, x & 15, cr.uniform), rot_level(4, x >> 4, cr.uniform));
     __syncthreads();
   }
   const int dense = cr.kc ? cr.ring : S;  // slots the dense k/v hold
@@ -888,6 +911,9 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     if (coded_row && rot && cr.bits == 4) {
       load_rotated4<VPL>(cr.kc + r * (D / 2), reinterpret_cast<const float*>(cr.ks) + r, lane, lv2, kv);
       load_rotated4<VPL>(cr.vc + r * (D / 2), reinterpret_cast<const float*>(cr.vs) + r, lane, lv2, vv);
+    } else if (coded_row && rot && cr.bits == 5 && VPL == 8 && cr.uniform) {
+      load_uniform5(cr.kc + r * (D * 5 / 8), reinterpret_cast<const float*>(cr.ks) + r, lane, kv);
+      load_uniform5(cr.vc + r * (D * 5 / 8), reinterpret_cast<const float*>(cr.vs) + r, lane, vv);
     } else if (coded_row && rot && cr.bits == 5 && VPL == 8) {
       load_rotated5(cr.kc + r * (D * 5 / 8), reinterpret_cast<const float*>(cr.ks) + r, lane, lv, kv);
       load_rotated5(cr.vc + r * (D * 5 / 8), reinterpret_cast<const float*>(cr.vs) + r, lane, lv, vv);

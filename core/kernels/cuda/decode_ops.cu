@@ -296,6 +296,7 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
       d.side_head_stride = cs.k_side.stride(1);
       d.bits = cs.code.bits;
       d.rotated = cs.code.rotated();
+      d.uniform = cs.code.uniform;
     } else {
       d.k = kc.data_ptr();
       d.v = vc.data_ptr();
@@ -376,7 +377,7 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
                            reinterpret_cast<__half*>(to.k_side.data_ptr()), reinterpret_cast<__half*>(to.v_side.data_ptr()),
                            to.k_mean.defined() ? to.k_mean.data_ptr<float>() : nullptr,
                            to.v_mean.defined() ? to.v_mean.data_ptr<float>() : nullptr,
-                           to.k_weight.defined() ? to.k_weight.data_ptr<float>() : nullptr, (int)B, (int)Hkv, (int)Tn, (int)to.k_codes.size(2), (int)D, to.code.rotated(), to.code.bits,
+                           to.k_weight.defined() ? to.k_weight.data_ptr<float>() : nullptr, (int)B, (int)Hkv, (int)Tn, (int)to.k_codes.size(2), (int)D, to.code.rotated(), to.code.uniform, to.code.bits,
                            sink, sink_slot0, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -404,7 +405,8 @@ at::Tensor dequantize_rows(const at::Tensor& codes_in, const at::Tensor& side_in
   dispatch(dtype, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     k::launch_dequantize_rows<T>(codes.data_ptr<uint8_t>(), reinterpret_cast<const __half*>(side.data_ptr()), rows,
-                                 (int)D, code.rotated(), code.bits, ptr<T>(out), at::cuda::getCurrentCUDAStream());
+                                 (int)D, code.rotated(), code.uniform, code.bits, ptr<T>(out),
+                                 at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
@@ -436,6 +438,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     cr.vs = reinterpret_cast<const __half*>(cs.v_side.data_ptr());
     cr.bits = cs.code.bits;
     cr.rotated = cs.code.rotated();
+    cr.uniform = cs.code.uniform;
     if (cs.k_mean.defined()) {
       cr.km = cs.k_mean.data_ptr<float>();
       cr.vm = cs.v_mean.data_ptr<float>();
