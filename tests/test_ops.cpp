@@ -201,6 +201,8 @@ TEST(CodedRows, BadInput) {
   for (const char* n : {"none", "lm6", "pw", "int2", "lm44"}) EXPECT_FALSE(ops::is_row_code_name(n)) << n;
   expect_error([] { ops::check_row_code(256, ops::RowCode{ops::RowKind::Affine, 4, true}, "--x"); },
                "weighted rows are rotated codes");
+  expect_error([] { ops::check_row_code(256, ops::RowCode{ops::RowKind::Affine, 4, false, true}, "--x"); },
+               "and so are uniform ones (ru2 .. ru5)");
 }
 
 // Weighted rows (pwB) through the reference code_rows: K rows are coded as w ⊙ (k - mean), so

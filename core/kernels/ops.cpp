@@ -250,7 +250,8 @@ void check_row_code(int64_t D, const RowCode& c, const std::string& what) {
                       << "whole bytes of codes, at most 8 a lane; the head dim is " << D
                       << (D == 128 ? " (use lm4 or lm2)" : D == 64 ? " (use lm4)" : D == 512 ? " (use lm4, lm3 or lm2)" : ""));
   } else {
-    KAKEYA_CHECK(!c.weighted && !c.uniform, what << ": weighted and uniform rows are rotated codes (pw2 .. pw5, ru2 .. ru5)");
+    KAKEYA_CHECK(!c.weighted && !c.uniform,
+                 what << ": weighted rows are rotated codes (pw2 .. pw5), and so are uniform ones (ru2 .. ru5)");
     KAKEYA_CHECK(c.bits == 8 || c.bits == 4, what << ": affine codes take 8 or 4 bits, got " << c.bits);
     KAKEYA_CHECK(D > 0 && D % kCodeGroup == 0,
                  what << ": row length " << D << " is not a multiple of the code group " << kCodeGroup);
