@@ -371,6 +371,23 @@ TEST_P(CudaOps, RestoreStoreRejectsMismatches) {
   EXPECT_NO_THROW(store.run(at::zeros({3, 64}, opt), at::zeros({3, 64}, opt), pos));
 }
 
+// Softmax attention in f32, the decode attention tests' reference: q [B, T, Hq, D], k, v [B, Hkv, S, D]
+// (any float dtype), mask [T, S] true where visible -> [B, T, Hq·D] in dt. A query that sees nothing
+// gets zeros, as from the kernel (softmax gives NaN there).
+at::Tensor reference_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                               double scale, double softcap, at::ScalarType dt) {
+  const int64_t B = q.size(0), T = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(1);
+  auto qf = q.to(at::kFloat).permute({0, 2, 1, 3}).reshape({B, Hkv, Hq / Hkv, T, D});
+  auto s = at::matmul(qf, k.to(at::kFloat).unsqueeze(2).transpose(-1, -2)) * scale;  // [B, Hkv, G, T, S]
+  if (softcap > 0) s = at::tanh(s / softcap) * softcap;
+  s = s.masked_fill(mask.logical_not(), -INFINITY);
+  return at::nan_to_num(at::matmul(at::softmax(s, -1), v.to(at::kFloat).unsqueeze(2)), 0.0)
+      .reshape({B, Hq, T, D})
+      .permute({0, 2, 1, 3})
+      .reshape({B, T, Hq * D})
+      .to(dt);
+}
+
 // Reference: softmax attention in f32 over the whole cache with the visibility mask
 // built as KVCache::visible does (causal/sliding rule, then the copy rule).
 TEST_P(CudaOps, DecodeAttention) {
@@ -412,17 +429,7 @@ TEST_P(CudaOps, DecodeAttention) {
       if (c.keep_below >= 0)
         mask = mask.logical_and(rule.in_restored.logical_and(slot_pos.ge(c.keep_below)).logical_not().unsqueeze(0));
     }
-    const int64_t G = c.Hq / c.Hkv;
-    auto qf = q.to(at::kFloat).permute({0, 2, 1, 3}).reshape({B, c.Hkv, G, T, c.D});
-    auto s = at::matmul(qf, k.to(at::kFloat).unsqueeze(2).transpose(-1, -2)) * scale;  // [B, Hkv, G, T, S]
-    if (c.softcap > 0) s = at::tanh(s / c.softcap) * c.softcap;
-    s = s.masked_fill(mask.logical_not(), -INFINITY);
-    // A query that sees nothing gets zeros from the kernel; softmax gives NaN there.
-    auto ref = at::nan_to_num(at::matmul(at::softmax(s, -1), v.to(at::kFloat).unsqueeze(2)), 0.0)
-                   .reshape({B, c.Hq, T, c.D})
-                   .permute({0, 2, 1, 3})
-                   .reshape({B, T, c.Hq * c.D})
-                   .to(dt());
+    auto ref = reference_attention(q, k, v, mask, scale, c.softcap, dt());
     ops::CopyRule gpu_rule = rule;
     if (rule.in_restored.defined()) gpu_rule.in_restored = rule.in_restored.to(kCuda);
     auto got = ops::decode_attention(q.to(kCuda), k.to(kCuda), v.to(kCuda), slot_pos.to(kCuda), q_pos.to(kCuda),
@@ -528,12 +535,7 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
     // Coded rows below code_from are hidden (exact sinks hold them on a coded layer).
     mask = mask.logical_and(in_restored.logical_and(slot_pos.lt(c.code_from)).logical_not().unsqueeze(0));
     const double scale = 1.0 / std::sqrt((double)c.D);
-    const int64_t G = c.Hq / c.Hkv;
-    auto qf = q.to(at::kFloat).permute({0, 2, 1, 3}).reshape({B, c.Hkv, G, T, c.D});
-    auto sc = at::matmul(qf, kf.unsqueeze(2).transpose(-1, -2)) * scale;
-    sc = sc.masked_fill(mask.logical_not(), -INFINITY);
-    auto ref = at::nan_to_num(at::matmul(at::softmax(sc, -1), vf.unsqueeze(2)), 0.0)
-                   .reshape({B, c.Hq, T, c.D}).permute({0, 2, 1, 3}).reshape({B, T, c.Hq * c.D}).to(dt());
+    auto ref = reference_attention(q, kf, vf, mask, scale, 0.0, dt());
     ops::CopyRule rule{in_restored.to(kCuda), c.rwin, c.code_from, c.keep_below};
     rule.codes = {kc.to(kCuda), vc.to(kCuda), ks.to(kCuda), vs.to(kCuda), c.code};
     if (c.code.rotated()) {
@@ -604,12 +606,7 @@ TEST_P(CudaOps, DecodeAttentionTail) {
     if (c.window) mask = mask.logical_and((qp - sp).lt(c.window));
     if (c.rwin > 0) mask = mask.logical_and((qp - sp).lt(c.rwin).ne(all_restored.unsqueeze(0)));
     const double scale = 1.0 / std::sqrt((double)c.D);
-    const int64_t G = c.Hq / c.Hkv;
-    auto qf = q.to(at::kFloat).permute({0, 2, 1, 3}).reshape({B, c.Hkv, G, T, c.D});
-    auto sc = at::matmul(qf, kall.unsqueeze(2).transpose(-1, -2)) * scale;
-    sc = sc.masked_fill(mask.logical_not(), -INFINITY);
-    auto ref = at::nan_to_num(at::matmul(at::softmax(sc, -1), vall.unsqueeze(2)), 0.0)
-                   .reshape({B, c.Hq, T, c.D}).permute({0, 2, 1, 3}).reshape({B, T, c.Hq * c.D}).to(dt());
+    auto ref = reference_attention(q, kall, vall, mask, scale, 0.0, dt());
     auto got = ops::decode_attention(q.to(kCuda), kd.to(kCuda), vd.to(kCuda), slot_pos.to(kCuda), q_pos.to(kCuda),
                                      c.window, scale, 0.0, rule, {tk.to(kCuda), tv.to(kCuda), tail_pos.to(kCuda)});
     expect_close(got, ref, "decode_attention tail D=" + std::to_string(c.D) + " T=" + std::to_string(T) + " rwin=" +
