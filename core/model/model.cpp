@@ -340,9 +340,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   // the chunk's own keys go to the kernel as its tail, and to the ring after it.
   // (Not with KV-shared layers: they attend over the [slots ++ chunk] their source layer built.)
   constexpr int64_t kTailKernelMaxQueries = 64;
-  bool kv_shared = false;
-  for (int64_t l = 0; l < cfg_.num_layers; ++l) kv_shared = kv_shared || cfg_.kv_shared(l);
-  const bool tail_kernel = cuda_fused && sliding_concat && T <= kTailKernelMaxQueries && !kv_shared;
+  const bool tail_kernel = cuda_fused && sliding_concat && T <= kTailKernelMaxQueries && cfg_.num_kv_shared() == 0;
   // Layers that drop their restored positions (RestorePolicy::drop) see fewer slots: one mask
   // per (layer type, drop) pair, built from the first such layer.
   at::Tensor mask[2][2];  // [full|sliding][keeps|drops]: [T, S] bool
