@@ -28,8 +28,11 @@ int64_t region_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, in
     if (type >= 0 && cfg.is_sliding(l) != (type == 0)) continue;
     if (cfg.kv_shared(l)) continue;  // reads another layer's K/V
     const int64_t D = cfg.layer_head_dim[l];
-    const int64_t row = code.defined() ? ops::code_bytes(D, code) + 2 * ops::side_halves(D, code) : D * elem;
-    b += 2 * cfg.kv_heads(l) * slots * row;
+    // A K row and a V row (their codes apart for a split code).
+    const int64_t rows = code.defined() ? ops::code_bytes(D, code.k()) + ops::code_bytes(D, code.v()) +
+                                              2 * (ops::side_halves(D, code.k()) + ops::side_halves(D, code.v()))
+                                        : 2 * D * elem;
+    b += cfg.kv_heads(l) * slots * rows;
   }
   return b;
 }

@@ -283,7 +283,9 @@ void expect_coded_like(const at::Tensor& codes, const at::Tensor& side, const op
 TEST_P(CudaOps, RestoreStoreCodedRegion) {
   for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 8}, {ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 5},
                             {ops::RowKind::Rotated, 4}, {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2},
-                            {ops::RowKind::Rotated, 5, false, true}, {ops::RowKind::Rotated, 4, false, true}}) {
+                            {ops::RowKind::Rotated, 5, false, true}, {ops::RowKind::Rotated, 4, false, true},
+                            // Split codes: V rows in other bits than K's.
+                            {ops::RowKind::Rotated, 5, false, true, 3}, {ops::RowKind::Rotated, 4, false, false, 2}}) {
     for (const auto& [Hkv, D, sink] : {std::tuple<int64_t, int64_t, int64_t>{1, 256, 4}, {2, 64, 3}, {3, 128, 0}}) {
       if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;  // refused by check_row_code (tested on the CPU)
       const int bits = code.bits;
@@ -320,8 +322,8 @@ TEST_P(CudaOps, RestoreStoreCodedRegion) {
       R.args.sink_k = exact_k.to(kCuda);
       R.args.sink_v = exact_v.to(kCuda);
       R.codes.code = code;
-      R.codes.k_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, code)}, bopt);
-      R.codes.v_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, code)}, bopt);
+      R.codes.k_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, code.k())}, bopt);
+      R.codes.v_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, code.v())}, bopt);
       R.codes.k_side = at::zeros({1, Hkv, rest, ops::side_halves(D, code)}, hopt);
       R.codes.v_side = at::zeros({1, Hkv, rest, ops::side_halves(D, code)}, hopt);
       ops::CodedSlots got = R.codes;
@@ -330,15 +332,16 @@ TEST_P(CudaOps, RestoreStoreCodedRegion) {
       const auto slot = positions.remainder(rest);
       for (int kv = 0; kv < 2; ++kv) {
         const std::string tag = std::string(kv ? "v " : "k ") + ops::row_code_name(code) + " D=" + std::to_string(D);
-        auto [want_c, want_s] = ops::quantize_rows(kv ? v_ref : k_ref, code);  // [1, H, N, .]
+        const ops::RowCode half = kv ? code.v() : code.k();
+        auto [want_c, want_s] = ops::quantize_rows(kv ? v_ref : k_ref, half);  // [1, H, N, .]
         auto gc = (kv ? got.v_codes : got.k_codes).cpu().index_select(2, slot);
         auto gs = (kv ? got.v_side : got.k_side).cpu().index_select(2, slot);
         const bool f32 = dt() == at::kFloat;
         EXPECT_GE(gc.eq(want_c).to(at::kFloat).mean().item<double>(), f32 ? 0.99 : 0.95) << tag;
-        expect_coded_like(gc, gs, code, kv ? v_ref : k_ref, tag);
+        expect_coded_like(gc, gs, half, kv ? v_ref : k_ref, tag);
         if (code.rotated()) continue;
-        auto want = ops::dequantize_rows(want_c, want_s, code, at::kFloat);
-        auto have = ops::dequantize_rows(gc, gs, code, at::kFloat);
+        auto want = ops::dequantize_rows(want_c, want_s, half, at::kFloat);
+        auto have = ops::dequantize_rows(gc, gs, half, at::kFloat);
         auto step = want_s.view({1, Hkv, N, D / 32, 2}).select(-1, 0).to(at::kFloat).repeat_interleave(32, -1).view_as(want);
         auto err = (have - want).abs();
         EXPECT_TRUE(err.le(step * 1.01 + want.abs() * (f32 ? 1e-4 : 2e-2) + 1e-4).all().item<bool>())
@@ -506,7 +509,12 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
                  Case{6, 2, 64, 19, 45, 3, 50, 13, -1, {RowKind::Rotated, 4, true}, 30},
                  Case{8, 1, 128, 37, 101, 16, 0, 30, -1, {RowKind::Rotated, 2, true}},
                  // 64-key blocks over coded rows (the grid is large enough).
-                 Case{4, 1, 256, 271, 515, 16, 0, 256, -1, {RowKind::Rotated, 4, true}, 4}}) {
+                 Case{4, 1, 256, 271, 515, 16, 0, 256, -1, {RowKind::Rotated, 4, true}, 4},
+                 // Split codes: V rows in other bits (their own level tables), K's weighted or uniform.
+                 Case{4, 1, 256, 271, 515, 3, 0, 256, -1, {RowKind::Rotated, 5, true, false, 3}, 4},
+                 Case{4, 1, 256, 40, 77, 16, 0, 33, 9, {RowKind::Rotated, 5, false, true, 3}},
+                 Case{6, 2, 128, 19, 45, 3, 50, 13, -1, {RowKind::Rotated, 4, false, false, 2}, 30},
+                 Case{8, 1, 128, 37, 101, 1, 0, 30, -1, {RowKind::Rotated, 2, false, false, 4}}}) {
     const int64_t B = 2, T = c.T, S = c.ring + c.rows;
     auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
     auto k = at::randn({B, c.Hkv, S, c.D}).to(dt()), v = (at::randn({B, c.Hkv, S, c.D}) * 2).to(dt());
@@ -518,10 +526,10 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
     }
     // Weighted: per-coordinate K weights spanning 16x, as calibrated ones do.
     const at::Tensor kw = c.code.weighted ? at::exp(at::rand({B, c.Hkv, 1, c.D}) * 2.8 - 1.4) : at::ones({B, c.Hkv, 1, c.D});
-    auto [kc, ks] = ops::quantize_rows((k.narrow(2, c.ring, c.rows).to(at::kFloat) - km) * kw, c.code);
-    auto [vc, vs] = ops::quantize_rows(v.narrow(2, c.ring, c.rows).to(at::kFloat) - vm, c.code);
-    auto kf = at::cat({k.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(kc, ks, c.code, at::kFloat) / kw + km}, 2);
-    auto vf = at::cat({v.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(vc, vs, c.code, at::kFloat) + vm}, 2);
+    auto [kc, ks] = ops::quantize_rows((k.narrow(2, c.ring, c.rows).to(at::kFloat) - km) * kw, c.code.k());
+    auto [vc, vs] = ops::quantize_rows(v.narrow(2, c.ring, c.rows).to(at::kFloat) - vm, c.code.v());
+    auto kf = at::cat({k.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(kc, ks, c.code.k(), at::kFloat) / kw + km}, 2);
+    auto vf = at::cat({v.narrow(2, 0, c.ring).to(at::kFloat), ops::dequantize_rows(vc, vs, c.code.v(), at::kFloat) + vm}, 2);
     // Ring slots hold recent positions, region slots older ones (as a restored layer's do), a few empty.
     auto slot_pos = at::cat({at::randperm(c.ring, at::kLong) + c.rows, at::randperm(c.rows, at::kLong)});
     slot_pos.index_put_({at::arange(0, S, 11)}, -1);
@@ -628,7 +636,7 @@ TEST_P(CudaOps, DecodeAttentionTail) {
 TEST_P(CudaOps, CodeRows) {
   for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 5}, {ops::RowKind::Rotated, 4},
                             {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}, {ops::RowKind::Rotated, 4, true},
-                            {ops::RowKind::Rotated, 5, false, true}}) {
+                            {ops::RowKind::Rotated, 5, false, true}, {ops::RowKind::Rotated, 5, true, false, 3}}) {
     for (const auto& [Hkv, D] : {std::pair<int64_t, int64_t>{1, 256}, {2, 128}, {3, 512}, {2, 64}}) {
       if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;
       const int64_t B = 2, S = 19, R = 37;
@@ -650,8 +658,8 @@ TEST_P(CudaOps, CodeRows) {
         kw = at::exp(at::rand({B, Hkv, D}) * 2.8 - 1.4);
         c.k_weight = kw.to(kCuda);
       }
-      c.k_codes = at::full({B, Hkv, R, ops::code_bytes(D, code)}, 7, bopt);
-      c.v_codes = at::full({B, Hkv, R, ops::code_bytes(D, code)}, 7, bopt);
+      c.k_codes = at::full({B, Hkv, R, ops::code_bytes(D, code.k())}, 7, bopt);
+      c.v_codes = at::full({B, Hkv, R, ops::code_bytes(D, code.v())}, 7, bopt);
       c.k_side = at::zeros({B, Hkv, R, ops::side_halves(D, code)}, hopt);
       c.v_side = at::zeros({B, Hkv, R, ops::side_halves(D, code)}, hopt);
       // Rows coded at rows 0 and 2 (< sink 3) are also copied to slots 15 + row: 15 and 17.
@@ -668,13 +676,14 @@ TEST_P(CudaOps, CodeRows) {
         auto dense = (kv ? v : k).index_select(2, src);
         if (code.rotated()) dense = dense.to(at::kFloat) - (kv ? vm : km).unsqueeze(2);
         if (code.weighted && !kv) dense = dense * kw.unsqueeze(2);
-        auto [want_c, want_s] = ops::quantize_rows(dense, code);
+        const ops::RowCode half = kv ? code.v() : code.k();
+        auto [want_c, want_s] = ops::quantize_rows(dense, half);
         auto gc = (kv ? c.v_codes : c.k_codes).cpu(), gs = (kv ? c.v_side : c.k_side).cpu();
         auto hc = gc.index_select(2, dst), hs = gs.index_select(2, dst);
         EXPECT_GE(hc.eq(want_c).to(at::kFloat).mean().item<double>(), 0.995) << tag;
-        auto have = ops::dequantize_rows(hc, hs, code, at::kFloat), want = ops::dequantize_rows(want_c, want_s, code, at::kFloat);
+        auto have = ops::dequantize_rows(hc, hs, half, at::kFloat), want = ops::dequantize_rows(want_c, want_s, half, at::kFloat);
         EXPECT_LT(((have - want).pow(2).sum() / want.pow(2).sum()).item<double>(), 1e-3) << tag;
-        expect_coded_like(hc, hs, code, dense, tag);
+        expect_coded_like(hc, hs, half, dense, tag);
         EXPECT_TRUE(gc.index_select(2, at::tensor(std::vector<int64_t>{1, 3, 35}, at::kLong)).eq(7).all().item<bool>())
             << tag << ": rows not named were written";
       }

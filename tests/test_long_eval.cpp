@@ -268,6 +268,7 @@ TEST(LongEval, ConfigSpecs) {
   expect_error([&] { parse_long_eval_configs("oracle,restored-pw4:64", base); },
                "--configs 'restored-pw4:64', code pw4: weighted codes are for full-attention rows");
   EXPECT_NO_THROW(parse_long_eval_configs("restored-lm5-codec-pw4:64", base));
+  EXPECT_EQ(ops::row_code_name(parse_long_eval_configs("restored-ru5-codec-pw5v3:64", base)[0].restore.full_code), "pw5v3");
 }
 
 TEST(LongEval, Intervals) {

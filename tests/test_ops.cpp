@@ -199,6 +199,24 @@ TEST(CodedRows, BadInput) {
                "weighted rows (pwB) take Lloyd-Max levels");
   for (const char* n : {"int8", "int4", "lm5", "lm2", "ru5", "ru2", "pw5", "pw2"}) EXPECT_TRUE(ops::is_row_code_name(n)) << n;
   for (const char* n : {"none", "lm6", "pw", "int2", "lm44"}) EXPECT_FALSE(ops::is_row_code_name(n)) << n;
+  // Split codes: V rows in other bits than K's.
+  const ops::RowCode pw5v3 = ops::parse_row_code("pw5v3", "--x");
+  EXPECT_EQ(pw5v3, (ops::RowCode{ops::RowKind::Rotated, 5, true, false, 3}));
+  EXPECT_EQ(ops::row_code_name(pw5v3), "pw5v3");
+  EXPECT_EQ(pw5v3.k(), ops::parse_row_code("pw5", "--x"));
+  EXPECT_EQ(pw5v3.v(), ops::parse_row_code("lm3", "--x"));  // V rows are never weighted
+  EXPECT_EQ(ops::parse_row_code("ru5v3", "--x").v(), ops::parse_row_code("ru3", "--x"));
+  EXPECT_FALSE(pw5v3 == ops::parse_row_code("pw5", "--x"));
+  EXPECT_EQ(ops::code_bytes(256, pw5v3.k()) + ops::code_bytes(256, pw5v3.v()), 2 * ops::code_bytes(256, ops::parse_row_code("pw4", "--x")));
+  for (const char* n : {"pw5v3", "lm4v2", "ru5v4"}) EXPECT_TRUE(ops::is_row_code_name(n)) << n;
+  for (const char* n : {"int4v3", "pw5v6", "pw5v", "pw5x3", "lm5v31"}) EXPECT_FALSE(ops::is_row_code_name(n)) << n;
+  expect_error([] { ops::parse_row_code("int4v3", "--full-code"); }, "(a rotated code + v2 .. v5 codes V rows in those bits: pw5v3)");
+  EXPECT_NO_THROW(ops::check_row_code(256, pw5v3, "--x"));
+  expect_error([&] { ops::check_row_code(128, ops::parse_row_code("lm4v3", "--x"), "--x"); },
+               "--x: lm4v3: V rows in 3 bits do not fit rows of 128 values");
+  expect_error([] { ops::check_row_code(256, ops::RowCode{ops::RowKind::Affine, 4, false, false, 3}, "--x"); },
+               "a split code (V rows in other bits) is a rotated one");
+  expect_error([&] { ops::quantize_rows(at::randn({2, 256}), pw5v3); }, "quantize_rows: pw5v3 codes K and V rows apart");
   expect_error([] { ops::check_row_code(256, ops::RowCode{ops::RowKind::Affine, 4, true}, "--x"); },
                "weighted rows are rotated codes");
   expect_error([] { ops::check_row_code(256, ops::RowCode{ops::RowKind::Affine, 4, false, true}, "--x"); },
@@ -236,6 +254,40 @@ TEST(CodedRows, WeightedRows) {
   auto [want_v, want_vs] = ops::quantize_rows(v - c.v_mean.unsqueeze(2), lm4);
   EXPECT_TRUE(c.v_codes.equal(want_v));
   EXPECT_TRUE(c.v_side.view(at::kShort).equal(want_vs.view(at::kShort)));  // f32 scales in f16 halves: compare bits
+}
+
+// A split code through the reference code_rows: K rows in the K half's code (weighted), V rows in
+// the V half's, each what quantize_rows makes of them; pw5v3's rows cost pw4's bytes.
+TEST(CodedRows, SplitRows) {
+  const ops::RowCode pw5v3 = ops::parse_row_code("pw5v3", "--x");
+  const int64_t H = 2, S = 40, D = 256;
+  auto k = at::randn({1, H, S, D}) * 3, v = at::randn({1, H, S, D});
+  ops::CodedSlots c;
+  c.code = pw5v3;
+  c.k_codes = at::zeros({1, H, S, ops::code_bytes(D, pw5v3.k())}, at::kByte);
+  c.v_codes = at::zeros({1, H, S, ops::code_bytes(D, pw5v3.v())}, at::kByte);
+  c.k_side = at::zeros({1, H, S, ops::side_halves(D, pw5v3.k())}, at::kHalf);
+  c.v_side = at::zeros({1, H, S, ops::side_halves(D, pw5v3.v())}, at::kHalf);
+  c.k_mean = at::randn({1, H, D});
+  c.v_mean = at::randn({1, H, D});
+  c.k_weight = at::exp(at::rand({1, H, D}) - 0.5);
+  auto slots = at::arange(S, at::kLong);
+  ops::code_rows(k, v, slots, slots, c);
+  EXPECT_EQ(c.k_codes.size(-1), 160);
+  EXPECT_EQ(c.v_codes.size(-1), 96);
+  auto [want_k, want_ks] = ops::quantize_rows((k - c.k_mean.unsqueeze(2)) * c.k_weight.unsqueeze(2), pw5v3.k());
+  auto [want_v, want_vs] = ops::quantize_rows(v - c.v_mean.unsqueeze(2), pw5v3.v());
+  EXPECT_TRUE(c.k_codes.equal(want_k));
+  EXPECT_TRUE(c.v_codes.equal(want_v));
+  EXPECT_TRUE(c.v_side.view(at::kShort).equal(want_vs.view(at::kShort)));
+  // Each half decodes within its own code's distortion: 5-bit K rows far closer than 3-bit V rows.
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) { return ((a - b).pow(2).sum() / b.pow(2).sum()).item<double>(); };
+  const double ek = rel(ops::dequantize_rows(c.k_codes, c.k_side, pw5v3.k(), at::kFloat),
+                        (k - c.k_mean.unsqueeze(2)) * c.k_weight.unsqueeze(2));
+  const double ev = rel(ops::dequantize_rows(c.v_codes, c.v_side, pw5v3.v(), at::kFloat), v - c.v_mean.unsqueeze(2));
+  EXPECT_LT(ek, 0.0035);
+  EXPECT_GT(ev, 0.025);
+  EXPECT_LT(ev, 0.045);
 }
 
 }  // namespace

@@ -453,6 +453,14 @@ TEST(RestoredCodec, WeightedRowsReadTheShippedBundle) {
   expect_same_kv_lines(r.memory, restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(),
                                                       o.restore, at::kFloat, n));
   EXPECT_NE(r.memory.table().find("as pw4 coded rows"), std::string::npos) << r.memory.table();
+  // A split code (K rows in pw5, V rows in lm3): the same bytes as pw4, as planned.
+  auto split = o;
+  split.restore.full_code = ops::parse_row_code("pw5v3", "--full-code");
+  auto rs = decode(model(), &drafter(), &ftheta(), prompt(), split);
+  expect_same_kv_lines(rs.memory, restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(),
+                                                       split.restore, at::kFloat, n));
+  EXPECT_NE(rs.memory.table().find("as pw5v3 coded rows"), std::string::npos) << rs.memory.table();
+  EXPECT_EQ(rs.memory.find(MemoryPart::FullCoded)->bytes, r.memory.find(MemoryPart::FullCoded)->bytes);
 
   auto bad = o;
   bad.restore.calib = "";
@@ -539,9 +547,9 @@ DecodeOptions coded_region_options(DecodeMode mode, int bits, double alpha, int6
 // The coded region changes what restored positions hold, not the rules: the incremental decoder
 // and its reforward reference quantize the same restored rows, so they agree token for token.
 TEST(RestoredRegionCode, IncrementalEqualsReforward) {
-  // int4, lm4 and ru5 (evenly spaced levels) regions.
+  // int4, lm4, ru5 (evenly spaced levels) and ru5v3 (V rows in 3 bits) regions.
   for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 4},
-                            {ops::RowKind::Rotated, 5, false, true}}) {
+                            {ops::RowKind::Rotated, 5, false, true}, {ops::RowKind::Rotated, 5, false, true, 3}}) {
     auto oi = options(DecodeMode::Restored, 0.0, 4);
     oi.restore.region_code = code;
     auto inc = decode(model(), &drafter(), &ftheta(), prompt(), oi);

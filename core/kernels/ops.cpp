@@ -224,24 +224,35 @@ const std::string& row_code_names() {
 
 bool is_row_code_name(const std::string& s) {
   if (s == "int8" || s == "int4") return true;
-  return s.size() == 3 && (s.compare(0, 2, "lm") == 0 || s.compare(0, 2, "ru") == 0 || s.compare(0, 2, "pw") == 0) &&
-         s[2] >= '2' && s[2] <= '5';
+  auto bits = [](char b) { return b >= '2' && b <= '5'; };
+  return (s.size() == 3 || (s.size() == 5 && s[3] == 'v' && bits(s[4]))) &&
+         (s.compare(0, 2, "lm") == 0 || s.compare(0, 2, "ru") == 0 || s.compare(0, 2, "pw") == 0) && bits(s[2]);
 }
 
 RowCode parse_row_code(const std::string& s, const std::string& flag) {
   if (s == "none") return {};
-  KAKEYA_CHECK(is_row_code_name(s), flag << ": expected none | " << row_code_names() << ", got '" << s << "'");
+  KAKEYA_CHECK(is_row_code_name(s), flag << ": expected none | " << row_code_names() << ", got '" << s
+                                          << "' (a rotated code + v2 .. v5 codes V rows in those bits: pw5v3)");
   if (s == "int8") return {RowKind::Affine, 8};
   if (s == "int4") return {RowKind::Affine, 4};
-  return {RowKind::Rotated, s[2] - '0', s[0] == 'p', s[0] == 'r'};
+  return {RowKind::Rotated, s[2] - '0', s[0] == 'p', s[0] == 'r', s.size() == 5 ? s[4] - '0' : 0};
 }
 
 std::string row_code_name(const RowCode& c) {
   if (!c.defined()) return "none";
-  return (c.rotated() ? (c.weighted ? "pw" : c.uniform ? "ru" : "lm") : "int") + std::to_string(c.bits);
+  return (c.rotated() ? (c.weighted ? "pw" : c.uniform ? "ru" : "lm") : "int") + std::to_string(c.bits) +
+         (c.split() ? "v" + std::to_string(c.v_bits) : "");
 }
 
 void check_row_code(int64_t D, const RowCode& c, const std::string& what) {
+  if (c.split()) {
+    KAKEYA_CHECK(c.rotated(), what << ": a split code (V rows in other bits) is a rotated one, got " << row_code_name(c));
+    KAKEYA_CHECK(c.v_bits >= 2 && c.v_bits <= 5, what << ": " << row_code_name(c) << ": V bits expected 2, 3, 4 or 5");
+    check_row_code(D, c.k(), what);
+    KAKEYA_CHECK(rotated_code_fits(D, c), what << ": " << row_code_name(c) << ": V rows in " << c.v_bits
+                                               << " bits do not fit rows of " << D << " values (whole bytes a lane)");
+    return;
+  }
   if (c.rotated()) {
     KAKEYA_CHECK(c.bits >= 2 && c.bits <= 5, what << ": " << row_code_name(c) << ": bits expected 2, 3, 4 or 5");
     KAKEYA_CHECK(!(c.weighted && c.uniform), what << ": weighted rows (pwB) take Lloyd-Max levels, not uniform ones");
@@ -362,6 +373,7 @@ at::Tensor unpack_indices(const at::Tensor& codes, int64_t D, int bits) {
 std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const RowCode& code) {
   const int64_t D = x.size(-1);
   check_row_code(D, code, "quantize_rows");
+  KAKEYA_CHECK(!code.split(), "quantize_rows: " << row_code_name(code) << " codes K and V rows apart (pass its k() or v())");
   std::vector<int64_t> lead(x.sizes().begin(), x.sizes().end() - 1);
   auto codes_shape = lead, side_shape = lead;
   codes_shape.push_back(code_bytes(D, code));
@@ -397,6 +409,7 @@ std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const RowCo
 
 at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, const RowCode& code, at::ScalarType dtype) {
   KAKEYA_CHECK(code.defined() && codes.dim() >= 1, "dequantize_rows: no code");
+  KAKEYA_CHECK(!code.split(), "dequantize_rows: " << row_code_name(code) << " codes K and V rows apart (pass its k() or v())");
   const int64_t D = codes.size(-1) * 8 / code.bits;
   check_row_code(D, code, "dequantize_rows");
   KAKEYA_CHECK(codes.scalar_type() == at::kByte && side.scalar_type() == at::kHalf &&
@@ -445,8 +458,8 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
   };
   auto kx = centred(rk, to.k_mean);
   if (to.k_weight.defined()) kx = kx * to.k_weight.unsqueeze(2);
-  auto [kc, ks] = quantize_rows(kx, to.code);
-  auto [vc, vs] = quantize_rows(centred(rv, to.v_mean), to.code);
+  auto [kc, ks] = quantize_rows(kx, to.code.k());
+  auto [vc, vs] = quantize_rows(centred(rv, to.v_mean), to.code.v());
   if (sink > 0) {
     auto t = dst_rows.lt(sink).nonzero().view({-1});  // SYNC: the reference path (CPU)
     if (t.numel() > 0) {

@@ -167,6 +167,9 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 //    error is spread evenly over the rotated coordinates, so w decides where it lands in x: a
 //    score moves by q·Δk, and calibrated weights (calib/calibrate.h k_weights) put it where the
 //    queries look least. Full-attention layers only (the weights are calibrated per layer).
+//  Split (a rotated code + vC, e.g. pw5v3): K rows in the code's bits, V rows in C bits (lmC, or ruC
+//    for a uniform code). A K error moves every score, a V error only its row's share of the output,
+//    so bits serve K first: pw5v3 costs pw4's bytes.
 // Both kinds: codes [..., code_bytes] uint8 and side [..., side_halves] f16 (the rotated kind's f32
 // scale is stored as the two halves of its bytes: side.view(at::kFloat)).
 constexpr int64_t kCodeGroup = 32;
@@ -176,28 +179,37 @@ struct RowCode {
   int bits = 0;           // 0: not coded
   bool weighted = false;  // rotated only: K rows coded as k_weight ⊙ x (pwB)
   bool uniform = false;   // rotated only: evenly spaced levels (ruB), else Lloyd-Max ones
+  int v_bits = 0;         // rotated only: V rows' bits when they differ from K's (a split code); 0: bits
   bool defined() const { return bits > 0; }
   bool rotated() const { return kind == RowKind::Rotated; }
+  bool split() const { return v_bits > 0; }
+  // The code of K rows and of V rows (V rows are never weighted): what quantize_rows takes.
+  RowCode k() const { return {kind, bits, weighted, uniform, 0}; }
+  RowCode v() const { return {kind, split() ? v_bits : bits, false, uniform, 0}; }
   bool operator==(const RowCode& o) const {
-    return kind == o.kind && bits == o.bits && weighted == o.weighted && uniform == o.uniform;
+    return kind == o.kind && bits == o.bits && weighted == o.weighted && uniform == o.uniform && v_bits == o.v_bits;
   }
 };
 // The codes' names for help texts and errors:
 // "int8 | int4 | lm5 | lm4 | lm3 | lm2 | ru5 | ru4 | ru3 | ru2 | pw5 | pw4 | pw3 | pw2".
+// A rotated name + "v2" .. "v5" is a split code (pw5v3).
 const std::string& row_code_names();
-bool is_row_code_name(const std::string& s);  // one of row_code_names()
+bool is_row_code_name(const std::string& s);  // one of row_code_names(), or a split code
 // "none" (undefined) or one of row_code_names(); `flag` names the option in errors.
 RowCode parse_row_code(const std::string& s, const std::string& flag);
 std::string row_code_name(const RowCode& c);  // "none" for an undefined code
-// Bytes of the codes / f16 halves of side values of one row of D values.
+// Bytes of the codes / f16 halves of side values of one row of D values (a K row's for a split code:
+// pass c.v() for V rows).
 inline int64_t code_bytes(int64_t D, const RowCode& c) { return D * c.bits / 8; }
 inline int64_t side_halves(int64_t D, const RowCode& c) { return c.rotated() ? 2 : D / kCodeGroup * 2; }
 // Whether a rotated code fits the kernels' layout for rows of D values: the attention kernel gives
-// each of a warp's 32 lanes D/32 values, whose codes are whole bytes and at most 8 (one 64-bit word).
+// each of a warp's 32 lanes D/32 values, whose codes are whole bytes and at most 8 (one 64-bit word),
+// in K rows and (a split code) in V rows.
 inline bool rotated_code_fits(int64_t D, const RowCode& c) {
-  return D >= 64 && D <= 512 && (D & (D - 1)) == 0 && (D / 32) * c.bits % 8 == 0 && (D / 32) * c.bits <= 64;
+  auto fits = [D](int bits) { return (D / 32) * bits % 8 == 0 && (D / 32) * bits <= 64; };
+  return D >= 64 && D <= 512 && (D & (D - 1)) == 0 && fits(c.bits) && (!c.split() || fits(c.v_bits));
 }
-// Throws unless `c` can code rows of D values (`what` names the caller in the error).
+// Throws unless `c` can code rows of D values, both halves of a split code (`what` names the caller).
 void check_row_code(int64_t D, const RowCode& c, const std::string& what);
 // The rotation's sign of coordinate i (+1 or -1): a fixed hash of i, the same for every row.
 inline float rotation_sign(int64_t i) { return ((uint32_t)i * 0x9E3779B1u) >> 31 ? -1.f : 1.f; }
@@ -206,8 +218,9 @@ inline float rotation_sign(int64_t i) { return ((uint32_t)i * 0x9E3779B1u) >> 31
 const std::vector<float>& rotated_levels(int bits, bool uniform = false);
 float uniform_step(int bits);
 // x [..., D] (any float dtype and device) -> {codes [..., code_bytes] uint8, side [..., side_halves] f16}.
+// Not a split code: K rows take c.k(), V rows c.v().
 std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const RowCode& c);
-// codes, side as above -> [..., D] in dtype (computed in f32, then cast).
+// codes, side as above -> [..., D] in dtype (computed in f32, then cast); not a split code.
 at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, const RowCode& c, at::ScalarType dtype);
 // x [..., D] -> H·x / sqrt(D) along the last dim in f32 (butterflies of span 1, 2, 4, ... in that
 // order, as the kernels compute it), D a power of two; the rotation is fwht(s ⊙ x), its inverse s ⊙ fwht(y).
@@ -217,7 +230,7 @@ at::Tensor fwht(const at::Tensor& x);
 // full-attention layer's history with full_code): slot s >= ring of the layer (s - ring = row of the
 // region) is read from here; the dense K/V hold the ring only.
 struct CodedSlots {
-  at::Tensor k_codes, v_codes;  // [B, H_kv, R, code_bytes(D, code)] uint8
+  at::Tensor k_codes, v_codes;  // [B, H_kv, R, code_bytes(D, code.k() / code.v())] uint8
   at::Tensor k_side, v_side;    // [B, H_kv, R, side_halves(D, code)] f16
   RowCode code;                 // undefined: no coded region
   // [B, H_kv, D] f32, or undefined: rows are coded as x - mean and read as the decoded row + mean.

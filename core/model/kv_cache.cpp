@@ -93,8 +93,8 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
       c.code = code;
       auto bopt = at::TensorOptions().dtype(at::kByte).device(opt.device);
       auto hopt = at::TensorOptions().dtype(at::kHalf).device(opt.device);
-      c.k_codes = at::zeros({opt.batch, H, st.rest, ops::code_bytes(D, code)}, bopt);
-      c.v_codes = at::zeros({opt.batch, H, st.rest, ops::code_bytes(D, code)}, bopt);
+      c.k_codes = at::zeros({opt.batch, H, st.rest, ops::code_bytes(D, code.k())}, bopt);
+      c.v_codes = at::zeros({opt.batch, H, st.rest, ops::code_bytes(D, code.v())}, bopt);
       c.k_side = at::zeros({opt.batch, H, st.rest, ops::side_halves(D, code)}, hopt);
       c.v_side = at::zeros({opt.batch, H, st.rest, ops::side_halves(D, code)}, hopt);
       if (st.coded && code.rotated()) {  // the session's means, set by its first forward (code_stored)
@@ -127,14 +127,15 @@ std::pair<at::Tensor, at::Tensor> KVCache::attend_kv(int64_t layer) const {
   const ops::CodedSlots& c = codes_[layer];
   if (!c.defined()) return {k_[layer], v_[layer]};
   const auto dt = k_[layer].scalar_type();
-  auto rows = [&](const at::Tensor& codes, const at::Tensor& side, const at::Tensor& mean, const at::Tensor& weight) {
-    if (!mean.defined()) return ops::dequantize_rows(codes, side, c.code, dt);
-    auto x = ops::dequantize_rows(codes, side, c.code, at::kFloat);
+  auto rows = [&](const at::Tensor& codes, const at::Tensor& side, const ops::RowCode& code, const at::Tensor& mean,
+                  const at::Tensor& weight) {
+    if (!mean.defined()) return ops::dequantize_rows(codes, side, code, dt);
+    auto x = ops::dequantize_rows(codes, side, code, at::kFloat);
     if (weight.defined()) x = x / weight.unsqueeze(2);
     return (x + mean.unsqueeze(2)).to(dt);
   };
-  return {at::cat({k_[layer], rows(c.k_codes, c.k_side, c.k_mean, c.k_weight)}, 2),
-          at::cat({v_[layer], rows(c.v_codes, c.v_side, c.v_mean, at::Tensor())}, 2)};
+  return {at::cat({k_[layer], rows(c.k_codes, c.k_side, c.code.k(), c.k_mean, c.k_weight)}, 2),
+          at::cat({v_[layer], rows(c.v_codes, c.v_side, c.code.v(), c.v_mean, at::Tensor())}, 2)};
 }
 
 const at::Tensor& KVCache::slot_positions(int64_t layer) const { return state(layer).pos; }
@@ -315,8 +316,8 @@ void KVCache::write_restored(int64_t layer, const at::Tensor& k, const at::Tenso
   ops::CodedSlots& c = codes_[layer];
   if (c.defined()) {
     auto slot = region_slot(s, positions);
-    auto [kc, ks] = ops::quantize_rows(k, c.code);
-    auto [vc, vs] = ops::quantize_rows(v, c.code);
+    auto [kc, ks] = ops::quantize_rows(k, c.code.k());
+    auto [vc, vs] = ops::quantize_rows(v, c.code.v());
     c.k_codes.index_copy_(2, slot, kc);
     c.k_side.index_copy_(2, slot, ks);
     c.v_codes.index_copy_(2, slot, vc);

@@ -10,7 +10,8 @@
 #                                              # per kernel (the run's last step)
 # ncu runs with --cache-control none --clock-control none so a kernel's time is close to its time
 # in the run (small kernels keep their warm L2); every run prints its command first.
-# Env: MODEL (/tmp/models/gemma3-270m), OUT ($OUT or /tmp/attn-profile).
+# Env: MODEL (/tmp/models/gemma3-270m), OUT ($OUT or /tmp/attn-profile), RCODE (the restored regions' code,
+# int4), FCODE (the full-attention rows' code of STEP=prefill, pw4).
 set -euo pipefail
 MODEL=${MODEL:-/tmp/models/gemma3-270m}
 OUT=${OUT:-/tmp/attn-profile}
@@ -20,7 +21,7 @@ python3 -c "
 import json; t = open('data/longeval/docs/00.txt').read()[:30000]
 open('/tmp/attn-profile-prompt.jsonl', 'w').write(json.dumps({'prompt': t}) + '\n')"
 R=(--device cuda --verifier "$MODEL" --prompts /tmp/attn-profile-prompt.jsonl)
-W=(--mode restored --window 64 --chunk 64 --restored-code int4)
+W=(--mode restored --window 64 --chunk 64 --restored-code "${RCODE:-int4}")
 NCU=(ncu --metrics gpu__time_duration.sum --csv --print-units base --cache-control none --clock-control none)
 
 # Sum a CSV of ncu rows per (kernel, grid): count, mean and total microseconds. LAST_STEP=1: only
@@ -71,9 +72,9 @@ case ${STEP:-decode} in
   prefill)
     # An 8k prompt is 128 chunks of ~830 kernels, too many to profile one by one: skip into the prompt.
     SKIP=${SKIP:-20000}
-    echo "== ${NCU[*]} --launch-skip $SKIP -c 2000 $K decode ${R[*]} --max-new-tokens 1 ${W[*]} --full-attn codec --full-code pw4"
+    echo "== ${NCU[*]} --launch-skip $SKIP -c 2000 $K decode ${R[*]} --max-new-tokens 1 ${W[*]} --full-attn codec --full-code ${FCODE:-pw4}"
     "${NCU[@]}" --launch-skip "$SKIP" -c 2000 $K decode "${R[@]}" --max-new-tokens 1 "${W[@]}" --full-attn codec \
-      --full-code pw4 > "$OUT/ncu_prefill.csv" 2> "$OUT/ncu_prefill.err" || tail -5 "$OUT/ncu_prefill.err"
+      --full-code "${FCODE:-pw4}" > "$OUT/ncu_prefill.csv" 2> "$OUT/ncu_prefill.err" || tail -5 "$OUT/ncu_prefill.err"
     summarize "$OUT/ncu_prefill.csv"
     ;;
   step)

@@ -9,17 +9,17 @@
 #                paired with the uncompressed restored decoder (PPL_CONFIGS, REFERENCE)
 #   STEP=tasks   kakeya eval-long's task suite at TASK_CONTEXTS (TASK_CONFIGS, SAMPLES, BUDGET seconds)
 #   STEP=decode  kakeya bench decode (AR at 512 and 8k prompts; the decode speed issue's numbers)
-# Env: MODEL (/tmp/models/gemma3-270m), OUT ($OUT or /tmp/compact-out), TAG (file name suffix, "h100"),
+# Env: MODEL (/tmp/models/gemma3-270m), OUT ($OUT or /tmp/compact-out), TAG (file name suffix, "h200"),
 #      KAKEYA_COMMIT (the commit the JSONs name: the device copy has no .git, so set it in the call).
 set -euo pipefail
 MODEL=${MODEL:-/tmp/models/gemma3-270m}
 OUT=${OUT:-/tmp/compact-out}
-TAG=${TAG:-h100}
+TAG=${TAG:-h200}
 K=build-cuda/kakeya
 mkdir -p "$OUT"
-MEMORY_CONFIGS=${MEMORY_CONFIGS:-oracle,restored:64,restored-int4:64,restored-lm5:64,restored-ru5:64,restored-lm5-codec-pw4:64,restored-ru5-codec-pw4:64}
-PPL_CONFIGS=${PPL_CONFIGS:-oracle,evict:64,restored:64,restored-int4:64,restored-lm5:64,restored-ru5:64,restored-lm5-codec-pw4:64,restored-ru5-codec-pw4:64}
-TASK_CONFIGS=${TASK_CONFIGS:-restored:64,restored-lm5:64,restored-lm5-codec-pw4:64}
+MEMORY_CONFIGS=${MEMORY_CONFIGS:-oracle,restored:64,restored-int4:64,restored-lm5:64,restored-ru5:64,restored-ru5-codec-pw4:64,restored-ru5-codec-pw5v3:64}
+PPL_CONFIGS=${PPL_CONFIGS:-oracle,evict:64,restored:64,restored-int4:64,restored-ru5:64,restored-ru5-codec-pw4:64,restored-ru5-codec-pw5v3:64}
+TASK_CONFIGS=${TASK_CONFIGS:-restored:64,restored-ru5:64,restored-ru5-codec-pw5v3:64}
 REFERENCE=${REFERENCE:-restored:64}
 CONTEXTS=${CONTEXTS:-8192,16384}
 TASK_CONTEXTS=${TASK_CONTEXTS:-8192}

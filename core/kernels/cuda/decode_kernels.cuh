@@ -343,13 +343,14 @@ struct RestoreLayerDesc {
   int64_t head_stride;
   int64_t k_src, v_src;          // column of this layer's head 0 in the k/v raw rows
   // A coded region (bits > 0; k and v unused): row (h, slot) at kc + h·code_head_stride +
-  // slot·code_bytes, side values at ks + h·side_head_stride + slot·side_halves (v: vc, vs).
+  // slot·code_bytes, side values at ks + h·side_head_stride + slot·side_halves (v: vc, vs, with
+  // v_code_head_stride and v_bits, which differ from K's for a split code).
   void* kc;
   void* vc;
   void* ks;
   void* vs;
-  int64_t code_head_stride, side_head_stride;
-  int ring, sink_ring, rot, bits;
+  int64_t code_head_stride, v_code_head_stride, side_head_stride;
+  int ring, sink_ring, rot, bits, v_bits;
   bool rotated;                  // the code's kind (ops::RowCode): rotated, else affine
   bool uniform;                  // rotated: evenly spaced levels (ruB), else Lloyd-Max ones
 };
@@ -620,11 +621,11 @@ __global__ void restore_store_kernel(const T* __restrict__ k_raw, const T* __res
   __syncthreads();
   const int64_t slot = pos % L.ring, cb = (int64_t)D * L.bits / 8;
   uint8_t* kc = (uint8_t*)L.kc + h * L.code_head_stride + slot * cb;
-  uint8_t* vc = (uint8_t*)L.vc + h * L.code_head_stride + slot * cb;
+  uint8_t* vc = (uint8_t*)L.vc + h * L.v_code_head_stride + slot * ((int64_t)D * L.v_bits / 8);
   if (L.rotated) {  // warp 0 codes K, warp 1 V
     const int warp = threadIdx.x >> 5;
     if (warp < 2)
-      warp_rot_code_d<T>(warp ? vr : kr, D, L.bits, L.uniform, warp ? vc : kc,
+      warp_rot_code_d<T>(warp ? vr : kr, D, warp ? L.v_bits : L.bits, L.uniform, warp ? vc : kc,
                          reinterpret_cast<float*>((__half*)(warp ? L.vs : L.ks) + h * L.side_head_stride + slot * 2),
                          (T*)nullptr, nullptr, nullptr, threadIdx.x & 31);
     return;
@@ -648,7 +649,8 @@ void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t
 
 // Rows of a dense cache into coded rows (ops::code_rows): block (t, h, b) codes the K and V rows
 // at slot src[t] of head h into row dst[t], and copies them to slot sink_slot0 + dst[t] when
-// dst[t] < sink; src, dst are row b's from b·idx_bs (idx_bs 0: shared by the rows). k, v: [B, Hkv, S, D] (strides cache_bs, cache_hs); codes [B, Hkv, R, cb] and
+// dst[t] < sink; src, dst are row b's from b·idx_bs (idx_bs 0: shared by the rows). k, v: [B, Hkv, S, D] (strides cache_bs, cache_hs); codes [B, Hkv, R, cb] (V rows in
+// v_bits: a split code's differ) and
 // side [B, Hkv, R, sh halves], contiguous; km, vm: [B, Hkv, D] f32 means coded rows leave out
 // (rotated codes; nullptr: none); kw: [B, Hkv, D] f32 weights of K rows (weighted codes; nullptr:
 // none). 64 threads: a rotated code takes a warp per row (K, V).
@@ -656,7 +658,7 @@ template <typename T>
 __global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int64_t* __restrict__ src,
                                  const int64_t* __restrict__ dst, int idx_bs, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs,
                                  const float* km, const float* vm, const float* kw, int Hkv, int R, int D, bool rotated,
-                                 bool uniform, int bits, int64_t sink, int64_t sink_slot0) {
+                                 bool uniform, int bits, int v_bits, int64_t sink, int64_t sink_slot0) {
   pdl_begin();
   extern __shared__ float row_f[];  // affine: the row in T
   const int t = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
@@ -668,7 +670,7 @@ __global__ void code_rows_kernel(T* k, T* v, int64_t cache_bs, int64_t cache_hs,
     const int kv = threadIdx.x >> 5;
     T* x = kv ? v : k;
     const float* mean = kv ? vm : km;
-    warp_rot_code_d<T>(x + base + src[t] * D, D, bits, uniform, (kv ? vc : kc) + r * cb,
+    warp_rot_code_d<T>(x + base + src[t] * D, D, kv ? v_bits : bits, uniform, kv ? vc + r * (D * v_bits / 8) : kc + r * cb,
                        reinterpret_cast<float*>((kv ? vs : ks) + r * 2),
                        p < sink ? x + base + (sink_slot0 + p) * D : nullptr,
                        mean ? mean + ((int64_t)b * Hkv + h) * D : nullptr,
@@ -693,10 +695,10 @@ template <typename T>
 void launch_code_rows(T* k, T* v, int64_t cache_bs, int64_t cache_hs, const int64_t* src, const int64_t* dst,
                       int idx_bs, uint8_t* kc, uint8_t* vc, __half* ks, __half* vs, const float* km, const float* vm,
                       const float* kw, int B, int Hkv, int Tn, int R, int D, bool rotated, bool uniform, int bits,
-                      int64_t sink, int64_t sink_slot0, cudaStream_t s) {
+                      int v_bits, int64_t sink, int64_t sink_slot0, cudaStream_t s) {
   dim3 grid(Tn, Hkv, B);
   launch_pdl(code_rows_kernel<T>, grid, 64, rotated ? 0 : D * sizeof(T), s, k, v, cache_bs, cache_hs, src, dst, idx_bs,
-             kc, vc, ks, vs, km, vm, kw, Hkv, R, D, rotated, uniform, bits, sink, sink_slot0);
+             kc, vc, ks, vs, km, vm, kw, Hkv, R, D, rotated, uniform, bits, v_bits, sink, sink_slot0);
 }
 
 // Coded rows back to dense ones (ops::dequantize_rows, the reference): one warp per row of
@@ -769,9 +771,32 @@ struct CodedRegion {
   const float* vm = nullptr;
   const float* kw = nullptr;  // weighted codes: [B, Hkv, D] f32 K weights (rows read as decoded / kw + km)
   int bits = 0, ring = 0, rows = 0;
+  int vbits = 0;  // V rows' bits (a split code's differ from K's bits)
   bool rotated = false;
   bool uniform = false;  // rotated: evenly spaced levels (ruB)
 };
+
+// Row r of a rotated code of `bits` bits into the lane's VPL values (g · level, the rotated frame);
+// lv: the levels, lv2 (4 bits): a byte's two levels, both in shared memory. bits is grid-uniform.
+template <int VPL>
+__device__ __forceinline__ void load_rotated_row(const uint8_t* __restrict__ codes, const __half* __restrict__ side,
+                                                 int64_t r, int bits, bool uniform, int lane, const float* lv,
+                                                 const float2* lv2, float* out) {
+  constexpr int D = VPL * 32;
+  const float* g = reinterpret_cast<const float*>(side) + r;
+  if (bits == 4) {
+    load_rotated4<VPL>(codes + r * (D / 2), g, lane, lv2, out);
+    return;
+  }
+  if constexpr (VPL == 8) {
+    if (bits == 5) {
+      if (uniform) load_uniform5(codes + r * (D * 5 / 8), g, lane, out);
+      else load_rotated5(codes + r * (D * 5 / 8), g, lane, lv, out);
+      return;
+    }
+  }
+  load_rotated<VPL>(codes + r * (D * bits / 8), g, bits, lane, lv, out);
+}
 
 constexpr int kAttnWarps = 8;
 constexpr int kAttnChunk = 64;  // keys per block at most: 8 per warp keeps each warp's serial chain short
@@ -855,8 +880,8 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
       accr[g][i] = 0.f;
     }
   const bool rot = cr.kc && cr.rotated;  // the same for the whole grid
-  __shared__ float lv[32];     // the rotated code's levels (up to 5 bits)
-  __shared__ float2 lv2[256];  // 4-bit codes: the levels of a byte's two values
+  __shared__ float lv[2][32];     // the rotated code's levels (up to 5 bits) of K rows, of V rows
+  __shared__ float2 lv2[2][256];  // 4-bit codes: the levels of a byte's two values (K, V)
   // Coded rows with means: score q·(x̂ + mean_k) = rot(q)·(g·c) + q·mean_k; value rows add
   // (Σ of their weights)·mean_v once at the end (lc: that sum, rescaled as l is).
   float qmu[G], lc[G], m[G], l[G];
@@ -867,26 +892,42 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     m[g] = -INFINITY;
     l[g] = 0.f;
   }
+  // The rotated frame's per-head state, shared by the block's warps: warp g rotates head g's query
+  // (and takes q·mean_k) once for the block, where every warp rotating every head cost more warp
+  // shuffles than a small block's keys (a sliding layer's block holds 64 keys, 8 per warp).
+  __shared__ __align__(16) float sqr[G][D];
+  __shared__ float sqmu[G];
   if (rot) {
-    if (cr.km) {
-      const float* km = cr.km + ((int64_t)b * Hkv + hk) * D + lane * VPL;
-#pragma unroll
-      for (int g = 0; g < G; ++g)
-        for (int i = 0; i < VPL; ++i) qmu[g] += qv[g][i] * km[i];
-      warp_sums<G>(qmu);
-    }
+    const float* km = cr.km ? cr.km + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
     // Weighted rows: q·(x̂'/w) = (q/w)·x̂', so the query is divided by the weights before its rotation.
     const float* kw = cr.kw ? cr.kw + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      for (int i = 0; i < VPL; ++i) qr[g][i] = (kw ? qv[g][i] / kw[i] : qv[g][i]) * rot_sign(lane * VPL + i);
-      warp_fwht<VPL>(qr[g], lane);
+      if (warp != g % kAttnWarps) continue;  // warp-uniform; G <= kAttnWarps
+      float mu = 0.f, r[VPL];
+      if (km) {
+        for (int i = 0; i < VPL; ++i) mu += qv[g][i] * km[i];
+        mu = warp_sum(mu);
+      }
+      for (int i = 0; i < VPL; ++i) r[i] = (kw ? qv[g][i] / kw[i] : qv[g][i]) * rot_sign(lane * VPL + i);
+      warp_fwht<VPL>(r, lane);
+      for (int i = 0; i < VPL; ++i) sqr[g][lane * VPL + i] = r[i];
+      if (lane == 0) sqmu[g] = mu;
     }
-    if (threadIdx.x < (1 << cr.bits)) lv[threadIdx.x] = rot_level(cr.bits, threadIdx.x, cr.uniform);
-    if (cr.bits == 4)
-      for (int x = threadIdx.x; x < 256; x += blockDim.x)
-        lv2[x] = make_float2(rot_level(4, x & 15, cr.uniform), rot_level(4, x >> 4, cr.uniform));
+    for (int kv = 0; kv < 2; ++kv) {
+      const int bits = kv ? cr.vbits : cr.bits;
+      if (threadIdx.x < (1 << bits)) lv[kv][threadIdx.x] = rot_level(bits, threadIdx.x, cr.uniform);
+      if (bits == 4)
+        for (int x = threadIdx.x; x < 256; x += blockDim.x)
+          lv2[kv][x] = make_float2(rot_level(4, x & 15, cr.uniform), rot_level(4, x >> 4, cr.uniform));
+    }
     __syncthreads();
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      qmu[g] = sqmu[g];
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) qr[g][i] = sqr[g][lane * VPL + i];
+    }
   }
   const int dense = cr.kc ? cr.ring : S;  // slots the dense k/v hold
   const T* kb = k + ((int64_t)b * Hkv + hk) * dense * D;
@@ -908,18 +949,9 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     const bool coded_row = !tail_row && cr.kc && j >= cr.ring;  // warp-uniform
     const int64_t r = crow0 + (j - cr.ring);       // its row, when coded_row
     float kv[VPL], vv[VPL];
-    if (coded_row && rot && cr.bits == 4) {
-      load_rotated4<VPL>(cr.kc + r * (D / 2), reinterpret_cast<const float*>(cr.ks) + r, lane, lv2, kv);
-      load_rotated4<VPL>(cr.vc + r * (D / 2), reinterpret_cast<const float*>(cr.vs) + r, lane, lv2, vv);
-    } else if (coded_row && rot && cr.bits == 5 && VPL == 8 && cr.uniform) {
-      load_uniform5(cr.kc + r * (D * 5 / 8), reinterpret_cast<const float*>(cr.ks) + r, lane, kv);
-      load_uniform5(cr.vc + r * (D * 5 / 8), reinterpret_cast<const float*>(cr.vs) + r, lane, vv);
-    } else if (coded_row && rot && cr.bits == 5 && VPL == 8) {
-      load_rotated5(cr.kc + r * (D * 5 / 8), reinterpret_cast<const float*>(cr.ks) + r, lane, lv, kv);
-      load_rotated5(cr.vc + r * (D * 5 / 8), reinterpret_cast<const float*>(cr.vs) + r, lane, lv, vv);
-    } else if (coded_row && rot) {
-      load_rotated<VPL>(cr.kc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.ks) + r, cr.bits, lane, lv, kv);
-      load_rotated<VPL>(cr.vc + r * (D * cr.bits / 8), reinterpret_cast<const float*>(cr.vs) + r, cr.bits, lane, lv, vv);
+    if (coded_row && rot) {
+      load_rotated_row<VPL>(cr.kc, cr.ks, r, cr.bits, cr.uniform, lane, lv[0], lv2[0], kv);
+      load_rotated_row<VPL>(cr.vc, cr.vs, r, cr.vbits, cr.uniform, lane, lv[1], lv2[1], vv);
     } else if (!coded_row) {
       const T* kr = (tail_row ? tkb + (int64_t)(j - S) * D : kb + (int64_t)j * D) + lane * VPL;
       const T* vr = (tail_row ? tvb + (int64_t)(j - S) * D : vb + (int64_t)j * D) + lane * VPL;
@@ -956,32 +988,54 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
       for (int g = 0; g < G; ++g) sdot[g] += qmu[g];
     attn_update<G, VPL>(sdot, vv, rot, rot_row, softcap, m, l, lc, acc, accr);
   }
-  if (rot) {  // the coded slots' value sum back from the rotated frame: s ⊙ H·accr / sqrt(D), + lc·mean_v
-    const float* vm = cr.vm ? cr.vm + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      warp_fwht<VPL>(accr[g], lane);
-      for (int i = 0; i < VPL; ++i) acc[g][i] += accr[g][i] * rot_sign(lane * VPL + i) + (vm ? lc[g] * vm[i] : 0.f);
-    }
-  }
   // Merge the warps of this block, head by head.
   __shared__ float sm[G][kAttnWarps], sl[G][kAttnWarps];
   __shared__ float sacc[G][kAttnWarps][D];
 #pragma unroll
-  for (int g = 0; g < G; ++g) {
+  for (int g = 0; g < G; ++g)
     if (lane == 0) {
       sm[g][warp] = m[g];
       sl[g][warp] = l[g];
     }
-    for (int i = 0; i < VPL; ++i) sacc[g][warp][lane * VPL + i] = acc[g][i];
+  if (rot) {
+    // The coded slots' value sums are merged over the warps in the rotated frame first, and the merged
+    // sum of head g rotated back once, by warp g: s ⊙ H·accr / sqrt(D), + lc·mean_v (into sqr, free now).
+    __shared__ float slc[G][kAttnWarps];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (lane == 0) slc[g][warp] = lc[g];
+      for (int i = 0; i < VPL; ++i) sacc[g][warp][lane * VPL + i] = accr[g][i];
+    }
+    __syncthreads();
+    const float* vm = cr.vm ? cr.vm + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      if (warp != g % kAttnWarps) continue;  // warp-uniform
+      float M = -INFINITY;
+      for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm[g][w]);
+      float r[VPL], lcm = 0.f;
+      for (int i = 0; i < VPL; ++i) r[i] = 0.f;
+      for (int w = 0; w < kAttnWarps; ++w) {
+        if (sm[g][w] == -INFINITY) continue;
+        const float e = __expf(sm[g][w] - M);
+        lcm += slc[g][w] * e;
+        for (int i = 0; i < VPL; ++i) r[i] += sacc[g][w][lane * VPL + i] * e;
+      }
+      warp_fwht<VPL>(r, lane);
+      for (int i = 0; i < VPL; ++i) sqr[g][lane * VPL + i] = r[i] * rot_sign(lane * VPL + i) + (vm ? lcm * vm[i] : 0.f);
+    }
+    __syncthreads();  // sacc is read by warp g above before it is rewritten below
   }
+#pragma unroll
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < VPL; ++i) sacc[g][warp][lane * VPL + i] = acc[g][i];
   __syncthreads();
   for (int g = 0; g < G; ++g) {
     float M = -INFINITY;
     for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm[g][w]);
     float* out = partial + ((int64_t)(row0 + g) * nchunks + chunk) * (D + 2);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      float a = 0.f;
+      float a = rot ? sqr[g][d] : 0.f;
       for (int w = 0; w < kAttnWarps; ++w) a += sm[g][w] == -INFINITY ? 0.f : sacc[g][w][d] * __expf(sm[g][w] - M);
       out[d] = a;
     }

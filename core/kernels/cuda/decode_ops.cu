@@ -211,8 +211,9 @@ void check_coded_slots(const CodedSlots& c, int64_t B, int64_t Hkv, int64_t D, c
                 what, ": expected contiguous [", B, ", ", Hkv, ", R, .], got ", t->sizes());
   }
   TORCH_CHECK(c.k_codes.scalar_type() == at::kByte && c.v_codes.scalar_type() == at::kByte &&
-                  c.k_codes.size(3) == code_bytes(D, c.code) && c.v_codes.size(3) == code_bytes(D, c.code),
-              what, ": codes uint8 [.., ", code_bytes(D, c.code), "] expected, got ", c.k_codes.sizes());
+                  c.k_codes.size(3) == code_bytes(D, c.code.k()) && c.v_codes.size(3) == code_bytes(D, c.code.v()),
+              what, ": codes uint8 [.., ", code_bytes(D, c.code.k()), "] (K) and [.., ", code_bytes(D, c.code.v()),
+              "] (V) expected, got ", c.k_codes.sizes(), " / ", c.v_codes.sizes());
   TORCH_CHECK(c.k_side.scalar_type() == at::kHalf && c.v_side.scalar_type() == at::kHalf &&
                   c.k_side.size(3) == side_halves(D, c.code) && c.v_side.size(3) == side_halves(D, c.code),
               what, ": side values f16 [.., ", side_halves(D, c.code), "] expected, got ", c.k_side.sizes());
@@ -293,8 +294,10 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
       d.ks = cs.k_side.data_ptr();
       d.vs = cs.v_side.data_ptr();
       d.code_head_stride = cs.k_codes.stride(1);
+      d.v_code_head_stride = cs.v_codes.stride(1);
       d.side_head_stride = cs.k_side.stride(1);
       d.bits = cs.code.bits;
+      d.v_bits = cs.code.v().bits;
       d.rotated = cs.code.rotated();
       d.uniform = cs.code.uniform;
     } else {
@@ -378,7 +381,7 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
                            to.k_mean.defined() ? to.k_mean.data_ptr<float>() : nullptr,
                            to.v_mean.defined() ? to.v_mean.data_ptr<float>() : nullptr,
                            to.k_weight.defined() ? to.k_weight.data_ptr<float>() : nullptr, (int)B, (int)Hkv, (int)Tn, (int)to.k_codes.size(2), (int)D, to.code.rotated(), to.code.uniform, to.code.bits,
-                           sink, sink_slot0, at::cuda::getCurrentCUDAStream());
+                           to.code.v().bits, sink, sink_slot0, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
@@ -389,6 +392,7 @@ bool dequantize_rows_supported(int64_t D, at::ScalarType dtype) {
 
 at::Tensor dequantize_rows(const at::Tensor& codes_in, const at::Tensor& side_in, const RowCode& code,
                            at::ScalarType dtype) {
+  TORCH_CHECK(!code.split(), "dequantize_rows: ", row_code_name(code), " codes K and V rows apart (pass its k() or v())");
   const int64_t D = codes_in.size(-1) * 8 / code.bits;
   TORCH_CHECK(dequantize_rows_supported(D, dtype), "dequantize_rows: row length ", D, " in ", dtype,
               " (the kernel takes 64, 128, 256 or 512 values, f32 or bf16)");
@@ -437,6 +441,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     cr.ks = reinterpret_cast<const __half*>(cs.k_side.data_ptr());
     cr.vs = reinterpret_cast<const __half*>(cs.v_side.data_ptr());
     cr.bits = cs.code.bits;
+    cr.vbits = cs.code.v().bits;
     cr.rotated = cs.code.rotated();
     cr.uniform = cs.code.uniform;
     if (cs.k_mean.defined()) {
