@@ -892,27 +892,20 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     m[g] = -INFINITY;
     l[g] = 0.f;
   }
-  // The rotated frame's per-head state, shared by the block's warps: warp g rotates head g's query
-  // (and takes q·mean_k) once for the block, where every warp rotating every head cost more warp
-  // shuffles than a small block's keys (a sliding layer's block holds 64 keys, 8 per warp).
-  __shared__ __align__(16) float sqr[G][D];
-  __shared__ float sqmu[G];
   if (rot) {
-    const float* km = cr.km ? cr.km + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
+    if (cr.km) {
+      const float* km = cr.km + ((int64_t)b * Hkv + hk) * D + lane * VPL;
+#pragma unroll
+      for (int g = 0; g < G; ++g)
+        for (int i = 0; i < VPL; ++i) qmu[g] += qv[g][i] * km[i];
+      warp_sums<G>(qmu);
+    }
     // Weighted rows: q·(x̂'/w) = (q/w)·x̂', so the query is divided by the weights before its rotation.
     const float* kw = cr.kw ? cr.kw + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-      if (warp != g % kAttnWarps) continue;  // warp-uniform; G <= kAttnWarps
-      float mu = 0.f, r[VPL];
-      if (km) {
-        for (int i = 0; i < VPL; ++i) mu += qv[g][i] * km[i];
-        mu = warp_sum(mu);
-      }
-      for (int i = 0; i < VPL; ++i) r[i] = (kw ? qv[g][i] / kw[i] : qv[g][i]) * rot_sign(lane * VPL + i);
-      warp_fwht<VPL>(r, lane);
-      for (int i = 0; i < VPL; ++i) sqr[g][lane * VPL + i] = r[i];
-      if (lane == 0) sqmu[g] = mu;
+      for (int i = 0; i < VPL; ++i) qr[g][i] = (kw ? qv[g][i] / kw[i] : qv[g][i]) * rot_sign(lane * VPL + i);
+      warp_fwht<VPL>(qr[g], lane);
     }
     for (int kv = 0; kv < 2; ++kv) {
       const int bits = kv ? cr.vbits : cr.bits;
@@ -922,12 +915,6 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
           lv2[kv][x] = make_float2(rot_level(4, x & 15, cr.uniform), rot_level(4, x >> 4, cr.uniform));
     }
     __syncthreads();
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      qmu[g] = sqmu[g];
-#pragma unroll
-      for (int i = 0; i < VPL; ++i) qr[g][i] = sqr[g][lane * VPL + i];
-    }
   }
   const int dense = cr.kc ? cr.ring : S;  // slots the dense k/v hold
   const T* kb = k + ((int64_t)b * Hkv + hk) * dense * D;
@@ -988,54 +975,32 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
       for (int g = 0; g < G; ++g) sdot[g] += qmu[g];
     attn_update<G, VPL>(sdot, vv, rot, rot_row, softcap, m, l, lc, acc, accr);
   }
+  if (rot) {  // the coded slots' value sum back from the rotated frame: s ⊙ H·accr / sqrt(D), + lc·mean_v
+    const float* vm = cr.vm ? cr.vm + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      warp_fwht<VPL>(accr[g], lane);
+      for (int i = 0; i < VPL; ++i) acc[g][i] += accr[g][i] * rot_sign(lane * VPL + i) + (vm ? lc[g] * vm[i] : 0.f);
+    }
+  }
   // Merge the warps of this block, head by head.
   __shared__ float sm[G][kAttnWarps], sl[G][kAttnWarps];
   __shared__ float sacc[G][kAttnWarps][D];
 #pragma unroll
-  for (int g = 0; g < G; ++g)
+  for (int g = 0; g < G; ++g) {
     if (lane == 0) {
       sm[g][warp] = m[g];
       sl[g][warp] = l[g];
     }
-  if (rot) {
-    // The coded slots' value sums are merged over the warps in the rotated frame first, and the merged
-    // sum of head g rotated back once, by warp g: s ⊙ H·accr / sqrt(D), + lc·mean_v (into sqr, free now).
-    __shared__ float slc[G][kAttnWarps];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      if (lane == 0) slc[g][warp] = lc[g];
-      for (int i = 0; i < VPL; ++i) sacc[g][warp][lane * VPL + i] = accr[g][i];
-    }
-    __syncthreads();
-    const float* vm = cr.vm ? cr.vm + ((int64_t)b * Hkv + hk) * D + lane * VPL : nullptr;
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      if (warp != g % kAttnWarps) continue;  // warp-uniform
-      float M = -INFINITY;
-      for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm[g][w]);
-      float r[VPL], lcm = 0.f;
-      for (int i = 0; i < VPL; ++i) r[i] = 0.f;
-      for (int w = 0; w < kAttnWarps; ++w) {
-        if (sm[g][w] == -INFINITY) continue;
-        const float e = __expf(sm[g][w] - M);
-        lcm += slc[g][w] * e;
-        for (int i = 0; i < VPL; ++i) r[i] += sacc[g][w][lane * VPL + i] * e;
-      }
-      warp_fwht<VPL>(r, lane);
-      for (int i = 0; i < VPL; ++i) sqr[g][lane * VPL + i] = r[i] * rot_sign(lane * VPL + i) + (vm ? lcm * vm[i] : 0.f);
-    }
-    __syncthreads();  // sacc is read by warp g above before it is rewritten below
-  }
-#pragma unroll
-  for (int g = 0; g < G; ++g)
     for (int i = 0; i < VPL; ++i) sacc[g][warp][lane * VPL + i] = acc[g][i];
+  }
   __syncthreads();
   for (int g = 0; g < G; ++g) {
     float M = -INFINITY;
     for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm[g][w]);
     float* out = partial + ((int64_t)(row0 + g) * nchunks + chunk) * (D + 2);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      float a = rot ? sqr[g][d] : 0.f;
+      float a = 0.f;
       for (int w = 0; w < kAttnWarps; ++w) a += sm[g][w] == -INFINITY ? 0.f : sacc[g][w][d] * __expf(sm[g][w] - M);
       out[d] = a;
     }
@@ -1100,6 +1065,9 @@ __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T*
 // 0.973x AR at 8k (window 256) and 0.962x -> 0.983x (window 64; H100, same run). `rows` counts
 // blocks of query heads (one sequence's Tq·Hq / G); the bound of 2 blocks per SM was measured at
 // G = 1 and kept for G = 4 (one resident block per SM): not re-tuned there.
+// A prefill chunk attending over its own keys (64 query rows over ~600 slots: 640 blocks) keeps
+// 64-key blocks: blocks grown until the grid filled the SMs once made the 8k restored prefill slower
+// (H200, window 64: int4 regions 0.183x -> 0.163x AR, ru5 0.175x -> 0.162x).
 inline int decode_attn_chunks(int S, int keys) { return (S + keys - 1) / keys; }
 inline int decode_attn_keys(int S, int rows, int sms) {
   int keys = kAttnChunk;
