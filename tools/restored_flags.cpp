@@ -20,11 +20,12 @@ void RestoreFlags::add_restore(CLI::App* c, const std::string& prefix) {
       ->check(CLI::IsMember({"exact", "restored", "codec"}));
   c->add_option("--restored-code", region_code,
                 prefix + "restored regions stored as: none (the model dtype) | " + region_code_names() +
-                    " (intB: affine, groups of 32; lmB: rotated rows, Lloyd-Max levels; ruB: rotated rows, evenly spaced levels; core/kernels/ops.h)")
+                    " (intB: affine, groups of 32; lmB: rotated rows, Lloyd-Max levels; ruB: rotated rows, evenly spaced levels; a rotated "
+                    "code + vC: V rows in C bits, e.g. ru5v3; core/kernels/ops.h)")
       ->capture_default_str();
   c->add_option("--full-code", full_code,
                 prefix + "--full-attn codec: full-attention K/V stored as " + ops::row_code_names() +
-                    " rows (pwB: lmB with calibrated K weights from --calib)")
+                    " rows (pwB: lmB with calibrated K weights from --calib; a rotated code + vC: V rows in C bits, e.g. pw5v3)")
       ->capture_default_str();
   c->add_option("--calib", calib, prefix + "--full-code pwB: calibration bundle holding K weights (kakeya calibrate k-weights)")
       ->capture_default_str();
