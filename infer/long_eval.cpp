@@ -21,7 +21,8 @@ namespace {
 
 std::string config_forms() {
   return "oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W, e.g. restored:W, restored-int4:W, "
-         "restored-codec-lm3:W (W: the exact window, a positive integer; CODE: " + ops::row_code_names() + ")";
+         "restored-codec-lm3:W (W: the exact window, a positive integer; CODE: " + ops::row_code_names() +
+         ", or a rotated one + vC for V rows in C bits, e.g. pw5v3)";
 }
 
 double mean(const std::vector<double>& x) {
