@@ -649,9 +649,9 @@ void launch_restore_store(const T* k_raw, const T* v_raw, int64_t k_row, int64_t
 
 // Rows of a dense cache into coded rows (ops::code_rows): block (t, h, b) codes the K and V rows
 // at slot src[t] of head h into row dst[t], and copies them to slot sink_slot0 + dst[t] when
-// dst[t] < sink; src, dst are row b's from b·idx_bs (idx_bs 0: shared by the rows). k, v: [B, Hkv, S, D] (strides cache_bs, cache_hs); codes [B, Hkv, R, cb] (V rows in
-// v_bits: a split code's differ) and
-// side [B, Hkv, R, sh halves], contiguous; km, vm: [B, Hkv, D] f32 means coded rows leave out
+// dst[t] < sink; src, dst are row b's from b·idx_bs (idx_bs 0: shared by the rows). k, v: [B, Hkv, S, D]
+// (strides cache_bs, cache_hs); codes [B, Hkv, R, cb] (V rows in v_bits, which a split code's K rows do not
+// share) and side [B, Hkv, R, sh halves], contiguous; km, vm: [B, Hkv, D] f32 means coded rows leave out
 // (rotated codes; nullptr: none); kw: [B, Hkv, D] f32 weights of K rows (weighted codes; nullptr:
 // none). 64 threads: a rotated code takes a warp per row (K, V).
 template <typename T>
