@@ -805,10 +805,11 @@ constexpr int kAttnChunk = 64;  // keys per block at most: 8 per warp keeps each
 // key's slot position, row load, decode and visibility test, so each warp's chain of dependent
 // loads serves G heads, and a coded row is decoded once for them instead of once per head. Their
 // state (q, the rotated q, two accumulators) takes 4·G·VPL registers per lane: G = 4 at D = 256
-// holds 230 registers, one block per SM against two at G = 1, and still won where keys are many
-// (H100, Gemma 3 270M bf16, one lease: AR decode at 32k 937 -> 1,160 tok/s, the pw4-coded restored
-// decoder 840 -> 996, restored prefill at 8k 19.2k -> 25.7k tok/s; 8k decode steps within 2% either
-// way; G = 2 fell between). kAttnGroupValues bounds G·VPL (16 values of state per lane and array).
+// holds 230 registers, one block per SM against two at G = 1. That pays where a block's keys serve
+// many queries (a prefill chunk's 64, verify blocks), not in a decode step's one: there each warp
+// walks one to eight keys and G heads multiply its work (a rotated code's query and value rotations
+// most), so a decode step takes G = 1 (decode_attn_group). kAttnGroupValues bounds G·VPL (16 values
+// of state per lane and array).
 constexpr int kAttnGroupValues = 32;
 
 // G sums over the warp, their shuffles interleaved (the same order per value as warp_sum).
@@ -1075,10 +1076,16 @@ inline int decode_attn_keys(int S, int rows, int sms) {
   return keys;
 }
 
-// Query heads per block (decode_attn_partial_kernel's G) for Hq query heads over Hkv KV heads of D
-// values: the largest of 4, 2, 1 that divides Hq / Hkv within kAttnGroupValues; `forced` (> 0) asks
-// for that one where it is allowed (a measurement's override).
-inline int decode_attn_group(int Hq, int Hkv, int D, int forced = 0) {
+// Query heads per block (decode_attn_partial_kernel's G) for Tq queries per sequence of Hq query heads
+// over Hkv KV heads of D values: 1 for a decode step (Tq = 1), else the largest of 4, 2, 1 that divides
+// Hq / Hkv within kAttnGroupValues; `forced` (> 0) caps it (a measurement's override).
+// (H200, Gemma 3 270M bf16, window 64, one lease, `bench memory --speed`, G = 4 -> 1 in decode steps:
+// AR 1,418 -> 1,516 tok/s at 8k and 1,192 -> 1,198 at 32k; int4 regions 1,377 -> 1,470 at 8k; ru5
+// regions 1,292 -> 1,410 / 1,105 -> 1,132; ru5 regions with pw4 full-attention rows 1,147 -> 1,289 /
+// 941 -> 965. G = 2 was the slowest of the three. With G = 1 in the prefill's 64-query chunks as well,
+// the 8k restored prefill with ru5 regions fell 0.177x -> 0.160x AR.)
+inline int decode_attn_group(int Hq, int Hkv, int D, int Tq, int forced = 0) {
+  if (Tq == 1) return 1;
   for (int g : {4, 2, 1})
     if ((Hq / Hkv) % g == 0 && g * (D / 32) <= kAttnGroupValues && (forced <= 0 || g <= forced)) return g;
   return 1;
