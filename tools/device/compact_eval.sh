@@ -17,8 +17,8 @@ OUT=${OUT:-/tmp/compact-out}
 TAG=${TAG:-h200}
 K=build-cuda/kakeya
 mkdir -p "$OUT"
-MEMORY_CONFIGS=${MEMORY_CONFIGS:-oracle,restored:64,restored-int4:64,restored-lm5:64,restored-ru5:64,restored-ru5-codec-pw4:64,restored-ru5-codec-pw5v3:64}
-PPL_CONFIGS=${PPL_CONFIGS:-oracle,evict:64,restored:64,restored-int4:64,restored-ru5:64,restored-ru5-codec-pw4:64,restored-ru5-codec-pw5v3:64}
+MEMORY_CONFIGS=${MEMORY_CONFIGS:-oracle,restored:64,restored-int4:64,restored-int8:64,restored-ru5:64,restored-ru5-codec-pw4:64,restored-ru5-codec-pw5v3:64}
+PPL_CONFIGS=${PPL_CONFIGS:-oracle,evict:64,restored:64,restored-int4:64,restored-int8:64,restored-ru5:64,restored-ru5-codec-pw4:64,restored-ru5-codec-pw5v3:64}
 TASK_CONFIGS=${TASK_CONFIGS:-restored:64,restored-ru5:64,restored-ru5-codec-pw5v3:64}
 REFERENCE=${REFERENCE:-restored:64}
 CONTEXTS=${CONTEXTS:-8192,16384}
