@@ -287,6 +287,7 @@ MemoryReport restored_memory_report(const Model& v, const Drafter* d, const FThe
 
 MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* dc, const FThetaConfig* fc,
                                   const RestoreOptions& o, at::ScalarType dtype, int64_t n) {
+  check_window_chunk(o, "memory plan");
   const int64_t elem = c10::elementSize(dtype), w = o.window, c = o.resolved_chunk();
   KvParts p;
   int64_t first_full = -1;

@@ -39,6 +39,13 @@ void check_region_code(const ops::RowCode& code, const std::string& flag) {
                                     << region_code_names());
 }
 
+void check_window_chunk(const RestoreOptions& o, const std::string& who) {
+  KAKEYA_CHECK(o.window >= 1, who << ": --window expected >= 1, got " << o.window);
+  KAKEYA_CHECK(o.chunk >= 0 && o.chunk <= o.window,
+               who << ": --chunk expected in [1, window=" << o.window << "] (0: window), got " << o.chunk
+                   << " (a longer chunk would need restored K/V of itself)");
+}
+
 void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& o,
                       int64_t n_prompt, int64_t max_new, const std::string& ftheta_origin) {
   const ModelConfig& cfg = verifier.config();
@@ -55,10 +62,7 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
                                     << " positions exceeds the loaded RoPE table (" << verifier.options().max_positions
                                     << " positions)");
   KAKEYA_CHECK(o.sink >= 0, "decode: --sink expected >= 0, got " << o.sink);
-  KAKEYA_CHECK(o.window >= 1, "decode: --window expected >= 1, got " << o.window);
-  KAKEYA_CHECK(o.chunk >= 0 && o.chunk <= o.window,
-               "decode: --chunk expected in [1, window=" << o.window << "] (0: window), got " << o.chunk
-                                                         << " (a longer chunk would need restored K/V of itself)");
+  check_window_chunk(o, "decode");
   KAKEYA_CHECK(o.mix_alpha >= 0.0 && o.mix_alpha <= 1.0, "decode: --mix-alpha expected in [0, 1], got " << o.mix_alpha);
   KAKEYA_CHECK(o.full_attn != FullAttn::Codec || o.full_code.defined(),
                "decode: --full-attn codec needs a --full-code (" << ops::row_code_names() << ")");

@@ -78,6 +78,9 @@ std::string region_code_names();
 // region_code_names(). validate_restore calls it; the CLI calls it while parsing, so that a run
 // with several decoders refuses the flag before the first one starts.
 void check_region_code(const ops::RowCode& code, const std::string& flag);
+// The window and chunk a restored decoder can run: window >= 1, chunk in [0, window] (0: window; a
+// longer chunk would need restored K/V of itself). who: the command, for the message ("decode").
+void check_window_chunk(const RestoreOptions& o, const std::string& who);
 
 // For one-off measurements (a decode, a NIAH ladder, an evaluation, scoring): a context the
 // window covers whole restores nothing, so the run would measure the plain model; throws naming

@@ -646,6 +646,19 @@ TEST(Restored, BenchMemoryRowsAreWhatThePlansFit) {
   expect_error([&] { bench_memory(cfg, at::kBFloat16, &dc, &fc, bad); }, "--configs");
 }
 
+TEST(Restored, BenchMemoryRefusesAChunkPastTheWindow) {
+  // A plan never decodes, so the window/chunk rule the decoder enforces must hold here too: a
+  // 128-token chunk over a 64-token window would need restored K/V of the chunk itself.
+  auto dc = DrafterConfig::from_file(test::shipped_dir("drafter") + "/config.json");
+  auto fc = FThetaConfig::from_file(test::shipped_dir("ftheta") + "/f_theta_config.json");
+  BenchMemoryOptions o;
+  o.configs = "oracle,restored-int8:64";
+  o.restore.chunk = 128;
+  expect_error([&] { bench_memory(model().config(), at::kBFloat16, &dc, &fc, o); }, "--chunk expected in [1, window=64]");
+  o.restore.chunk = 64;
+  EXPECT_EQ(bench_memory(model().config(), at::kBFloat16, &dc, &fc, o)["configs"].size(), 2u);
+}
+
 TEST(Restored, BadInput) {
   auto o = options(DecodeMode::Restored, 0.0, 4);
   o.restore.window = 510;
