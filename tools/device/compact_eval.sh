@@ -2,7 +2,8 @@
 # The compact restored decoder's measurements on the GPU machine (issue 21), one STEP per call, from
 # the synced tree (/tmp/ksrc: tools/device/sync_src.sh) with build-cuda/ built and the model under
 # /tmp/models (tools/device/remote.sh). Results in $OUT (the device tool brings them back).
-#   STEP=tests   the GPU tests of the kernels and the restored decoder (ctest -R, output in tests.txt)
+#   STEP=tests   the GPU tests of the kernels and the restored decoder (ctest -R, or the test binaries
+#                themselves when build-cuda/ holds prebuilt ones; output in tests-TAG.txt)
 #   STEP=memory  kakeya bench memory --speed at 8k and 32k (window 64, chunk 64): K/V bytes against the
 #                native cache, decode and prefill speed against AR, per config (MEMORY_CONFIGS)
 #   STEP=ppl     kakeya eval-long perplexity at CONTEXTS, PPL_DOCS held-out documents, the compact modes
@@ -28,9 +29,16 @@ SAMPLES=${SAMPLES:-3}
 BUDGET=${BUDGET:-500}
 case ${STEP:?STEP=tests|memory|ppl|tasks|decode} in
   tests)
-    (cd build-cuda && KAKEYA_MODEL_DIR=$MODEL ctest -R "${TESTS:-test_cuda_ops|test_cuda_restored}" --output-on-failure) \
-      > "$OUT/tests-$TAG.txt" 2>&1 && ok=0 || ok=$?
-    grep -E "tests passed|tests failed|Failed|\*\*\*|FAILED" "$OUT/tests-$TAG.txt" | tail -20
+    if [ -f build-cuda/CTestTestfile.cmake ]; then
+      (cd build-cuda && KAKEYA_MODEL_DIR=$MODEL ctest -R "${TESTS:-test_cuda_ops|test_cuda_restored}" --output-on-failure) \
+        > "$OUT/tests-$TAG.txt" 2>&1 && ok=0 || ok=$?
+    else  # prebuilt binaries (tools/device/prebuild.sh) come without CTest's files: run the suites themselves
+      ok=0
+      for t in $(echo "${TESTS:-test_cuda_ops|test_cuda_restored}" | tr '|' ' '); do
+        KAKEYA_MODEL_DIR=$MODEL KAKEYA_SOURCE_DIR=$PWD build-cuda/tests/$t || ok=$?
+      done > "$OUT/tests-$TAG.txt" 2>&1
+    fi
+    grep -E "tests passed|tests failed|Failed|\*\*\*|FAILED|PASSED|tests ran" "$OUT/tests-$TAG.txt" | tail -20
     exit $ok ;;
   memory)
     for ctx in ${MEMORY_CONTEXTS:-8192 32768}; do

@@ -5,6 +5,10 @@
 #                    $KAKEYA_TARGETS limits the targets, $KAKEYA_TESTS=OFF skips the test suite)
 #   model            reassemble the GGUF, check its sha256, convert to /tmp/models/gemma3-270m
 #   wait             wait for the background build
+#   prebuilt         unpack the binaries tools/device/prebuild.sh built here (carry .carry/prebuilt; run in
+#                    /tmp/ksrc after sync_src.sh) into build-cuda/, check they load against this machine's
+#                    LibTorch, and mark the build done for `wait` (no build on the lease); $PREBUILT names
+#                    another package of .carry/prebuilt (kakeya-cuda)
 # A warm machine keeps /tmp/models and build-cuda/ between calls.
 set -euo pipefail
 M=/tmp/models
@@ -32,6 +36,21 @@ for step in "$@"; do
         PYTHONPATH=/tmp/site python3 tools/fetch_model.py --gguf $M/gemma-3-270m-q4_k_m.gguf --out $M/gemma3-270m
       fi
       ls -la $M/gemma3-270m ;;
+    prebuilt)
+      P=.carry/prebuilt/${PREBUILT:-kakeya-cuda}.tgz
+      [ -f $P ] || { echo "prebuilt: no $P here (carry .carry/prebuilt, made by tools/device/prebuild.sh)"; exit 1; }
+      rm -rf build-cuda && tar -xzf $P
+      want=$(awk '$1 == "torch" {print $2}' build-cuda/PREBUILT)
+      lib=$(awk '$1 == "torch_lib" {print $2}' build-cuda/PREBUILT)
+      have=$(python3 -c 'import torch;print(torch.__version__)')
+      [ "$want" = "$have" ] || { echo "prebuilt: built against torch $want, this machine has $have: build here instead"; exit 1; }
+      [ -d "$lib" ] || { echo "prebuilt: the binaries look for LibTorch in $lib, which this machine lacks: rebuild with DEVICE_TORCH_LIB"; exit 1; }
+      for b in build-cuda/kakeya build-cuda/tests/test_cuda_ops build-cuda/tests/test_cuda_restored; do
+        if ldd $b | grep -q "not found"; then echo "prebuilt: $b misses libraries here:"; ldd $b | grep "not found"; exit 1; fi
+      done
+      build-cuda/kakeya --help > /dev/null
+      echo "BUILD_EXIT=0 (prebuilt: $(head -1 build-cuda/PREBUILT))" > /tmp/kbuild.log
+      cat build-cuda/PREBUILT ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
 done
