@@ -18,10 +18,12 @@ case $TORCH_VERSION in
   *+cu*) ;;
   *) echo "prebuild.sh: the .venv's torch is $TORCH_VERSION, not a CUDA build: its binaries could not run on the GPU machine"; exit 1 ;;
 esac
-# cpp-httplib as the GPU machine has it: the carried single header (Debian's split library is not there).
+# cpp-httplib as the GPU machine has it: the carried single header (Debian's split library is not there;
+# -U drops what an earlier configure of build-cuda cached from pkg-config).
 [ -f .carry/include/httplib.h ] || { echo "prebuild.sh: no .carry/include/httplib.h: run tools/device/prepare.sh first"; exit 1; }
 cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON -DKAKEYA_TESTS=ON \
-  -DCMAKE_DISABLE_FIND_PACKAGE_PkgConfig=ON -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" -DCMAKE_BUILD_RPATH="$DEVICE_TORCH_LIB;$DEVICE_TORCH_LIB/../../nvidia/cu13/lib" > /tmp/prebuild-cmake.log 2>&1 ||
+  -DCMAKE_DISABLE_FIND_PACKAGE_PkgConfig=ON -U "CPP_HTTPLIB*" -U __pkg_config_checked_CPP_HTTPLIB \
+  -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" -DCMAKE_BUILD_RPATH="$DEVICE_TORCH_LIB;$DEVICE_TORCH_LIB/../../nvidia/cu13/lib" > /tmp/prebuild-cmake.log 2>&1 ||
   { tail -30 /tmp/prebuild-cmake.log; exit 1; }
 cmake --build build-cuda -j "${JOBS:-$(nproc)}" --target kakeya test_cuda_ops test_cuda_restored
 tmp=$(mktemp -d)
