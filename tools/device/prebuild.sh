@@ -25,12 +25,13 @@ cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON -D
   -DCMAKE_DISABLE_FIND_PACKAGE_PkgConfig=ON -U "CPP_HTTPLIB*" -U __pkg_config_checked_CPP_HTTPLIB \
   -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" -DCMAKE_BUILD_RPATH="$DEVICE_TORCH_LIB;$DEVICE_TORCH_LIB/../../nvidia/cu13/lib" > /tmp/prebuild-cmake.log 2>&1 ||
   { tail -30 /tmp/prebuild-cmake.log; exit 1; }
-cmake --build build-cuda -j "${JOBS:-$(nproc)}" --target kakeya test_cuda_ops test_cuda_restored
+TESTS="test_cuda_ops test_cuda_restored"  # the GPU suites the package carries
+cmake --build build-cuda -j "${JOBS:-$(nproc)}" --target kakeya $TESTS
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 mkdir -p "$tmp/build-cuda/tests" .carry/prebuilt
 strip -o "$tmp/build-cuda/kakeya" build-cuda/kakeya
-for t in test_cuda_ops test_cuda_restored; do strip -o "$tmp/build-cuda/tests/$t" "build-cuda/tests/$t"; done
+for t in $TESTS; do strip -o "$tmp/build-cuda/tests/$t" "build-cuda/tests/$t"; done
 # What remote.sh prebuilt checks before it lets a lease use them, and what a result names as its tree.
 dirty=$(git diff --quiet HEAD -- . ':!checkpoints' 2>/dev/null || echo "+uncommitted")
 cat > "$tmp/build-cuda/PREBUILT" <<EOF
