@@ -152,7 +152,7 @@ __global__ void rms_norm_kernel(const T* __restrict__ x, const float* __restrict
 // Gemma 3 270M, H = 640): the residual step took 6.8 us with 4 values per thread and 4.0 us with
 // one; unrolling the 4-value loops did not help (6.7 us); one warp per row holding 20 values in
 // registers took 14.8 us. (A 2816-wide row with 256 threads had taken ~10 us.)
-__host__ __device__ inline int norm_threads(int H) { return min(1024, max(32, (H + 31) / 32 * 32)); }
+inline int norm_threads(int H) { return std::min(1024, std::max(32, (H + 31) / 32 * 32)); }
 
 template <typename T>
 void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float eps, bool unit_offset, cudaStream_t s) {
@@ -162,33 +162,18 @@ void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float 
 // The end of a residual step, every thread of the block: the new residual hs [H] (f32 values of
 // T; each thread reads its own i) written to h_out and, when given, the copy row c; the next
 // pre-norm of it to y. h_out, c, y point at the row.
-// Σ vals[i]² over [H] in shared memory, summed as block_sum sums it in a block of vb threads
-// (vb a multiple of 32, at most 1024): thread t's values t, t + vb, ... in turn, each warp's
-// lanes, then the warps' sums. A block of another size (every thread calls it) gets the same
-// bits, so a fused kernel's residual step equals the residual kernel's.
-__device__ __forceinline__ float block_sum_squares(const float* vals, int H, int vb, float* red) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5, nv = vb >> 5;
-  __syncthreads();  // vals complete; red may still be read by a previous call
-  for (int vw = warp; vw < nv; vw += nwarps) {
-    float v = 0.f;
-    for (int i = vw * 32 + lane; i < H; i += vb) v += vals[i] * vals[i];
-    v = warp_sum(v);
-    if (lane == 0) red[vw] = v;
-  }
-  __syncthreads();
-  return warp_sum(lane < nv ? red[lane] : 0.f);
-}
-
 template <typename T>
 __device__ __forceinline__ void store_residual(const float* hs, T* __restrict__ h_out, T* __restrict__ c,
                                                T* __restrict__ y, const float* __restrict__ w_next, int H, float eps,
-                                               bool unit_offset, float* red, int vb) {
+                                               bool unit_offset, float* red) {
+  float ss = 0.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     const float v = hs[i];
     h_out[i] = to_t<T>(v);
     if (c) c[i] = to_t<T>(v);
+    ss += v * v;
   }
-  const float inv = rsqrtf(block_sum_squares(hs, H, vb, red) / H + eps);
+  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
   for (int i = threadIdx.x; i < H; i += blockDim.x) y[i] = to_t<T>(norm_value<T>(hs[i], inv, w_next[i], unit_offset));
 }
 
@@ -202,9 +187,9 @@ __device__ __forceinline__ void store_residual(const float* hs, T* __restrict__ 
 // copy (optional): the new residual's rows also go to copy + (pos[row % T] mod copy_rows) ·
 // copy_stride (a ring of per-position rows, e.g. the drafter's target features, written
 // here instead of by a kernel of its own).
-// The residual step of one row (every thread of the block), its sums as a block of norm_threads(H)
-// threads sums them (block_sum_squares): x and h read through L2 (ld.global.cg), since x may be
-// what other blocks of the same kernel wrote (gemv_residual_kernel's last block). smem: 2H floats.
+// The residual step of one row (every thread of the block): x and h read through L2 (ld.global.cg),
+// since x may be what other blocks of the same kernel wrote (gemv_residual_kernel's last block).
+// smem: 2H floats.
 template <typename T>
 __device__ __forceinline__ void residual_row(const T* __restrict__ h, const T* __restrict__ x,
                                              const float* __restrict__ w_post, const float* __restrict__ w_next,
@@ -212,18 +197,20 @@ __device__ __forceinline__ void residual_row(const T* __restrict__ h, const T* _
                                              float eps, bool unit_offset, float* smem, float* red) {
   float* xs = smem;
   float* hs = smem + H;
-  const int vb = norm_threads(H);
   // Both rows are read up front so their memory latencies overlap.
+  float ss = 0.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    xs[i] = from_t<T>(__ldcg(x + i));
+    const float v = from_t<T>(__ldcg(x + i));
+    xs[i] = v;
     hs[i] = from_t<T>(__ldcg(h + i));
+    ss += v * v;
   }
-  const float inv_x = w_post ? rsqrtf(block_sum_squares(xs, H, vb, red) / H + eps) : 1.f;
+  const float inv_x = w_post ? rsqrtf(block_sum(ss, red) / H + eps) : 1.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     const float a = w_post ? rnd<T>(norm_value<T>(xs[i], inv_x, w_post[i], unit_offset)) : xs[i];
     hs[i] = rnd<T>(hs[i] + a);
   }
-  store_residual<T>(hs, h_out, c, y, w_next, H, eps, unit_offset, red, vb);
+  store_residual<T>(hs, h_out, c, y, w_next, H, eps, unit_offset, red);
 }
 
 template <typename T>
@@ -1072,20 +1059,11 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
       lsum += w == 0.f ? 0.f : __ldcg(p + (int64_t)c * (D + 2) + D + 1) * w;
     }
     const float L = block_sum(lsum, red);  // its barriers also publish wgt
-    // The combine kernel's sums in its order (chunks c = w, w + 8, ... per warp w, then the warps'
-    // sums in turn), so a row's output is the same bits whichever merges it.
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      float part[kAttnWarps];
-#pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) part[w] = 0.f;
-      for (int c0 = 0; c0 < nchunks; c0 += kAttnWarps)
-#pragma unroll
-        for (int w = 0; w < kAttnWarps; ++w)
-          if (c0 + w < nchunks) part[w] += __ldcg(p + (int64_t)(c0 + w) * (D + 2) + d) * wgt[c0 + w];
-      float t = 0.f;
-#pragma unroll
-      for (int w = 0; w < kAttnWarps; ++w) t += part[w];
-      out[(int64_t)(row0 + g) * D + d] = to_t<T>(L > 0.f ? t / L : 0.f);
+      float a = 0.f;
+#pragma unroll 8
+      for (int c = 0; c < nchunks; ++c) a += __ldcg(p + (int64_t)c * (D + 2) + d) * wgt[c];
+      out[(int64_t)(row0 + g) * D + d] = to_t<T>(L > 0.f ? a / L : 0.f);
     }
     __syncthreads();  // wgt is rewritten for the next row
   }
@@ -1792,7 +1770,7 @@ __global__ void moe_residual_kernel(const T* __restrict__ h, const T* __restrict
     const float v = rnd<T>(hs[i] + rnd<T>(norm_value<T>(fs[i], inv_2, w_ffn[i], unit_offset)));
     hs[i] = s ? rnd<T>(v * scalar) : v;
   }
-  store_residual<T>(hs, h_out + base, c, x_out + base, w_next, H, eps, unit_offset, red, blockDim.x);
+  store_residual<T>(hs, h_out + base, c, x_out + base, w_next, H, eps, unit_offset, red);
 }
 
 template <typename T>
