@@ -64,19 +64,6 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bi
   return at::linear(x, w, bias);
 }
 
-std::pair<at::Tensor, at::Tensor> linear_add_rms_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                                                      const at::Tensor& h, const at::Tensor& w_post,
-                                                      const at::Tensor& w_next, const NormSpec& ns,
-                                                      const RowCopy* copy) {
-#ifdef KAKEYA_CUDA
-  if (fused(x, w) && fused(h)) {
-    auto r = cuda::linear_add_rms_norm(x, w, bias, h, w_post, w_next, ns.eps, ns.unit_offset, copy);
-    if (r.first.defined()) return r;
-  }
-#endif
-  return add_rms_norm(h, linear(x, w, bias), w_post, w_next, ns, copy);
-}
-
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh) {
 #ifdef KAKEYA_CUDA
   if (fused(x, w)) return cuda::linear_act_mul(x, w, bias, gelu_tanh);

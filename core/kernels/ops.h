@@ -45,14 +45,6 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Te
 // decode step) a bandwidth-bound GEMV kernel, else at::linear.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias = {});
 
-// A linear layer and the residual step after it: add_rms_norm(h, linear(x, w, bias), w_post, w_next,
-// ns, copy). On CUDA with one row (a decode step's o- and down-projections) one kernel: the GEMV's
-// last block finishes with the residual step, so a step launches one grid fewer per projection.
-std::pair<at::Tensor, at::Tensor> linear_add_rms_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                                                      const at::Tensor& h, const at::Tensor& w_post,
-                                                      const at::Tensor& w_next, const NormSpec& ns,
-                                                      const RowCopy* copy = nullptr);
-
 // The gated MLP's first half: act_mul(linear(x, w, bias)) with w = [gate; up]: [2I, K] -> [..., I].
 // One fused GEMV kernel on CUDA for one row (a decode step).
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);

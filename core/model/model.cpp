@@ -443,13 +443,9 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       const auto [k_all, v_all] = cache.attend_kv(l);
       attn = attention(l, q, k_all, v_all, mask[sliding][cache.options().restore.drops(l)]);
     }
-    if (taps && taps->reads(Tap::AttnOut)) {
-      at::Tensor a = ops::linear(attn, w.o, w.o_bias);  // [B, T, hidden]
-      tap(Tap::AttnOut, a);
-      std::tie(h, x) = ops::add_rms_norm(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_);
-    } else {
-      std::tie(h, x) = ops::linear_add_rms_norm(attn, w.o, w.o_bias, h, w.post_attn_norm, w.ffn_norm, norm_spec_);
-    }
+    at::Tensor a = ops::linear(attn, w.o, w.o_bias);  // [B, T, hidden]
+    tap(Tap::AttnOut, a);
+    std::tie(h, x) = ops::add_rms_norm(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_);
 
     const bool gelu = cfg_.act == Activation::GeluTanh;
     // Gemma 4 MoE: the router and the experts read the residual stream h (not the dense
@@ -465,10 +461,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
         y = moe_experts(w.moe, ops::rms_norm(flat, w.moe.pre_norm, norm_spec_), route, gelu);
       });
     }
-    // The plain dense layer's down-projection runs with its residual step (below).
-    const bool plain = !w.moe.defined() && !w.ple_gate.defined() && !w.layer_scalar.defined();
-    const at::Tensor mid = ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, gelu);  // [B, T, I]
-    const at::Tensor f = plain ? at::Tensor() : ops::linear(mid, w.down, w.down_bias);  // [B, T, hidden]
+    at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, gelu), w.down, w.down_bias);
     if (experts) experts->join();
     const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
     // A subscriber may want the layer output stored as it is computed (core/model/taps.h).
@@ -495,9 +488,8 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       if (w.layer_scalar.defined()) h = h * w.layer_scalar;
       x = rms_norm(h, next_norm);
       if (stored) ops::copy_rows(h, store);
-    } else if (plain) {
-      std::tie(h, x) = ops::linear_add_rms_norm(mid, w.down, w.down_bias, h, w.post_ffn_norm, next_norm, norm_spec_,
-                                                stored ? &store : nullptr);
+    } else if (!w.moe.defined()) {
+      std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_, stored ? &store : nullptr);
     }
     if (taps) {
       const at::Tensor before = h;

@@ -111,23 +111,6 @@ void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaSt
   cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
 }
 
-// Whether this block is the last of the `total` blocks counting on *done to get here (every
-// thread of the block calls it; the answer is the block's). The last block sees every write the
-// others made before they counted, and leaves *done at 0 for the next launch on the stream (a
-// launch counts only after its pdl_wait, so after the previous one has finished).
-__device__ __forceinline__ bool last_block(unsigned* done, unsigned total) {
-  __shared__ bool last;
-  __threadfence();  // this thread's writes, before the block counts
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(done, 1u) == total - 1;
-    if (last) atomicExch(done, 0u);
-  }
-  __syncthreads();
-  if (last) __threadfence();
-  return last;
-}
-
 // ---------------------------------------------------------------------------
 // out[r, :] = rms_norm(x[r, :]) · w            x, out: [rows, H]; w: [H] f32
 template <typename T>
@@ -187,32 +170,6 @@ __device__ __forceinline__ void store_residual(const float* hs, T* __restrict__ 
 // copy (optional): the new residual's rows also go to copy + (pos[row % T] mod copy_rows) ·
 // copy_stride (a ring of per-position rows, e.g. the drafter's target features, written
 // here instead of by a kernel of its own).
-// The residual step of one row (every thread of the block): x and h read through L2 (ld.global.cg),
-// since x may be what other blocks of the same kernel wrote (gemv_residual_kernel's last block).
-// smem: 2H floats.
-template <typename T>
-__device__ __forceinline__ void residual_row(const T* __restrict__ h, const T* __restrict__ x,
-                                             const float* __restrict__ w_post, const float* __restrict__ w_next,
-                                             T* __restrict__ h_out, T* __restrict__ c, T* __restrict__ y, int H,
-                                             float eps, bool unit_offset, float* smem, float* red) {
-  float* xs = smem;
-  float* hs = smem + H;
-  // Both rows are read up front so their memory latencies overlap.
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    const float v = from_t<T>(__ldcg(x + i));
-    xs[i] = v;
-    hs[i] = from_t<T>(__ldcg(h + i));
-    ss += v * v;
-  }
-  const float inv_x = w_post ? rsqrtf(block_sum(ss, red) / H + eps) : 1.f;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    const float a = w_post ? rnd<T>(norm_value<T>(xs[i], inv_x, w_post[i], unit_offset)) : xs[i];
-    hs[i] = rnd<T>(hs[i] + a);
-  }
-  store_residual<T>(hs, h_out, c, y, w_next, H, eps, unit_offset, red);
-}
-
 template <typename T>
 __global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
                                     const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ y, int H,
@@ -220,10 +177,25 @@ __global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict
                                     const int64_t* __restrict__ copy_pos, int64_t copy_rows, int T_len) {
   pdl_begin();
   extern __shared__ float smem[];  // [2H]: x, then the new residual
+  float* xs = smem;
+  float* hs = smem + H;
   __shared__ float red[32];
   const int64_t base = (int64_t)blockIdx.x * H;
   T* c = copy ? copy + (copy_pos[blockIdx.x % T_len] % copy_rows) * copy_stride : nullptr;
-  residual_row<T>(h + base, x + base, w_post, w_next, h_out + base, c, y + base, H, eps, unit_offset, smem, red);
+  // Both rows are read up front so their memory latencies overlap.
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float v = from_t<T>(x[base + i]);
+    xs[i] = v;
+    hs[i] = from_t<T>(h[base + i]);
+    ss += v * v;
+  }
+  const float inv_x = w_post ? rsqrtf(block_sum(ss, red) / H + eps) : 1.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float a = w_post ? rnd<T>(norm_value<T>(xs[i], inv_x, w_post[i], unit_offset)) : xs[i];
+    hs[i] = rnd<T>(hs[i] + a);
+  }
+  store_residual<T>(hs, h_out + base, c, y + base, w_next, H, eps, unit_offset, red);
 }
 
 template <typename T>
@@ -887,8 +859,7 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
                                            int qstride, int qp_bs, const bool* __restrict__ in_restored, int rwin, int64_t code_from,
                                            int64_t keep_below, CodedRegion cr, const T* __restrict__ tk,
                                            const T* __restrict__ tv, const int64_t* __restrict__ tpos, int tn,
-                                           float* __restrict__ partial, T* __restrict__ out,
-                                           unsigned* __restrict__ done, int Tq, int Hq, int Hkv, int S, int keys,
+                                           float* __restrict__ partial, int Tq, int Hq, int Hkv, int S, int keys,
                                            int window, float scale, float softcap) {
   pdl_begin();
   constexpr int D = VPL * 32;
@@ -1028,44 +999,18 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
   for (int g = 0; g < G; ++g) {
     float M = -INFINITY;
     for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm[g][w]);
-    float* pc = partial + ((int64_t)(row0 + g) * nchunks + chunk) * (D + 2);
+    float* out = partial + ((int64_t)(row0 + g) * nchunks + chunk) * (D + 2);
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
       float a = 0.f;
       for (int w = 0; w < kAttnWarps; ++w) a += sm[g][w] == -INFINITY ? 0.f : sacc[g][w][d] * __expf(sm[g][w] - M);
-      pc[d] = a;
+      out[d] = a;
     }
     if (threadIdx.x == 0) {
       float L = 0.f;
       for (int w = 0; w < kAttnWarps; ++w) L += sm[g][w] == -INFINITY ? 0.f : sl[g][w] * __expf(sm[g][w] - M);
-      pc[D] = M;
-      pc[D + 1] = L;
+      out[D] = M;
+      out[D + 1] = L;
     }
-  }
-  // The block that finishes its rows' chunks last merges them (done null: decode_attn_combine_kernel
-  // does, for rows of many chunks), so a step's attention on a layer is one launch, not two.
-  if (!done || !last_block(done + blockIdx.y, nchunks)) return;
-  extern __shared__ float wgt[];  // [nchunks]: exp(m_c - M), 0 for empty chunks
-  __shared__ float red[32];
-  for (int g = 0; g < G; ++g) {
-    const float* p = partial + (int64_t)(row0 + g) * nchunks * (D + 2);
-    float mx = -INFINITY;
-    for (int c = threadIdx.x; c < nchunks; c += blockDim.x) mx = fmaxf(mx, __ldcg(p + (int64_t)c * (D + 2) + D));
-    const float M = block_max(mx, red);
-    float lsum = 0.f;
-    for (int c = threadIdx.x; c < nchunks; c += blockDim.x) {
-      const float mc = __ldcg(p + (int64_t)c * (D + 2) + D);
-      const float w = mc == -INFINITY ? 0.f : __expf(mc - M);
-      wgt[c] = w;
-      lsum += w == 0.f ? 0.f : __ldcg(p + (int64_t)c * (D + 2) + D + 1) * w;
-    }
-    const float L = block_sum(lsum, red);  // its barriers also publish wgt
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      float a = 0.f;
-#pragma unroll 8
-      for (int c = 0; c < nchunks; ++c) a += __ldcg(p + (int64_t)c * (D + 2) + d) * wgt[c];
-      out[(int64_t)(row0 + g) * D + d] = to_t<T>(L > 0.f ? a / L : 0.f);
-    }
-    __syncthreads();  // wgt is rewritten for the next row
   }
 }
 
@@ -1076,8 +1021,6 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
 // (One block per row, a thread per dimension walking every chunk, took 10 us for the 64-72
 // chunks of a sliding layer's step with small key blocks: H100, ncu.)
 constexpr int kCombineDims = 32;
-// The most chunks a row's last block merges itself (decode_attn_partial_kernel's `done`).
-constexpr int kFusedCombineChunks = 128;
 template <typename T>
 __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T* __restrict__ out, int D, int nchunks) {
   pdl_begin();
@@ -1155,13 +1098,9 @@ template <typename T>
 bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs, const int64_t* q_pos,
                              int qstride, int qp_bs, const bool* in_restored, int rwin, int64_t code_from, int64_t keep_below,
                              const CodedRegion& cr, const T* tk, const T* tv, const int64_t* tpos, int tn, float* partial,
-                             T* out, unsigned* done, int B, int Tq, int Hq, int Hkv, int S, int D, int keys, int G,
-                             int window, float scale, float softcap, cudaStream_t s) {
+                             T* out, int B, int Tq, int Hq, int Hkv, int S, int D, int keys, int G, int window, float scale,
+                             float softcap, cudaStream_t s) {
   const int nchunks = decode_attn_chunks(S + tn, keys);
-  // Rows of few chunks are merged by their last block; many chunks (a full-attention layer at a long
-  // context) take the combine kernel, which spreads a row's merge over several blocks.
-  unsigned* merge = nchunks <= kFusedCombineChunks ? done : nullptr;
-  const size_t smem = merge ? nchunks * sizeof(float) : 0;
   const dim3 grid(nchunks, B * Tq * Hq / G);
   const int threads = kAttnWarps * 32;
   bool launched = false;
@@ -1169,9 +1108,8 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
     constexpr int VPL = decltype(vpl)::value, GG = decltype(g)::value;
     if constexpr (GG * VPL <= kAttnGroupValues || GG == 1) {
       if (D == VPL * 32 && G == GG) {
-        launch_pdl(decode_attn_partial_kernel<T, VPL, GG>, grid, threads, smem, s, q, k, v, slot_pos, sp_bs, q_pos, qstride,
-                   qp_bs, in_restored, rwin, code_from, keep_below, cr, tk, tv, tpos, tn, partial, out, merge, Tq, Hq,
-                   Hkv, S, keys, window, scale, softcap);
+        launch_pdl(decode_attn_partial_kernel<T, VPL, GG>, grid, threads, 0, s, q, k, v, slot_pos, sp_bs, q_pos, qstride, qp_bs, in_restored, rwin,
+                   code_from, keep_below, cr, tk, tv, tpos, tn, partial, Tq, Hq, Hkv, S, keys, window, scale, softcap);
         launched = true;
       }
     }
@@ -1186,7 +1124,6 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
   each_group(std::integral_constant<int, 8>{});
   each_group(std::integral_constant<int, 16>{});
   if (!launched) return false;
-  if (merge) return true;
   const dim3 cgrid(B * Tq * Hq, (D + kCombineDims - 1) / kCombineDims);
   launch_pdl(decode_attn_combine_kernel<T>, cgrid, kAttnWarps * 32, nchunks * sizeof(float), s, partial, out, D, nchunks);
   return true;
@@ -1362,68 +1299,18 @@ __global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, co
   gemv_rows<T, 1, 1, DenseRows<T>, true>(nullptr, xs, W, bias, N, K, wpr, act, DenseRows<T>{y, N}, x);
 }
 
-// Whether the GEMV kernels take the shape: one row of x, a K and addresses the vector loads can
-// take (else the caller falls back to cuBLAS).
-template <typename T>
-bool gemv_fits(const T* x, const T* W, int M, int K) {
-  return M == 1 && K % Vec16<T>::n == 0 && reinterpret_cast<uintptr_t>(W) % 16 == 0 &&
-         reinterpret_cast<uintptr_t>(x) % 16 == 0;
-}
-// Warps per output row and the grid: enough warps in flight to cover memory latency, so K is
-// split when rows are few.
-struct GemvShape {
-  int wpr;
-  dim3 grid;
-};
-inline GemvShape gemv_shape(int N) {
-  const int wpr = N >= 4096 ? 1 : (N >= 1024 ? 2 : 4);
-  const int rows_per_block = kGemvWarps / wpr;
-  return {wpr, dim3((N + rows_per_block - 1) / rows_per_block)};
-}
-
-// False when the shape is not for the kernel (gemv_fits). N: output columns (for gated mode, W has 2N rows).
+// Returns false when the shape is not for this kernel (more than one row of x, a K or address
+// the vector loads cannot take): the caller falls back to cuBLAS.
+// N: output columns (for gated mode, W has 2N rows).
 template <typename T>
 bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int K, Act act, cudaStream_t s) {
-  if (!gemv_fits(x, W, M, K)) return false;
-  const GemvShape g = gemv_shape(N);
-  launch_pdl(gemv_kernel<T>, g.grid, kGemvWarps * 32, kGemvWarps * 2 * sizeof(float), s, x, W, bias, y, N, K, g.wpr,
-             act);
-  return true;
-}
-
-// A linear layer and the residual step after it, for one row (a decode step's o-projection or
-// MLP down-projection): the GEMV writes a = x·Wᵀ + bias, and the block that finishes last runs
-// add_rms_norm_kernel's step on it (h_out = h + norm(a)·w_post, y = norm(h_out)·w_next, the copy):
-// one launch instead of two, so the step does not wait for a second grid to start and drain.
-//   x: [K]; W: [N, K]; bias: [N] or nullptr; a: [N] scratch; h, h_out, y: [N]; done: a zero counter.
-// Dynamic smem: max(2·kGemvWarps, 2N) floats.
-template <typename T>
-__global__ void gemv_residual_kernel(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias,
-                                     T* __restrict__ a, int N, int K, int wpr, const T* __restrict__ h,
-                                     const float* __restrict__ w_post, const float* __restrict__ w_next,
-                                     T* __restrict__ h_out, T* __restrict__ y, float eps, bool unit_offset,
-                                     T* __restrict__ copy, int64_t copy_stride, const int64_t* __restrict__ copy_pos,
-                                     int64_t copy_rows, unsigned* done) {
-  pdl_trigger();  // its weights load before pdl_wait (dot_rows)
-  extern __shared__ float smem[];
-  __shared__ float red[32];
-  gemv_rows<T, 1, 1, DenseRows<T>, true>(nullptr, smem, W, bias, N, K, wpr, Act::None, DenseRows<T>{a, N}, x);
-  if (!last_block(done, gridDim.x)) return;
-  T* c = copy ? copy + (copy_pos[0] % copy_rows) * copy_stride : nullptr;
-  residual_row<T>(h, a, w_post, w_next, h_out, c, y, N, eps, unit_offset, smem, red);
-}
-
-// False when the shape is not for the kernel (as launch_gemv; the caller runs the two ops).
-template <typename T>
-bool launch_gemv_residual(const T* x, const T* W, const T* bias, T* a, int M, int N, int K, const T* h,
-                          const float* w_post, const float* w_next, T* h_out, T* y, float eps, bool unit_offset,
-                          T* copy, int64_t copy_stride, const int64_t* copy_pos, int64_t copy_rows, unsigned* done,
-                          cudaStream_t s) {
-  if (!gemv_fits(x, W, M, K)) return false;
-  const GemvShape g = gemv_shape(N);
-  const size_t smem = std::max(2 * kGemvWarps, 2 * N) * sizeof(float);
-  launch_pdl(gemv_residual_kernel<T>, g.grid, kGemvWarps * 32, smem, s, x, W, bias, a, N, K, g.wpr, h, w_post, w_next,
-             h_out, y, eps, unit_offset, copy, copy_stride, copy_pos, copy_rows, done);
+  if (M != 1 || K % Vec16<T>::n != 0) return false;
+  if (reinterpret_cast<uintptr_t>(W) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
+  // Enough warps in flight to cover memory latency: split K when rows are few.
+  const int wpr = N >= 4096 ? 1 : (N >= 1024 ? 2 : 4);
+  const int rows_per_block = kGemvWarps / wpr;
+  const dim3 grid((N + rows_per_block - 1) / rows_per_block);
+  launch_pdl(gemv_kernel<T>, grid, kGemvWarps * 32, kGemvWarps * 2 * sizeof(float), s, x, W, bias, y, N, K, wpr, act);
   return true;
 }
 

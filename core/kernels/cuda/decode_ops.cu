@@ -2,12 +2,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
-#include <c10/cuda/CUDAGraphsC10Utils.h>
-
 #include <cstdlib>
 #include <cstring>
-#include <map>
-#include <mutex>
 
 #include "core/kernels/cuda/decode_kernels.cuh"
 #include "core/kernels/cuda/decode_ops.h"
@@ -67,31 +63,6 @@ void check_copy(const RowCopy& copy, const at::Tensor& h, int64_t T_len, const c
   check_cuda(copy.positions, "copy positions");
   TORCH_CHECK(copy.positions.scalar_type() == at::kLong && copy.positions.numel() == T_len, who,
               " copy positions: expected [", T_len, "] int64");
-}
-
-// Zero counters for the kernels whose last block finishes the others' work (k::last_block), one
-// set per (device, stream): launches on one stream run in order (each counts after its pdl_wait)
-// and leave them zero, and two streams never share one. Allocated outside any graph capture (a
-// capture records kernels without running them, so a zeroing recorded there would not have run),
-// never freed: a few per stream the process uses.
-constexpr int64_t kGridCounters = 65536;  // a launch's rows at most (decode_attention's grid)
-unsigned* grid_counters() {
-  static std::mutex mu;
-  static std::map<std::pair<int, cudaStream_t>, unsigned*> sets;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  std::lock_guard<std::mutex> lock(mu);
-  unsigned*& p = sets[{stream.device_index(), stream.stream()}];
-  if (!p) {
-    // Plain allocation and zeroing on a stream of their own, allowed while a capture is under way.
-    c10::cuda::CUDAStreamCaptureModeGuard relaxed(cudaStreamCaptureModeRelaxed);
-    C10_CUDA_CHECK(cudaMalloc(&p, kGridCounters * sizeof(unsigned)));
-    cudaStream_t s;
-    C10_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    C10_CUDA_CHECK(cudaMemsetAsync(p, 0, kGridCounters * sizeof(unsigned), s));
-    C10_CUDA_CHECK(cudaStreamSynchronize(s));  // SYNC: once per stream, before its first use
-    C10_CUDA_CHECK(cudaStreamDestroy(s));
-  }
-  return p;
 }
 
 // Calls f with a typed null pointer selecting float or __nv_bfloat16.
@@ -546,7 +517,6 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
                                         in_restored ? copies.keep_below : (int64_t)-1, cr,
                                         tn ? ptr<T_>(tail.k) : nullptr, tn ? ptr<T_>(tail.v) : nullptr,
                                         tn ? tail.pos.data_ptr<int64_t>() : nullptr, (int)tn, partial.data_ptr<float>(), ptr<T_>(out),
-                                        grid_counters(),
                                         B, T, Hq, Hkv, S, D, keys, G, window, scale, softcap,
                                         at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -584,38 +554,6 @@ at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
   auto y = try_gemv(x, w, bias, k::Act::None);
   return y.defined() ? y : at::linear(x, w, bias);
-}
-
-
-std::pair<at::Tensor, at::Tensor> linear_add_rms_norm(const at::Tensor& x_in, const at::Tensor& w,
-                                                      const at::Tensor& bias, const at::Tensor& h_in,
-                                                      const at::Tensor& w_post, const at::Tensor& w_next, double eps,
-                                                      bool unit_offset, const RowCopy* copy) {
-  auto x = x_in.contiguous(), h = h_in.contiguous();
-  const int64_t K = x.size(-1), M = x.numel() / K, N = w.size(0);
-  const bool ok = x.is_cuda() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
-                  w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 2 && w.size(1) == K &&
-                  (!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.is_contiguous())) &&
-                  h.scalar_type() == x.scalar_type() && h.size(-1) == N && h.numel() == N && N * 8 <= 48 * 1024;
-  if (!ok || M != 1) return {};
-  check_act(h, "linear_add_rms_norm h");
-  if (w_post.defined()) check_w(w_post, N, "linear_add_rms_norm w_post");
-  check_w(w_next, N, "linear_add_rms_norm w_next");
-  c10::cuda::CUDAGuard g(x.device());
-  auto a = at::empty_like(h);
-  const auto r = residual_step(h, copy, "linear_add_rms_norm");
-  bool launched = false;
-  dispatch(x.scalar_type(), [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    launched = k::launch_gemv_residual<T>(
-        ptr<T>(x), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, ptr<T>(a), (int)M, (int)N, (int)K, ptr<T>(h),
-        w_post.defined() ? w_post.data_ptr<float>() : nullptr, w_next.data_ptr<float>(), ptr<T>(r.h_out), ptr<T>(r.y),
-        eps, unit_offset, r.copy_dst<T>(copy), r.copy_stride, r.copy_pos, r.copy_rows, grid_counters(),
-        at::cuda::getCurrentCUDAStream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  if (!launched) return {};
-  return {r.h_out, r.y};
 }
 
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh) {

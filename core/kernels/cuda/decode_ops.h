@@ -16,11 +16,6 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Te
                                                const RowCopy* copy);
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
-// ops::linear_add_rms_norm for one row (one kernel); undefined tensors when the shape is not for it.
-std::pair<at::Tensor, at::Tensor> linear_add_rms_norm(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias,
-                                                      const at::Tensor& h, const at::Tensor& w_post,
-                                                      const at::Tensor& w_next, double eps, bool unit_offset,
-                                                      const RowCopy* copy);
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
                               at::Tensor& k_cache, at::Tensor& v_cache);
