@@ -26,8 +26,11 @@ demo: model build
 	BUILD=$(BUILD) tools/demo.sh
 
 # Every test (GoogleTest via CTest, reference fixtures made by the venv's transformers).
+# ctest runs JOBS tests at once, so each gets one intra-op thread: LibTorch's OpenMP pool sized
+# to every core in each of JOBS processes oversubscribes the machine (two Fused tests side by
+# side on 2 cores: 39 s each with the default pool, 13 s each with one thread).
 test: model build
-	cd $(BUILD) && ctest --output-on-failure -j $(JOBS) --timeout 1800
+	cd $(BUILD) && OMP_NUM_THREADS=1 ctest --output-on-failure -j $(JOBS) --timeout 1800
 
 fuzz: build
 	tools/fuzz/run_fuzz.sh all 30
