@@ -20,6 +20,7 @@
 //   - `bench memory`'s fits are the plans' (the longest context under a budget, sessions);
 //   - bad input fails with a clear error.
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 
 #include <algorithm>
 #include <cmath>
@@ -27,10 +28,13 @@
 #include <map>
 #include <string>
 
+#include <unistd.h>
+
 #include "core/model/drafter.h"
 #include "core/error.h"
 #include "core/model/ftheta.h"
 #include "core/model/model.h"
+#include "core/io/fs.h"
 #include "core/io/tokenizer.h"
 #include "infer/bench_memory.h"
 #include "infer/generate.h"
@@ -344,6 +348,79 @@ TEST(Restored, TargetFeatureInputIncrementalEqualsReforward) {
   want = (want / (want.pow(2).mean(-1, true) + 1e-6).sqrt()).view({3, n * H});
   EXPECT_TRUE(at::allclose(f.input_rows(x, false), want, 1e-5, 1e-6));
   EXPECT_TRUE(at::allclose(f.predict_fused(x, true), f.predict_fused(scaled, true), 1e-4, 1e-5));
+}
+
+// Exact layers: a layer fed by a feature layer gets its raw K/V in closed form (the verifier's
+// projections and input norm), checked against the forward's own k_proj / v_proj taps; the fixed
+// tensors stay out of the trained parameters, survive save/load, and restoring only those layers
+// through f_θ scores as restoring them exactly (a = 1) does.
+TEST(Restored, ExactLayersAreTheVerifiersOwnKv) {
+  auto fc = FThetaConfig::for_pair(model().config(), drafter().config(), 32, FThetaInput::TargetFeatures);
+  auto f = FTheta::random(fc, 7, at::kFloat, at::kCPU);
+  const auto before = f.named_parameters().size();
+  f.add_exact_layers(model());
+  const auto ex = f.config().exact_layers;
+  ASSERT_FALSE(ex.empty());
+  EXPECT_EQ(f.named_parameters().size(), before);
+  for (int64_t l : ex) EXPECT_GE(f.config().exact_feature(l), 0) << l;
+
+  struct Raw : TapSubscriber {
+    std::map<int64_t, at::Tensor> k, v;  // layer -> [1, T, H_kv, D]
+    void on_tap(Tap t, const TapContext& c, at::Tensor& x) override {
+      if (t == Tap::KProj) k[c.layer] = x.clone();
+      if (t == Tap::VProj) v[c.layer] = x.clone();
+    }
+    bool reads(Tap t) const override { return t == Tap::KProj || t == Tap::VProj; }
+  } raw;
+  at::NoGradGuard no_grad;
+  auto ids = at::tensor(prompt(), at::kLong).unsqueeze(0);  // [1, T]
+  KVCacheOptions co;
+  co.capacity = ids.size(1);
+  KVCache cache(model().config(), co);
+  TargetFeatureCapture cap(model(), fc.feature_layers);
+  Taps taps;
+  taps.subscribe(&cap);
+  taps.subscribe(&raw);
+  ForwardOptions fo;
+  fo.taps = &taps;
+  fo.skip_logits = true;
+  model().forward(ids, cache, fo);
+  at::Tensor feats = cap.take();  // [1, T, n·H]
+  auto pred = f.predict(feats, feats);
+  auto rel = [](const at::Tensor& a, const at::Tensor& b) { return ((a - b).norm() / b.norm()).item<double>(); };
+  for (int64_t l = 0; l < fc.num_layers(); ++l) {
+    const bool exact = std::find(ex.begin(), ex.end(), l) != ex.end();
+    const double ek = rel(pred[l].first, raw.k.at(l)), ev = rel(pred[l].second, raw.v.at(l));
+    if (exact) {
+      EXPECT_LT(ek, 1e-5) << "layer " << l;
+      EXPECT_LT(ev, 1e-5) << "layer " << l;
+    } else {
+      EXPECT_GT(ek, 0.1) << "layer " << l << " (learned rows of a random f_theta)";
+    }
+  }
+  const std::string dir = fs::temp_dir() + "/kakeya_test_ftheta_exact_" + std::to_string(getpid());
+  f.save(dir);
+  FTheta g = FTheta::load(dir, at::kFloat, at::kCPU);
+  EXPECT_EQ(g.config().exact_layers, ex);
+  EXPECT_TRUE(at::equal(g.predict_fused(feats, false), f.predict_fused(feats, false)));
+  EXPECT_TRUE(at::equal(g.predict_fused(feats, true), f.predict_fused(feats, true)));
+
+  RestoreOptions ro;
+  ro.sink = 4;
+  ro.window = 8;
+  std::string layers;
+  for (int64_t l : ex)
+    if (model().config().is_sliding(l)) layers += (layers.empty() ? "" : ",") + std::to_string(l);
+  ASSERT_FALSE(layers.empty());
+  ro.layers = layers;
+  const double through_f = score_restored(model(), &drafter(), &g, prompt(), ro).mean_nll();
+  ro.mix_alpha = 1.0;
+  const double exact = score_restored(model(), &drafter(), &g, prompt(), ro).mean_nll();
+  ro.layers = "none";
+  const double evict = score_restored(model(), &drafter(), &g, prompt(), ro).mean_nll();
+  EXPECT_NEAR(through_f, exact, 1e-4);
+  EXPECT_GT(std::abs(evict - exact), 1e-3);
+  std::printf("layers %s: nll through f_theta %.5f, exact %.5f, evicted %.5f\n", layers.c_str(), through_f, exact, evict);
 }
 
 TEST(Restored, MixAlphaOneHasZeroErrorAndKeepsTrueKv) {

@@ -21,6 +21,7 @@ void register_ftheta_layers(CLI::App& app) {
     std::string text, save;
     int64_t seqs = 8, seq_len = 2048;
     double min_gain = 0.0;
+    bool exact = false;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("ftheta-layers",
@@ -34,8 +35,12 @@ void register_ftheta_layers(CLI::App& app) {
   c->add_option("--seqs", o->seqs, "held-out sequences")->capture_default_str()->check(positive());
   c->add_option("--seq-len", o->seq_len, "tokens per sequence")->capture_default_str()->check(CLI::Range(128, 1 << 20));
   c->add_option("--min-gain", o->min_gain, "nats per token a layer must gain alone to be chosen")->capture_default_str();
+  c->add_flag("--add-exact", o->exact,
+              "first give the f_theta its exact layers (K/V of layers fed by a feature layer in closed form from the "
+              "verifier's projections; core/model/ftheta.h)");
   c->callback([o] {
     DecodeStack s = load_decode_stack(o->rf, o->seq_len + 1, /*need_restore=*/true);
+    if (o->exact) s.ftheta->add_exact_layers(*s.model);
     auto seqs = train::pack_corpus_file(*s.tok, o->text, o->seq_len, 0, o->seqs);
     KAKEYA_CHECK((int64_t)seqs.size() == o->seqs, o->text << ": " << seqs.size() << " sequences of " << o->seq_len
                                                           << " tokens, --seqs asks for " << o->seqs);

@@ -111,7 +111,7 @@ void register_train_ftheta(CLI::App& app) {
         loss = "attn_distill_hybrid";
     std::string layers = "all", plot_python = "python3", input = "drafter_kv";
     int64_t rank = 256, heldout = 4, synthetic_every = 8, max_train_tokens = 0;
-    bool resume = false;
+    bool resume = false, exact = false;
     FThetaTrainOptions t;
     DeviceFlags df;
   };
@@ -136,6 +136,9 @@ void register_train_ftheta(CLI::App& app) {
   c->add_option("--save", o->save, "output directory (checkpoint, f_theta, report)")->required();
   c->add_option("--init-from", o->init_from, "start from this f_theta directory (warm start; same models required)");
   c->add_flag("--resume", o->resume, "continue SAVE/checkpoint.safetensors (same options required)");
+  c->add_flag("--exact-layers", o->exact,
+              "target_features: layers fed by a feature layer get their K/V in closed form from the verifier's own "
+              "projections (fixed, not trained; core/model/ftheta.h)");
   c->add_option("--rank", o->rank, "shared encoder width r (ignored with --init-from)")->capture_default_str();
   c->add_option("--loss", o->loss, "mse | cos_mag | combined | attn_distill | attn_distill_hybrid")->capture_default_str();
   c->add_option("--lambda-k-dir", o->t.loss.lambda_k_dir, "hybrid: weight of the post-norm K direction term")->capture_default_str();
@@ -191,6 +194,7 @@ void register_train_ftheta(CLI::App& app) {
       f = FTheta::random(FThetaConfig::for_pair(verifier.config(), dcfg, o->rank, parse_ftheta_input(o->input)),
                          o->t.seed, at::kFloat, dev);
     }
+    if (o->exact) f.add_exact_layers(verifier);
     fs::make_dirs(o->save);
     const std::string ckpt = o->save + "/checkpoint.safetensors";
     KAKEYA_CHECK(o->resume || !fs::exists(ckpt),

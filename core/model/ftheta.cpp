@@ -76,6 +76,19 @@ int64_t FThetaConfig::v_offset(int64_t l) const {
   return n;
 }
 
+int64_t FThetaConfig::exact_feature(int64_t l) const {
+  if (!reads_features()) return -1;
+  for (size_t i = 0; i < feature_layers.size(); ++i)
+    if (feature_layers[i] == l - 1) return (int64_t)i;
+  return -1;
+}
+
+int64_t FThetaConfig::exact_rows(bool v_path) const {
+  int64_t n = 0;
+  for (int64_t l : exact_layers) n += v_path && v_from_k[l] ? 0 : kv_dim(l);
+  return n;
+}
+
 FThetaConfig FThetaConfig::for_pair(const ModelConfig& verifier, const DrafterConfig& drafter, int64_t rank,
                                     FThetaInput input) {
   KAKEYA_CHECK(rank > 0, "f_theta: rank expected > 0, got " << rank);
@@ -118,6 +131,7 @@ json FThetaConfig::to_json() const {
           {"drafter", {{"layers", drafter_layers}, {"kv_heads", drafter_kv_heads}, {"head_dim", drafter_head_dim}}},
           {"verifier_layers", layers},
           {"restore_layers", restore_layers_measured ? json(restore_layers) : json(nullptr)},
+          {"exact_layers", exact_layers},
           {"verifier_fingerprint", verifier_fingerprint},
           {"drafter_fingerprint", drafter_fingerprint},
           {"provenance", provenance}};
@@ -198,6 +212,21 @@ FThetaConfig FThetaConfig::from_json(const json& j, const std::string& file) {
       c.restore_layers.push_back(x.get<int64_t>());
     }
   }
+  if (j.contains("exact_layers")) {
+    const json& el = j.at("exact_layers");
+    KAKEYA_CHECK(el.is_array(), file << ": field 'exact_layers' expected an array of layer ids, got " << el.dump());
+    for (const json& x : el) {
+      KAKEYA_CHECK(x.is_number_integer(), file << ": field 'exact_layers' expected layer ids, got " << x.dump());
+      const int64_t l = x.get<int64_t>();
+      KAKEYA_CHECK(l > 0 && l < c.num_layers() && c.exact_feature(l) >= 0,
+                   file << ": field 'exact_layers' lists layer " << l << ", expected layers whose previous layer is an "
+                        << "input feature layer (input.layers " << json(c.feature_layers).dump() << ", "
+                        << c.num_layers() << " verifier layers)");
+      KAKEYA_CHECK(c.exact_layers.empty() || l > c.exact_layers.back(),
+                   file << ": field 'exact_layers' expected ascending layer ids, got " << el.dump());
+      c.exact_layers.push_back(l);
+    }
+  }
   c.verifier_fingerprint = str(j, "verifier_fingerprint");
   c.drafter_fingerprint = str(j, "drafter_fingerprint");
   if (j.contains("provenance")) c.provenance = j.at("provenance");
@@ -260,6 +289,13 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const
     out.push_back({pre + ".decoder.weight", {n, c.rank}});
     out.push_back({pre + ".decoder.bias", {n}});
   }
+  for (int p = 0; p < 2; ++p) {
+    const int64_t n = c.exact_rows(p == 1);
+    if (n == 0) continue;
+    const std::string pre = kPath[p];
+    out.push_back({pre + ".exact.weight", {n, c.hidden}});
+    out.push_back({pre + ".exact.bias", {n}});
+  }
   return out;
 }
 
@@ -310,6 +346,10 @@ FTheta FTheta::load(const std::string& dir, at::ScalarType dtype, at::Device dev
     f.enc_b_[p] = w.at(pre + ".encoder.bias");
     f.dec_w_[p] = w.at(pre + ".decoder.weight");
     f.dec_b_[p] = w.at(pre + ".decoder.bias");
+    if (w.count(pre + ".exact.weight")) {
+      f.ex_w_[p] = w.at(pre + ".exact.weight");
+      f.ex_b_[p] = w.at(pre + ".exact.bias");
+    }
   }
   f.check_shapes(w_path);
   return f;
@@ -318,7 +358,7 @@ FTheta FTheta::load(const std::string& dir, at::ScalarType dtype, at::Device dev
 void FTheta::save(const std::string& dir, at::ScalarType dtype) const {
   fs::make_dirs(dir);
   std::map<std::string, at::Tensor> t;
-  for (const auto& [name, w] : named_parameters()) t[name] = w.detach().to(at::kCPU, dtype).contiguous();
+  for (const auto& [name, w] : named_tensors()) t[name] = w.detach().to(at::kCPU, dtype).contiguous();
   save_safetensors(dir + "/f_theta.safetensors", t, {{"format", kFThetaFormat}});
   fs::write_atomic(dir + "/f_theta_config.json", cfg_.to_json().dump(2) + "\n");
 }
@@ -328,8 +368,10 @@ void FTheta::check_shapes(const std::string& origin) const {
   KAKEYA_CHECK(c.num_layers() > 0 && (int64_t)c.head_dim.size() == c.num_layers() &&
                    (int64_t)c.layer_types.size() == c.num_layers() && (int64_t)c.v_from_k.size() == c.num_layers(),
                origin << ": f_theta config has inconsistent per-layer vectors");
-  auto named = named_parameters();
+  auto named = named_tensors();
   auto exp = expected_tensors(c);
+  KAKEYA_CHECK(named.size() == exp.size(), origin << ": f_theta holds " << named.size() << " tensors, its config implies "
+                                                  << exp.size() << " (exact_layers: " << json(c.exact_layers).dump() << ")");
   for (size_t i = 0; i < exp.size(); ++i)
     KAKEYA_CHECK(named[i].second.sizes() == at::IntArrayRef(exp[i].second),
                  origin << ": tensor '" << exp[i].first << "' has shape " << named[i].second.sizes() << ", expected "
@@ -340,6 +382,49 @@ int64_t FTheta::num_parameters() const {
   int64_t n = 0;
   for (const auto& [name, t] : named_parameters()) n += t.numel();
   return n;
+}
+
+std::vector<std::pair<std::string, at::Tensor>> FTheta::named_tensors() const {
+  auto out = named_parameters();
+  for (int p = 0; p < 2; ++p) {
+    if (!ex_w_[p].defined()) continue;
+    const std::string pre = kPath[p];
+    out.push_back({pre + ".exact.weight", ex_w_[p]});
+    out.push_back({pre + ".exact.bias", ex_b_[p]});
+  }
+  return out;
+}
+
+void FTheta::add_exact_layers(const Model& verifier) {
+  auto& c = cfg_;
+  const ModelConfig& vc = verifier.config();
+  KAKEYA_CHECK(c.reads_features(), "f_theta: exact layers need the target_features input (this f_theta reads "
+                                       << ftheta_input_name(c.input) << ")");
+  KAKEYA_CHECK(config_fingerprint(vc) == c.verifier_fingerprint,
+               "f_theta: exact layers from a verifier whose config gives " << config_fingerprint(vc)
+                                                                          << ", this f_theta was made for "
+                                                                          << c.verifier_fingerprint);
+  c.exact_layers.clear();
+  std::vector<at::Tensor> w[2], b[2];
+  for (int64_t l = 1; l < c.num_layers(); ++l) {
+    if (c.exact_feature(l) < 0 || vc.kv_shared(l)) continue;
+    c.exact_layers.push_back(l);
+    const LayerWeights& lw = verifier.layer(l);
+    const int64_t q = vc.q_dim(l), kvd = vc.kv_dim(l);
+    at::Tensor g = lw.attn_norm.to(at::kFloat);  // [H] the input norm's weight (Gemma 3's 1+w folded in)
+    for (int p = 0; p < (vc.k_eq_v(l) ? 1 : 2); ++p) {
+      const int64_t r0 = q + p * kvd;  // qkv rows: q, then k, then v
+      w[p].push_back(lw.qkv.narrow(0, r0, kvd).to(at::kFloat) * g);  // [kvd, H]
+      b[p].push_back(lw.qkv_bias.defined() ? lw.qkv_bias.narrow(0, r0, kvd).to(at::kFloat)
+                                           : at::zeros({kvd}, g.options()));
+    }
+  }
+  const auto to = at::TensorOptions().dtype(dtype()).device(device());
+  for (int p = 0; p < 2; ++p) {
+    ex_w_[p] = w[p].empty() ? at::Tensor() : at::cat(w[p]).to(to);
+    ex_b_[p] = b[p].empty() ? at::Tensor() : at::cat(b[p]).to(to);
+  }
+  check_shapes("f_theta (exact layers)");
 }
 
 std::vector<std::pair<std::string, at::Tensor>> FTheta::named_parameters() const {
@@ -383,8 +468,28 @@ at::Tensor FTheta::input_rows(const at::Tensor& x, bool v_path) const {
 
 at::Tensor FTheta::predict_fused(const at::Tensor& x, bool v_path) const {
   const int p = v_path ? 1 : 0;
-  at::Tensor z = at::linear(input_rows(x, v_path), enc_w_[p], enc_b_[p]);  // [..., r]
-  return at::linear(z, dec_w_[p], dec_b_[p]);                              // [..., k_out | v_out]
+  at::Tensor rows = input_rows(x, v_path);                    // [..., in]
+  at::Tensor z = at::linear(rows, enc_w_[p], enc_b_[p]);      // [..., r]
+  at::Tensor y = at::linear(z, dec_w_[p], dec_b_[p]);         // [..., k_out | v_out]
+  return ex_w_[p].defined() ? with_exact(y, rows, p) : y;
+}
+
+at::Tensor FTheta::with_exact(const at::Tensor& y, const at::Tensor& rows, int p) const {
+  const auto& c = cfg_;
+  const int64_t H = c.hidden;
+  std::vector<at::Tensor> parts;  // the learned columns between exact layers, and the exact ones
+  int64_t col = 0, row = 0;
+  for (int64_t l : c.exact_layers) {
+    if (p == 1 && c.v_from_k[l]) continue;
+    const int64_t off = p == 0 ? c.k_offset(l) : c.v_offset(l), n = c.kv_dim(l);
+    if (off > col) parts.push_back(y.narrow(-1, col, off - col));
+    at::Tensor xi = rows.narrow(-1, c.exact_feature(l) * H, H);                                // [..., H]
+    parts.push_back(at::linear(xi, ex_w_[p].narrow(0, row, n), ex_b_[p].narrow(0, row, n)));  // [..., n]
+    col = off + n;
+    row += n;
+  }
+  if (col < y.size(-1)) parts.push_back(y.narrow(-1, col, y.size(-1) - col));
+  return at::cat(parts, -1);
 }
 
 std::vector<std::pair<at::Tensor, at::Tensor>> FTheta::predict(const at::Tensor& xk, const at::Tensor& xv) const {

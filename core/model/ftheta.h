@@ -19,6 +19,17 @@
 //                    per-position scale times a fixed weight). Both paths read the same x.
 // tools/ftheta_capacity.py measures the best linear error of each input on held-out text.
 //
+// Exact layers (target_features only; FTheta::add_exact_layers): a verifier layer whose input
+// is a tapped layer's output has its raw K and V exactly linear in that tapped row, so f_θ
+// computes them in closed form instead of through the shared low-rank code:
+//   y_l = x_i · A_l^T + c_l    A_l = the layer's K (resp. V) projection rows · its input norm's
+//                              weight [H_kv(l)·D(l), H],   x_i = the RMS-normalised row of
+//                              feature i (feature_layers[i] = l - 1)
+// A_l and c_l are the verifier's own weights, stored beside the learned tensors and never
+// trained (named_parameters() leaves them out); they replace the learned decoder's rows of
+// layer l. The learned code ignored this structure: on the shipped f_θ these layers had
+// relative K errors of 0.34-1.19, as large as on the layers no closed form reaches.
+//
 // The per-layer decoders are stored as one fused matrix (rows of layer l at
 // offset Σ_{j<l} H_kv(j)·D(j)) so a prediction is two GEMMs whatever the layer
 // count; head dims and KV heads may differ per layer (Gemma 4's global layers).
@@ -35,6 +46,8 @@
 //   k.encoder.weight [r, in]  k.encoder.bias [r]
 //   k.decoder.weight [Σ_l H_kv(l)·D(l), r]  k.decoder.bias [Σ_l H_kv(l)·D(l)]
 //   v.* the same, the V decoder without the rows of K=V layers.
+//   with exact layers also k.exact.weight [Σ_e H_kv(e)·D(e), H]  k.exact.bias [Σ_e H_kv(e)·D(e)]
+//   (e over exact_layers, in order) and v.exact.* the same over exact layers with a V decoder.
 #pragma once
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -46,6 +59,7 @@
 
 #include "core/model/config.h"
 #include "core/model/drafter.h"
+#include "core/model/model.h"
 
 namespace kakeya {
 
@@ -69,6 +83,9 @@ struct FThetaConfig {
   // nothing was measured). JSON: null when not measured.
   std::vector<int64_t> restore_layers;
   bool restore_layers_measured = false;
+  // Verifier layers whose raw K/V f_θ computes exactly from one feature (ascending; see above).
+  // JSON: "exact_layers", absent in configs written before they existed (none).
+  std::vector<int64_t> exact_layers;
   // Verifier side, per verifier layer.
   std::vector<int64_t> kv_heads;            // [L]
   std::vector<int64_t> head_dim;            // [L]
@@ -92,6 +109,8 @@ struct FThetaConfig {
   int64_t v_out() const;                    // Σ over layers with a V decoder
   int64_t k_offset(int64_t l) const;        // row offset of layer l in the K decoder
   int64_t v_offset(int64_t l) const;        // row offset of layer l in the V decoder (-1 on K=V layers)
+  int64_t exact_feature(int64_t l) const;   // i with feature_layers[i] == l - 1, or -1 (no closed form)
+  int64_t exact_rows(bool v_path) const;    // rows of k.exact (v.exact): Σ over exact layers (with a V decoder)
 
   // Validating reader of f_theta_config.json; errors name `file` and the field.
   static FThetaConfig from_json(const nlohmann::json& j, const std::string& file);
@@ -142,15 +161,26 @@ class FTheta {
   // The encoder's input rows [..., in] of x (shape-checked; target features RMS-normalised per layer).
   at::Tensor input_rows(const at::Tensor& x, bool v_path) const;
 
-  // Name -> tensor, sharing storage with the model (the trainer sets requires_grad
-  // and updates them in place). Names as in f_theta.safetensors.
+  // The learned tensors: name -> tensor, sharing storage with the model (the trainer sets
+  // requires_grad and updates them in place). Names as in f_theta.safetensors.
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+
+  // Every layer whose input is a tapped feature row (and that computes its own K/V) becomes an
+  // exact layer: its K/V rows of `verifier` (the pair's verifier, checked by fingerprint), folded
+  // with the layer's input-norm weight, in this f_θ's dtype and device. Replaces earlier ones.
+  // Throws unless the input is target_features.
+  void add_exact_layers(const Model& verifier);
 
  private:
   void check_shapes(const std::string& origin) const;
+  // named_parameters() and the exact layers' fixed tensors: what the file holds.
+  std::vector<std::pair<std::string, at::Tensor>> named_tensors() const;
+  // y [..., k_out|v_out] with the exact layers' rows computed from rows [..., n·H] (input_rows).
+  at::Tensor with_exact(const at::Tensor& y, const at::Tensor& rows, int p) const;
   FThetaConfig cfg_;
   at::Tensor enc_w_[2], enc_b_[2];  // [0] = K, [1] = V: [r, in], [r]
   at::Tensor dec_w_[2], dec_b_[2];  // [k_out|v_out, r], [k_out|v_out]
+  at::Tensor ex_w_[2], ex_b_[2];    // [exact_rows, H], [exact_rows]; undefined without exact rows on that path
 };
 
 }  // namespace kakeya
