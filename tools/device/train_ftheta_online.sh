@@ -7,8 +7,9 @@
 #      continues $RUN/save/checkpoint.safetensors,
 #   3. `kakeya ftheta-layers` on held-out corpus text: restore only the layers that beat evict-only.
 # Env: MODEL (/tmp/models/gemma3-270m), DRAFTER (checkpoints/gemma3-270m/drafter), RUN (/tmp/ftheta-online),
-#      INPUT (target_features), RANK (256), STEPS (3000), BATCH (8), MAX_LEN (1024), LR (1e-3), SYNTH (8),
-#      BUDGET (seconds for this call, 540), OUT (/tmp/ftheta-online-out).
+#      INPUT (target_features), RANK (256), STEPS (3000), BATCH (8), MAX_LEN (1024), LR (1e-3), WARMUP (200),
+#      SYNTH (8), WINDOW (64: the exact window of the loss's layout), INIT (an f_θ directory to start from;
+#      empty: random), EXACT (1: --exact-layers), BUDGET (seconds for this call, 540), OUT (/tmp/ftheta-online-out).
 # Writes to $OUT when finished: ftheta.tar.partNN = one tar of report.json, loss.png, layers.json,
 # train.log, corpus_manifest.json and ftheta/ (bf16), split into 15 MiB parts (the device tool brings
 # back files of at most 16 MiB, 8 of them: a rank-1024 f_θ is ~32 MB). Here:
@@ -19,23 +20,30 @@ MODEL=${MODEL:-/tmp/models/gemma3-270m}
 DRAFTER=${DRAFTER:-checkpoints/gemma3-270m/drafter}
 RUN=${RUN:-/tmp/ftheta-online}
 INPUT=${INPUT:-target_features}; RANK=${RANK:-256}; STEPS=${STEPS:-3000}; BATCH=${BATCH:-8}
-MAX_LEN=${MAX_LEN:-1024}; LR=${LR:-1e-3}; SYNTH=${SYNTH:-8}; BUDGET=${BUDGET:-540}
+MAX_LEN=${MAX_LEN:-1024}; LR=${LR:-1e-3}; WARMUP=${WARMUP:-200}; SYNTH=${SYNTH:-8}; BUDGET=${BUDGET:-540}
+WINDOW=${WINDOW:-64}; INIT=${INIT:-}; EXACT=${EXACT:-0}
+EXTRA=()
+[ -n "$INIT" ] && EXTRA+=(--init-from "$INIT")
+[ "$EXACT" = 1 ] && EXTRA+=(--exact-layers)
 OUT=${OUT:-/tmp/ftheta-online-out}
 mkdir -p "$OUT" "$RUN"
-if [ ! -f build-cuda/build.ninja ]; then
+if [ -f build-cuda/PREBUILT ]; then
+  :  # binaries unpacked by remote.sh prebuilt: nothing to build here
+elif [ ! -f build-cuda/build.ninja ]; then
   TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
   cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON -DKAKEYA_TESTS=OFF \
     -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" > /tmp/fto-cmake.log 2>&1 || { tail -30 /tmp/fto-cmake.log; exit 1; }
 fi
-cmake --build build-cuda -j 16 --target kakeya > /tmp/fto-build.log 2>&1 || { tail -50 /tmp/fto-build.log; exit 1; }
+[ -f build-cuda/PREBUILT ] ||
+  cmake --build build-cuda -j 16 --target kakeya > /tmp/fto-build.log 2>&1 || { tail -50 /tmp/fto-build.log; exit 1; }
 echo "[ftheta-online] kakeya built at +$(( $(date +%s) - T0 ))s"
 [ -f "$RUN/corpus/train.txt" ] || python3 tools/ftheta_corpus.py --out "$RUN/corpus" --tokenizer "$MODEL/tokenizer.json" 2>&1 | tail -6
 echo "[ftheta-online] corpus ready at +$(( $(date +%s) - T0 ))s"
 # Leave room for the layer selection (~60 s) and the copies.
 build-cuda/kakeya train-ftheta --device cuda --online "$RUN/corpus" --input "$INPUT" --verifier "$MODEL" \
   --drafter "$DRAFTER" --save "$RUN/save" --resume --loss attn_distill_hybrid --rank "$RANK" --steps "$STEPS" \
-  --batch "$BATCH" --max-len "$MAX_LEN" --lr "$LR" --lr-schedule cosine --warmup 200 --heldout 8 --eval-every 500 \
-  --synthetic-every "$SYNTH" --deadline $((T0 + BUDGET - 100)) 2>&1 | tr '\r' '\n' | tee -a "$RUN/train.log" \
+  --batch "$BATCH" --max-len "$MAX_LEN" --lr "$LR" --lr-schedule cosine --warmup "$WARMUP" --heldout 8 --eval-every 500 \
+  --synthetic-every "$SYNTH" --window "$WINDOW" "${EXTRA[@]}" --deadline $((T0 + BUDGET - 100)) 2>&1 | tr '\r' '\n' | tee -a "$RUN/train.log" \
   | grep -v "^\[train-ftheta\] step" | tail -12
 grep "^\[train-ftheta\] step" "$RUN/train.log" | tail -1
 if [ ! -f "$RUN/save/f_theta.safetensors" ]; then
