@@ -685,6 +685,12 @@ std::vector<std::string> long_task_names() {
   return names;
 }
 
+int64_t long_task_max_new_tokens() {
+  int64_t n = 0;
+  for (const auto& t : kTasks) n = std::max(n, t.max_new_tokens);
+  return n;
+}
+
 void check_long_task(const std::string& name) { find_task(name); }
 
 std::string default_long_haystack_file(LongSplit s, const std::string& source_dir) {

@@ -64,6 +64,8 @@ const char* long_split_name(LongSplit s);  // "train" / "eval"
 
 // Every task name, in the order of the header comment.
 std::vector<std::string> long_task_names();
+// The largest max_new_tokens of any task: a prompt of C tokens and its answer fit C + this.
+int64_t long_task_max_new_tokens();
 // Throws kakeya::Error "unknown task 'x': expected one of ..." for a name not in long_task_names().
 void check_long_task(const std::string& name);
 

@@ -91,7 +91,9 @@ struct LongEvalPlan {
   // samples[t][c][s]: task t (LongEvalOptions::tasks order), context contexts[c], sample s.
   std::vector<std::vector<std::vector<data::LongSample>>> samples;
   std::vector<LongEvalDoc> docs;
-  int64_t decode_capacity = 0;    // the longest prompt + its new tokens (every config's Decoder capacity)
+  // Every config's Decoder capacity: the longest context + the largest answer budget of any task
+  // (data::long_task_max_new_tokens), whichever tasks run (bf16 restored outputs depend on it).
+  int64_t decode_capacity = 0;
   int64_t positions = 0;          // RoPE positions the run needs: decode_capacity, or a scored document + 1
 };
 

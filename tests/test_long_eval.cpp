@@ -190,6 +190,26 @@ TEST(LongEval, SmokeAt1kOracleEvictRestored) {
 }
 
 // Perplexity alone (no tasks) and nothing at all.
+// The decoders' capacity depends on the contexts alone: a run of one task answers its prompts
+// with decoders of the capacity a run of every task has (bf16 restored outputs depend on it).
+TEST(LongEval, DecoderCapacityFollowsTheContextsOnly) {
+  auto o = options();
+  o.ppl_docs = 0;
+  o.tasks = {"niah_single_digits"};
+  const auto one = plan_long_eval(tokenizer(), model().config(), o);
+  o.tasks = data::long_task_names();
+  o.samples = 2;
+  const auto all = plan_long_eval(tokenizer(), model().config(), o);
+  EXPECT_EQ(one.decode_capacity, all.decode_capacity);
+  EXPECT_EQ(one.decode_capacity, 1024 + data::long_task_max_new_tokens());
+  for (const auto& task : all.samples)
+    for (const auto& ctx : task)
+      for (const auto& s : ctx) EXPECT_LE((int64_t)s.prompt_ids.size() + s.max_new_tokens, all.decode_capacity);
+  o.tasks = {"niah_single_digits"};
+  o.contexts = {512, 1024};
+  EXPECT_EQ(plan_long_eval(tokenizer(), model().config(), o).decode_capacity, all.decode_capacity);
+}
+
 TEST(LongEval, PerplexityOnly) {
   auto o = options();
   o.tasks = {};
