@@ -84,6 +84,7 @@ void register_decode(CLI::App& app);         // cmd_decode.cpp
 void register_niah(CLI::App& app);           // cmd_niah.cpp
 void register_eval_long(CLI::App& app);      // cmd_eval_long.cpp
 void register_ftheta_layers(CLI::App& app);  // cmd_ftheta_layers.cpp
+void register_ftheta_exact(CLI::App& app);   // cmd_ftheta_layers.cpp
 void register_sweep_alpha(CLI::App& app);    // cmd_niah.cpp
 void register_launch(CLI::App& app);         // cmd_launch.cpp: data-parallel ranks
 void register_serve(CLI::App& app);          // cmd_serve.cpp: OpenAI-compatible server (built where cpp-httplib is found)

@@ -1,7 +1,7 @@
 // kakeya ftheta-layers: which layers an f_θ should restore (train/ftheta_select.h). Measures, on
 // held-out text, evict-only against restoring each covered layer alone and together, and saves
 // the f_θ with the chosen layers in its config (restore_layers, read by --restore-layers auto),
-// plus SAVE/layers.json (every measurement).
+// plus SAVE/layers.json (every measurement). kakeya ftheta-exact: an f_θ given its exact layers.
 #include <cstdio>
 #include <memory>
 
@@ -21,7 +21,6 @@ void register_ftheta_layers(CLI::App& app) {
     std::string text, save;
     int64_t seqs = 8, seq_len = 2048;
     double min_gain = 0.0;
-    bool exact = false;
   };
   auto o = std::make_shared<Opts>();
   auto* c = app.add_subcommand("ftheta-layers",
@@ -35,12 +34,8 @@ void register_ftheta_layers(CLI::App& app) {
   c->add_option("--seqs", o->seqs, "held-out sequences")->capture_default_str()->check(positive());
   c->add_option("--seq-len", o->seq_len, "tokens per sequence")->capture_default_str()->check(CLI::Range(128, 1 << 20));
   c->add_option("--min-gain", o->min_gain, "nats per token a layer must gain alone to be chosen")->capture_default_str();
-  c->add_flag("--add-exact", o->exact,
-              "first give the f_theta its exact layers (K/V of layers fed by a feature layer in closed form from the "
-              "verifier's projections; core/model/ftheta.h)");
   c->callback([o] {
     DecodeStack s = load_decode_stack(o->rf, o->seq_len + 1, /*need_restore=*/true);
-    if (o->exact) s.ftheta->add_exact_layers(*s.model);
     auto seqs = train::pack_corpus_file(*s.tok, o->text, o->seq_len, 0, o->seqs);
     KAKEYA_CHECK((int64_t)seqs.size() == o->seqs, o->text << ": " << seqs.size() << " sequences of " << o->seq_len
                                                           << " tokens, --seqs asks for " << o->seqs);
@@ -67,6 +62,34 @@ void register_ftheta_layers(CLI::App& app) {
     for (const auto& l : report["per_layer"])
       std::printf("  layer %2lld alone: gain %+.5f nats/token\n", (long long)l["layer"].get<int64_t>(),
                   l["gain_nats"].get<double>());
+  });
+}
+
+void register_ftheta_exact(CLI::App& app) {
+  struct Opts {
+    std::string verifier = "checkpoints/models/gemma3-270m", drafter, ftheta, save;
+    DeviceFlags df;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = app.add_subcommand("ftheta-exact",
+                               "Give a target-feature f_theta its exact layers: K/V of every layer fed by a feature layer "
+                               "in closed form from the verifier's projections (core/model/ftheta.h); the rest unchanged");
+  c->add_option("--verifier", o->verifier, "verifier model directory (HF layout)")->capture_default_str();
+  c->add_option("--drafter", o->drafter, "the drafter the f_theta was made for (its target layers are the features)")
+      ->required();
+  c->add_option("--ftheta", o->ftheta, "input f_theta directory")->required();
+  c->add_option("--save", o->save, "output f_theta directory")->required();
+  o->df.add(c);
+  c->callback([o] {
+    Model verifier = load_model(o->verifier, o->df, 1);
+    const DrafterConfig dcfg = DrafterConfig::from_file(o->drafter + "/config.json");
+    FTheta f = FTheta::load(o->ftheta, verifier.dtype(), verifier.device());
+    f.config().check(verifier.config(), dcfg, o->ftheta + "/f_theta_config.json");
+    f.add_exact_layers(verifier);
+    f.mutable_config().provenance["exact_layers"] = {{"command", command_line()}, {"from", o->ftheta}};
+    f.save(o->save, f.dtype());
+    std::printf("[ftheta-exact] exact layers %s -> %s (%s)\n", json(f.config().exact_layers).dump().c_str(),
+                o->save.c_str(), at::toString(f.dtype()));
   });
 }
 

@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   kakeya::cli::register_sweep_alpha(app);
   kakeya::cli::register_eval_long(app);
   kakeya::cli::register_ftheta_layers(app);
+  kakeya::cli::register_ftheta_exact(app);
   kakeya::cli::register_launch(app);
 #ifdef KAKEYA_HAVE_SERVE
   kakeya::cli::register_serve(app);
