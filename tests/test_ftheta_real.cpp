@@ -5,7 +5,8 @@
 // training file sharing a 64-character window with them) teacher-forced scoring through the
 // restored cache (sink 4 + window 64, the layout it was trained for) beats evict-only (the
 // baseline restoration must beat) and an untrained f_θ, and stays close to exact attention.
-// Also: the online corpus packing (train/ftheta_online.h) on the real tokenizer.
+// Also: layer selection against evict-only (train/ftheta_select.h), and the online corpus packing
+// (train/ftheta_online.h) on the real tokenizer.
 #include <ATen/ATen.h>
 #include <unistd.h>
 
@@ -23,6 +24,7 @@
 #include "infer/score.h"
 #include "tests/test_util.h"
 #include "train/ftheta_online.h"
+#include "train/ftheta_select.h"
 
 using namespace kakeya;
 
@@ -84,6 +86,40 @@ TEST(FThetaReal, ShippedFThetaBeatsEvictOnlyOnHeldOutText) {
     EXPECT_LT(restored, random);        // and learnt
     EXPECT_LT(k_f, 0.8 * k_u);
   }
+}
+
+// Layer selection (train/ftheta_select.h) on held-out text, window 12: a subset of the layers
+// replaces "every covered layer" only with a paired interval below 0 in the report. The shipped
+// f_θ restores more than it drops; an untrained one, whose K/V on every layer are worse than
+// dropping them, never restores every layer.
+TEST(FThetaReal, LayerSelectionKeepsEveryLayerUnlessASubsetIsSignificantlyBetter) {
+  ModelOptions mo;
+  mo.max_positions = 64;
+  Model model = Model::load(test::real_model_dir(), mo);
+  Tokenizer tok = Tokenizer::from_file(test::real_model_dir() + "/tokenizer.json");
+  Drafter drafter = Drafter::load(test::shipped_dir("drafter"), model);
+  FTheta f = FTheta::load(test::shipped_dir("ftheta"), at::kFloat, at::kCPU);
+  std::vector<std::vector<int64_t>> seqs = {heldout_doc(tok, "01.txt", 48), heldout_doc(tok, "05.txt", 48)};
+  train::LayerSelectOptions lo;
+  lo.restore.window = 12;
+  auto check = [&](FTheta& ft, const char* what) {
+    const auto rep = train::select_restore_layers(model, drafter, ft, seqs, lo);
+    const auto pick = rep["restore_layers"].get<std::vector<int64_t>>();
+    std::printf("%s: %s -> %s (%s)\n", what, rep["ppl"].dump().c_str(), rep["restore_layers"].dump().c_str(),
+                rep["why"].get<std::string>().c_str());
+    EXPECT_EQ(rep["per_layer"].size(), 15u);  // the sliding layers
+    EXPECT_EQ(rep["nll_per_sequence"]["all"].size(), 2u);
+    if (!pick.empty() && pick.size() < 15) EXPECT_LT(rep["chosen_minus_all_ci95"][1].get<double>(), 0.0) << rep.dump();
+    EXPECT_EQ(ft.config().restore_layers, pick);
+    return rep;
+  };
+  const auto rep = check(f, "shipped");
+  EXPECT_LT(rep["nll"]["all"].get<double>(), rep["nll"]["none"].get<double>());
+  EXPECT_FALSE(rep["restore_layers"].empty());
+  FTheta untrained = FTheta::random(f.config(), 1, at::kFloat, at::kCPU);
+  const auto bad = check(untrained, "untrained");
+  EXPECT_GT(bad["nll"]["all"].get<double>(), bad["nll"]["none"].get<double>());
+  EXPECT_LT(bad["restore_layers"].size(), 15u);
 }
 
 TEST(FThetaReal, OnlineCorpusPacksWholeSequences) {

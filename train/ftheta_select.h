@@ -8,9 +8,11 @@
 //   {l}, each covered l  only layer l restores: gain(l) = NLL(none) - NLL({l})
 //   all                  every covered layer restores
 //   chosen               the layers with gain(l) > min_gain
-// The answer is whichever of chosen / all / none has the lowest NLL (none: restoring no layer is
-// what helps, and the config says so); it goes into f_θ's config (FThetaConfig::restore_layers),
-// which RestoreOptions::layers "auto" reads.
+// The answer is all, or chosen where it is significantly better than all (paired 95% interval of
+// the per-sequence NLL difference below 0: short held-out sequences barely see a restored region
+// at large windows, and a subset chosen on noise can drop layers long contexts need), or none
+// when it is no worse than that (restoring no layer is what helps, and the config says so); it
+// goes into f_θ's config (FThetaConfig::restore_layers), which RestoreOptions::layers "auto" reads.
 #pragma once
 #include <nlohmann/json.hpp>
 

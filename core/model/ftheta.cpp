@@ -305,6 +305,7 @@ FTheta FTheta::random(const FThetaConfig& cfg, uint64_t seed, at::ScalarType dty
   at::Generator gen = at::detail::createCPUGenerator(seed);
   FTheta f;
   f.cfg_ = cfg;
+  f.cfg_.exact_layers.clear();  // their tensors are the verifier's: add_exact_layers
   auto uniform = [&](std::vector<int64_t> shape, int64_t fan_in) {
     const double b = 1.0 / std::sqrt((double)fan_in);
     return (at::rand(shape, gen, at::kFloat) * (2 * b) - b).to(device, dtype);

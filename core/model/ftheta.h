@@ -135,6 +135,7 @@ class FTheta {
  public:
   FTheta() = default;
   // nn.Linear init from one seeded CPU generator: a seed means the same f_θ on every device.
+  // No exact layers (cfg's are dropped: add_exact_layers computes them from the verifier).
   static FTheta random(const FThetaConfig& cfg, uint64_t seed, at::ScalarType dtype, at::Device device);
   // <dir>/f_theta_config.json + <dir>/f_theta.safetensors, converted to dtype/device.
   // Every missing, extra or mis-shaped tensor is an error naming the file.
