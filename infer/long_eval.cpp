@@ -422,7 +422,6 @@ LongEvalPlan plan_long_eval(const Tokenizer& tok, const ModelConfig& cfg, const 
                                            << sample.prompt_ids.size() << " tokens) + " << sample.max_new_tokens
                                            << " new tokens exceed the model's limit of " << limit
                                            << " positions (max_position_embeddings)");
-        plan.decode_capacity = std::max(plan.decode_capacity, need);
         plan.samples[t][c].push_back(std::move(sample));
       }
   }
@@ -430,11 +429,11 @@ LongEvalPlan plan_long_eval(const Tokenizer& tok, const ModelConfig& cfg, const 
   // the run: in bf16 a restored decoder's outputs depend on its capacity (its prefill chunks attend
   // over every slot of the full-attention caches, whose GEMMs reduce in an order that follows the
   // slot count; measured on the H200: 12 of 40 fwe answers at 16k changed between capacities
-  // 16,434 and 16,504), so fwe alone must answer each prompt as a run of every task does.
-  if (plan.decode_capacity > 0) {
-    int64_t cap = longest + data::long_task_max_new_tokens();
-    if (limit > 0) cap = std::min(cap, limit);
-    plan.decode_capacity = std::max(plan.decode_capacity, cap);
+  // 16,434 and 16,504), so fwe alone must answer each prompt as a run of every task does. Every
+  // prompt fits: it is exactly its context long, and its need was checked against the limit above.
+  if (!opt.tasks.empty()) {
+    plan.decode_capacity = longest + data::long_task_max_new_tokens();
+    if (limit > 0) plan.decode_capacity = std::min(plan.decode_capacity, limit);
   }
   plan.positions = std::max(plan.positions, plan.decode_capacity);
   return plan;

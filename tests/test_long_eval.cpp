@@ -189,7 +189,6 @@ TEST(LongEval, SmokeAt1kOracleEvictRestored) {
                "config 'evict:64' had restore options");
 }
 
-// Perplexity alone (no tasks) and nothing at all.
 // The decoders' capacity depends on the contexts alone: a run of one task answers its prompts
 // with decoders of the capacity a run of every task has (bf16 restored outputs depend on it).
 TEST(LongEval, DecoderCapacityFollowsTheContextsOnly) {
@@ -210,6 +209,7 @@ TEST(LongEval, DecoderCapacityFollowsTheContextsOnly) {
   EXPECT_EQ(plan_long_eval(tokenizer(), model().config(), o).decode_capacity, all.decode_capacity);
 }
 
+// Perplexity alone (no tasks) and nothing at all.
 TEST(LongEval, PerplexityOnly) {
   auto o = options();
   o.tasks = {};

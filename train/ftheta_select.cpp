@@ -56,8 +56,9 @@ json select_restore_layers(const Model& verifier, const Drafter& drafter, FTheta
     per_layer.push_back({{"layer", l}, {"nll_alone", alone}, {"gain_nats", gain}});
     if (gain > o.min_gain) chosen.push_back(l);
   }
+  const bool subset = !chosen.empty() && chosen.size() < covered.size();
   Measure chosen_m = none;
-  if (!chosen.empty() && chosen.size() < covered.size()) chosen_m = nll(join(chosen));
+  if (subset) chosen_m = nll(join(chosen));
   else if (chosen.size() == covered.size()) chosen_m = all;
   if (progress) progress(total, total);
   // Every covered layer unless the layers that gain alone beat them on every plausible reading of
@@ -65,7 +66,6 @@ json select_restore_layers(const Model& verifier, const Drafter& drafter, FTheta
   // sequences at window 256 the two differ by noise (0.03% of perplexity), and a subset picked on
   // such a tie dropped 7 layers that 8k/16k documents needed (perplexity +1.5-2.4%, H200, 2026-11-29).
   const auto [lo, hi] = mean_ci95(paired_differences(chosen_m.per_seq, all.per_seq));
-  const bool subset = chosen.size() < covered.size() && !chosen.empty();
   std::vector<int64_t> pick = covered;
   double best = all.mean;
   std::string why = subset ? "every covered layer (the layers that gain alone are not significantly better)"

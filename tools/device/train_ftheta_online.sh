@@ -27,15 +27,15 @@ EXTRA=()
 [ "$EXACT" = 1 ] && EXTRA+=(--exact-layers)
 OUT=${OUT:-/tmp/ftheta-online-out}
 mkdir -p "$OUT" "$RUN"
-if [ -f build-cuda/PREBUILT ]; then
-  :  # binaries unpacked by remote.sh prebuilt: nothing to build here
-elif [ ! -f build-cuda/build.ninja ]; then
-  TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-  cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON -DKAKEYA_TESTS=OFF \
-    -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" > /tmp/fto-cmake.log 2>&1 || { tail -30 /tmp/fto-cmake.log; exit 1; }
-fi
-[ -f build-cuda/PREBUILT ] ||
+# Binaries unpacked by `remote.sh prebuilt` (build-cuda/PREBUILT) need no build here.
+if [ ! -f build-cuda/PREBUILT ]; then
+  if [ ! -f build-cuda/build.ninja ]; then
+    TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
+    cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON -DKAKEYA_TESTS=OFF \
+      -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" > /tmp/fto-cmake.log 2>&1 || { tail -30 /tmp/fto-cmake.log; exit 1; }
+  fi
   cmake --build build-cuda -j 16 --target kakeya > /tmp/fto-build.log 2>&1 || { tail -50 /tmp/fto-build.log; exit 1; }
+fi
 echo "[ftheta-online] kakeya built at +$(( $(date +%s) - T0 ))s"
 [ -f "$RUN/corpus/train.txt" ] || python3 tools/ftheta_corpus.py --out "$RUN/corpus" --tokenizer "$MODEL/tokenizer.json" 2>&1 | tail -6
 echo "[ftheta-online] corpus ready at +$(( $(date +%s) - T0 ))s"
