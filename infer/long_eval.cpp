@@ -20,8 +20,9 @@ namespace kakeya {
 namespace {
 
 std::string config_forms() {
-  return "oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W, e.g. restored:W, restored-int4:W, "
-         "restored-codec-lm3:W (W: the exact window, a positive integer; CODE: " + ops::row_code_names() +
+  return "oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W | exact[-CODE][-codec[-CODE]]:W, e.g. "
+         "restored:W, restored-int4:W, restored-codec-lm3:W, exact-int8:W (exact: the region holds the exact K/V, "
+         "--mix-alpha 1; W: the exact window, a positive integer; CODE: " + ops::row_code_names() +
          ", or a rotated one + vC for V rows in C bits, e.g. pw5v3)";
 }
 
@@ -286,16 +287,22 @@ LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOpti
     c.restore.layers = "none";
     return c;
   }
-  // restored, then modifiers: all | CODE (the restored regions) | codec [CODE] (the full-attention layers).
+  // restored or exact, then modifiers: all | CODE (the restored regions) | codec [CODE] (the full-attention
+  // layers). exact: every covered layer's region holds its exact K/V (a = 1), f_θ's baseline at equal bytes.
   std::vector<std::string> parts;
   std::stringstream ks(kind);
   for (std::string p; std::getline(ks, p, '-');) parts.push_back(p);
   auto bad = [&](const std::string& why) {
     KAKEYA_FAIL("--configs: bad spec '" << spec << "': " << why << "; expected " << config_forms());
   };
-  if (parts.empty() || parts[0] != "restored") bad("unknown kind '" + kind + "'");
+  if (parts.empty() || (parts[0] != "restored" && parts[0] != "exact")) bad("unknown kind '" + kind + "'");
+  const bool exact = parts[0] == "exact";
+  if (exact) {
+    c.restore.mix_alpha = 1.0;
+    c.restore.layers = "all";
+  }
   for (size_t i = 1; i < parts.size(); ++i) {
-    if (parts[i] == "all") {
+    if (parts[i] == "all" && !exact) {
       c.restore.layers = "all";
     } else if (parts[i] == "codec") {
       c.restore.full_attn = FullAttn::Codec;

@@ -244,7 +244,7 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
                     "rings of window positions"});
   if (p.true_raw > 0)
     m.add({MemoryPart::TrueRaw, "true raw K/V kept (research mode)", p.true_raw,
-                    o.mix_alpha > 0 ? "--mix-alpha > 0 blends the verifier's own K/V: not a bounded-memory result"
+                    o.mix_alpha > 0 && o.mix_alpha < 1 ? "--mix-alpha in (0, 1) blends the verifier's own K/V: not a bounded-memory result"
                                     : "relative-error statistics"});
   m.add({MemoryPart::DrafterContext, "drafter context cache", 0, "not kept: this mode does not draft"});
   add_baselines(m, cfg, elem, positions);

@@ -30,7 +30,11 @@ struct RestoreOptions {
   // documents with the shipped f_θ (kakeya eval-long; bench/results/README.md, 2026-11-26).
   int64_t window = 256;
   FullAttn full_attn = FullAttn::Exact;
-  double mix_alpha = 0.0;    // restored raw K/V = a·true + (1-a)·f_θ; a > 0 keeps true raw K/V (research mode)
+  // Restored raw K/V = a·true + (1-a)·f_θ. 0 < a < 1 keeps the true raw K/V (research mode); a = 1
+  // (exact restoration) copies each position's exact K/V from the exact ring as it leaves the window,
+  // through the region's code: no drafter, no f_θ, nothing pending (the baseline f_θ must beat at
+  // the same region bytes).
+  double mix_alpha = 0.0;
   int64_t chunk = 0;         // prefill tokens per forward, 1..window; 0: window
   bool kernels = true;       // CUDA: restore through the fused store kernel where it applies (false: reference ops)
   bool stats = false;        // relative error of restored vs true K/V (keeps true raw K/V too)
@@ -49,7 +53,7 @@ struct RestoreOptions {
   // comma-separated list of verifier layers. resolve_restore_layers() turns it into a per-layer mask.
   std::string layers = "auto";
   int64_t resolved_chunk() const { return chunk > 0 ? chunk : window; }
-  bool needs_true_raw() const { return mix_alpha > 0.0 || stats; }
+  bool needs_true_raw() const { return (mix_alpha > 0.0 && mix_alpha < 1.0) || stats; }
   bool evict_only() const { return layers == "none"; }
   bool needs_ftheta() const { return mix_alpha < 1.0 && !evict_only(); }
   nlohmann::json to_json() const;

@@ -377,9 +377,9 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Ten
     return;
   }
   if (!opt_.needs_ftheta() && !opt_.needs_true_raw()) {
-    // Evict-only: every covered layer drops its restored positions (the cache's mask shows only
-    // the sinks there), so the region gets the exact copies the ring still holds: sinks for real,
-    // the rest never read.
+    // Exact restoration (a = 1) and evict-only: the region gets the exact copies the ring still
+    // holds (through the region's code). Evict-only's covered layers drop their restored positions
+    // (the cache's mask shows only the sinks there), so only its sinks are ever read.
     for (int64_t l : layers_) {
       auto [ek, ev] = cache_.exact_kv(l, js);
       cache_.write_restored(l, ek, ev, js);

@@ -14,7 +14,9 @@
 // Drafter::context_kv see, computed for all drafter layers in one GEMM by
 // Drafter::context_raw_kv_rows, on the verifier's hidden states at j, which are themselves
 // computed under these rules), true_raw(j) = the verifier's own raw K/V at j
-// (Tap::KProj/VProj), a = --mix-alpha (0: pure f_θ), and finish_kv = the
+// (Tap::KProj/VProj), a = --mix-alpha (0: pure f_θ; at 1 the restored K/V of j is j's exact
+// K/V, copied from the exact ring as j leaves it: the same values finish_kv(true_raw(j)) gives,
+// without keeping the raw K/V), and finish_kv = the
 // verifier's own k_norm/v_norm + RoPE (Model::finish_kv). Full-attention layers
 // under --full-attn exact keep every position exact (the seeds' S5). Under
 // --full-attn codec they keep every position's K/V as coded rows (--full-code,

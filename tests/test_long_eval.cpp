@@ -288,6 +288,16 @@ TEST(LongEval, ConfigSpecs) {
   expect_error([&] { parse_long_eval_configs("oracle,restored-pw4:64", base); },
                "--configs 'restored-pw4:64', code pw4: weighted codes are for full-attention rows");
   EXPECT_NO_THROW(parse_long_eval_configs("restored-lm5-codec-pw4:64", base));
+  // exact: the region holds the exact K/V (a = 1) on every covered layer, coded as asked.
+  const auto e = parse_long_eval_configs("exact:64,exact-int8-codec-pw4:32", base);
+  EXPECT_EQ(e[0].restore.mix_alpha, 1.0);
+  EXPECT_EQ(e[0].restore.layers, "all");
+  EXPECT_FALSE(e[0].restore.needs_ftheta());
+  EXPECT_FALSE(e[0].restore.needs_true_raw());
+  EXPECT_EQ(e[1].restore.region_code, (ops::RowCode{ops::RowKind::Affine, 8}));
+  EXPECT_EQ(e[1].restore.full_attn, FullAttn::Codec);
+  EXPECT_EQ(c[2].restore.mix_alpha, 0.0);
+  expect_error([&] { parse_long_eval_configs("exact-all:64", base); }, "unknown modifier 'all'");
   EXPECT_EQ(ops::row_code_name(parse_long_eval_configs("restored-ru5-codec-pw5v3:64", base)[0].restore.full_code), "pw5v3");
 }
 

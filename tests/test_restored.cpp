@@ -102,6 +102,10 @@ TEST(Restored, ExactRestorationIncrementalEqualsAr) {
   auto r = decode(model(), nullptr, nullptr, prompt(), options(DecodeMode::Restored, 1.0, 12));
   EXPECT_EQ(r.tokens, ar_tokens());
   EXPECT_GT(r.restored_positions, 20);
+  // The region takes the exact ring's copies: nothing pending, no raw K/V kept.
+  for (const auto& l : r.memory.kv)
+    EXPECT_FALSE((l.part == MemoryPart::TrueRaw || l.part == MemoryPart::RestorePending) && l.bytes > 0)
+        << r.memory.table();
   EXPECT_DOUBLE_EQ(r.attention_fraction_sliding, 1.0);
   EXPECT_DOUBLE_EQ(r.attention_fraction_full, 1.0);
 }
