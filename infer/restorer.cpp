@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "calib/codec/calib_bundle.h"
@@ -207,35 +208,41 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
   // The fused path: pure f_θ (no true raw K/V to mix, no statistics), f_θ's fused outputs one
   // equal-width k and v row per verifier layer (no K=V layers), and no v_norm (the kernel
   // stores raw v) — Gemma 3. Everything else takes the reference ops below.
-  kernel_ = opt.kernels && dev.is_cuda() && ops::cuda_kernels_available() && opt.needs_ftheta() &&
+  // Exact restoration (a = 1) takes the same store kernel with every position "a sink": each one
+  // copied from the exact ring (through the region's code), no raw rows read.
+  const bool exact_copy = !opt.needs_ftheta() && !opt.needs_true_raw() && !opt.evict_only();
+  kernel_ = opt.kernels && dev.is_cuda() && ops::cuda_kernels_available() && (opt.needs_ftheta() || exact_copy) &&
             !opt.needs_true_raw() && !cfg.v_norm &&
             (verifier.dtype() == at::kFloat || verifier.dtype() == at::kBFloat16);
   if (kernel_) {
-    const FThetaConfig& fc = ftheta->config();
     // One store launch: equal K/V widths (ops::RestoreStore), a V decoder per layer, and regions
     // addressed by position mod their slots (not a sinks-only region).
     for (int64_t l : layers_)
-      kernel_ = kernel_ && !fc.v_from_k[l] && cfg.kv_heads(l) == cfg.kv_heads(layers_[0]) &&
+      kernel_ = kernel_ && (exact_copy || !ftheta->config().v_from_k[l]) && cfg.kv_heads(l) == cfg.kv_heads(layers_[0]) &&
                 cfg.layer_head_dim[l] == cfg.layer_head_dim[layers_[0]] && !cache.sinks_only(l);
   }
   if (kernel_) {
     // One store launch for every layer the policy covers; sinks leaving the window take their
     // exact K/V, which the exact ring still holds.
-    const FThetaConfig& fc = ftheta->config();
+    const int64_t row = cfg.kv_heads(layers_[0]) * cfg.layer_head_dim[layers_[0]];
     std::vector<ops::RestoreStore::Layer> layers;
+    int64_t most = 0;  // the largest batch the store takes: the smallest region ring
     for (int64_t l : layers_) {
       ops::RestoreStore::Layer L;
-      L.k_src = fc.k_offset(l);
-      L.v_src = fc.v_offset(l);
+      L.k_src = exact_copy ? 0 : ftheta->config().k_offset(l);
+      L.v_src = exact_copy ? 0 : ftheta->config().v_offset(l);
       L.args = verifier.rope_args(l, 0, cache.restored_slots(l));
       std::tie(L.args.sink_k, L.args.sink_v) = cache.exact_ring(l);
-      L.args.sink = opt.sink;
+      L.args.sink = exact_copy ? std::numeric_limits<int32_t>::max() : opt.sink;
+      most = most == 0 ? cache.restored_slots(l) : std::min(most, cache.restored_slots(l));
       L.args.sink_ring = cache.exact_slots(l);
       if (cache.region_coded(l)) L.codes = cache.region_codes(l);
       else std::tie(L.k_cache, L.v_cache) = cache.restored_region(l);
       layers.push_back(std::move(L));
     }
     store_ = std::make_unique<ops::RestoreStore>(std::move(layers));
+    // The raw rows the copying store is handed and never reads: one row per position of a batch.
+    if (exact_copy) copy_rows_ = at::zeros({most, row}, at::TensorOptions().dtype(verifier.dtype()).device(dev));
   }
 }
 
@@ -372,7 +379,14 @@ void Restorer::reset() {
 }
 
 void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv) {
-  if (kernel_) {
+  if (kernel_ && copy_rows_.defined() && js.size(0) <= copy_rows_.size(0)) {
+    const at::Tensor rows = copy_rows_.narrow(0, 0, js.size(0));  // [N, H_kv·D] not read: every position copies
+    store_->run(rows, rows, js);
+    if (has_sliding_) cache_.mark_restored(LayerType::Sliding, js);
+    if (has_full_) cache_.mark_restored(LayerType::Full, js);
+    return;
+  }
+  if (kernel_ && !copy_rows_.defined()) {
     restore_kernel(js, dk, dv);
     return;
   }

@@ -214,9 +214,10 @@ class Restorer : public TapSubscriber {
   at::Tensor acc_;                               // [2 raw|cache, 2 type, 2 stream, 2 err|ref] f64 accumulators
   int64_t stat_positions_ = 0;
   int64_t restored_upto_ = -1;
-  bool kernel_ = false;                          // restore() runs restore_kernel()
+  bool kernel_ = false;                          // restore() runs the store kernel (restore_kernel(), or copies at a = 1)
   bool features_in_ = false;                     // f_θ reads the target features (feat_) instead of dk_/dv_
   std::unique_ptr<ops::RestoreStore> store_;     // restore_kernel()'s store (kernel_ only)
+  at::Tensor copy_rows_;                         // [R, H_kv·D] zeros: exact restoration's unread raw rows (kernel_ at a = 1)
 };
 // The cache a restored decode of `capacity` positions runs on (linear: one slot per position,
 // no rings: the reforward reference).

@@ -92,6 +92,28 @@ TEST_F(CudaRestoredF32, KernelScoresEqualReference) {
   EXPECT_NEAR(got.mean_nll(), want.mean_nll(), 1e-4);
 }
 
+// Exact restoration (a = 1) through the store kernel copies each position from the exact ring
+// (through the region's code): the reference ops' scores, and with a plain region the full cache's.
+TEST_F(CudaRestoredF32, ExactRestorationKernelCopiesTheExactRing) {
+  const double full = score(*target_, ids_, ScoreOptions{}).mean_nll();
+  for (const char* code : {"none", "int8", "lm5"}) {
+    SCOPED_TRACE(code);
+    RestoreOptions o = options(true);
+    o.mix_alpha = 1.0;
+    if (std::string(code) != "none") o.region_code = ops::parse_row_code(code, "test");
+    auto got = score_restored(*target_, nullptr, nullptr, ids_, o);
+    o.kernels = false;
+    auto want = score_restored(*target_, nullptr, nullptr, ids_, o);
+    ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+    double worst = 0;
+    for (size_t i = 0; i < got.logprobs.size(); ++i) worst = std::max(worst, std::abs(got.logprobs[i] - want.logprobs[i]));
+    EXPECT_LE(worst, 1e-4) << "max |Δ log p| over " << got.logprobs.size() << " tokens";
+    EXPECT_EQ(got.top1, want.top1);
+    if (std::string(code) == "none") EXPECT_NEAR(got.mean_nll(), full, 1e-4);
+    else EXPECT_GT(std::abs(got.mean_nll() - full), 1e-6);  // the codes are read
+  }
+}
+
 // bf16: the kernel norms in f32 and rounds once, the reference ops round after each op, so
 // a restored K/V may differ by a bf16 step and later hidden states drift by about that much
 // (a fixed |Δ log p| bound between the two says little). What must hold: the kernel path is
