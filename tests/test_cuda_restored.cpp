@@ -93,7 +93,10 @@ TEST_F(CudaRestoredF32, KernelScoresEqualReference) {
 }
 
 // Exact restoration (a = 1) through the store kernel copies each position from the exact ring
-// (through the region's code): the reference ops' scores, and with a plain region the full cache's.
+// (through the region's code): with a plain region the reference ops' scores and the full cache's;
+// coded, the reference ops' to the codes' rounding (the kernel codes about 1% of values one step
+// apart from quantize_rows, RestoreStoreCodedRegion in test_cuda_ops: 0.0036 at most per token
+// over this text, int8 and lm5, H200), where a wrong row would move the scores far more.
 TEST_F(CudaRestoredF32, ExactRestorationKernelCopiesTheExactRing) {
   const double full = score(*target_, ids_, ScoreOptions{}).mean_nll();
   for (const char* code : {"none", "int8", "lm5"}) {
@@ -107,9 +110,12 @@ TEST_F(CudaRestoredF32, ExactRestorationKernelCopiesTheExactRing) {
     ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
     double worst = 0;
     for (size_t i = 0; i < got.logprobs.size(); ++i) worst = std::max(worst, std::abs(got.logprobs[i] - want.logprobs[i]));
-    EXPECT_LE(worst, 1e-4) << "max |Δ log p| over " << got.logprobs.size() << " tokens";
-    EXPECT_EQ(got.top1, want.top1);
-    if (std::string(code) == "none") EXPECT_NEAR(got.mean_nll(), full, 1e-4);
+    const bool coded = std::string(code) != "none";
+    EXPECT_LE(worst, coded ? 1e-2 : 1e-4) << "max |Δ log p| over " << got.logprobs.size() << " tokens";
+    int64_t same_top1 = 0;
+    for (size_t i = 0; i < got.top1.size(); ++i) same_top1 += got.top1[i] == want.top1[i];
+    EXPECT_GE((double)same_top1 / got.top1.size(), coded ? 0.97 : 1.0);
+    if (!coded) EXPECT_NEAR(got.mean_nll(), full, 1e-4);
     else EXPECT_GT(std::abs(got.mean_nll() - full), 1e-6);  // the codes are read
   }
 }

@@ -39,7 +39,9 @@ void RestoreFlags::add(CLI::App* c, bool with_alpha) {
   add_restore(c);
   if (with_alpha)
     c->add_option("--mix-alpha", mix_alpha,
-                  "research mode: restored raw K/V = a·true + (1-a)·f_θ (a > 0 keeps the true K/V)")
+                  "restored raw K/V = a·true + (1-a)·f_θ: 0 f_θ alone; 1 exact restoration (each position's own K/V "
+                  "kept in the region, coded by --restored-code; no drafter or f_θ needed); between: research mode "
+                  "(keeps the true raw K/V)")
         ->capture_default_str();
   df.add(c);
 }
