@@ -241,8 +241,12 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
       layers.push_back(std::move(L));
     }
     store_ = std::make_unique<ops::RestoreStore>(std::move(layers));
-    // The raw rows the copying store is handed and never reads: one row per position of a batch.
-    if (exact_copy) copy_rows_ = at::zeros({most, row}, at::TensorOptions().dtype(verifier.dtype()).device(dev));
+    // The raw rows the copying store is handed and never reads, one per position of a batch: a
+    // prefill chunk's or an upkeep batch's positions (<= window; a longer batch takes the ops below).
+    // window rows (32 KB at window 64 in bf16), where f_θ's feature ring holds window + rollback
+    // rows of 6.4 KB (Gemma 3 270M).
+    if (exact_copy)
+      copy_rows_ = at::zeros({std::min(most, opt.window), row}, at::TensorOptions().dtype(verifier.dtype()).device(dev));
   }
 }
 
