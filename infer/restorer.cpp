@@ -383,14 +383,8 @@ void Restorer::reset() {
 }
 
 void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv) {
-  if (kernel_ && copy_rows_.defined() && js.size(0) <= copy_rows_.size(0)) {
-    const at::Tensor rows = copy_rows_.narrow(0, 0, js.size(0));  // [N, H_kv·D] not read: every position copies
-    store_->run(rows, rows, js);
-    if (has_sliding_) cache_.mark_restored(LayerType::Sliding, js);
-    if (has_full_) cache_.mark_restored(LayerType::Full, js);
-    return;
-  }
-  if (kernel_ && !copy_rows_.defined()) {
+  // The copying store takes batches of up to its unread rows; a longer one takes the ops below.
+  if (kernel_ && (!copy_rows_.defined() || js.size(0) <= copy_rows_.size(0))) {
     restore_kernel(js, dk, dv);
     return;
   }
@@ -461,11 +455,16 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Ten
 }
 
 void Restorer::restore_kernel(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv) {
-  const FThetaConfig& fc = ftheta_->config();
   const int64_t N = js.size(0);
-  at::Tensor k = ftheta_->predict_fused(dk, false).to(model_.dtype()).view({N, fc.k_out()});  // [N, Σ_l H_kv·D]
-  at::Tensor v = ftheta_->predict_fused(dv, true).to(model_.dtype()).view({N, fc.v_out()});   // [N, Σ_l H_kv·D]
-  store_->run(k, v, js);
+  if (copy_rows_.defined()) {
+    const at::Tensor rows = copy_rows_.narrow(0, 0, N);  // [N, H_kv·D] not read: every position copies
+    store_->run(rows, rows, js);
+  } else {
+    const FThetaConfig& fc = ftheta_->config();
+    at::Tensor k = ftheta_->predict_fused(dk, false).to(model_.dtype()).view({N, fc.k_out()});  // [N, Σ_l H_kv·D]
+    at::Tensor v = ftheta_->predict_fused(dv, true).to(model_.dtype()).view({N, fc.v_out()});   // [N, Σ_l H_kv·D]
+    store_->run(k, v, js);
+  }
   if (has_sliding_) cache_.mark_restored(LayerType::Sliding, js);
   if (has_full_) cache_.mark_restored(LayerType::Full, js);
 }

@@ -191,6 +191,7 @@ class Restorer : public TapSubscriber {
   // restore() on CUDA in two GEMMs per stream and one store launch: f_θ's fused outputs, then
   // ops::RestoreStore k-norms, RoPEs and stores them into every layer's restored region (sinks
   // copied from the exact ring): what finish_kv + write_restored do, without ~a dozen ops per layer.
+  // At a = 1 (copy_rows_) no f_θ: the store copies every position from the exact ring.
   void restore_kernel(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv);
   at::Tensor take_features(int64_t n);
 
@@ -214,7 +215,7 @@ class Restorer : public TapSubscriber {
   at::Tensor acc_;                               // [2 raw|cache, 2 type, 2 stream, 2 err|ref] f64 accumulators
   int64_t stat_positions_ = 0;
   int64_t restored_upto_ = -1;
-  bool kernel_ = false;                          // restore() runs the store kernel (restore_kernel(), or copies at a = 1)
+  bool kernel_ = false;                          // restore() runs restore_kernel()
   bool features_in_ = false;                     // f_θ reads the target features (feat_) instead of dk_/dv_
   std::unique_ptr<ops::RestoreStore> store_;     // restore_kernel()'s store (kernel_ only)
   at::Tensor copy_rows_;                         // [R, H_kv·D] zeros: exact restoration's unread raw rows (kernel_ at a = 1)
