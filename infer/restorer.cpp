@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <sstream>
 
 #include "calib/codec/calib_bundle.h"
@@ -208,8 +207,8 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
   // The fused path: pure f_θ (no true raw K/V to mix, no statistics), f_θ's fused outputs one
   // equal-width k and v row per verifier layer (no K=V layers), and no v_norm (the kernel
   // stores raw v) — Gemma 3. Everything else takes the reference ops below.
-  // Exact restoration (a = 1) takes the same store kernel with every position "a sink": each one
-  // copied from the exact ring (through the region's code), no raw rows read.
+  // Exact restoration (a = 1) takes the same store kernel's copy(): every position copied from
+  // the exact ring (through the region's code), as sinks are; no raw rows.
   const bool exact_copy = !opt.needs_ftheta() && !opt.needs_true_raw() && !opt.evict_only();
   kernel_ = opt.kernels && dev.is_cuda() && ops::cuda_kernels_available() && (opt.needs_ftheta() || exact_copy) &&
             !opt.needs_true_raw() && !cfg.v_norm &&
@@ -224,29 +223,20 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
   if (kernel_) {
     // One store launch for every layer the policy covers; sinks leaving the window take their
     // exact K/V, which the exact ring still holds.
-    const int64_t row = cfg.kv_heads(layers_[0]) * cfg.layer_head_dim[layers_[0]];
     std::vector<ops::RestoreStore::Layer> layers;
-    int64_t most = 0;  // the largest batch the store takes: the smallest region ring
     for (int64_t l : layers_) {
       ops::RestoreStore::Layer L;
       L.k_src = exact_copy ? 0 : ftheta->config().k_offset(l);
       L.v_src = exact_copy ? 0 : ftheta->config().v_offset(l);
       L.args = verifier.rope_args(l, 0, cache.restored_slots(l));
       std::tie(L.args.sink_k, L.args.sink_v) = cache.exact_ring(l);
-      L.args.sink = exact_copy ? std::numeric_limits<int32_t>::max() : opt.sink;
-      most = most == 0 ? cache.restored_slots(l) : std::min(most, cache.restored_slots(l));
+      L.args.sink = opt.sink;
       L.args.sink_ring = cache.exact_slots(l);
       if (cache.region_coded(l)) L.codes = cache.region_codes(l);
       else std::tie(L.k_cache, L.v_cache) = cache.restored_region(l);
       layers.push_back(std::move(L));
     }
     store_ = std::make_unique<ops::RestoreStore>(std::move(layers));
-    // The raw rows the copying store is handed and never reads, one per position of a batch: a
-    // prefill chunk's or an upkeep batch's positions (<= window; a longer batch takes the ops below).
-    // window rows (32 KB at window 64 in bf16), where f_θ's feature ring holds window + rollback
-    // rows of 6.4 KB (Gemma 3 270M).
-    if (exact_copy)
-      copy_rows_ = at::zeros({std::min(most, opt.window), row}, at::TensorOptions().dtype(verifier.dtype()).device(dev));
   }
 }
 
@@ -383,8 +373,7 @@ void Restorer::reset() {
 }
 
 void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv) {
-  // The copying store takes batches of up to its unread rows; a longer one takes the ops below.
-  if (kernel_ && (!copy_rows_.defined() || js.size(0) <= copy_rows_.size(0))) {
+  if (kernel_) {
     restore_kernel(js, dk, dv);
     return;
   }
@@ -456,9 +445,8 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Ten
 
 void Restorer::restore_kernel(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv) {
   const int64_t N = js.size(0);
-  if (copy_rows_.defined()) {
-    const at::Tensor rows = copy_rows_.narrow(0, 0, N);  // [N, H_kv·D] not read: every position copies
-    store_->run(rows, rows, js);
+  if (!opt_.needs_ftheta()) {
+    store_->copy(js);  // exact restoration
   } else {
     const FThetaConfig& fc = ftheta_->config();
     at::Tensor k = ftheta_->predict_fused(dk, false).to(model_.dtype()).view({N, fc.k_out()});  // [N, Σ_l H_kv·D]

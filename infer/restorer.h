@@ -191,7 +191,7 @@ class Restorer : public TapSubscriber {
   // restore() on CUDA in two GEMMs per stream and one store launch: f_θ's fused outputs, then
   // ops::RestoreStore k-norms, RoPEs and stores them into every layer's restored region (sinks
   // copied from the exact ring): what finish_kv + write_restored do, without ~a dozen ops per layer.
-  // At a = 1 (copy_rows_) no f_θ: the store copies every position from the exact ring.
+  // At a = 1 no f_θ: the store copies every position from the exact ring (RestoreStore::copy).
   void restore_kernel(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv);
   at::Tensor take_features(int64_t n);
 
@@ -218,7 +218,6 @@ class Restorer : public TapSubscriber {
   bool kernel_ = false;                          // restore() runs restore_kernel()
   bool features_in_ = false;                     // f_θ reads the target features (feat_) instead of dk_/dv_
   std::unique_ptr<ops::RestoreStore> store_;     // restore_kernel()'s store (kernel_ only)
-  at::Tensor copy_rows_;                         // [R, H_kv·D] zeros: exact restoration's unread raw rows (kernel_ at a = 1)
 };
 // The cache a restored decode of `capacity` positions runs on (linear: one slot per position,
 // no rings: the reforward reference).

@@ -351,7 +351,78 @@ TEST_P(CudaOps, RestoreStoreCodedRegion) {
   }
 }
 
-// Bad input to RestoreStore: layers that disagree, raw rows too narrow -> a clear error.
+// RestoreStore::copy (exact restoration): every position's region row is its exact ring row, for
+// dense regions as it is, for coded ones what quantize_rows makes of it; nothing else moves.
+TEST_P(CudaOps, RestoreStoreCopiesFromTheExactRing) {
+  for (ops::RowCode code : {ops::RowCode{}, ops::RowCode{ops::RowKind::Affine, 8}, {ops::RowKind::Affine, 4},
+                            {ops::RowKind::Rotated, 5}, {ops::RowKind::Rotated, 4, false, true},
+                            {ops::RowKind::Rotated, 5, false, true, 3}}) {
+    for (const auto& [Hkv, D, sink] : {std::tuple<int64_t, int64_t, int64_t>{1, 256, 4}, {2, 64, 0}, {3, 128, 2}}) {
+      if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;
+      const int64_t P = 100, ring = 11, rest = 23;
+      // Positions past the sink count and below it, none two on one region or ring slot.
+      auto positions = at::tensor(std::vector<int64_t>{2, 0, 13, 5, 1, 30, 8, 17}, at::kLong);
+      const int64_t N = positions.numel();
+      RopeParams rp;
+      rp.theta = 10000;
+      RopeTable grope(rp, D, P, dt(), kCuda);
+      auto buf_k = at::randn({1, Hkv, ring + rest, D}).to(dt()), buf_v = at::randn_like(buf_k) * 3;
+      auto gk = buf_k.to(kCuda), gv = buf_v.to(kCuda);
+      ops::RestoreStore::Layer R;
+      R.args.num_kv_heads = Hkv;
+      R.args.head_dim = D;
+      R.args.norm = ops::NormSpec{1e-6, true};
+      R.args.k_norm = (at::randn({D}) * 0.2 + 1).to(kCuda);
+      R.args.cos = grope.cos();
+      R.args.sin = grope.sin();
+      R.args.ring = rest;
+      R.args.sink = sink;
+      R.args.sink_ring = ring;
+      R.args.sink_k = gk.narrow(2, 0, ring);
+      R.args.sink_v = gv.narrow(2, 0, ring);
+      auto bopt = at::TensorOptions().dtype(at::kByte).device(kCuda);
+      auto hopt = at::TensorOptions().dtype(at::kHalf).device(kCuda);
+      if (code.defined()) {
+        R.codes.code = code;
+        R.codes.k_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, code.k())}, bopt);
+        R.codes.v_codes = at::zeros({1, Hkv, rest, ops::code_bytes(D, code.v())}, bopt);
+        R.codes.k_side = at::zeros({1, Hkv, rest, ops::side_halves(D, code)}, hopt);
+        R.codes.v_side = at::zeros({1, Hkv, rest, ops::side_halves(D, code)}, hopt);
+      } else {
+        R.k_cache = gk.narrow(2, ring, rest);
+        R.v_cache = gv.narrow(2, ring, rest);
+      }
+      ops::CodedSlots got = R.codes;
+      ops::RestoreStore store({R});
+      store.copy(positions.to(kCuda));
+      const auto slot = positions.remainder(rest), from = positions.remainder(ring);
+      const std::string tag = (code.defined() ? ops::row_code_name(code) : std::string("dense")) + " D=" + std::to_string(D) +
+                              " sink=" + std::to_string(sink);
+      for (int kv = 0; kv < 2; ++kv) {
+        const at::Tensor& buf = kv ? buf_v : buf_k;
+        auto exact = buf.narrow(2, 0, ring).index_select(2, from);  // [1, H, N, D]
+        if (!code.defined()) {
+          auto want = buf.clone();
+          want.narrow(2, ring, rest).index_copy_(2, slot, exact);
+          EXPECT_TRUE(at::equal((kv ? gv : gk).cpu(), want)) << tag << (kv ? " v" : " k") << ": region rows != exact rows";
+          continue;
+        }
+        const ops::RowCode half = kv ? code.v() : code.k();
+        auto [want_c, want_s] = ops::quantize_rows(exact, half);
+        auto gc = (kv ? got.v_codes : got.k_codes).cpu().index_select(2, slot);
+        auto gs = (kv ? got.v_side : got.k_side).cpu().index_select(2, slot);
+        // The same dense rows in: the codes may differ only where a value sits within rounding of a
+        // level boundary (the kernel and quantize_rows sum in other orders).
+        EXPECT_GE(gc.eq(want_c).to(at::kFloat).mean().item<double>(), 0.99) << tag << (kv ? " v" : " k");
+        expect_coded_like(gc, gs, half, exact, tag + (kv ? " v" : " k"));
+      }
+      EXPECT_TRUE(at::equal(gk.narrow(2, 0, ring).cpu(), buf_k.narrow(2, 0, ring))) << tag << ": exact ring written";
+    }
+  }
+}
+
+// Bad input to RestoreStore: layers that disagree, raw rows too narrow, a copy without exact
+// rings -> a clear error.
 TEST_P(CudaOps, RestoreStoreRejectsMismatches) {
   auto opt = at::TensorOptions().dtype(dt()).device(kCuda);
   RopeParams rp;
@@ -372,6 +443,8 @@ TEST_P(CudaOps, RestoreStoreRejectsMismatches) {
   auto pos = at::arange(3, at::TensorOptions().dtype(at::kLong).device(kCuda));
   EXPECT_THROW(store.run(at::zeros({3, 32}, opt), at::zeros({3, 64}, opt), pos), c10::Error);
   EXPECT_NO_THROW(store.run(at::zeros({3, 64}, opt), at::zeros({3, 64}, opt), pos));
+  EXPECT_THROW(store.copy(pos), c10::Error);                    // no exact ring to copy from
+  EXPECT_ANY_THROW(store.run(at::Tensor(), at::Tensor(), pos));  // run() takes raw rows
 }
 
 // Softmax attention in f32, the decode attention tests' reference: q [B, T, Hq, D], k, v [B, Hkv, S, D]

@@ -483,9 +483,18 @@ RestoreStore::RestoreStore(std::vector<Layer> layers) : layers_(std::move(layers
 
 void RestoreStore::run(const at::Tensor& k_raw, const at::Tensor& v_raw, const at::Tensor& positions) const {
 #ifdef KAKEYA_CUDA
+  KAKEYA_CHECK(k_raw.defined() && v_raw.defined(), "RestoreStore::run: raw rows expected (copy() takes none)");
   cuda::restore_store(desc_, layers_, k_raw, v_raw, positions);
 #else
   (void)k_raw, (void)v_raw, (void)positions;
+#endif
+}
+
+void RestoreStore::copy(const at::Tensor& positions) const {
+#ifdef KAKEYA_CUDA
+  cuda::restore_store(desc_, layers_, at::Tensor(), at::Tensor(), positions);
+#else
+  (void)positions;
 #endif
 }
 

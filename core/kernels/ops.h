@@ -262,8 +262,9 @@ void code_rows(at::Tensor& k, at::Tensor& v, const at::Tensor& src_slots, const 
 // Restoration's store for several layers in one launch (infer/restored.h): per layer, the
 // K/V-only qk_norm_rope_store into its restored region (k normed + RoPE'd, v raw; positions
 // < sink copied from its exact ring). Layers, buffers and tables are fixed at construction
-// (their addresses go to the device once), so run() is one launch with no host work and CUDA
-// graphs capture it. CUDA builds only; its reference is one qk_norm_rope_store per layer.
+// (their addresses go to the device once), so run() and copy() are one launch with no host work
+// and CUDA graphs capture them. CUDA builds only; its reference is one qk_norm_rope_store per
+// layer (copy(): the exact ring's rows, index_copy_'d or quantize_rows'd into the region).
 class RestoreStore {
  public:
   struct Layer {
@@ -277,6 +278,10 @@ class RestoreStore {
   explicit RestoreStore(std::vector<Layer> layers);
   // k_raw: [N, Fk], v_raw: [N, Fv] raw rows, contiguous, in the caches' dtype; positions: [N] int64.
   void run(const at::Tensor& k_raw, const at::Tensor& v_raw, const at::Tensor& positions) const;
+  // Every position copied from its layer's exact ring (args.sink_k/sink_v at position mod
+  // sink_ring, which every layer then needs), as sinks are, through the region's code: exact
+  // restoration, which keeps no raw rows. positions: [N] int64, N <= the smallest region ring.
+  void copy(const at::Tensor& positions) const;
 
  private:
   std::vector<Layer> layers_;  // keeps alive what the descriptors point to

@@ -4,6 +4,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 
 #include "core/kernels/cuda/decode_kernels.cuh"
 #include "core/kernels/cuda/decode_ops.h"
@@ -228,10 +229,10 @@ void check_coded_slots(const CodedSlots& c, int64_t B, int64_t Hkv, int64_t D, c
                   what, ": means and weights f32 [", B, ", ", Hkv, ", ", D, "] expected, got ", m->sizes());
     }
 }
-// The activation dtype a RestoreStore layer works in: its dense caches', or its sinks' ring when coded.
+// The activation dtype a RestoreStore layer works in: its dense caches', or its exact ring's when coded.
 at::ScalarType layer_dtype(const RestoreStore::Layer& L) {
   if (!L.codes.defined()) return L.k_cache.scalar_type();
-  return L.args.sink > 0 ? L.args.sink_k.scalar_type() : L.args.cos.scalar_type();
+  return L.args.sink_k.defined() ? L.args.sink_k.scalar_type() : L.args.cos.scalar_type();
 }
 }  // namespace
 
@@ -272,9 +273,10 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
     TORCH_CHECK(L.k_src >= 0 && L.v_src >= 0, "RestoreStore layer ", i, ": negative source column");
     if (a.k_norm.defined()) check_w(a.k_norm, a.head_dim, "RestoreStore k_norm");
     const int64_t rot = check_rope(a, dt, a.head_dim, "RestoreStore");
-    if (a.sink > 0) {
-      TORCH_CHECK(a.sink_k.defined() && a.sink_v.defined(), "RestoreStore layer ", i, ": sink ", a.sink,
-                  " needs sink_k/sink_v");
+    TORCH_CHECK(a.sink == 0 || (a.sink_k.defined() && a.sink_v.defined()), "RestoreStore layer ", i, ": sink ", a.sink,
+                " needs sink_k/sink_v");
+    TORCH_CHECK(a.sink_k.defined() == a.sink_v.defined(), "RestoreStore layer ", i, ": sink_k and sink_v go together");
+    if (a.sink_k.defined()) {  // the exact ring: sinks, and every position copy() stores
       // Uncoded, the sinks' ring shares the region's head stride (one stride in the descriptor).
       const at::Tensor& like = cs.defined() ? a.sink_k : kc;
       check_cache_rows(a.sink_k, like, "RestoreStore sink_k");
@@ -304,14 +306,15 @@ at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& lay
       d.k = kc.data_ptr();
       d.v = vc.data_ptr();
     }
-    d.sink_k = a.sink > 0 ? a.sink_k.data_ptr() : nullptr;
-    d.sink_v = a.sink > 0 ? a.sink_v.data_ptr() : nullptr;
-    // The sinks' exact ring is addressed with this stride too (the cache's head stride).
-    d.head_stride = cs.defined() ? (a.sink > 0 ? a.sink_k.stride(1) : 0) : kc.stride(1);
+    const bool exact_ring = a.sink_k.defined();
+    d.sink_k = exact_ring ? a.sink_k.data_ptr() : nullptr;
+    d.sink_v = exact_ring ? a.sink_v.data_ptr() : nullptr;
+    // The exact ring is addressed with this stride too (the cache's head stride).
+    d.head_stride = cs.defined() ? (exact_ring ? a.sink_k.stride(1) : 0) : kc.stride(1);
     d.k_src = L.k_src;
     d.v_src = L.v_src;
     d.ring = (int)ring;
-    d.sink_ring = a.sink > 0 ? (int)a.sink_ring : 1;
+    d.sink_ring = exact_ring ? (int)a.sink_ring : 1;
     d.rot = (int)rot;
     desc.push_back(d);
   }
@@ -325,18 +328,27 @@ void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer
   const QKRopeArgs& a = layers[0].args;
   const at::ScalarType dt = layer_dtype(layers[0]);
   const at::Device dev = (layers[0].codes.defined() ? layers[0].codes.k_codes : layers[0].k_cache).device();
-  check_cuda(k_raw, "RestoreStore k_raw");
-  check_cuda(v_raw, "RestoreStore v_raw");
+  // No raw rows: copy(), every position taken from its layer's exact ring as sinks are.
+  const bool copy = !k_raw.defined();
   check_cuda(positions, "RestoreStore positions");
   const int64_t N = positions.numel(), D = a.head_dim, Hkv = a.num_kv_heads;
   TORCH_CHECK(positions.scalar_type() == at::kLong, "RestoreStore positions must be int64");
-  TORCH_CHECK(k_raw.dim() == 2 && v_raw.dim() == 2 && k_raw.size(0) == N && v_raw.size(0) == N,
-              "RestoreStore: raw rows [N, F] for ", N, " positions expected, got ", k_raw.sizes(), " / ", v_raw.sizes());
-  TORCH_CHECK(k_raw.scalar_type() == dt && v_raw.scalar_type() == dt, "RestoreStore: raw rows must be ", dt, ", got ",
-              k_raw.scalar_type());
-  for (const auto& L : layers)
-    TORCH_CHECK(L.k_src + Hkv * D <= k_raw.size(1) && L.v_src + Hkv * D <= v_raw.size(1), "RestoreStore: a layer reads columns ",
-                L.k_src, " / ", L.v_src, " + ", Hkv * D, " past the raw rows ", k_raw.sizes(), " / ", v_raw.sizes());
+  if (copy) {
+    for (size_t i = 0; i < layers.size(); ++i)
+      TORCH_CHECK(layers[i].args.sink_k.defined(), "RestoreStore::copy: layer ", i,
+                  " has no exact ring to copy from (args.sink_k/sink_v)");
+  } else {
+    check_cuda(k_raw, "RestoreStore k_raw");
+    check_cuda(v_raw, "RestoreStore v_raw");
+    TORCH_CHECK(k_raw.dim() == 2 && v_raw.dim() == 2 && k_raw.size(0) == N && v_raw.size(0) == N,
+                "RestoreStore: raw rows [N, F] for ", N, " positions expected, got ", k_raw.sizes(), " / ", v_raw.sizes());
+    TORCH_CHECK(k_raw.scalar_type() == dt && v_raw.scalar_type() == dt, "RestoreStore: raw rows must be ", dt, ", got ",
+                k_raw.scalar_type());
+    for (const auto& L : layers)
+      TORCH_CHECK(L.k_src + Hkv * D <= k_raw.size(1) && L.v_src + Hkv * D <= v_raw.size(1),
+                  "RestoreStore: a layer reads columns ", L.k_src, " / ", L.v_src, " + ", Hkv * D, " past the raw rows ",
+                  k_raw.sizes(), " / ", v_raw.sizes());
+  }
   for (const auto& L : layers)
     TORCH_CHECK(N <= (L.args.ring > 0 ? L.args.ring : (L.codes.defined() ? L.codes.k_codes : L.k_cache).size(2)),
                 "RestoreStore: ", N, " positions do not fit a ring of ", L.args.ring);
@@ -344,9 +356,12 @@ void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer
   c10::cuda::CUDAGuard g(dev);
   dispatch(dt, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    k::launch_restore_store<T>(ptr<T>(k_raw), ptr<T>(v_raw), k_raw.size(1), v_raw.size(1),
+    // copy(): every position below the "sink" count, so the kernel never reads a raw row.
+    k::launch_restore_store<T>(copy ? nullptr : ptr<T>(k_raw), copy ? nullptr : ptr<T>(v_raw),
+                               copy ? 0 : k_raw.size(1), copy ? 0 : v_raw.size(1),
                                reinterpret_cast<const k::RestoreLayerDesc*>(desc.data_ptr()), (int)layers.size(),
-                               positions.data_ptr<int64_t>(), (int)N, (int)Hkv, (int)D, (int)a.sink, a.norm.eps,
+                               positions.data_ptr<int64_t>(), (int)N, (int)Hkv, (int)D,
+                               copy ? std::numeric_limits<int>::max() : (int)a.sink, a.norm.eps,
                                a.norm.unit_offset, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

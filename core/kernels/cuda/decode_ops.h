@@ -19,7 +19,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bi
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,
                               at::Tensor& k_cache, at::Tensor& v_cache);
-// RestoreStore (core/kernels/ops.h): the per-layer descriptors on the device, then one launch per run.
+// RestoreStore (core/kernels/ops.h): the per-layer descriptors on the device, then one launch per run
+// (k_raw/v_raw undefined: copy(), every position from its layer's exact ring).
 at::Tensor restore_store_descriptors(const std::vector<RestoreStore::Layer>& layers);
 void restore_store(const at::Tensor& desc, const std::vector<RestoreStore::Layer>& layers, const at::Tensor& k_raw,
                    const at::Tensor& v_raw, const at::Tensor& positions);
