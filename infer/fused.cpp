@@ -123,6 +123,7 @@ class Engine {
     fo.last_logits_only = true;
     fo.skip_logits = !want_logits;
     auto logits = v_.forward(ids, pos, cache_, fo);
+    rest_.note_own_copies(p0, n);
     // Restoration inside the prefill (prepare) reads the drafter's raw K/V from the taps.
     at::Tensor feats = capture_.take();  // [1, n, n·H]
     d_.store_context(d_.project_context(feats), pos, ck_, cv_, rest_.drafter_taps());
@@ -343,7 +344,7 @@ DecodeResult FusedDecoder::feed(const std::vector<int64_t>& prompt, const Decode
   res.tokens.reserve(opt.max_new_tokens + B);
   res.committed.reserve(opt.max_new_tokens);
 
-  // ---- prefill: chunks of <= window tokens, as `restored` mode ----
+  // ---- prefill: chunks of <= window tokens (longer at a = 1), as `restored` mode ----
   auto t0 = Clock::now();
   auto ids = at::tensor(prompt, at::kLong).view({1, n_prompt}).to(dev);
   at::Tensor logits;

@@ -288,7 +288,8 @@ MemoryReport restored_memory_report(const Model& v, const Drafter* d, const FThe
 MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* dc, const FThetaConfig* fc,
                                   const RestoreOptions& o, at::ScalarType dtype, int64_t n) {
   check_window_chunk(o, "memory plan");
-  const int64_t elem = c10::elementSize(dtype), w = o.window, c = o.resolved_chunk();
+  // A chunk longer than the window (exact copies) reads the region as a chunk of `window` does.
+  const int64_t elem = c10::elementSize(dtype), w = o.window, c = std::min(o.resolved_chunk(), w);
   KvParts p;
   int64_t first_full = -1;
   for (int64_t l = cfg.num_layers - 1; l >= 0; --l) {

@@ -35,7 +35,10 @@ struct RestoreOptions {
   // through the region's code: no drafter, no f_θ, nothing pending (the baseline f_θ must beat at
   // the same region bytes).
   double mix_alpha = 0.0;
-  int64_t chunk = 0;         // prefill tokens per forward, 1..window; 0: window
+  // Prefill tokens per forward, 1..window (0: window); longer with long_chunks(): exact restoration
+  // has no restored copy of a chunk's own positions to wait for, so a chunk reads them exactly and
+  // stores their copies as it writes them (core/model/kv_cache.h RestorePolicy::exact_copies).
+  int64_t chunk = 0;
   bool kernels = true;       // CUDA: restore through the fused store kernel where it applies (false: reference ops)
   bool stats = false;        // relative error of restored vs true K/V (keeps true raw K/V too)
   // FullAttn::Codec: every position of the full-attention layers stored as these coded rows
@@ -56,6 +59,11 @@ struct RestoreOptions {
   bool needs_true_raw() const { return (mix_alpha > 0.0 && mix_alpha < 1.0) || stats; }
   bool evict_only() const { return layers == "none"; }
   bool needs_ftheta() const { return mix_alpha < 1.0 && !evict_only(); }
+  // Prefill chunks may exceed the window: exact restoration (a = 1, no statistics) with exact
+  // full-attention layers (a coded or restored full layer's exact ring grows with the chunk).
+  bool long_chunks() const {
+    return mix_alpha >= 1.0 && !stats && !evict_only() && full_attn == FullAttn::Exact;
+  }
   nlohmann::json to_json() const;
 };
 

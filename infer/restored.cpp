@@ -109,7 +109,9 @@ DecodeResult ReforwardDecoder::feed(const std::vector<int64_t>& prompt, const De
   const RestoreOptions& ro = opt_.restore;
   validate_restore(v_, d_, f_, ro, prompt.size(), opt.max_new_tokens);
   const at::Device dev = v_.device();
-  const int64_t chunk = ro.resolved_chunk();
+  // The definition, token by token: chunks of at most the window (a longer prefill chunk reads
+  // its own positions exactly, which the definition does not).
+  const int64_t chunk = std::min(ro.resolved_chunk(), ro.window);
   Sampler sampler(opt.sampling, dev);
   DecodeResult res;
   std::vector<int64_t> seq = prompt;
@@ -150,7 +152,9 @@ ScoreResult score_restored(const Model& v, const Drafter* dr, const FTheta* ft, 
   KAKEYA_CHECK(ids.size() >= 2, "score: need at least 2 tokens, got " << ids.size());
   validate_restore(v, dr, ft, ro, ids.size(), 1);
   check_restores_something(ro, ids.size(), 1);
-  const int64_t n = ids.size(), chunk = ro.resolved_chunk();
+  // Every scored token reads older positions as a decode step does: chunks of at most the window
+  // (a longer prefill chunk would read its own positions exactly).
+  const int64_t n = ids.size(), chunk = std::min(ro.resolved_chunk(), ro.window);
   KVCache cache(v.config(), restored_cache_options(v, ft, ro, n, false));
   Restorer rest(v, dr, ft, ro, cache);
   auto w = at::tensor(ids, at::kLong).view({1, n}).to(v.device());

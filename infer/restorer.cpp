@@ -41,9 +41,11 @@ void check_region_code(const ops::RowCode& code, const std::string& flag) {
 
 void check_window_chunk(const RestoreOptions& o, const std::string& who) {
   KAKEYA_CHECK(o.window >= 1, who << ": --window expected >= 1, got " << o.window);
-  KAKEYA_CHECK(o.chunk >= 0 && o.chunk <= o.window,
+  KAKEYA_CHECK(o.chunk >= 0, who << ": --chunk expected >= 0 (0: window), got " << o.chunk);
+  KAKEYA_CHECK(o.chunk <= o.window || o.long_chunks(),
                who << ": --chunk expected in [1, window=" << o.window << "] (0: window), got " << o.chunk
-                   << " (a longer chunk would need restored K/V of itself)");
+                   << " (a longer chunk would need restored K/V of itself; only exact restoration, --mix-alpha 1 "
+                      "with --full-attn exact, takes longer chunks)");
 }
 
 void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& o,
@@ -259,9 +261,10 @@ void Restorer::prepare(int64_t p0, int64_t t) {
                "restorer: a forward of " << t << " tokens exceeds the policy's chunk of "
                                          << cache_.options().restore.max_chunk);
   // The forward's queries p0 .. p0+t-1 read restored K/V of every j <= p0 + t - 1 - window.
-  const int64_t last = p0 + t - 1 - opt_.window;
+  // A chunk longer than the window (exact copies) reads its own positions exactly: only the
+  // positions before it need their restored copies.
+  const int64_t last = std::min(p0 + t - 1 - opt_.window, p0 - 1);
   if (last <= restored_upto_) return;
-  KAKEYA_CHECK(last < p0, "restorer: chunk of " << t << " tokens at " << p0 << " needs restored K/V of itself");
   const int64_t first = restored_upto_ + 1;
   restore_at(at::arange(first, last + 1, at::TensorOptions().dtype(at::kLong).device(model_.device())));
   note_restored(last);
@@ -465,7 +468,19 @@ at::Tensor Restorer::take_features(int64_t n) {
   return feats.size(1) == n ? feats : feats.slice(1, 0, n);
 }
 
+void Restorer::note_own_copies(int64_t p0, int64_t n) {
+  if (n <= opt_.window) return;
+  // The cache stored the copies of the chunk's positions that left the window as it wrote them
+  // (RestorePolicy::exact_copies, sliding layers only), the last region's worth of them.
+  KAKEYA_CHECK(cache_.options().restore.exact_copies && !has_full_,
+               "restorer: a forward of " << n << " positions exceeds the window " << opt_.window);
+  const int64_t end = p0 + n - opt_.window, from = std::max(p0, end - cache_.restored_slots(layers_[0]));
+  cache_.mark_restored(LayerType::Sliding, at::arange(from, end, at::TensorOptions().dtype(at::kLong).device(model_.device())));
+  note_restored(end - 1);
+}
+
 void Restorer::commit(int64_t p0, int64_t n, DrafterCache* dcache) {
+  note_own_copies(p0, n);
   at::Tensor feats = take_features(n);
   // In store mode (stash_in_forward) the forward has written them into the ring already.
   if (feat_.defined() && !(capture_ && capture_->stores_all()))
@@ -545,6 +560,7 @@ KVCacheOptions restored_cache_options(const Model& v, const FTheta* f, const Res
     }
   }
   co.restore.max_chunk = o.resolved_chunk();
+  co.restore.exact_copies = o.long_chunks() && !linear;
   co.restore.linear = linear;
   co.restore.region_code = o.region_code;
   return co;
@@ -605,7 +621,9 @@ at::Tensor run_chunks(const Model& v, KVCache& cache, Restorer& r, const at::Ten
   auto iopt = at::TensorOptions().dtype(at::kLong).device(v.device());
 #ifdef KAKEYA_CUDA
   const int64_t window = r.options().window;
-  const bool graphs = graph && v.device().is_cuda() && r.commits_on_device();
+  // A chunk longer than the window runs eagerly: the graph restores each chunk's positions
+  // window back, which such a chunk has not written yet (it stores their copies as it writes).
+  const bool graphs = graph && v.device().is_cuda() && r.commits_on_device() && chunk <= window;
 #else
   (void)graph;  // no graphs off CUDA
 #endif

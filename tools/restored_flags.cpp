@@ -14,7 +14,10 @@ void RestoreFlags::add_restore(CLI::App* c, const std::string& prefix) {
   c->add_option("--window", window, prefix + "exact recent positions per query on restored layers")
       ->capture_default_str()
       ->check(positive());
-  c->add_option("--chunk", chunk, prefix + "prefill tokens per forward, 1..window (0: window)")->capture_default_str();
+  c->add_option("--chunk", chunk,
+                prefix + "prefill tokens per forward, 1..window (0: window); longer with --mix-alpha 1 and --full-attn "
+                         "exact (exact restoration: a chunk reads its own positions exactly)")
+      ->capture_default_str();
   c->add_option("--full-attn", full_attn, prefix + "full-attention layers: exact | restored | codec")
       ->capture_default_str()
       ->check(CLI::IsMember({"exact", "restored", "codec"}));

@@ -27,9 +27,12 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
     KAKEYA_CHECK(rp.max_chunk >= 1, "KV cache: restore max_chunk expected >= 1, got " << rp.max_chunk);
     KAKEYA_CHECK(rp.max_step >= 1 && rp.max_step <= rp.max_chunk,
                  "KV cache: restore max_step expected in [1, max_chunk " << rp.max_chunk << "], got " << rp.max_step);
-    KAKEYA_CHECK(rp.max_chunk <= rp.window,
+    KAKEYA_CHECK(rp.max_chunk <= rp.window || rp.exact_copies,
                  "KV cache: restore chunks of " << rp.max_chunk << " tokens exceed the exact window " << rp.window
-                                                << " (a chunk's queries would need restored K/V of the chunk itself)");
+                                                << " (a chunk's queries would need restored K/V of the chunk itself; "
+                                                   "only exact copies take longer chunks)");
+    KAKEYA_CHECK(!rp.exact_copies || (!rp.full && !rp.full_code.defined() && !rp.linear),
+                 "KV cache: exact copies (chunks longer than the window) restore sliding layers only, in rings");
     KAKEYA_CHECK(!(rp.full && rp.full_code.defined()),
                  "KV cache: full-attention layers are either restored or coded (full_code "
                      << ops::row_code_name(rp.full_code) << ")");
@@ -55,9 +58,12 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
       // longer chunk over [ring ++ chunk]); full-attention layers write every chunk first.
       const int64_t step = sliding ? rp.max_step : rp.max_chunk;
       s.ring = rp.linear ? opt.capacity : std::min(opt.capacity, rp.window + std::max(step - 1, opt.rollback));
+      // A chunk longer than the window (exact copies) reads only positions before it from the
+      // region: the sliding window's worth, what a chunk of `window` tokens needs.
+      const int64_t reach = rp.exact_copies ? std::min(rp.max_chunk, rp.window) : rp.max_chunk;
       s.rest = s.sinks_only ? rp.sink + 1
                : sliding && !rp.linear
-                   ? std::min(opt.capacity, std::max<int64_t>(1, cfg.sliding_window - rp.window + rp.max_chunk - 1))
+                   ? std::min(opt.capacity, std::max<int64_t>(1, cfg.sliding_window - rp.window + reach - 1))
                    : opt.capacity;
       if (s.coded) {
         s.held = rp.sink;
@@ -166,19 +172,22 @@ at::Tensor KVCache::visible_concat(int64_t layer, const at::Tensor& old_pos, con
   const TypeState& s = state(layer);
   at::Tensor in_restored;  // the chunk's own slots are exact
   if (s.policy) in_restored = at::cat({s.in_restored, at::zeros({q_pos.size(0)}, s.in_restored.options())});
-  return visible_over(layer, at::cat({old_pos, q_pos}), in_restored, q_pos);
+  return visible_over(layer, at::cat({old_pos, q_pos}), in_restored, q_pos, old_pos.size(-1));
 }
 
 at::Tensor KVCache::visible_over(int64_t layer, const at::Tensor& pos, const at::Tensor& in_restored,
-                                 const at::Tensor& q_pos) const {
+                                 const at::Tensor& q_pos, int64_t own_from) const {
   const TypeState& s = state(layer);
   const int64_t span = cfg_.is_sliding(layer) ? cfg_.sliding_window : 0;
   auto m = causal_visible(pos, q_pos, span);
   if (!s.policy) return m;
-  // Exact copies serve the recent window, restored (or coded) copies everything older.
+  // Exact copies serve the recent window, restored (or coded) copies everything older; the
+  // forward's own slots (own_from on) are exact at every distance.
   // [T, S] bool ([B, T, S] with rows: pos [B, S], q_pos [B, T]; in_restored [S] is every row's)
   auto recent = (q_pos.unsqueeze(-1) - pos.unsqueeze(-2)).lt(s.window);
-  m = m.logical_and(recent.ne(in_restored));
+  auto rule = recent.ne(in_restored);
+  if (own_from >= 0) rule = rule.logical_or(at::arange(pos.size(-1), pos.options()).ge(own_from));
+  m = m.logical_and(rule);
   if (s.held > 0) {
     // A coded layer's sinks: their coded rows are hidden (the exact sink slots serve them).
     auto coded_row = at::arange(pos.size(-1), pos.options()).ge(s.ring + s.held).logical_and(in_restored);
@@ -234,7 +243,9 @@ void KVCache::mark(const at::Tensor& positions) {
       KAKEYA_CHECK(t <= opt_.restore.max_chunk || s->ring == opt_.capacity,
                    "KV cache: a forward of " << t << " tokens exceeds the restore policy's chunk of "
                                              << opt_.restore.max_chunk);
-      s->pos.narrow(0, 0, s->ring).index_copy_(0, positions.remainder(s->ring), positions);
+      // A chunk longer than the ring (exact copies) leaves its last ring's worth there.
+      const at::Tensor held = t > s->ring ? positions.slice(0, t - s->ring) : positions;
+      s->pos.narrow(0, 0, s->ring).index_copy_(0, held.remainder(s->ring), held);
       // A coded layer's rows hold every position (row = position), coded as it is written; its
       // sink slots hold the sinks (re-marked: a truncation below them cleared them).
       if (s->coded) {
@@ -269,9 +280,19 @@ void KVCache::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, con
     return;
   }
   if (st.policy) {
-    auto slot = positions.remainder(st.ring);
-    kb.index_copy_(2, slot, k);
-    vb.index_copy_(2, slot, v);
+    const int64_t leave = opt_.restore.exact_copies && !st.coded ? t - st.window : 0;
+    if (leave > 0) {
+      // Exact copies: the positions of a chunk longer than the window that leave the window
+      // within it (a forward's positions are consecutive) get their restored copies now, the
+      // last region's worth of them (older ones are past every later query's span); the caller
+      // marks them (mark_restored) after the forward, whose queries read them exactly.
+      const int64_t keep = std::min(leave, st.rest), from = leave - keep;
+      write_restored(layer, k.narrow(2, from, keep), v.narrow(2, from, keep), positions.slice(0, from, leave));
+    }
+    const int64_t held = std::min(t, st.ring);  // a chunk longer than the ring leaves its last ring's worth
+    auto slot = positions.slice(0, t - held).remainder(st.ring);
+    kb.index_copy_(2, slot, k.narrow(2, t - held, held));
+    vb.index_copy_(2, slot, v.narrow(2, t - held, held));
     if (st.coded) code_stored(layer, positions);
     return;
   }

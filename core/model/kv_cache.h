@@ -22,6 +22,10 @@
 // rollback) exact slots and `capacity` restored ones. A position may sit in both
 // parts at once; the mask shows each query exactly one of the two copies. Where every layer of
 // a type drops its restored positions (evict-only), the region holds sink + 1 slots instead.
+// A forward's own positions are read exactly: a chunk of at most `window` tokens holds only
+// recent ones, and a longer one (RestorePolicy::exact_copies) has no restored copies of them yet;
+// it stores those copies itself as it writes (the restored copy of a position is then its exact
+// K/V, through the region's code), and its restored region holds sliding window - 1 slots.
 //
 // Coded regions (core/kernels/ops.h coded rows): a restored layer with RestorePolicy::
 // region_code keeps its exact ring dense and its restored region as coded rows (int4 about
@@ -67,6 +71,11 @@ struct RestorePolicy {
   std::vector<bool> drop;
   int64_t sink = 0;
   ops::RowCode region_code;  // defined: restored regions stored as coded rows (else in the cache dtype)
+  // Exact restoration: a position's restored copy is its exact K/V (through region_code), so a
+  // forward of more than `window` tokens may run (max_chunk > window): write() also stores the
+  // copies of its positions that leave the window within it. Sliding layers only (neither `full`
+  // nor full_code: a full-attention layer's exact ring would grow with the chunk).
+  bool exact_copies = false;
   // full_code.weighted: per layer, the K weights of its coded rows ([H_kv, D] f32, any device;
   // calib/calibrate.h k_weights); read on the full-attention layers, which must all have one.
   std::vector<at::Tensor> full_k_weight;
@@ -141,7 +150,8 @@ class KVCache {
   // with rows, q_pos [B, T] -> [B, T, S_l].
   at::Tensor visible(int64_t layer, const at::Tensor& q_pos) const;
   // The same over [slots as old_pos [S_l] held them before this forward's mark() ++ the
-  // forward's own positions q_pos [T]] ([T, S_l + T] bool): a chunk that !write_first.
+  // forward's own positions q_pos [T]] ([T, S_l + T] bool): a chunk that !write_first. Its own
+  // positions are read exactly at every distance within the span.
   at::Tensor visible_concat(int64_t layer, const at::Tensor& old_pos, const at::Tensor& q_pos) const;
   // The restoration / coding rule of visible() for the attention kernel, which applies
   // it per query on the device (core/kernels/ops.h CopyRule; in_restored undefined on plain layers).
@@ -205,9 +215,10 @@ class KVCache {
   at::Tensor region_slot(const TypeState& s, const at::Tensor& positions) const;
   TypeState& state(int64_t layer) { return cfg_.is_sliding(layer) ? sliding_ : full_; }
   const TypeState& state(int64_t layer) const { return cfg_.is_sliding(layer) ? sliding_ : full_; }
-  // visible() over the slots of `pos` (in_restored: which of them are restored copies).
+  // visible() over the slots of `pos` (in_restored: which of them are restored copies; slots from
+  // own_from on: the forward's own positions, exact at every distance; -1: none).
   at::Tensor visible_over(int64_t layer, const at::Tensor& pos, const at::Tensor& in_restored,
-                          const at::Tensor& q_pos) const;
+                          const at::Tensor& q_pos, int64_t own_from = -1) const;
   KVCache slice_rows(int64_t b, int64_t n, bool rows) const;  // row() and first_rows()
   int64_t layer_bytes(int64_t layer) const;
   int64_t region_code_bytes(int64_t layer) const;  // a coded region's codes and side values

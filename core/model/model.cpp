@@ -339,8 +339,11 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   // the ~30 small kernels per layer of decoding the region, concatenating, masking and softmax;
   // the chunk's own keys go to the kernel as its tail, and to the ring after it.
   // (Not with KV-shared layers: they attend over the [slots ++ chunk] their source layer built.)
+  // (Nor with a chunk longer than a restored cache's window, RestorePolicy::exact_copies: the
+  // kernel reads a chunk's own keys by the exact-window rule, and the write stores their copies.)
   constexpr int64_t kTailKernelMaxQueries = 64;
-  const bool tail_kernel = cuda_fused && sliding_concat && T <= kTailKernelMaxQueries && cfg_.num_kv_shared() == 0;
+  const bool tail_kernel = cuda_fused && sliding_concat && T <= kTailKernelMaxQueries && cfg_.num_kv_shared() == 0 &&
+                           (cache.plain(first_sliding) || T <= cache.options().restore.window);
   // Layers that drop their restored positions (RestorePolicy::drop) see fewer slots: one mask
   // per (layer type, drop) pair, built from the first such layer.
   at::Tensor mask[2][2];  // [full|sliding][keeps|drops]: [T, S] bool
