@@ -212,7 +212,8 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
     m.add({MemoryPart::SlidingRestored, "verifier sliding: restored K/V", p.sliding_rest,
                     slots(p.sliding_rest_slots) +
                         (o.evict_only() ? " (the sinks, and one for the dropped positions: evict-only)"
-                                        : " (sliding window - window + chunk - 1)") +
+                                        : o.resolved_chunk() > o.window ? " (sliding window - 1: chunks past the window read their own positions exactly)"
+                                                                          : " (sliding window - window + chunk - 1)") +
                         region_note(o.region_code)});
   }
   if (p.has_full) {

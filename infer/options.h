@@ -37,7 +37,8 @@ struct RestoreOptions {
   double mix_alpha = 0.0;
   // Prefill tokens per forward, 1..window (0: window); longer with long_chunks(): exact restoration
   // has no restored copy of a chunk's own positions to wait for, so a chunk reads them exactly and
-  // stores their copies as it writes them (core/model/kv_cache.h RestorePolicy::exact_copies).
+  // stores their copies as it writes them (core/model/kv_cache.h RestorePolicy::exact_copies), and
+  // 0 then means kLongChunk.
   int64_t chunk = 0;
   bool kernels = true;       // CUDA: restore through the fused store kernel where it applies (false: reference ops)
   bool stats = false;        // relative error of restored vs true K/V (keeps true raw K/V too)
@@ -55,7 +56,12 @@ struct RestoreOptions {
   // "all", "none" (evict-only everywhere: the StreamingLLM baseline, needs no f_θ), or a
   // comma-separated list of verifier layers. resolve_restore_layers() turns it into a per-layer mask.
   std::string layers = "auto";
-  int64_t resolved_chunk() const { return chunk > 0 ? chunk : window; }
+  // Exact restoration's prefill chunk when --chunk is 0. Chunks of the window run ~330 small kernels
+  // per 64 tokens (0.19x AR's prefill at 8k, window 64, H200); 2048 tokens: 0.63x (1.87x at 32k), 512:
+  // 0.13x (eager chunks, no graph), 8192: 0.77x for 4x the attention scratch
+  // (bench/results/README.md, stop 51).
+  static constexpr int64_t kLongChunk = 2048;
+  int64_t resolved_chunk() const { return chunk > 0 ? chunk : long_chunks() ? kLongChunk : window; }
   bool needs_true_raw() const { return (mix_alpha > 0.0 && mix_alpha < 1.0) || stats; }
   bool evict_only() const { return layers == "none"; }
   bool needs_ftheta() const { return mix_alpha < 1.0 && !evict_only(); }

@@ -559,7 +559,8 @@ KVCacheOptions restored_cache_options(const Model& v, const FTheta* f, const Res
       co.restore.full_k_weight = CalibBundle::load_k_weights(o.calib, v.config());  // refuses another model's bundle
     }
   }
-  co.restore.max_chunk = o.resolved_chunk();
+  // The linear cache serves the reforward reference, which runs chunks of at most the window.
+  co.restore.max_chunk = linear ? std::min(o.resolved_chunk(), o.window) : o.resolved_chunk();
   co.restore.exact_copies = o.long_chunks() && !linear;
   co.restore.linear = linear;
   co.restore.region_code = o.region_code;

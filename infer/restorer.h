@@ -36,11 +36,12 @@
 //                       (core/model/kv_cache.h RestorePolicy), at the latest just before the
 //                       first forward whose queries need them (when the position leaves
 //                       the exact window); the prompt is prefilled in chunks of <= window
-//                       tokens (longer at a = 1: such a chunk reads its own positions exactly
-//                       and the cache stores their copies as it writes them), then one forward per token, and every ~window/2 steps one
-//                       batch projects the drafter context and restores ahead the next
-//                       ~window/2 positions (Restorer::next_upkeep; on CUDA beside the
-//                       steps, infer/upkeep.h). O(1) per token.
+//                       tokens (longer at a = 1: such a chunk reads its own positions
+//                       exactly and the cache stores their copies as it writes them), then
+//                       one forward per token, and every ~window/2 steps one batch projects
+//                       the drafter context and restores ahead the next ~window/2 positions
+//                       (Restorer::next_upkeep; on CUDA beside the steps, infer/upkeep.h).
+//                       O(1) per token.
 //   fused               `restored` accelerated by speculative decoding with the drafter
 //                       (infer/fused.h): blocks verified on the restored cache, same tokens.
 // Both restored modes run the unmodified Model::forward: restoration lives in

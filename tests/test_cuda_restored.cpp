@@ -147,7 +147,7 @@ TEST_F(CudaRestoredF32, ExactRestorationLongChunksEqualAr) {
   d.restore.mix_alpha = 1.0;
   for (const char* code : {"none", "int8"}) {
     d.restore.region_code = ops::parse_row_code(code, "test");
-    d.restore.chunk = 0;
+    d.restore.chunk = d.restore.window;
     const auto window_chunks = decode(*target_, nullptr, nullptr, ids_, d);
     for (int64_t chunk : {48, 100}) {
       SCOPED_TRACE(std::string(code) + ", chunk " + std::to_string(chunk));

@@ -129,8 +129,9 @@ TEST(Restored, ExactRestorationLongChunksEqualAr) {
   for (ops::RowCode code : {ops::RowCode{}, ops::RowCode{ops::RowKind::Affine, 8}}) {
     auto o = options(DecodeMode::Restored, 1.0, 12);
     o.restore.region_code = code;
+    o.restore.chunk = o.restore.window;
     const auto window_chunks = decode(model(), nullptr, nullptr, prompt(), o);
-    for (int64_t chunk : {16, 23, 64}) {
+    for (int64_t chunk : {16, 23, 64, 0}) {  // 0: RestoreOptions::kLongChunk, the whole prompt here
       SCOPED_TRACE("chunk " + std::to_string(chunk) + (code.defined() ? " int8" : " plain"));
       o.restore.chunk = chunk;
       auto r = decode(model(), nullptr, nullptr, prompt(), o);
