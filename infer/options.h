@@ -57,9 +57,9 @@ struct RestoreOptions {
   // comma-separated list of verifier layers. resolve_restore_layers() turns it into a per-layer mask.
   std::string layers = "auto";
   // Exact restoration's prefill chunk when --chunk is 0. Chunks of the window run ~330 small kernels
-  // per 64 tokens (0.19x AR's prefill at 8k, window 64, H200); 2048 tokens: 0.63x (1.87x at 32k), 512:
-  // 0.13x (eager chunks, no graph), 8192: 0.77x for 4x the attention scratch
-  // (bench/results/README.md, stop 51).
+  // per 64 tokens (0.19x AR's prefill at 8k, window 64, H200); chunks of 2048 tokens 0.50-0.80x over
+  // six runs (1.87x at 32k), of 512 0.13x (eager, no graph), of 8192 0.77x in one run for 4x the
+  // attention scratch (bench/results/README.md, stop 51).
   static constexpr int64_t kLongChunk = 2048;
   int64_t resolved_chunk() const { return chunk > 0 ? chunk : long_chunks() ? kLongChunk : window; }
   bool needs_true_raw() const { return (mix_alpha > 0.0 && mix_alpha < 1.0) || stats; }
