@@ -212,6 +212,28 @@ TEST(Restored, SessionTurnsEqualFreshDecodesOfTheWholeConversation) {
   }
 }
 
+// A session of exact restoration with chunks longer than the window: the second turn's chunk
+// starts after decode steps (off any chunk grid) and reads its own positions exactly. With a plain
+// region every turn equals a fresh decode of the whole conversation (both the full cache's tokens),
+// and the last query sees each position of its span once: the copies went where the region says.
+TEST(Restored, ExactRestorationSessionTurnsWithLongChunks) {
+  const std::vector<int64_t> turn1(prompt().begin(), prompt().begin() + 20);
+  const std::vector<int64_t> turn2(prompt().begin() + 20, prompt().end());
+  DecodeOptions o = options(DecodeMode::Restored, 1.0, 8);
+  o.restore.chunk = 16;
+  Session s(model(), nullptr, nullptr, o, prompt().size() + 3 * 8);
+  auto a = s.send(turn1, o);
+  EXPECT_EQ(a.tokens, decode(model(), nullptr, nullptr, turn1, o).tokens);
+  std::vector<int64_t> whole = turn1;
+  whole.insert(whole.end(), a.tokens.begin(), a.tokens.end());
+  whole.insert(whole.end(), turn2.begin(), turn2.end());
+  auto b = s.send(turn2, o);  // 12 tokens: the previous turn's last and turn2's 11, past the window of 8
+  auto fresh = decode(model(), nullptr, nullptr, whole, o);
+  EXPECT_EQ(b.tokens, fresh.tokens);
+  EXPECT_EQ(b.restored_positions, fresh.restored_positions);
+  EXPECT_DOUBLE_EQ(b.attention_fraction_sliding, 1.0);
+}
+
 // Decoders kept across prompts (ar, restored: caches and buffers reused, CUDA graphs captured
 // once) decode each prompt as a fresh one does, whatever came before; options they were not
 // built for are refused by name.
