@@ -233,7 +233,7 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
         break;
       case FullAttn::Codec:
         m.add({MemoryPart::FullExact, "verifier full-attention: exact window ring + sinks", p.full_exact,
-                        slots(p.full_exact_slots) + " (window + chunk - 1 + sink)"});
+                        slots(p.full_exact_slots) + (o.long_chunks() ? " (window + sink)" : " (window + chunk - 1 + sink)")});
         m.add({MemoryPart::FullCoded, "verifier full-attention: coded K/V", p.full_rest,
                         std::to_string(p.full_rest_slots) + " positions (every one) as " + ops::row_code_name(o.full_code) +
                             " coded rows", true});
@@ -289,8 +289,9 @@ MemoryReport restored_memory_report(const Model& v, const Drafter* d, const FThe
 MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* dc, const FThetaConfig* fc,
                                   const RestoreOptions& o, at::ScalarType dtype, int64_t n) {
   check_window_chunk(o, "memory plan");
-  // A chunk longer than the window (exact copies) reads the region as a chunk of `window` does.
-  const int64_t elem = c10::elementSize(dtype), w = o.window, c = std::min(o.resolved_chunk(), w);
+  // A chunk longer than the window (exact copies) reads the region, and a coded layer's ring, as a
+  // chunk of `window` does.
+  const int64_t elem = c10::elementSize(dtype), w = o.window, c = o.window_chunk();
   KvParts p;
   int64_t first_full = -1;
   for (int64_t l = cfg.num_layers - 1; l >= 0; --l) {
@@ -313,8 +314,10 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
       p.full_exact_slots = n;
     } else {
       // Restored: a restored region of every position; codec: every position as coded rows.
-      // Codec: the exact sinks beside the ring.
-      p.full_exact_slots = std::min(n, w + c - 1) + (o.full_attn == FullAttn::Codec ? o.sink : 0);
+      // Codec: the exact sinks beside the ring, which holds the window only where prefill chunks
+      // attend over [slots ++ chunk] (exact copies; decode steps write first).
+      const bool step_ring = o.full_attn == FullAttn::Codec && o.long_chunks();
+      p.full_exact_slots = std::min(n, w + (step_ring ? 0 : c - 1)) + (o.full_attn == FullAttn::Codec ? o.sink : 0);
       p.full_rest_slots = o.evict_only() && o.full_attn == FullAttn::Restored ? o.sink + 1 : n;
       p.full_rest = region_bytes_for(cfg, elem, p.full_rest_slots, 1,
                                      o.full_attn == FullAttn::Codec ? o.full_code : o.region_code);

@@ -3,6 +3,7 @@
 #pragma once
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <string>
@@ -57,18 +58,24 @@ struct RestoreOptions {
   // comma-separated list of verifier layers. resolve_restore_layers() turns it into a per-layer mask.
   std::string layers = "auto";
   // Exact restoration's prefill chunk when --chunk is 0. Chunks of the window run ~330 small kernels
-  // per 64 tokens (0.19x AR's prefill at 8k, window 64, H200); chunks of 2048 tokens 0.50-0.80x over
-  // six runs (1.87x at 32k), of 512 0.13x (eager, no graph), of 8192 0.77x in one run for 4x the
-  // attention scratch (bench/results/README.md, stop 51).
-  static constexpr int64_t kLongChunk = 2048;
+  // per 64 tokens (0.19x AR's prefill at 8k, window 64, int8 regions, H200); longer ones run eagerly:
+  // 1024 tokens 0.26x, 2048 0.60-0.79x, 4096 1.03-1.06x (2.45x at 32k; coded full-attention layers
+  // 0.81-0.83x with int8 regions, 0.76x with lm5), 8192 0.77x, for an attention scratch that grows
+  // with the chunk (bench/results/README.md, stops 51 and 52).
+  static constexpr int64_t kLongChunk = 4096;
   int64_t resolved_chunk() const { return chunk > 0 ? chunk : long_chunks() ? kLongChunk : window; }
+  // The chunk capped at the window: what a restored region is sized for (a longer chunk reads it as
+  // a chunk of the window does), and the chunks of scoring and the reforward reference, which
+  // measure what a decode step sees.
+  int64_t window_chunk() const { return std::min(resolved_chunk(), window); }
   bool needs_true_raw() const { return (mix_alpha > 0.0 && mix_alpha < 1.0) || stats; }
   bool evict_only() const { return layers == "none"; }
   bool needs_ftheta() const { return mix_alpha < 1.0 && !evict_only(); }
-  // Prefill chunks may exceed the window: exact restoration (a = 1, no statistics) with exact
-  // full-attention layers (a coded or restored full layer's exact ring grows with the chunk).
+  // Prefill chunks may exceed the window: exact restoration (a = 1, no statistics) with exact or
+  // coded full-attention layers (a coded layer attends such a chunk over [its rows ++ the chunk] and
+  // codes it after; a restored full layer would need restored copies of the chunk itself).
   bool long_chunks() const {
-    return mix_alpha >= 1.0 && !stats && !evict_only() && full_attn == FullAttn::Exact;
+    return mix_alpha >= 1.0 && !stats && !evict_only() && full_attn != FullAttn::Restored;
   }
   nlohmann::json to_json() const;
 };

@@ -111,7 +111,7 @@ DecodeResult ReforwardDecoder::feed(const std::vector<int64_t>& prompt, const De
   const at::Device dev = v_.device();
   // The definition, token by token: chunks of at most the window (a longer prefill chunk reads
   // its own positions exactly, which the definition does not).
-  const int64_t chunk = std::min(ro.resolved_chunk(), ro.window);
+  const int64_t chunk = ro.window_chunk();
   Sampler sampler(opt.sampling, dev);
   DecodeResult res;
   std::vector<int64_t> seq = prompt;
@@ -154,7 +154,7 @@ ScoreResult score_restored(const Model& v, const Drafter* dr, const FTheta* ft, 
   check_restores_something(ro, ids.size(), 1);
   // Every scored token reads older positions as a decode step does: chunks of at most the window
   // (a longer prefill chunk would read its own positions exactly).
-  const int64_t n = ids.size(), chunk = std::min(ro.resolved_chunk(), ro.window);
+  const int64_t n = ids.size(), chunk = ro.window_chunk();
   KVCache cache(v.config(), restored_cache_options(v, ft, ro, n, false));
   Restorer rest(v, dr, ft, ro, cache);
   auto w = at::tensor(ids, at::kLong).view({1, n}).to(v.device());

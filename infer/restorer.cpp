@@ -45,7 +45,7 @@ void check_window_chunk(const RestoreOptions& o, const std::string& who) {
   KAKEYA_CHECK(o.chunk <= o.window || o.long_chunks(),
                who << ": --chunk expected in [1, window=" << o.window << "] (0: window), got " << o.chunk
                    << " (a longer chunk would need restored K/V of itself; only exact restoration, --mix-alpha 1 "
-                      "with --full-attn exact, takes longer chunks)");
+                      "with --full-attn exact or codec, takes longer chunks)");
 }
 
 void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& o,
@@ -560,7 +560,7 @@ KVCacheOptions restored_cache_options(const Model& v, const FTheta* f, const Res
     }
   }
   // The linear cache serves the reforward reference, which runs chunks of at most the window.
-  co.restore.max_chunk = linear ? std::min(o.resolved_chunk(), o.window) : o.resolved_chunk();
+  co.restore.max_chunk = linear ? o.window_chunk() : o.resolved_chunk();
   co.restore.exact_copies = o.long_chunks() && !linear;
   co.restore.linear = linear;
   co.restore.region_code = o.region_code;

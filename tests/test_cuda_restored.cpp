@@ -161,6 +161,58 @@ TEST_F(CudaRestoredF32, ExactRestorationLongChunksEqualAr) {
   }
 }
 
+// The same over coded full-attention layers (--full-attn codec, lm4 rows; the CUDA code_rows kernel):
+// a chunk past the window attends over [the layer's slots ++ itself] and codes itself a ring's worth
+// at a time after. The whole prompt in one chunk gives the full cache's logits (every position its
+// own); chunks of 48 and 100 read earlier chunks' old positions through their codes, about as close
+// to the full cache as chunks of the window, in the same bytes; decoding after them sees each
+// position of its span once.
+TEST_F(CudaRestoredF32, ExactRestorationLongChunksOverCodedLayers) {
+  const int64_t n = ids_.size();
+  const auto ids = at::tensor(ids_, at::kLong).view({1, n}).to(kCuda);
+  KVCacheOptions plain;
+  plain.capacity = n;
+  plain.device = kCuda;
+  KVCache pc(target_->config(), plain);
+  ForwardOptions fo;
+  fo.last_logits_only = true;
+  const auto pos = at::arange(n, at::TensorOptions().dtype(at::kLong).device(kCuda));
+  const auto want = at::log_softmax(target_->forward(ids, pos, pc, fo).view({-1}).to(at::kFloat), 0);
+  RestoreOptions ro = options(true);
+  ro.mix_alpha = 1.0;
+  ro.full_attn = FullAttn::Codec;
+  auto prefill = [&](int64_t chunk, int64_t* bytes) {
+    ro.chunk = chunk;
+    KVCache cache(target_->config(), restored_cache_options(*target_, nullptr, ro, n, false));
+    Restorer r(*target_, nullptr, nullptr, ro, cache);
+    auto lp = at::log_softmax(run_chunks(*target_, cache, r, ids, 0, chunk, true).view({-1}).to(at::kFloat), 0);
+    *bytes = cache.bytes();
+    return (lp - want).abs().max().item<double>();
+  };
+  int64_t b_window = 0, b = 0;
+  const double window = prefill(ro.window, &b_window), whole = prefill(n, &b);
+  std::printf("[ codec lm4 ] max |Δ log p| vs the full cache: chunks of the window %.5f, one chunk %.2e\n", window, whole);
+  EXPECT_LT(whole, 1e-3);
+  EXPECT_EQ(b, b_window);
+  for (int64_t chunk : {48, 100}) {
+    const double err = prefill(chunk, &b);
+    std::printf("[ codec lm4 ] chunks of %lld: %.5f\n", (long long)chunk, err);
+    EXPECT_GT(err, 1e-3) << "chunk " << chunk << ": earlier chunks are read through their codes";
+    EXPECT_LT(err, 2 * window + 1e-2) << "chunk " << chunk;
+    EXPECT_EQ(b, b_window) << "chunk " << chunk;
+  }
+  DecodeOptions d;
+  d.max_new_tokens = 24;
+  d.stream = false;
+  d.mode = DecodeMode::Restored;
+  d.restore = ro;
+  d.restore.chunk = 100;
+  const auto r = decode(*target_, nullptr, nullptr, ids_, d);
+  EXPECT_EQ(r.tokens.size(), 24u);
+  EXPECT_DOUBLE_EQ(r.attention_fraction_full, 1.0);
+  EXPECT_DOUBLE_EQ(r.attention_fraction_sliding, 1.0);
+}
+
 // bf16: the kernel norms in f32 and rounds once, the reference ops round after each op, so
 // a restored K/V may differ by a bf16 step and later hidden states drift by about that much
 // (a fixed |Δ log p| bound between the two says little). What must hold: the kernel path is

@@ -148,8 +148,8 @@ TEST(Restored, ExactRestorationLongChunksEqualAr) {
   o.restore.chunk = 16;
   expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "only exact restoration");
   o.restore.mix_alpha = 1.0;
-  o.restore.full_attn = FullAttn::Codec;
-  expect_error([&] { decode(model(), nullptr, nullptr, prompt(), o); }, "--full-attn exact");
+  o.restore.full_attn = FullAttn::Restored;
+  expect_error([&] { decode(model(), nullptr, nullptr, prompt(), o); }, "--full-attn exact or codec");
 }
 
 // Without streaming, stops are read every kStopCheckEvery steps: the result still ends at
@@ -653,6 +653,49 @@ TEST(RestoredCodec, MeasuredBytesEqualThePlan) {
       expect_same_kv_lines(r.memory, restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(),
                                                           o.restore, at::kFloat, n));
     }
+}
+
+// Exact restoration's prefill chunks past the window over coded full-attention layers: such a
+// chunk attends over [the layer's slots ++ itself] and codes itself after. Its own positions are
+// read exactly (the whole prompt in one chunk gives the full cache's logits), the coded layer's
+// ring keeps what a chunk of the window needs (the bytes of chunks of the window, as planned),
+// and chunks of 16 read the first chunk's old positions through their codes (not exactly), about
+// as close to the full cache as chunks of the window.
+TEST(RestoredCodec, LongChunksReadTheirOwnPositionsExactly) {
+  const int64_t n = prompt().size();
+  ASSERT_GT(n, 16 + 8);  // the second chunk of 16 reaches past the window of 8
+  const auto ids = at::tensor(prompt(), at::kLong).view({1, n});
+  KVCacheOptions plain;
+  plain.capacity = n;
+  KVCache pc(model().config(), plain);
+  ForwardOptions fo;
+  fo.last_logits_only = true;
+  const auto want = at::log_softmax(model().forward(ids, at::arange(n, at::kLong), pc, fo).view({-1}), 0);
+  RestoreOptions ro = codec_options(DecodeMode::Restored, 1).restore;
+  ASSERT_TRUE(ro.long_chunks());
+  auto prefill = [&](int64_t chunk, int64_t* bytes) {
+    ro.chunk = chunk;
+    KVCache cache(model().config(), restored_cache_options(model(), nullptr, ro, n, false));
+    Restorer r(model(), nullptr, nullptr, ro, cache);
+    auto lp = at::log_softmax(run_chunks(model(), cache, r, ids, 0, ro.resolved_chunk(), true).view({-1}), 0);
+    *bytes = cache.bytes();
+    return (lp - want).abs().max().item<double>();  // max |Δ log p| against the full cache
+  };
+  int64_t b_window = 0, b_whole = 0, b_16 = 0;
+  const double window = prefill(ro.window, &b_window), whole = prefill(0, &b_whole), by16 = prefill(16, &b_16);
+  std::printf("max |Δ log p| vs the full cache: chunks of the window %.5f, of 16 %.5f, one chunk %.2e\n", window, by16,
+              whole);
+  EXPECT_LT(whole, 1e-4);
+  EXPECT_GT(by16, 1e-3) << "the second chunk reads the first one's old positions through their codes";
+  EXPECT_LT(by16, 2 * window + 1e-2);
+  EXPECT_EQ(b_whole, b_window);
+  EXPECT_EQ(b_16, b_window);
+  // Decoding after a long prefill: the bytes the plan names, each position of the span seen once.
+  auto o = codec_options(DecodeMode::Restored, 6);
+  auto r = decode(model(), nullptr, nullptr, prompt(), o);
+  expect_same_kv_lines(r.memory, restored_memory_plan(model().config(), nullptr, nullptr, o.restore, at::kFloat, n + 6));
+  EXPECT_DOUBLE_EQ(r.attention_fraction_full, 1.0);
+  EXPECT_DOUBLE_EQ(r.attention_fraction_sliding, 1.0);
 }
 
 TEST(RestoredCodec, PlanAt8kIsWithinAFifthOfFullKv) {

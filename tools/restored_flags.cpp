@@ -16,7 +16,7 @@ void RestoreFlags::add_restore(CLI::App* c, const std::string& prefix) {
       ->check(positive());
   c->add_option("--chunk", chunk,
                 prefix + "prefill tokens per forward, 1..window (0: window); longer with --mix-alpha 1 and --full-attn "
-                         "exact (exact restoration: a chunk reads its own positions exactly; 0 then means " +
+                         "exact or codec (exact restoration: a chunk reads its own positions exactly; 0 then means " +
                     std::to_string(RestoreOptions::kLongChunk) + ")")
       ->capture_default_str();
   c->add_option("--full-attn", full_attn, prefix + "full-attention layers: exact | restored | codec")

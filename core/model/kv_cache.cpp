@@ -31,8 +31,9 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
                  "KV cache: restore chunks of " << rp.max_chunk << " tokens exceed the exact window " << rp.window
                                                 << " (a chunk's queries would need restored K/V of the chunk itself; "
                                                    "only exact copies take longer chunks)");
-    KAKEYA_CHECK(!rp.exact_copies || (!rp.full && !rp.full_code.defined() && !rp.linear),
-                 "KV cache: exact copies (chunks longer than the window) restore sliding layers only, in rings");
+    KAKEYA_CHECK(!rp.exact_copies || (!rp.full && !rp.linear),
+                 "KV cache: exact copies (chunks longer than the window) restore sliding layers only (full-attention "
+                 "layers exact or coded), in rings");
     KAKEYA_CHECK(!(rp.full && rp.full_code.defined()),
                  "KV cache: full-attention layers are either restored or coded (full_code "
                      << ops::row_code_name(rp.full_code) << ")");
@@ -54,13 +55,15 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
           all_drop = all_drop && rp.drops(l);
         }
       s.sinks_only = any && all_drop;
-      // Sliding layers write-first only forwards of <= max_step tokens (Model::forward attends a
-      // longer chunk over [ring ++ chunk]); full-attention layers write every chunk first.
-      const int64_t step = sliding ? rp.max_step : rp.max_chunk;
-      s.ring = rp.linear ? opt.capacity : std::min(opt.capacity, rp.window + std::max(step - 1, opt.rollback));
       // A chunk longer than the window (exact copies) reads only positions before it from the
       // region: the sliding window's worth, what a chunk of `window` tokens needs.
       const int64_t reach = rp.exact_copies ? std::min(rp.max_chunk, rp.window) : rp.max_chunk;
+      // Sliding layers write-first only forwards of <= max_step tokens (Model::forward attends a
+      // longer chunk over [ring ++ chunk]); full-attention layers write every chunk first, except
+      // coded ones under exact copies, whose prefill chunks attend over [slots ++ chunk] too (their
+      // ring then holds the window and a verify block, not a chunk).
+      const int64_t step = sliding || (s.coded && rp.exact_copies) ? rp.max_step : rp.max_chunk;
+      s.ring = rp.linear ? opt.capacity : std::min(opt.capacity, rp.window + std::max(step - 1, opt.rollback));
       s.rest = s.sinks_only ? rp.sink + 1
                : sliding && !rp.linear
                    ? std::min(opt.capacity, std::max<int64_t>(1, cfg.sliding_window - rp.window + reach - 1))
@@ -289,6 +292,21 @@ void KVCache::write(int64_t layer, const at::Tensor& k, const at::Tensor& v, con
       const int64_t keep = std::min(leave, st.rest), from = leave - keep;
       write_restored(layer, k.narrow(2, from, keep), v.narrow(2, from, keep), positions.slice(0, from, leave));
     }
+    if (st.coded && t > st.ring) {
+      // A chunk longer than the ring (exact copies; it attended over [slots ++ chunk]): coded
+      // through the ring a ring's worth at a time (code_rows reads the ring and copies the sinks
+      // beside it), which then holds the chunk's last ring's worth. The means come from the whole
+      // chunk when it is the session's first.
+      if (length_ == 0 && codes_[layer].k_mean.defined()) set_means(layer, k, v, positions);
+      for (int64_t a = 0; a < t; a += st.ring) {
+        const int64_t n = std::min(st.ring, t - a);
+        const auto piece = positions.slice(0, a, a + n), slot = piece.remainder(st.ring);
+        kb.index_copy_(2, slot, k.narrow(2, a, n));
+        vb.index_copy_(2, slot, v.narrow(2, a, n));
+        ops::code_rows(kb, vb, slot, piece, codes_[layer], st.held, st.ring);
+      }
+      return;
+    }
     const int64_t held = std::min(t, st.ring);  // a chunk longer than the ring leaves its last ring's worth
     auto slot = positions.slice(0, t - held).remainder(st.ring);
     kb.index_copy_(2, slot, k.narrow(2, t - held, held));
@@ -355,16 +373,21 @@ void KVCache::code_stored(int64_t layer, const at::Tensor& positions) {
   KAKEYA_CHECK(s.coded, "KV cache: code_stored on layer " << layer << ", which is not a coded layer");
   ops::CodedSlots& c = codes_[layer];
   if (length_ == 0 && !opt_.rows && c.k_mean.defined()) {
-    // A session's first forward: its rows past the sinks give the means every later row is coded
-    // against (any fixed offset is exact: the reader adds it back; a good one saves bits).
     auto slot = positions.remainder(s.ring);
-    auto keep = positions.ge(s.held).to(at::kFloat).view({1, 1, -1, 1});  // [1, 1, T, 1]
-    auto n = keep.sum().clamp_min(1);
-    c.k_mean.copy_((k_[layer].index_select(2, slot).to(at::kFloat) * keep).sum(2) / n);
-    c.v_mean.copy_((v_[layer].index_select(2, slot).to(at::kFloat) * keep).sum(2) / n);
+    set_means(layer, k_[layer].index_select(2, slot), v_[layer].index_select(2, slot), positions);
   }
   // (With rows, each row's means were set by its own first forward, through its row() view.)
   ops::code_rows(k_[layer], v_[layer], positions.remainder(s.ring), positions, codes_[layer], s.held, s.ring);
+}
+
+void KVCache::set_means(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  // A session's first forward: its rows past the sinks give the means every later row is coded
+  // against (any fixed offset is exact: the reader adds it back; a good one saves bits).
+  ops::CodedSlots& c = codes_[layer];
+  auto keep = positions.ge(state(layer).held).to(at::kFloat).view({1, 1, -1, 1});  // [1, 1, T, 1]
+  auto n = keep.sum().clamp_min(1);
+  c.k_mean.copy_((k.to(at::kFloat) * keep).sum(2) / n);
+  c.v_mean.copy_((v.to(at::kFloat) * keep).sum(2) / n);
 }
 
 ops::CodedSlots KVCache::region_codes(int64_t layer) {

@@ -25,7 +25,9 @@
 // A forward's own positions are read exactly: a chunk of at most `window` tokens holds only
 // recent ones, and a longer one (RestorePolicy::exact_copies) has no restored copies of them yet;
 // it stores those copies itself as it writes (the restored copy of a position is then its exact
-// K/V, through the region's code), and its restored region holds sliding window - 1 slots.
+// K/V, through the region's code), and its restored region holds sliding window - 1 slots. A coded
+// full-attention layer (below) then attends every forward longer than a step over [its slots ++
+// the chunk] and codes the chunk after, so its ring holds window + max_step - 1 slots.
 //
 // Coded regions (core/kernels/ops.h coded rows): a restored layer with RestorePolicy::
 // region_code keeps its exact ring dense and its restored region as coded rows (int4 about
@@ -73,8 +75,9 @@ struct RestorePolicy {
   ops::RowCode region_code;  // defined: restored regions stored as coded rows (else in the cache dtype)
   // Exact restoration: a position's restored copy is its exact K/V (through region_code), so a
   // forward of more than `window` tokens may run (max_chunk > window): write() also stores the
-  // copies of its positions that leave the window within it. Sliding layers only (neither `full`
-  // nor full_code: a full-attention layer's exact ring would grow with the chunk).
+  // copies of its positions that leave the window within it. Restored sliding layers, and coded
+  // full-attention ones (full_code: every position is coded as it is written); not `full` (a
+  // restored full-attention layer's ring would grow with the chunk).
   bool exact_copies = false;
   // full_code.weighted: per layer, the K weights of its coded rows ([H_kv, D] f32, any device;
   // calib/calibrate.h k_weights); read on the full-attention layers, which must all have one.
@@ -183,7 +186,7 @@ class KVCache {
 
   // ---- coded full-attention layers ----
   // After a kernel stored `positions` [T] into the exact ring (k_mut/v_mut), their coded rows
-  // (row = position); write() does this itself.
+  // (row = position); write() does this itself (a chunk longer than the ring a ring's worth at a time).
   void code_stored(int64_t layer, const at::Tensor& positions);
   int64_t coded_bytes() const;            // the coded rows of the coded full-attention layers
 
@@ -223,6 +226,8 @@ class KVCache {
   int64_t layer_bytes(int64_t layer) const;
   int64_t region_code_bytes(int64_t layer) const;  // a coded region's codes and side values
   int64_t slot_bytes(int64_t layer) const;         // one dense slot of K and V
+  // A coded layer's means, set by a session's first forward from k, v [B, H_kv, T, D] at positions [T].
+  void set_means(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions);
 
   const ModelConfig& cfg_;
   KVCacheOptions opt_;

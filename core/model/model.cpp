@@ -310,16 +310,23 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   KAKEYA_CHECK(positions.size(-1) == T && (!rows || positions.size(0) == B),
                "forward: positions " << positions.sizes() << " for ids " << ids.sizes());
 
-  // Masks are shared by all layers of a type. A sliding chunk too long to write
-  // first (the model's own ring, or a restored layer's exact ring) attends over
-  // [slots as they were ++ chunk], so keep the slots' positions.
+  // Masks are shared by all layers of a type. A chunk too long to write first (the
+  // model's own sliding ring, a restored layer's exact ring, or a coded full-attention
+  // layer's under exact copies) attends over [slots as they were ++ chunk], so keep
+  // the slots' positions.
   int64_t first_sliding = -1, first_full = -1;
   for (int64_t l = cfg_.num_layers - 1; l >= 0; --l) (cfg_.is_sliding(l) ? first_sliding : first_full) = l;
   const bool sliding_concat = first_sliding >= 0 && !cache.write_first(first_sliding, T);
-  KAKEYA_CHECK(first_full < 0 || cache.write_first(first_full, T),
+  const bool full_concat = first_full >= 0 && !cache.write_first(first_full, T);
+  KAKEYA_CHECK(!full_concat || (cache.coded(first_full) && cache.options().restore.exact_copies),
                "forward: a chunk of " << T << " tokens is too long for the restored cache's exact ring");
-  KAKEYA_CHECK(!rows || !sliding_concat, "forward: " << T << " tokens per row are too many for the sliding ring of independent rows");
-  at::Tensor old_sliding_pos = sliding_concat ? cache.slot_positions(first_sliding).clone() : at::Tensor();
+  KAKEYA_CHECK(!rows || !(sliding_concat || full_concat),
+               "forward: " << T << " tokens per row are too many for the rings of independent rows");
+  KAKEYA_CHECK(!full_concat || cfg_.num_kv_shared() == 0, "forward: coded full-attention layers with KV sharing");
+  at::Tensor old_pos[2];  // [full|sliding]: [S_l] slot positions before mark(), where the type concatenates
+  if (sliding_concat) old_pos[1] = cache.slot_positions(first_sliding).clone();
+  if (full_concat) old_pos[0] = cache.slot_positions(first_full).clone();
+  const at::Tensor& old_sliding_pos = old_pos[1];
   cache.mark(positions);
   const Taps* taps = fo.taps && !fo.taps->empty() ? fo.taps : nullptr;
   // Fused CUDA kernels where nothing needs the intermediate tensors: q/k norm +
@@ -347,13 +354,15 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   // Layers that drop their restored positions (RestorePolicy::drop) see fewer slots: one mask
   // per (layer type, drop) pair, built from the first such layer.
   at::Tensor mask[2][2];  // [full|sliding][keeps|drops]: [T, S] bool
-  if (!attn_kernel || sliding_concat) {
+  if (!attn_kernel || sliding_concat || full_concat) {
     for (int64_t l = 0; l < cfg_.num_layers; ++l) {
       const bool sl = cfg_.is_sliding(l), dr = cache.options().restore.drops(l);
       at::Tensor& m = mask[sl][dr];
       if (m.defined()) continue;
       if (sl && sliding_concat) {
         if (!tail_kernel) m = cache.visible_concat(l, old_sliding_pos, positions);
+      } else if (!sl && full_concat) {
+        m = cache.visible_concat(l, old_pos[0], positions);
       } else if (!attn_kernel) {
         m = cache.visible(l, positions);
       }
@@ -367,7 +376,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   at::Tensor h = embed(ids);                         // [B, T, hidden]
   const at::Tensor ple = ple_embed_.defined() ? per_layer_inputs(ids, h) : at::Tensor();  // [B, T, L, P]
   at::Tensor x = rms_norm(h, layers_[0].attn_norm);  // later layers get theirs from the fused residual step
-  std::pair<at::Tensor, at::Tensor> sliding_kv;      // [B, H_kv, S + T, D] each: see !write_first below
+  std::pair<at::Tensor, at::Tensor> concat_kv;       // [B, H_kv, S + T, D] each: see !write_first below
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const auto& w = layers_[l];
     const int64_t D = cfg_.layer_head_dim[l], Hkv = cfg_.kv_heads(l), qd = cfg_.q_dim(l), kvd = cfg_.kv_dim(l);
@@ -378,7 +387,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     // [B, T, qd + 2·kvd] ([B, T, qd + kvd] on K=V layers, [B, T, qd] on KV-shared layers)
     at::Tensor qkv = ops::linear(x, w.qkv, w.qkv_bias);
     at::Tensor q, kc, vc;  // q: [B, T, Hq, D] after RoPE; kc, vc: [B, H_kv, T, D] when not stored yet
-    const bool write_first = !sliding || !sliding_concat;
+    const bool write_first = sliding ? !sliding_concat : !full_concat;
     // KV-shared layers compute only q: the cache's buffers of such a layer are those of
     // kv_layer[l], which wrote them earlier in this forward, so they attend over its K/V.
     const bool shared = cfg_.kv_shared(l);
@@ -422,7 +431,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     }
 
     at::Tensor attn;  // [B, T, Hq·D]
-    if (!write_first && tail_kernel) {
+    if (!write_first && sliding && tail_kernel) {
       // Rows of kc/vc: tail_pos order from the fused store, else the forward's own order.
       const at::Tensor& rows = qkv_tapped ? positions : tail_pos;
       attn = ops::decode_attention(q, cache.keys(l), cache.values(l), old_sliding_pos, positions, cfg_.sliding_window,
@@ -433,10 +442,10 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       // [slots as they were ++ chunk], written after attending; KV-shared sliding layers attend
       // over the one their source layer built (the ring no longer holds what it overwrote).
       if (!shared) {
-        const auto [k_all, v_all] = cache.attend_kv(l);  // a coded restored region decoded
-        sliding_kv = {at::cat({k_all, kc}, 2), at::cat({v_all, vc}, 2)};
+        const auto [k_all, v_all] = cache.attend_kv(l);  // coded rows (a region, a coded layer) decoded
+        concat_kv = {at::cat({k_all, kc}, 2), at::cat({v_all, vc}, 2)};
       }
-      attn = attention(l, q, sliding_kv.first, sliding_kv.second, mask[1][cache.options().restore.drops(l)]);
+      attn = attention(l, q, concat_kv.first, concat_kv.second, mask[sliding][cache.options().restore.drops(l)]);
       if (!shared) cache.write(l, kc, vc, positions);
     } else if (attn_kernel) {
       attn = ops::decode_attention(q, cache.keys(l), cache.values(l), cache.slot_positions(l), positions,

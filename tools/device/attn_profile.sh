@@ -7,7 +7,10 @@
 #                                              # prefill (window 64, chunk 64, int4 regions, pw4 rows),
 #                                              # summed per kernel and per chunk
 #   STEP=step    tools/device/attn_profile.sh  # every kernel of one AR decode step on a ~1k prompt, summed
-#                                              # per kernel (the run's last step)
+#                                              # per kernel (the run's last step); STEP_ARGS: the decode's mode
+#                                              # flags instead of --mode ar, CHARS: the prompt's characters of
+#                                              # data/longeval/docs/01.txt (4000; 30000 is ~8k tokens),
+#                                              # STEP_NAME: the CSV's name (ar)
 # ncu runs with --cache-control none --clock-control none so a kernel's time is close to its time
 # in the run (small kernels keep their warm L2); every run prints its command first.
 # Env: MODEL (/tmp/models/gemma3-270m), OUT ($OUT or /tmp/attn-profile), RCODE (the restored regions' code,
@@ -79,12 +82,14 @@ case ${STEP:-decode} in
     ;;
   step)
     python3 -c "
-import json; t = open('data/longeval/docs/01.txt').read()[:4000]
+import json; t = open('data/longeval/docs/01.txt').read()[:${CHARS:-4000}]
 open('/tmp/attn-profile-prompt.jsonl', 'w').write(json.dumps({'prompt': t}) + '\n')"
-    echo "== ${NCU[*]} $K decode ${R[*]} --max-new-tokens 4 --mode ar"
-    "${NCU[@]}" $K decode "${R[@]}" --max-new-tokens 4 --mode ar > "$OUT/ncu_step_ar.csv" 2> "$OUT/ncu_step_ar.err" ||
-      tail -5 "$OUT/ncu_step_ar.err"
-    LAST_STEP=1 summarize "$OUT/ncu_step_ar.csv"
+    read -r -a A <<< "${STEP_ARGS:---mode ar}"
+    N=${STEP_NAME:-ar}
+    echo "== ${NCU[*]} $K decode ${R[*]} --max-new-tokens 4 ${A[*]}"
+    "${NCU[@]}" $K decode "${R[@]}" --max-new-tokens 4 "${A[@]}" > "$OUT/ncu_step_$N.csv" 2> "$OUT/ncu_step_$N.err" ||
+      tail -5 "$OUT/ncu_step_$N.err"
+    LAST_STEP=1 summarize "$OUT/ncu_step_$N.csv"
     ;;
   *) echo "STEP: decode, prefill or step, got ${STEP}"; exit 2 ;;
 esac
