@@ -41,7 +41,8 @@ void check_region_code(const ops::RowCode& code, const std::string& flag) {
 
 void check_window_chunk(const RestoreOptions& o, const std::string& who) {
   KAKEYA_CHECK(o.window >= 1, who << ": --window expected >= 1, got " << o.window);
-  KAKEYA_CHECK(o.chunk >= 0, who << ": --chunk expected >= 0 (0: window), got " << o.chunk);
+  KAKEYA_CHECK(o.chunk >= 0, who << ": --chunk expected >= 0 (0: the window, or " << RestoreOptions::kLongChunk
+                                   << " under exact restoration), got " << o.chunk);
   KAKEYA_CHECK(o.chunk <= o.window || o.long_chunks(),
                who << ": --chunk expected in [1, window=" << o.window << "] (0: window), got " << o.chunk
                    << " (a longer chunk would need restored K/V of itself; only exact restoration, --mix-alpha 1 "
