@@ -372,12 +372,11 @@ void KVCache::code_stored(int64_t layer, const at::Tensor& positions) {
   const TypeState& s = state(layer);
   KAKEYA_CHECK(s.coded, "KV cache: code_stored on layer " << layer << ", which is not a coded layer");
   ops::CodedSlots& c = codes_[layer];
-  if (length_ == 0 && !opt_.rows && c.k_mean.defined()) {
-    auto slot = positions.remainder(s.ring);
+  const auto slot = positions.remainder(s.ring);
+  if (length_ == 0 && !opt_.rows && c.k_mean.defined())
     set_means(layer, k_[layer].index_select(2, slot), v_[layer].index_select(2, slot), positions);
-  }
   // (With rows, each row's means were set by its own first forward, through its row() view.)
-  ops::code_rows(k_[layer], v_[layer], positions.remainder(s.ring), positions, codes_[layer], s.held, s.ring);
+  ops::code_rows(k_[layer], v_[layer], slot, positions, codes_[layer], s.held, s.ring);
 }
 
 void KVCache::set_means(int64_t layer, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {

@@ -322,11 +322,10 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
                "forward: a chunk of " << T << " tokens is too long for the restored cache's exact ring");
   KAKEYA_CHECK(!rows || !(sliding_concat || full_concat),
                "forward: " << T << " tokens per row are too many for the rings of independent rows");
-  KAKEYA_CHECK(!full_concat || cfg_.num_kv_shared() == 0, "forward: coded full-attention layers with KV sharing");
-  at::Tensor old_pos[2];  // [full|sliding]: [S_l] slot positions before mark(), where the type concatenates
-  if (sliding_concat) old_pos[1] = cache.slot_positions(first_sliding).clone();
-  if (full_concat) old_pos[0] = cache.slot_positions(first_full).clone();
-  const at::Tensor& old_sliding_pos = old_pos[1];
+  // [S_l] slot positions before mark(), where a layer type concatenates (a coded layer's cache has no
+  // KV-shared layers: KVCache refuses restoration with KV sharing)
+  const at::Tensor old_sliding_pos = sliding_concat ? cache.slot_positions(first_sliding).clone() : at::Tensor();
+  const at::Tensor old_full_pos = full_concat ? cache.slot_positions(first_full).clone() : at::Tensor();
   cache.mark(positions);
   const Taps* taps = fo.taps && !fo.taps->empty() ? fo.taps : nullptr;
   // Fused CUDA kernels where nothing needs the intermediate tensors: q/k norm +
@@ -362,7 +361,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       if (sl && sliding_concat) {
         if (!tail_kernel) m = cache.visible_concat(l, old_sliding_pos, positions);
       } else if (!sl && full_concat) {
-        m = cache.visible_concat(l, old_pos[0], positions);
+        m = cache.visible_concat(l, old_full_pos, positions);
       } else if (!attn_kernel) {
         m = cache.visible(l, positions);
       }
