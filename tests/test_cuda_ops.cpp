@@ -482,7 +482,11 @@ TEST_P(CudaOps, DecodeAttention) {
                  Case{4, 2, 64, 517, 0, 0.0, 5, false, 70}, Case{4, 1, 256, 130, 0, 0.0, 1, false, 64},
                  Case{4, 1, 256, 399, 512, 0.0, 3, false, 64, 9}, Case{6, 3, 128, 250, 0, 0.0, 1, false, 40, 77},
                  // Enough query rows x keys for full 64-key blocks (small grids take blocks of 8-32 keys).
-                 Case{4, 1, 256, 2049, 0, 0.0, 16, false, 0}}) {
+                 Case{4, 1, 256, 2049, 0, 0.0, 16, false, 0},
+                 // Decode steps over long caches: blocks of hundreds of keys (the grid in one wave),
+                 // walked in fetch groups, with and without a copy rule.
+                 Case{4, 1, 256, 40003, 0, 0.0, 1, false, 0}, Case{4, 1, 256, 20011, 0, 0.0, 1, false, 64},
+                 Case{8, 2, 128, 30001, 0, 0.0, 1, false, 0}}) {
     const int64_t B = 2, T = c.T;
     auto q = at::randn({B, T, c.Hq, c.D}).to(dt());
     auto k = at::randn({B, c.Hkv, c.S, c.D}).to(dt()), v = at::randn({B, c.Hkv, c.S, c.D}).to(dt());
@@ -583,6 +587,10 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
                  Case{8, 1, 128, 37, 101, 16, 0, 30, -1, {RowKind::Rotated, 2, true}},
                  // 64-key blocks over coded rows (the grid is large enough).
                  Case{4, 1, 256, 271, 515, 16, 0, 256, -1, {RowKind::Rotated, 4, true}, 4},
+                 // Decode steps over long coded histories (blocks of hundreds of keys).
+                 Case{4, 1, 256, 64, 30011, 1, 0, 64, -1, {RowKind::Rotated, 4, true}, 4},
+                 Case{4, 1, 256, 64, 20011, 1, 0, 64, -1, {RowKind::Affine, 8}},
+                 Case{4, 1, 256, 64, 20011, 1, 0, 64, -1, {RowKind::Rotated, 5, false, true}, 4},
                  // Split codes: V rows in other bits (their own level tables), K's weighted or uniform.
                  Case{4, 1, 256, 271, 515, 3, 0, 256, -1, {RowKind::Rotated, 5, true, false, 3}, 4},
                  Case{4, 1, 256, 40, 77, 16, 0, 33, 9, {RowKind::Rotated, 5, false, true, 3}},

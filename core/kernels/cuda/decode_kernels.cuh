@@ -799,7 +799,7 @@ __device__ __forceinline__ void load_rotated_row(const uint8_t* __restrict__ cod
 }
 
 constexpr int kAttnWarps = 8;
-constexpr int kAttnChunk = 64;  // keys per block at most: 8 per warp keeps each warp's serial chain short
+constexpr int kAttnChunk = 64;  // keys per block where several query rows share the grid (decode_attn_keys)
 
 // Query heads per block: the G query heads of one KV head (grouped-query attention) share every
 // key's slot position, row load, decode and visibility test, so each warp's chain of dependent
@@ -1069,10 +1069,23 @@ __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T*
 // A prefill chunk attending over its own keys (64 query rows over ~600 slots: 640 blocks) keeps
 // 64-key blocks: blocks grown until the grid filled the SMs once made the 8k restored prefill slower
 // (H200, window 64: int4 regions 0.183x -> 0.163x AR, ru5 0.175x -> 0.162x).
+// A decode step (Tq 1) over a long cache grows its blocks instead, until the grid fits in one wave:
+// every block pays a fixed cost (the query's load; on rotated codes the query's and the value sum's
+// rotations, two warp_fwht per warp, and the level tables; the merge of its warps) and then walks
+// its keys in a latency-bound chain, so W waves of 8 keys per warp cost W fixed costs, one wave of
+// 8·W keys per warp one; the combine reads fewer partials too. (A full-attention layer at 32k:
+// 64-key blocks made 2,048 blocks, 8 waves.) H200, Gemma 3 270M bf16, one lease, `bench memory
+// --speed`: AR 1,196 -> 1,266 tok/s at 32k (1,517 -> 1,530 at 8k); exact-lm5-codec-pw4:64 968 ->
+// 1,037 at 32k. Fetching three keys per warp before decoding any (one memory round trip for the
+// three) gained the coded rows a little more at 32k (1,047) but made exact rows slower (AR 1,432 at
+// 8k): the compiler copied the kernel's row kinds per key, and the code grew six-fold.
+constexpr int kAttnMaxKeys = 4096;
 inline int decode_attn_chunks(int S, int keys) { return (S + keys - 1) / keys; }
-inline int decode_attn_keys(int S, int rows, int sms) {
+inline int decode_attn_keys(int S, int rows, int sms, int Tq) {
   int keys = kAttnChunk;
   while (keys > kAttnWarps && (int64_t)decode_attn_chunks(S, keys / 2) * rows <= 2 * sms) keys /= 2;
+  if (Tq == 1)
+    while (keys < kAttnMaxKeys && (int64_t)decode_attn_chunks(S, keys) * rows > 2 * sms) keys *= 2;
   return keys;
 }
 

@@ -519,7 +519,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   }();
   const int G = k::decode_attn_group((int)Hq, (int)Hkv, (int)D, (int)T, group_cap);
   const int keys = k::decode_attn_keys((int)(S + tn), (int)(T * Hq / G),
-                                       at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+                                       at::cuda::getCurrentDeviceProperties()->multiProcessorCount, (int)T);
   auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S + tn, keys), D + 2}, q.options().dtype(at::kFloat));
   auto out = at::empty({B, T, Hq * D}, q.options());
   bool ok = false;
