@@ -587,8 +587,10 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
                  Case{8, 1, 128, 37, 101, 16, 0, 30, -1, {RowKind::Rotated, 2, true}},
                  // 64-key blocks over coded rows (the grid is large enough).
                  Case{4, 1, 256, 271, 515, 16, 0, 256, -1, {RowKind::Rotated, 4, true}, 4},
-                 // Decode steps over long coded histories (blocks of hundreds of keys).
+                 // Decode steps over long coded histories (blocks of hundreds of keys; rotated rows past
+                 // kAttnGroupCodedRows take grouped blocks, fewer one head per block).
                  Case{4, 1, 256, 64, 30011, 1, 0, 64, -1, {RowKind::Rotated, 4, true}, 4},
+                 Case{4, 1, 256, 64, 9001, 1, 0, 64, -1, {RowKind::Rotated, 4, true}, 4},
                  Case{4, 1, 256, 64, 20011, 1, 0, 64, -1, {RowKind::Affine, 8}},
                  Case{4, 1, 256, 64, 20011, 1, 0, 64, -1, {RowKind::Rotated, 5, false, true}, 4},
                  // Split codes: V rows in other bits (their own level tables), K's weighted or uniform.

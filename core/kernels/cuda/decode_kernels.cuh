@@ -808,8 +808,9 @@ constexpr int kAttnChunk = 64;  // keys per block where several query rows share
 // holds 230 registers, one block per SM against two at G = 1. That pays where a block's keys serve
 // many queries (a prefill chunk's 64, verify blocks), not in a decode step's one: there each warp
 // walks one to eight keys and G heads multiply its work (a rotated code's query and value rotations
-// most), so a decode step takes G = 1 (decode_attn_group). kAttnGroupValues bounds G·VPL (16 values
-// of state per lane and array).
+// most), so a decode step takes G = 1 (decode_attn_group), but over a long history of rotated coded
+// rows, whose blocks walk hundreds of keys. kAttnGroupValues bounds G·VPL (16 values of state per lane
+// and array).
 constexpr int kAttnGroupValues = 32;
 
 // G sums over the warp, their shuffles interleaved (the same order per value as warp_sum).
@@ -823,6 +824,9 @@ __device__ __forceinline__ void warp_sums(float* v) {
 // One key's softmax step for the G heads of a block: sdot[g] its score for head g, vv its value
 // row (lane's VPL values), added into acc (the rotated frame's accr for a rotated coded row: rot_row);
 // the other accumulator (and lc) only rescaled.
+// The sums are rescaled only when the key raises the running max (sd is warp-uniform: every lane
+// holds the same warp sum), which after a block's first keys is rare: a rescale by exp(0) = 1 was
+// most keys' work.
 template <int G, int VPL>
 __device__ __forceinline__ void attn_update(const float* sdot, const float* vv, bool rot, bool rot_row, float softcap,
                                             float* m, float* l, float* lc, float (*acc)[VPL], float (*accr)[VPL]) {
@@ -830,25 +834,27 @@ __device__ __forceinline__ void attn_update(const float* sdot, const float* vv, 
   for (int g = 0; g < G; ++g) {
     float sd = sdot[g];
     if (softcap > 0.f) sd = tanhf(sd / softcap) * softcap;
-    const float m_new = fmaxf(m[g], sd);
-    const float corr = __expf(m[g] - m_new), pj = __expf(sd - m_new);
-    l[g] = l[g] * corr + pj;
-    m[g] = m_new;
-    if (rot_row) {
-      lc[g] = lc[g] * corr + pj;
+    if (sd > m[g]) {
+      const float corr = __expf(m[g] - sd);
+      m[g] = sd;
+      l[g] *= corr;
 #pragma unroll
-      for (int i = 0; i < VPL; ++i) {
-        acc[g][i] *= corr;
-        accr[g][i] = accr[g][i] * corr + pj * vv[i];
-      }
-    } else {
-#pragma unroll
-      for (int i = 0; i < VPL; ++i) acc[g][i] = acc[g][i] * corr + pj * vv[i];
+      for (int i = 0; i < VPL; ++i) acc[g][i] *= corr;
       if (rot) {
+        lc[g] *= corr;
 #pragma unroll
         for (int i = 0; i < VPL; ++i) accr[g][i] *= corr;
-        lc[g] *= corr;
       }
+    }
+    const float pj = __expf(sd - m[g]);
+    l[g] += pj;
+    if (rot_row) {
+      lc[g] += pj;
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) accr[g][i] = fmaf(pj, vv[i], accr[g][i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) acc[g][i] = fmaf(pj, vv[i], acc[g][i]);
     }
   }
 }
@@ -1081,11 +1087,13 @@ __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T*
 // 8k): the compiler copied the kernel's row kinds per key, and the code grew six-fold.
 constexpr int kAttnMaxKeys = 4096;
 inline int decode_attn_chunks(int S, int keys) { return (S + keys - 1) / keys; }
-inline int decode_attn_keys(int S, int rows, int sms, int Tq) {
+// A wave is two blocks per SM at G = 1, one at G > 1 (their registers).
+inline int decode_attn_keys(int S, int rows, int sms, int Tq, int G) {
   int keys = kAttnChunk;
   while (keys > kAttnWarps && (int64_t)decode_attn_chunks(S, keys / 2) * rows <= 2 * sms) keys /= 2;
+  const int wave = G == 1 ? 2 * sms : sms;
   if (Tq == 1)
-    while (keys < kAttnMaxKeys && (int64_t)decode_attn_chunks(S, keys) * rows > 2 * sms) keys *= 2;
+    while (keys < kAttnMaxKeys && (int64_t)decode_attn_chunks(S, keys) * rows > wave) keys *= 2;
   return keys;
 }
 
@@ -1097,8 +1105,15 @@ inline int decode_attn_keys(int S, int rows, int sms, int Tq) {
 // regions 1,292 -> 1,410 / 1,105 -> 1,132; ru5 regions with pw4 full-attention rows 1,147 -> 1,289 /
 // 941 -> 965. G = 2 was the slowest of the three. With G = 1 in the prefill's 64-query chunks as well,
 // the 8k restored prefill with ru5 regions fell 0.177x -> 0.160x AR.)
-inline int decode_attn_group(int Hq, int Hkv, int D, int Tq, int forced = 0) {
-  if (Tq == 1) return 1;
+// A decode step over many rotated coded rows (a coded full-attention layer's history: `long_rotated`,
+// kAttnGroupCodedRows or more) takes the grouped blocks too: each coded row's decode (its level
+// lookups and scaling) then serves the G heads, and their dot products and softmax steps interleave.
+// (H200, one lease, G = 4 against KAKEYA_ATTN_GROUP=1, exact-lm5-codec-pw4:64 / exact-int8-codec-pw4:64
+// decode: 1,298 / 1,352 against 1,323 / 1,383 tok/s at 8k, 1,230 / 1,289 against 1,219 / 1,270 at 16k,
+// 1,116 / 1,157 against 1,050 / 1,089 at 32k: hence the bound between 8k and 16k rows.)
+constexpr int kAttnGroupCodedRows = 12288;
+inline int decode_attn_group(int Hq, int Hkv, int D, int Tq, bool long_rotated, int forced = 0) {
+  if (Tq == 1 && !long_rotated) return 1;
   for (int g : {4, 2, 1})
     if ((Hq / Hkv) % g == 0 && g * (D / 32) <= kAttnGroupValues && (forced <= 0 || g <= forced)) return g;
   return 1;

@@ -511,15 +511,17 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   c10::cuda::CUDAGuard g(q.device());
   // From one sequence's query rows, not the batch's: a session's result must not depend on the
   // sessions batched with it (the key blocks fix the order of the softmax sums).
-  // Query heads per block: one in a decode step, else every head of a KV head's group where the
-  // registers allow; KAKEYA_ATTN_GROUP=N caps it (a measurement's switch: the same run timed with N = 1).
+  // Query heads per block: one in a decode step (but over a long history of rotated coded rows),
+  // else every head of a KV head's group where the registers allow; KAKEYA_ATTN_GROUP=N caps it
+  // (a measurement's switch: the same run timed with N = 1).
   static const int group_cap = [] {
     const char* e = std::getenv("KAKEYA_ATTN_GROUP");
     return e ? std::atoi(e) : 0;
   }();
-  const int G = k::decode_attn_group((int)Hq, (int)Hkv, (int)D, (int)T, group_cap);
+  const bool long_rotated = cs.defined() && cs.code.rotated() && cs.k_codes.size(2) >= k::kAttnGroupCodedRows;
+  const int G = k::decode_attn_group((int)Hq, (int)Hkv, (int)D, (int)T, long_rotated, group_cap);
   const int keys = k::decode_attn_keys((int)(S + tn), (int)(T * Hq / G),
-                                       at::cuda::getCurrentDeviceProperties()->multiProcessorCount, (int)T);
+                                       at::cuda::getCurrentDeviceProperties()->multiProcessorCount, (int)T, G);
   auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S + tn, keys), D + 2}, q.options().dtype(at::kFloat));
   auto out = at::empty({B, T, Hq * D}, q.options());
   bool ok = false;
