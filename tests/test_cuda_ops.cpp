@@ -484,7 +484,7 @@ TEST_P(CudaOps, DecodeAttention) {
                  // Enough query rows x keys for full 64-key blocks (small grids take blocks of 8-32 keys).
                  Case{4, 1, 256, 2049, 0, 0.0, 16, false, 0},
                  // Decode steps over long caches: blocks of hundreds of keys (the grid in one wave),
-                 // walked in fetch groups, with and without a copy rule.
+                 // with and without a copy rule.
                  Case{4, 1, 256, 40003, 0, 0.0, 1, false, 0}, Case{4, 1, 256, 20011, 0, 0.0, 1, false, 64},
                  Case{8, 2, 128, 30001, 0, 0.0, 1, false, 0}}) {
     const int64_t B = 2, T = c.T;
