@@ -518,7 +518,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     const char* e = std::getenv("KAKEYA_ATTN_GROUP");
     return e ? std::atoi(e) : 0;
   }();
-  const bool long_rotated = cs.defined() && cs.code.rotated() && cs.k_codes.size(2) >= k::kAttnGroupCodedRows;
+  const bool long_rotated = cr.kc && cr.rotated && cr.rows >= k::kAttnGroupCodedRows;
   const int G = k::decode_attn_group((int)Hq, (int)Hkv, (int)D, (int)T, long_rotated, group_cap);
   const int keys = k::decode_attn_keys((int)(S + tn), (int)(T * Hq / G),
                                        at::cuda::getCurrentDeviceProperties()->multiProcessorCount, (int)T, G);
