@@ -19,6 +19,16 @@ namespace {
 
 const at::Device kCuda(at::kCUDA, 0);
 
+// Whether rows of D values take `code` (check_row_code refuses the rest, tested on the CPU).
+bool code_fits(int64_t D, const ops::RowCode& code) {
+  try {
+    ops::check_row_code(D, code, "test");
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
 // f32: 1e-5 relative to the tensor's scale. bf16: one rounding step of the
 // larger value (2^-7 relative) — the kernel and PyTorch may round a float
 // that sits on a bf16 tie differently after a different summation order.
@@ -268,8 +278,9 @@ void expect_coded_like(const at::Tensor& codes, const at::Tensor& side, const op
   if (code.rotated()) {
     auto rel = (have - want).pow(2).sum(-1) / want.pow(2).sum(-1).clamp_min(1e-12);
     // The worst row: a row of fewer values averages its error over fewer coordinates, so it
-    // strays further from the mean distortion (D = 128 rows reach 2.8× it in these draws).
-    const double worst = want.size(-1) < 256 ? 3.5 : 2.5;
+    // strays further from the mean distortion (D = 128 rows reach 2.8× it in these draws; an ru5
+    // row of 256, whose evenly spaced levels clip the tails, 2.75×).
+    const double worst = want.size(-1) < 256 ? 3.5 : 3.0;
     EXPECT_TRUE(rel.le(rotated_distortion(code) * worst).all().item<bool>())
         << tag << ": worst relative squared error " << rel.max().item<double>();
     EXPECT_LT(rel.mean().item<double>(), rotated_distortion(code) * 1.3) << tag;
@@ -281,13 +292,14 @@ void expect_coded_like(const at::Tensor& codes, const at::Tensor& side, const op
 // where the kernel's dense row differs from the reference's by a bf16 rounding (or, rotated, where
 // a coordinate falls within rounding of a level boundary), by one step.
 TEST_P(CudaOps, RestoreStoreCodedRegion) {
-  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 8}, {ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 5},
-                            {ops::RowKind::Rotated, 4}, {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2},
+  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 8}, {ops::RowKind::Affine, 6}, {ops::RowKind::Affine, 4},
+                            {ops::RowKind::Rotated, 5}, {ops::RowKind::Rotated, 4}, {ops::RowKind::Rotated, 3},
+                            {ops::RowKind::Rotated, 2},
                             {ops::RowKind::Rotated, 5, false, true}, {ops::RowKind::Rotated, 4, false, true},
                             // Split codes: V rows in other bits than K's.
                             {ops::RowKind::Rotated, 5, false, true, 3}, {ops::RowKind::Rotated, 4, false, false, 2}}) {
     for (const auto& [Hkv, D, sink] : {std::tuple<int64_t, int64_t, int64_t>{1, 256, 4}, {2, 64, 3}, {3, 128, 0}}) {
-      if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;  // refused by check_row_code (tested on the CPU)
+      if (!code_fits(D, code)) continue;
       const int bits = code.bits;
       const int64_t P = 100, kvd = Hkv * D, ring = 11, rest = 23;
       auto positions = at::tensor(std::vector<int64_t>{2, 0, 13, 5, 1, 30, 8}, at::kLong);
@@ -354,11 +366,11 @@ TEST_P(CudaOps, RestoreStoreCodedRegion) {
 // RestoreStore::copy (exact restoration): every position's region row is its exact ring row, for
 // dense regions as it is, for coded ones what quantize_rows makes of it; nothing else moves.
 TEST_P(CudaOps, RestoreStoreCopiesFromTheExactRing) {
-  for (ops::RowCode code : {ops::RowCode{}, ops::RowCode{ops::RowKind::Affine, 8}, {ops::RowKind::Affine, 4},
+  for (ops::RowCode code : {ops::RowCode{}, ops::RowCode{ops::RowKind::Affine, 8}, {ops::RowKind::Affine, 6}, {ops::RowKind::Affine, 4},
                             {ops::RowKind::Rotated, 5}, {ops::RowKind::Rotated, 4, false, true},
                             {ops::RowKind::Rotated, 5, false, true, 3}}) {
     for (const auto& [Hkv, D, sink] : {std::tuple<int64_t, int64_t, int64_t>{1, 256, 4}, {2, 64, 0}, {3, 128, 2}}) {
-      if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;
+      if (code.defined() && !code_fits(D, code)) continue;
       const int64_t P = 100, ring = 11, rest = 23;
       // Positions past the sink count and below it, none two on one region or ring slot.
       auto positions = at::tensor(std::vector<int64_t>{2, 0, 13, 5, 1, 30, 8, 17}, at::kLong);
@@ -570,6 +582,10 @@ TEST_P(CudaOps, DecodeAttentionCodedRegion) {
                  Case{6, 2, 64, 19, 45, 3, 50, 13, -1, {RowKind::Affine, 4}},
                  Case{8, 1, 128, 37, 101, 1, 0, 30, 9, {RowKind::Affine, 4}},
                  Case{4, 2, 512, 23, 59, 5, 70, 21, -1, {RowKind::Affine, 8}},
+                 // int6: 6 code bytes a lane at D = 256 (two words), 3 at 128 (one or two), 12 at 512 (three).
+                 Case{4, 1, 256, 271, 511, 1, 512, 256, -1, {RowKind::Affine, 6}},
+                 Case{8, 1, 128, 37, 101, 16, 0, 30, 9, {RowKind::Affine, 6}},
+                 Case{4, 2, 512, 23, 59, 5, 70, 21, -1, {RowKind::Affine, 6}},
                  Case{4, 1, 256, 271, 1023, 1, 0, 256, -1, {RowKind::Rotated, 3}, 4},
                  Case{4, 1, 256, 271, 515, 3, 0, 256, -1, {RowKind::Rotated, 5}, 4},
                  // Evenly spaced levels (ruB): 5 bits read by multiply-adds, 4 bits through the byte table.
@@ -661,6 +677,7 @@ TEST_P(CudaOps, DecodeAttentionTail) {
   for (auto c : {Case{4, 1, 256, 300, 0, 64, 512, 0, {}}, Case{6, 2, 64, 37, 0, 13, 40, 0, {}},
                  Case{4, 1, 256, 64, 511, 64, 512, 64, {}}, Case{8, 2, 128, 33, 70, 31, 0, 33, {}},
                  Case{4, 1, 256, 64, 511, 64, 512, 64, {RowKind::Affine, 4}},
+                 Case{4, 1, 256, 64, 511, 64, 512, 64, {RowKind::Affine, 6}},
                  Case{4, 1, 256, 64, 511, 64, 512, 64, {RowKind::Rotated, 5}},
                  Case{4, 1, 256, 64, 511, 64, 512, 64, {RowKind::Rotated, 5, false, true}},
                  Case{6, 2, 64, 19, 45, 7, 50, 19, {RowKind::Rotated, 4}}}) {
@@ -717,11 +734,11 @@ TEST_P(CudaOps, DecodeAttentionTail) {
 // coded rows quantize_rows makes of them, at the given rows; other rows untouched; rows below the
 // sink also copied to their exact slots.
 TEST_P(CudaOps, CodeRows) {
-  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 4}, {ops::RowKind::Rotated, 5}, {ops::RowKind::Rotated, 4},
-                            {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}, {ops::RowKind::Rotated, 4, true},
+  for (ops::RowCode code : {ops::RowCode{ops::RowKind::Affine, 4}, {ops::RowKind::Affine, 6}, {ops::RowKind::Rotated, 5},
+                            {ops::RowKind::Rotated, 4}, {ops::RowKind::Rotated, 3}, {ops::RowKind::Rotated, 2}, {ops::RowKind::Rotated, 4, true},
                             {ops::RowKind::Rotated, 5, false, true}, {ops::RowKind::Rotated, 5, true, false, 3}}) {
     for (const auto& [Hkv, D] : {std::pair<int64_t, int64_t>{1, 256}, {2, 128}, {3, 512}, {2, 64}}) {
-      if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;
+      if (code.defined() && !code_fits(D, code)) continue;
       const int64_t B = 2, S = 19, R = 37;
       auto k = (at::randn({B, Hkv, S, D}) * 3).to(dt()), v = at::randn({B, Hkv, S, D}).to(dt());
       auto src = at::tensor(std::vector<int64_t>{4, 0, 18, 7, 11}, at::kLong);
@@ -777,12 +794,12 @@ TEST_P(CudaOps, CodeRows) {
 // Coded rows decoded on the device (one warp per row; rotated rows rotated back in registers)
 // against the reference ops on the host, every code and head dim the kernel takes, odd row counts.
 TEST_P(CudaOps, DequantizeRows) {
-  for (const char* name : {"int8", "int4", "lm5", "lm4", "lm3", "lm2", "ru5", "ru4", "ru3", "ru2"}) {
+  for (const char* name : {"int8", "int6", "int4", "lm5", "lm4", "lm3", "lm2", "ru5", "ru4", "ru3", "ru2"}) {
     const ops::RowCode code = ops::parse_row_code(name, "code");
     for (int64_t D : {64, 128, 256, 512}) {
       // Rotated codes need whole bytes per lane, at most 8 (CodedRows.BadInput): lm3 from D = 256,
-      // lm2 from 128, lm5 at 256 only.
-      if (code.rotated() && !ops::rotated_code_fits(D, code)) continue;
+      // lm2 from 128, lm5 at 256 only; int6 from 128 (whole bytes too).
+      if (code.defined() && !code_fits(D, code)) continue;
       const std::string tag = std::string(name) + " D=" + std::to_string(D);
       auto x = at::randn({3, 37, D}) * 1.7 + 0.3;
       auto [c, sd] = ops::quantize_rows(x, code);

@@ -97,7 +97,7 @@ TEST_F(CudaRestoredF32, KernelScoresEqualReference) {
 // coded, as close to the full cache's as the reference ops' are (below).
 TEST_F(CudaRestoredF32, ExactRestorationKernelCopiesTheExactRing) {
   const double full = score(*target_, ids_, ScoreOptions{}).mean_nll();
-  for (const char* code : {"none", "int8", "lm5"}) {
+  for (const char* code : {"none", "int8", "int6", "lm5"}) {
     SCOPED_TRACE(code);
     RestoreOptions o = options(true);
     o.mix_alpha = 1.0;

@@ -34,32 +34,62 @@ TEST(CodedRows, LayoutOfOneGroup) {
   }
 }
 
+// The same group in 6 bits, over a row of 128 (int6's shortest): value i at bits 6i .. 6i + 5 of
+// the row's little-endian bytes, 24 bytes a group; the other groups (zeros) code to 0.
+TEST(CodedRows, LayoutOfOneGroupIn6Bits) {
+  auto x = at::zeros({1, 128});
+  x.narrow(1, 32, 32).copy_(at::arange(32, at::kFloat));
+  const ops::RowCode int6 = ops::parse_row_code("int6", "--x");
+  auto [codes, side] = ops::quantize_rows(x, int6);
+  ASSERT_EQ(codes.sizes(), (std::vector<int64_t>{1, 96}));
+  ASSERT_EQ(side.sizes(), (std::vector<int64_t>{1, 8}));
+  const float scale = side[0][2].item<float>();
+  EXPECT_FLOAT_EQ(side[0][3].item<float>(), 0.f);
+  EXPECT_FLOAT_EQ(scale, at::tensor(31.f / 63.f).to(at::kHalf).item<float>());
+  std::vector<int> b(96);
+  for (int i = 0; i < 96; ++i) b[i] = codes[0][i].item<int>();
+  for (int i = 0; i < 128; ++i) {
+    const int bit = 6 * i, v = ((b[bit / 8] | (bit / 8 + 1 < 96 ? b[bit / 8 + 1] << 8 : 0)) >> (bit % 8)) & 63;
+    EXPECT_EQ(v, i >= 32 && i < 64 ? (int)std::nearbyint((i - 32) / scale) : 0) << i;
+  }
+  EXPECT_EQ(ops::row_code_name(int6), "int6");
+  expect_error([] { ops::quantize_rows(at::zeros({2, 96}), ops::parse_row_code("int6", "--x")); },
+               "int6 codes rows whose 32nds are whole bytes of codes (a multiple of 128 values); the row length is 96");
+}
+
 // Every value decodes within half a step of the code (plus the f16 rounding of min and scale),
 // over odd leading shapes, both bit widths, f32 and bf16 inputs; constant groups decode exactly.
 TEST(CodedRows, RoundTripWithinHalfAStep) {
   at::manual_seed(7);
-  for (int bits : {8, 4}) {
+  for (int bits : {8, 6, 4}) {
+    const int64_t D = bits == 6 ? 128 : 96;  // int6: a multiple of 128 values
     for (auto dt : {at::kFloat, at::kBFloat16}) {
-      auto x = (at::randn({3, 5, 7, 96}) * 4 + 1).to(dt);
+      auto x = (at::randn({3, 5, 7, D}) * 4 + 1).to(dt);
       x.select(-1, 0).fill_(1e-3);  // one tiny value among large ones
       x[1][2][3].fill_(-2.5);       // one constant row: scale 0
       const ops::RowCode code{ops::RowKind::Affine, bits};
       auto [codes, side] = ops::quantize_rows(x, code);
-      ASSERT_EQ(codes.sizes(), (std::vector<int64_t>{3, 5, 7, 96 * bits / 8}));
-      ASSERT_EQ(side.sizes(), (std::vector<int64_t>{3, 5, 7, 6}));
+      ASSERT_EQ(codes.sizes(), (std::vector<int64_t>{3, 5, 7, D * bits / 8}));
+      ASSERT_EQ(side.sizes(), (std::vector<int64_t>{3, 5, 7, D / 16}));
       auto y = ops::dequantize_rows(codes, side, code, at::kFloat);
       ASSERT_EQ(y.sizes(), x.sizes());
-      auto xf = x.to(at::kFloat).view({-1, 3, 32});
+      auto xf = x.to(at::kFloat).view({-1, D / 32, 32});
       auto range = std::get<0>(xf.max(-1, true)) - std::get<0>(xf.min(-1, true));  // [N, 3, 1]
       const double levels = (1 << bits) - 1;
       // Half a step, and the f16 rounding of min (2^-11 relative) and of scale times the code.
       auto bound = range / levels * 0.5 * (1 + 2e-3) + xf.abs().amax(-1, true) * 2e-3 + 1e-6;
-      auto err = (y.view({-1, 3, 32}) - xf).abs();
+      auto err = (y.view({-1, D / 32, 32}) - xf).abs();
       EXPECT_TRUE(err.le(bound).all().item<bool>())
           << bits << " bits " << dt << ": max err " << err.max().item<double>();
       EXPECT_TRUE(y[1][2][3].eq(-2.5).all().item<bool>()) << "a constant row decodes exactly";
       // Codes span the range: the group's min and max values code to 0 and 2^bits - 1.
-      auto c = bits == 8 ? codes : at::stack({codes.bitwise_and(15), codes.bitwise_right_shift(4)}, -1);
+      // (6 bits: four codes in every 3 bytes, b0 | b1 << 8 | b2 << 16.)
+      auto tri = codes.reshape({-1, 3}).to(at::kInt);
+      auto word = tri.select(1, 0) + tri.select(1, 1) * 256 + tri.select(1, 2) * 65536;
+      auto c = bits == 8   ? codes
+               : bits == 6 ? at::stack({word.bitwise_and(63), word.bitwise_right_shift(6).bitwise_and(63),
+                                        word.bitwise_right_shift(12).bitwise_and(63), word.bitwise_right_shift(18)}, -1)
+                           : at::stack({codes.bitwise_and(15), codes.bitwise_right_shift(4)}, -1);
       EXPECT_EQ(c.max().item<int>(), (int)levels);
       EXPECT_EQ(c.min().item<int>(), 0);
     }
@@ -172,7 +202,7 @@ TEST(CodedRows, RotatedRoundTripKeepsTheNormAtTheGaussianDistortion) {
 TEST(CodedRows, BadInput) {
   expect_error([] { ops::quantize_rows(at::zeros({2, 48}), kInt4); }, "not a multiple of the code group 32");
   expect_error([] { ops::quantize_rows(at::zeros({2, 64}), ops::RowCode{ops::RowKind::Affine, 3}); },
-               "affine codes take 8 or 4 bits");
+               "affine codes take 8, 6 or 4 bits");
   expect_error([] { ops::quantize_rows(at::zeros({2, 128}), ops::RowCode{ops::RowKind::Rotated, 3}); },
                "lm3 codes rows of a power-of-two length in 64..512 whose 32nds are whole bytes of codes, at most 8 a lane; the head dim is 128 (use lm4 or lm2)");
   // 5 bits: 40 bits a lane at D = 256; 80 at D = 512, past the kernels' one 64-bit word.
@@ -187,7 +217,7 @@ TEST(CodedRows, BadInput) {
   EXPECT_FALSE(ops::parse_row_code("none", "--x").defined());
   EXPECT_EQ(ops::row_code_name(kInt4), "int4");
   expect_error([] { ops::parse_row_code("lm6", "--full-code"); },
-               "--full-code: expected none | int8 | int4 | lm5 | lm4 | lm3 | lm2 | ru5 | ru4 | ru3 | ru2 | pw5 | pw4 | pw3 | pw2, got 'lm6'");
+               "--full-code: expected none | int8 | int6 | int4 | lm5 | lm4 | lm3 | lm2 | ru5 | ru4 | ru3 | ru2 | pw5 | pw4 | pw3 | pw2, got 'lm6'");
   expect_error([] { ops::parse_row_code("pw1", "--full-code"); }, "got 'pw1'");
   EXPECT_EQ(ops::parse_row_code("pw4", "--x"), (ops::RowCode{ops::RowKind::Rotated, 4, true}));
   EXPECT_FALSE(ops::parse_row_code("pw4", "--x") == ops::parse_row_code("lm4", "--x"));
@@ -197,7 +227,7 @@ TEST(CodedRows, BadInput) {
   EXPECT_EQ(ops::row_code_name(ops::parse_row_code("ru3", "--x")), "ru3");
   expect_error([] { ops::check_row_code(256, ops::RowCode{ops::RowKind::Rotated, 4, true, true}, "--x"); },
                "weighted rows (pwB) take Lloyd-Max levels");
-  for (const char* n : {"int8", "int4", "lm5", "lm2", "ru5", "ru2", "pw5", "pw2"}) EXPECT_TRUE(ops::is_row_code_name(n)) << n;
+  for (const char* n : {"int8", "int6", "int4", "lm5", "lm2", "ru5", "ru2", "pw5", "pw2"}) EXPECT_TRUE(ops::is_row_code_name(n)) << n;
   for (const char* n : {"none", "lm6", "pw", "int2", "lm44"}) EXPECT_FALSE(ops::is_row_code_name(n)) << n;
   // Split codes: V rows in other bits than K's.
   const ops::RowCode pw5v3 = ops::parse_row_code("pw5v3", "--x");

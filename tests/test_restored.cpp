@@ -877,7 +877,7 @@ TEST(Restored, BadInput) {
   expect_error([&] { decode(model(), &drafter(), &foreign, prompt(), o); }, "trained for another verifier");
   o.restore.full_attn = FullAttn::Codec;
   o.restore.full_code = {ops::RowKind::Affine, 3};
-  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--full-code on layer 5: affine codes take 8 or 4 bits");
+  expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--full-code on layer 5: affine codes take 8, 6 or 4 bits");
   o.restore.full_code = {};
   expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "needs a --full-code");
   o.restore.full_code = {ops::RowKind::Rotated, 4};
@@ -899,7 +899,7 @@ TEST(Restored, BadInput) {
   o.restore.stats = false;
   o.restore.region_code = {ops::RowKind::Rotated, 6};
   expect_error([&] { decode(model(), &drafter(), &ftheta(), prompt(), o); }, "--restored-code on layer 0: lm6: bits expected 2, 3, 4 or 5");
-  expect_error([] { ops::parse_row_code("int2", "--restored-code"); }, "--restored-code: expected none | int8 | int4 | lm5 | lm4 | lm3 | lm2");
+  expect_error([] { ops::parse_row_code("int2", "--restored-code"); }, "--restored-code: expected none | int8 | int6 | int4 | lm5 | lm4 | lm3 | lm2");
 }
 
 }  // namespace

@@ -218,12 +218,12 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 }
 
 const std::string& row_code_names() {
-  static const std::string names = "int8 | int4 | lm5 | lm4 | lm3 | lm2 | ru5 | ru4 | ru3 | ru2 | pw5 | pw4 | pw3 | pw2";
+  static const std::string names = "int8 | int6 | int4 | lm5 | lm4 | lm3 | lm2 | ru5 | ru4 | ru3 | ru2 | pw5 | pw4 | pw3 | pw2";
   return names;
 }
 
 bool is_row_code_name(const std::string& s) {
-  if (s == "int8" || s == "int4") return true;
+  if (s == "int8" || s == "int6" || s == "int4") return true;
   auto bits = [](char b) { return b >= '2' && b <= '5'; };
   return (s.size() == 3 || (s.size() == 5 && s[3] == 'v' && bits(s[4]))) &&
          (s.compare(0, 2, "lm") == 0 || s.compare(0, 2, "ru") == 0 || s.compare(0, 2, "pw") == 0) && bits(s[2]);
@@ -234,6 +234,7 @@ RowCode parse_row_code(const std::string& s, const std::string& flag) {
   KAKEYA_CHECK(is_row_code_name(s), flag << ": expected none | " << row_code_names() << ", got '" << s
                                           << "' (a rotated code + v2 .. v5 codes V rows in those bits: pw5v3)");
   if (s == "int8") return {RowKind::Affine, 8};
+  if (s == "int6") return {RowKind::Affine, 6};
   if (s == "int4") return {RowKind::Affine, 4};
   return {RowKind::Rotated, s[2] - '0', s[0] == 'p', s[0] == 'r', s.size() == 5 ? s[4] - '0' : 0};
 }
@@ -263,9 +264,12 @@ void check_row_code(int64_t D, const RowCode& c, const std::string& what) {
   } else {
     KAKEYA_CHECK(!c.weighted && !c.uniform,
                  what << ": weighted rows are rotated codes (pw2 .. pw5), and so are uniform ones (ru2 .. ru5)");
-    KAKEYA_CHECK(c.bits == 8 || c.bits == 4, what << ": affine codes take 8 or 4 bits, got " << c.bits);
+    KAKEYA_CHECK(c.bits == 8 || c.bits == 6 || c.bits == 4, what << ": affine codes take 8, 6 or 4 bits, got " << c.bits);
     KAKEYA_CHECK(D > 0 && D % kCodeGroup == 0,
                  what << ": row length " << D << " is not a multiple of the code group " << kCodeGroup);
+    KAKEYA_CHECK(c.bits != 6 || D % 128 == 0,
+                 what << ": int6 codes rows whose 32nds are whole bytes of codes (a multiple of 128 values); the row "
+                      << "length is " << D << " (use int8 or int4)");
   }
 }
 
@@ -402,6 +406,8 @@ std::pair<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, const RowCo
   if (bits == 4) {
     auto pairs = c.view({-1, D / 2, 2});
     c = pairs.select(-1, 0).bitwise_or(pairs.select(-1, 1).bitwise_left_shift(4));  // [N, D/2]
+  } else if (bits == 6) {
+    c = pack_indices(c, 6);                                         // [N, D·6/8]
   }
   auto side = at::cat({scale_h, min_h}, -1).reshape({-1, 2 * G});   // [N, 2G]: (scale, min) per group
   return {c.reshape(codes_shape), side.reshape(side_shape)};
@@ -431,6 +437,7 @@ at::Tensor dequantize_rows(const at::Tensor& codes, const at::Tensor& side, cons
   }
   const int64_t G = D / kCodeGroup;
   if (code.bits == 4) c = at::stack({c.bitwise_and(15), c.bitwise_right_shift(4)}, -1);  // [N, D/2, 2]
+  if (code.bits == 6) c = unpack_indices(c, D, 6);                                         // [N, D]
   auto cf = c.reshape({-1, G, kCodeGroup}).to(at::kFloat);
   auto sd = side.reshape({-1, G, 2}).to(at::kFloat);
   auto x = sd.narrow(-1, 1, 1) + sd.narrow(-1, 0, 1) * cf;          // min + scale · c

@@ -146,10 +146,12 @@ at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions
 
 // ---- coded rows: K/V rows (restored regions, coded full-attention history) in a few bits ----
 // Two kinds of code, each per row of D values (one position's K or V head):
-//  Affine (int8, int4): groups of kCodeGroup consecutive values, per group x ≈ min + scale · c with
-//    c in 0 .. 2^bits - 1, scale = (max - min) / (2^bits - 1) and min kept in f16, c =
+//  Affine (int8, int6, int4): groups of kCodeGroup consecutive values, per group x ≈ min + scale · c
+//    with c in 0 .. 2^bits - 1, scale = (max - min) / (2^bits - 1) and min kept in f16, c =
 //    round_half_even((x - min) / scale) computed from the f16 values (0 where scale is 0).
-//    Side values: (scale, min) per group, f16. D = 256 costs 160 bytes in 4 bits (bf16: 512).
+//    Side values: (scale, min) per group, f16. D = 256 costs 160 bytes in 4 bits, 224 in 6 (bf16:
+//    512). int6 codes are packed little-endian as the rotated ones are (value i at bits 6i ..
+//    6i + 5), so rows of a multiple of 128 values (a lane's 32nd of the row in whole bytes).
 //  Rotated (lm5, lm4, lm3, lm2): y = H·(s ⊙ x) / sqrt(D) (H the Sylvester Hadamard matrix, s the fixed
 //    signs rotation_sign(i)), whose coordinates are close to N(0, |x|²/D) for any row; each
 //    coordinate of u = y · sqrt(D) / |x| coded by the N(0,1) Lloyd-Max table of `bits` bits
@@ -191,7 +193,7 @@ struct RowCode {
   }
 };
 // The codes' names for help texts and errors:
-// "int8 | int4 | lm5 | lm4 | lm3 | lm2 | ru5 | ru4 | ru3 | ru2 | pw5 | pw4 | pw3 | pw2".
+// "int8 | int6 | int4 | lm5 | lm4 | lm3 | lm2 | ru5 | ru4 | ru3 | ru2 | pw5 | pw4 | pw3 | pw2".
 // A rotated name + "v2" .. "v5" is a split code (pw5v3).
 const std::string& row_code_names();
 bool is_row_code_name(const std::string& s);  // one of row_code_names(), or a split code

@@ -221,8 +221,11 @@ void KVCache::mark(const at::Tensor& positions) {
       if (s->policy) {
         KAKEYA_CHECK(t <= opt_.restore.max_step, "KV cache: a forward of " << t << " tokens per row exceeds the "
                                                      << "restore policy's step of " << opt_.restore.max_step);
-        s->pos.narrow(1, 0, s->ring).scatter_(1, positions.remainder(s->ring), positions);
+        const at::Tensor slot = positions.remainder(s->ring);
+        s->pos.narrow(1, 0, s->ring).scatter_(1, slot, positions);
         if (s->coded) {  // as one sequence's mark below: row = position, sinks re-marked
+          s->marked = positions;
+          s->marked_slot = slot;
           s->pos.narrow(1, s->ring + s->held, s->rest).scatter_(1, positions, positions);
           if (s->held > 0) s->pos.narrow(1, s->ring, s->held).copy_(s->held_pos);
         }
@@ -248,10 +251,13 @@ void KVCache::mark(const at::Tensor& positions) {
                                              << opt_.restore.max_chunk);
       // A chunk longer than the ring (exact copies) leaves its last ring's worth there.
       const at::Tensor held = t > s->ring ? positions.slice(0, t - s->ring) : positions;
-      s->pos.narrow(0, 0, s->ring).index_copy_(0, held.remainder(s->ring), held);
+      const at::Tensor slot = held.remainder(s->ring);
+      s->pos.narrow(0, 0, s->ring).index_copy_(0, slot, held);
       // A coded layer's rows hold every position (row = position), coded as it is written; its
       // sink slots hold the sinks (re-marked: a truncation below them cleared them).
       if (s->coded) {
+        s->marked = t > s->ring ? at::Tensor() : positions;
+        s->marked_slot = slot;
         s->pos.narrow(0, s->ring + s->held, s->rest).index_copy_(0, positions, positions);
         if (s->held > 0) s->pos.narrow(0, s->ring, s->held).copy_(s->held_pos);
       }
@@ -372,7 +378,7 @@ void KVCache::code_stored(int64_t layer, const at::Tensor& positions) {
   const TypeState& s = state(layer);
   KAKEYA_CHECK(s.coded, "KV cache: code_stored on layer " << layer << ", which is not a coded layer");
   ops::CodedSlots& c = codes_[layer];
-  const auto slot = positions.remainder(s.ring);
+  const auto slot = positions.is_same(s.marked) ? s.marked_slot : positions.remainder(s.ring);
   if (length_ == 0 && !opt_.rows && c.k_mean.defined())
     set_means(layer, k_[layer].index_select(2, slot), v_[layer].index_select(2, slot), positions);
   // (With rows, each row's means were set by its own first forward, through its row() view.)

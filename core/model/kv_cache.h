@@ -206,6 +206,9 @@ class KVCache {
     int64_t ring = 0;             // exact ring slots
     int64_t held = 0;             // exact sink slots after the ring (coded layers)
     at::Tensor held_pos;          // [held] int64: 0 .. held - 1, what they hold
+    // Coded layers: the positions of the last mark() ([T] or [B, T]) and their ring slots, which
+    // code_stored reads for those same positions instead of one remainder kernel per layer.
+    at::Tensor marked, marked_slot;
     int64_t rest = 0;             // restored region slots
     bool policy = false;
     bool coded = false;           // coded full-attention layers (policy is set too: same visibility machinery)

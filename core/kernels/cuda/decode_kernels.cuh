@@ -384,6 +384,13 @@ __device__ __forceinline__ void code_row(const T* row, int D, int bits, uint8_t*
     const float sf = __half2float(sh), mf = __half2float(mh);
     if (bits == 8) {
       for (int i = 0; i < 32; ++i) codes[g * 32 + i] = (uint8_t)code_of(from_t<T>(x[i]), sf, mf, levels);
+    } else if (bits == 6) {  // value i at bits 6i .. 6i + 5 of the group's 24 bytes
+      uint32_t acc = 0;
+      int nb = 0, o = g * 24;
+      for (int i = 0; i < 32; ++i) {
+        acc |= code_of(from_t<T>(x[i]), sf, mf, levels) << nb;
+        for (nb += 6; nb >= 8; nb -= 8, acc >>= 8) codes[o++] = (uint8_t)acc;
+      }
     } else {
       for (int i = 0; i < 32; i += 2)
         codes[(g * 32 + i) / 2] = (uint8_t)(code_of(from_t<T>(x[i]), sf, mf, levels) |
@@ -573,13 +580,38 @@ __device__ __forceinline__ void load_uniform5(const uint8_t* __restrict__ codes,
 }
 
 // The VPL values lane·VPL .. lane·VPL + VPL - 1 of a coded row (VPL even, within one group):
-// one load of the lane's code bytes and one of its group's (scale, min) pair.
-template <int VPL>
+// one load of the lane's code bytes and one of its group's (scale, min) pair. SIX: the row is in 6
+// bits (int6; VPL 4, 8 or 16), else in `bits` = 8 or 4. int6 is a template case, not a third runtime
+// one: a third branch in the attention kernel's key loop made int8 regions' decode steps 3.7% slower
+// (H200, one lease, exact-int8:64 at 8k: 0.982x -> 0.946x AR).
+template <int VPL, bool SIX = false>
 __device__ __forceinline__ void load_coded(const uint8_t* __restrict__ codes, const __half* __restrict__ side, int bits,
                                            int lane, float* out) {
   const int d0 = lane * VPL;
   const float2 sm = __half22float2(*reinterpret_cast<const __half2*>(side + 2 * (d0 / 32)));  // (scale, min)
-  if (bits == 8) {
+  if constexpr (SIX) {
+    // The lane's NB = VPL·6/8 bytes as three loads of NB/3 bytes each (aligned: rows of 32·NB bytes),
+    // value i at bits 6i .. 6i + 5 of them.
+    static_assert(VPL == 4 || VPL == 8 || VPL == 16, "int6 rows: D = 128, 256 or 512");
+    constexpr int NB = VPL * 6 / 8;
+    if constexpr (VPL == 16) {
+      const uint32_t* w = reinterpret_cast<const uint32_t*>(codes + lane * NB);
+      const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
+      const uint64_t lo = ((uint64_t)w1 << 32) | w0, hi = ((uint64_t)w2 << 16) | (w1 >> 16);  // bits 0..47, 48..95
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        out[i] = sm.y + sm.x * (float)((lo >> (6 * i)) & 63u);
+        out[i + 8] = sm.y + sm.x * (float)((hi >> (6 * i)) & 63u);
+      }
+    } else {
+      using U = std::conditional_t<VPL == 8, uint16_t, uint8_t>;
+      const U* u = reinterpret_cast<const U*>(codes + lane * NB);
+      constexpr int W = 8 * (int)sizeof(U);
+      const uint64_t x = (uint64_t)u[0] | ((uint64_t)u[1] << W) | ((uint64_t)u[2] << (2 * W));
+#pragma unroll
+      for (int i = 0; i < VPL; ++i) out[i] = sm.y + sm.x * (float)((x >> (6 * i)) & 63u);
+    }
+  } else if (bits == 8) {
     alignas(16) uint8_t b[VPL];
     load_bytes<VPL>(codes + d0, b);
 #pragma unroll
@@ -720,7 +752,12 @@ __global__ void dequantize_rows_kernel(const uint8_t* __restrict__ codes, const 
 #pragma unroll
     for (int i = 0; i < VPL; ++i) v[i] *= rot_sign(lane * VPL + i);
   } else {
-    load_coded<VPL>(codes + r * cb, side + r * 2 * (D / 32), bits, lane, v);
+    if constexpr (VPL >= 4) {
+      if (bits == 6) load_coded<VPL, true>(codes + r * cb, side + r * 2 * (D / 32), bits, lane, v);
+      else load_coded<VPL>(codes + r * cb, side + r * 2 * (D / 32), bits, lane, v);
+    } else {
+      load_coded<VPL>(codes + r * cb, side + r * 2 * (D / 32), bits, lane, v);
+    }
   }
   T* o = out + r * D + lane * VPL;
 #pragma unroll
@@ -859,7 +896,8 @@ __device__ __forceinline__ void attn_update(const float* sdot, const float* vv, 
   }
 }
 
-template <typename T, int VPL, int G>  // VPL: values per lane = D / 32; G: query heads per block
+// SIX: the coded rows (if any) are int6 ones (load_coded).
+template <typename T, int VPL, int G, bool SIX>  // VPL: values per lane = D / 32; G: query heads per block
 __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
                                            const int64_t* __restrict__ slot_pos, int sp_bs, const int64_t* __restrict__ q_pos,
                                            int qstride, int qp_bs, const bool* __restrict__ in_restored, int rwin, int64_t code_from,
@@ -962,8 +1000,8 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
       if (restored_slot && keep_below >= 0 && p >= keep_below) continue;  // dropped on this layer
     }
     if (coded_row && !rot) {
-      load_coded<VPL>(cr.kc + r * (D * cr.bits / 8), cr.ks + r * (D / 16), cr.bits, lane, kv);
-      load_coded<VPL>(cr.vc + r * (D * cr.bits / 8), cr.vs + r * (D / 16), cr.bits, lane, vv);
+      load_coded<VPL, SIX>(cr.kc + r * (D * cr.bits / 8), cr.ks + r * (D / 16), cr.bits, lane, kv);
+      load_coded<VPL, SIX>(cr.vc + r * (D * cr.bits / 8), cr.vs + r * (D / 16), cr.bits, lane, vv);
     }
     // A rotated coded row is attended in the rotated frame, with the rotated queries.
     const bool rot_row = rot && coded_row;
@@ -1122,6 +1160,13 @@ inline int decode_attn_group(int Hq, int Hkv, int D, int Tq, bool long_rotated, 
 // Returns false if D is not one of the supported head dims (64, 128, 256, 512) or G is not one
 // decode_attn_group gives for D. tk, tv, tpos: the tail's tn rows (tn 0: none); keys:
 // decode_attn_keys of S + tn over one sequence's Tq·Hq / G block rows; G: decode_attn_group.
+// f(std::false_type), then f(std::true_type): a kernel's bool template cases.
+template <typename F>
+void for_each_bool(F&& f) {
+  f(std::false_type{});
+  f(std::true_type{});
+}
+
 template <typename T>
 bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs, const int64_t* q_pos,
                              int qstride, int qp_bs, const bool* in_restored, int rwin, int64_t code_from, int64_t keep_below,
@@ -1132,20 +1177,24 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
   const dim3 grid(nchunks, B * Tq * Hq / G);
   const int threads = kAttnWarps * 32;
   bool launched = false;
-  auto launch = [&](auto vpl, auto g) {
+  const bool six = cr.kc && !cr.rotated && cr.bits == 6;
+  auto launch = [&](auto vpl, auto g, auto sx) {
     constexpr int VPL = decltype(vpl)::value, GG = decltype(g)::value;
-    if constexpr (GG * VPL <= kAttnGroupValues || GG == 1) {
-      if (D == VPL * 32 && G == GG) {
-        launch_pdl(decode_attn_partial_kernel<T, VPL, GG>, grid, threads, 0, s, q, k, v, slot_pos, sp_bs, q_pos, qstride, qp_bs, in_restored, rwin,
+    constexpr bool SIX = decltype(sx)::value;
+    if constexpr ((GG * VPL <= kAttnGroupValues || GG == 1) && (!SIX || VPL >= 4)) {
+      if (D == VPL * 32 && G == GG && six == SIX) {
+        launch_pdl(decode_attn_partial_kernel<T, VPL, GG, SIX>, grid, threads, 0, s, q, k, v, slot_pos, sp_bs, q_pos, qstride, qp_bs, in_restored, rwin,
                    code_from, keep_below, cr, tk, tv, tpos, tn, partial, Tq, Hq, Hkv, S, keys, window, scale, softcap);
         launched = true;
       }
     }
   };
   auto each_group = [&](auto vpl) {
-    launch(vpl, std::integral_constant<int, 1>{});
-    launch(vpl, std::integral_constant<int, 2>{});
-    launch(vpl, std::integral_constant<int, 4>{});
+    for_each_bool([&](auto sx) {
+      launch(vpl, std::integral_constant<int, 1>{}, sx);
+      launch(vpl, std::integral_constant<int, 2>{}, sx);
+      launch(vpl, std::integral_constant<int, 4>{}, sx);
+    });
   };
   each_group(std::integral_constant<int, 2>{});
   each_group(std::integral_constant<int, 4>{});
