@@ -9,6 +9,7 @@
 #include <memory>
 #include <set>
 #include <sstream>
+#include <tuple>
 
 #include "core/error.h"
 #include "core/io/fs.h"
@@ -23,7 +24,8 @@ std::string config_forms() {
   return "oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W | exact[-CODE][-codec[-CODE]]:W, e.g. "
          "restored:W, restored-int4:W, restored-codec-lm3:W, exact-int8:W (exact: the region holds the exact K/V, "
          "--mix-alpha 1; W: the exact window, a positive integer; CODE: " + ops::row_code_names() +
-         ", or a rotated one + vC for V rows in C bits, e.g. pw5v3)";
+         ", or a rotated one + vC for V rows in C bits, e.g. pw5v3; the codec's CODE may give full-attention layers "
+         "their own, +L=CODE: exact-int6-codec-pw4+17=pw5v4:64)";
 }
 
 double mean(const std::vector<double>& x) {
@@ -306,7 +308,8 @@ LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOpti
       c.restore.layers = "all";
     } else if (parts[i] == "codec") {
       c.restore.full_attn = FullAttn::Codec;
-      if (i + 1 < parts.size() && ops::is_row_code_name(parts[i + 1])) c.restore.full_code = ops::parse_row_code(parts[++i], "--configs");
+      if (i + 1 < parts.size() && ops::is_layer_codes_name(parts[i + 1]))
+        std::tie(c.restore.full_code, c.restore.full_code_layers) = ops::parse_layer_codes(parts[++i], "--configs");
     } else if (ops::is_row_code_name(parts[i])) {
       c.restore.region_code = ops::parse_row_code(parts[i], "--configs");
       // Refused here, not only when a decoder is built: bench memory plans configs without one.

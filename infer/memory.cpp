@@ -22,12 +22,14 @@ std::string mib(int64_t b) {
 
 // Bytes of `slots` positions per layer of one type (-1 all, 0 sliding, 1 full): dense K/V in
 // `elem`-byte values, or (code defined) coded rows (ops::quantize_rows).
-int64_t region_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type, const ops::RowCode& code) {
+int64_t region_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, int type, const ops::RowCode& base,
+                         const std::vector<ops::RowCode>& layers = {}) {
   int64_t b = 0;
   for (int64_t l = 0; l < cfg.num_layers; ++l) {
     if (type >= 0 && cfg.is_sliding(l) != (type == 0)) continue;
     if (cfg.kv_shared(l)) continue;  // reads another layer's K/V
     const int64_t D = cfg.layer_head_dim[l];
+    const ops::RowCode& code = ops::layer_code(base, layers, l);
     // A K row and a V row (their codes apart for a split code).
     const int64_t rows = code.defined() ? ops::code_bytes(D, code.k()) + ops::code_bytes(D, code.v()) +
                                               2 * (ops::side_halves(D, code.k()) + ops::side_halves(D, code.v()))
@@ -235,7 +237,7 @@ MemoryReport memory_lines(const KvParts& p, const ModelConfig& cfg, int64_t elem
         m.add({MemoryPart::FullExact, "verifier full-attention: exact window ring + sinks", p.full_exact,
                         slots(p.full_exact_slots) + (o.long_chunks() ? " (window + sink)" : " (window + chunk - 1 + sink)")});
         m.add({MemoryPart::FullCoded, "verifier full-attention: coded K/V", p.full_rest,
-                        std::to_string(p.full_rest_slots) + " positions (every one) as " + ops::row_code_name(o.full_code) +
+                        std::to_string(p.full_rest_slots) + " positions (every one) as " + ops::layer_codes_name(o.full_code, o.full_code_layers) +
                             " coded rows", true});
         break;
     }
@@ -319,13 +321,15 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
       const bool step_ring = o.full_attn == FullAttn::Codec && o.long_chunks();
       p.full_exact_slots = std::min(n, w + (step_ring ? 0 : c - 1)) + (o.full_attn == FullAttn::Codec ? o.sink : 0);
       p.full_rest_slots = o.evict_only() && o.full_attn == FullAttn::Restored ? o.sink + 1 : n;
-      p.full_rest = region_bytes_for(cfg, elem, p.full_rest_slots, 1,
-                                     o.full_attn == FullAttn::Codec ? o.full_code : o.region_code);
+      const bool codec = o.full_attn == FullAttn::Codec;
+      p.full_rest = codec ? region_bytes_for(cfg, elem, p.full_rest_slots, 1, o.full_code, o.full_code_layers)
+                          : region_bytes_for(cfg, elem, p.full_rest_slots, 1, o.region_code);
       // Rotated codes on coded layers: the session's K and V means (and K weights, weighted codes), f32.
-      if (o.full_attn == FullAttn::Codec && o.full_code.rotated())
-        for (int64_t l = 0; l < cfg.num_layers; ++l)
-          if (!cfg.is_sliding(l) && !cfg.kv_shared(l))
-            p.full_rest += (o.full_code.weighted ? 3 : 2) * cfg.kv_heads(l) * cfg.layer_head_dim[l] * 4;
+      for (int64_t l = 0; codec && l < cfg.num_layers; ++l) {
+        const ops::RowCode& code = ops::layer_code(o.full_code, o.full_code_layers, l);
+        if (!cfg.is_sliding(l) && !cfg.kv_shared(l) && code.rotated())
+          p.full_rest += (code.weighted ? 3 : 2) * cfg.kv_heads(l) * cfg.layer_head_dim[l] * 4;
+      }
     }
     p.full_exact = kv_bytes_for(cfg, elem, p.full_exact_slots, 1);
   }

@@ -2,6 +2,8 @@
 
 #include "core/error.h"
 
+#include <algorithm>
+
 namespace kakeya {
 
 const char* decode_mode_name(DecodeMode m) {
@@ -38,12 +40,17 @@ FullAttn parse_full_attn(const std::string& s) {
   KAKEYA_FAIL("--full-attn: expected exact | restored | codec, got '" << s << "'");
 }
 
+bool RestoreOptions::full_code_weighted() const {
+  return full_code.weighted ||
+         std::any_of(full_code_layers.begin(), full_code_layers.end(), [](const ops::RowCode& c) { return c.weighted; });
+}
+
 nlohmann::json RestoreOptions::to_json() const {
   nlohmann::json j{{"sink", sink},        {"window", window},          {"full_attn", full_attn_name(full_attn)},
                    {"mix_alpha", mix_alpha}, {"chunk", resolved_chunk()}, {"stats", stats},
                    {"layers", layers}};
-  if (full_attn == FullAttn::Codec) j["full_code"] = ops::row_code_name(full_code);
-  if (full_attn == FullAttn::Codec && full_code.weighted) j["calib"] = calib;
+  if (full_attn == FullAttn::Codec) j["full_code"] = ops::layer_codes_name(full_code, full_code_layers);
+  if (full_attn == FullAttn::Codec && full_code_weighted()) j["calib"] = calib;
   // Only when coded: reports written before the option existed describe the same runs.
   if (region_code.defined()) j["restored_code"] = ops::row_code_name(region_code);
   return j;

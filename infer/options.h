@@ -46,8 +46,11 @@ struct RestoreOptions {
   // FullAttn::Codec: every position of the full-attention layers stored as these coded rows
   // (--full-code; core/kernels/ops.h), the exact window beside them; the attention kernel reads the codes.
   ops::RowCode full_code{ops::RowKind::Rotated, 4};
-  // A calibration bundle holding K weights (kakeya calibrate k-weights): read when full_code is
-  // weighted (pwB), refused when made for another model.
+  // Per full-attention layer where defined: its own code instead (--full-code pw4+17=pw5v4;
+  // ops::layer_code): where the bytes go furthest, e.g. more bits on the layer that loses most.
+  std::vector<ops::RowCode> full_code_layers;
+  // A calibration bundle holding K weights (kakeya calibrate k-weights): read when a full-attention
+  // layer's code is weighted (pwB), refused when made for another model.
   std::string calib;
   // Restored regions stored as coded rows (--restored-code; undefined: in the model dtype).
   ops::RowCode region_code;
@@ -70,6 +73,8 @@ struct RestoreOptions {
   int64_t window_chunk() const { return std::min(resolved_chunk(), window); }
   bool needs_true_raw() const { return (mix_alpha > 0.0 && mix_alpha < 1.0) || stats; }
   bool evict_only() const { return layers == "none"; }
+  // Whether a full-attention layer's code (full_code or its own) is weighted: K weights from --calib.
+  bool full_code_weighted() const;
   bool needs_ftheta() const { return mix_alpha < 1.0 && !evict_only(); }
   // Prefill chunks may exceed the window: exact restoration (a = 1, no statistics) with exact or
   // coded full-attention layers (a coded layer attends such a chunk over [its rows ++ the chunk] and

@@ -75,7 +75,17 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
       ops::check_row_code(cfg.layer_head_dim[l], o.region_code,
                           "decode: --restored-code on layer " + std::to_string(l));
     if (o.full_attn == FullAttn::Codec && !cfg.is_sliding(l))
-      ops::check_row_code(cfg.layer_head_dim[l], o.full_code, "decode: --full-code on layer " + std::to_string(l));
+      ops::check_row_code(cfg.layer_head_dim[l], ops::layer_code(o.full_code, o.full_code_layers, l),
+                          "decode: --full-code on layer " + std::to_string(l));
+  }
+  if (!o.full_code_layers.empty()) {
+    std::string stored;  // the full-attention layers that store K/V: those a layer's own code may name
+    for (int64_t i = 0; i < cfg.num_layers; ++i)
+      if (!cfg.is_sliding(i) && !cfg.kv_shared(i)) stored += (stored.empty() ? "" : ", ") + std::to_string(i);
+    for (size_t l = 0; l < o.full_code_layers.size(); ++l)
+      KAKEYA_CHECK(!o.full_code_layers[l].defined() || ((int64_t)l < cfg.num_layers && !cfg.is_sliding(l) && !cfg.kv_shared(l)),
+                   "decode: --full-code " << ops::layer_codes_name(o.full_code, o.full_code_layers) << ": layer " << l
+                                          << " is not a full-attention layer that stores K/V (this model's: " << stored << ")");
   }
   bool has_sliding = false, has_full = false;
   for (int64_t l = 0; l < cfg.num_layers; ++l) (cfg.is_sliding(l) ? has_sliding : has_full) = true;
@@ -554,8 +564,9 @@ KVCacheOptions restored_cache_options(const Model& v, const FTheta* f, const Res
   co.restore.full = o.full_attn == FullAttn::Restored;
   if (o.full_attn == FullAttn::Codec) {
     co.restore.full_code = o.full_code;
-    if (o.full_code.weighted) {
-      KAKEYA_CHECK(!o.calib.empty(), "decode: --full-code " << ops::row_code_name(o.full_code)
+    co.restore.full_code_layers = o.full_code_layers;
+    if (o.full_code_weighted()) {
+      KAKEYA_CHECK(!o.calib.empty(), "decode: --full-code " << ops::layer_codes_name(o.full_code, o.full_code_layers)
                                                             << " needs --calib DIR, a bundle with K weights (kakeya calibrate k-weights)");
       co.restore.full_k_weight = CalibBundle::load_k_weights(o.calib, v.config());  // refuses another model's bundle
     }

@@ -299,6 +299,10 @@ TEST(LongEval, ConfigSpecs) {
   EXPECT_EQ(c[2].restore.mix_alpha, 0.0);
   expect_error([&] { parse_long_eval_configs("exact-all:64", base); }, "unknown modifier 'all'");
   EXPECT_EQ(ops::row_code_name(parse_long_eval_configs("restored-ru5-codec-pw5v3:64", base)[0].restore.full_code), "pw5v3");
+  // A full-attention layer's own code after the codec's.
+  const auto layered = parse_long_eval_configs("exact-int6-codec-pw4+17=pw5v4:64", base)[0].restore;
+  EXPECT_EQ(ops::layer_codes_name(layered.full_code, layered.full_code_layers), "pw4+17=pw5v4");
+  EXPECT_EQ(ops::row_code_name(layered.region_code), "int6");
 }
 
 TEST(LongEval, Intervals) {

@@ -229,6 +229,26 @@ TEST(CodedRows, BadInput) {
                "weighted rows (pwB) take Lloyd-Max levels");
   for (const char* n : {"int8", "int6", "int4", "lm5", "lm2", "ru5", "ru2", "pw5", "pw2"}) EXPECT_TRUE(ops::is_row_code_name(n)) << n;
   for (const char* n : {"none", "lm6", "pw", "int2", "lm44"}) EXPECT_FALSE(ops::is_row_code_name(n)) << n;
+  // A code per layer over a default one (--full-code pw4+17=pw5v4).
+  {
+    auto [base, layers] = ops::parse_layer_codes("pw4+17=pw5v4+5=lm5", "--full-code");
+    EXPECT_EQ(base, ops::parse_row_code("pw4", "--x"));
+    ASSERT_EQ(layers.size(), 18u);
+    EXPECT_EQ(ops::layer_code(base, layers, 17), ops::parse_row_code("pw5v4", "--x"));
+    EXPECT_EQ(ops::layer_code(base, layers, 5), ops::parse_row_code("lm5", "--x"));
+    EXPECT_EQ(ops::layer_code(base, layers, 11), base);
+    EXPECT_EQ(ops::layer_code(base, layers, 40), base);
+    EXPECT_EQ(ops::layer_codes_name(base, layers), "pw4+5=lm5+17=pw5v4");
+    EXPECT_TRUE(ops::parse_layer_codes("int6", "--x").second.empty());
+    EXPECT_TRUE(ops::is_layer_codes_name("pw4+17=pw5v4"));
+    for (const char* n : {"none", "pw4+", "pw4+17", "pw4+x=pw5", "pw4+17=none", "pw4+17=lm9", "pw6", ""})
+      EXPECT_FALSE(ops::is_layer_codes_name(n)) << n;
+    expect_error([] { ops::parse_layer_codes("pw4+17", "--full-code"); },
+                 "--full-code: '17' in 'pw4+17': expected LAYER=CODE (a layer's own code, e.g. pw4+17=pw5v4)");
+    expect_error([] { ops::parse_layer_codes("pw4+5=pw5+5=lm4", "--full-code"); }, "--full-code: layer 5 given twice");
+    expect_error([] { ops::parse_layer_codes("pw4+5=lm7", "--full-code"); }, "--full-code: expected none | int8");
+    expect_error([] { ops::parse_layer_codes("none+5=lm4", "--full-code"); }, "layers' own codes over no default code");
+  }
   // Split codes: V rows in other bits than K's.
   const ops::RowCode pw5v3 = ops::parse_row_code("pw5v3", "--x");
   EXPECT_EQ(pw5v3, (ops::RowCode{ops::RowKind::Rotated, 5, true, false, 3}));

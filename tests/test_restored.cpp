@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <map>
 #include <string>
+#include <tuple>
 
 #include <unistd.h>
 
@@ -606,6 +607,22 @@ TEST(RestoredCodec, WeightedRowsReadTheShippedBundle) {
                                                        split.restore, at::kFloat, n));
   EXPECT_NE(rs.memory.table().find("as pw5v3 coded rows"), std::string::npos) << rs.memory.table();
   EXPECT_EQ(rs.memory.find(MemoryPart::FullCoded)->bytes, r.memory.find(MemoryPart::FullCoded)->bytes);
+  // A layer's own code (pw5v4 on full-attention layer 5, pw4 on the others): measured as planned, 32
+  // more bytes a position and KV head than pw4 (K rows in 5 bits: 160 + 4 bytes against 128 + 4).
+  auto mixed = o;
+  std::tie(mixed.restore.full_code, mixed.restore.full_code_layers) = ops::parse_layer_codes("pw4+5=pw5v4", "--full-code");
+  auto rm = decode(model(), &drafter(), &ftheta(), prompt(), mixed);
+  expect_same_kv_lines(rm.memory, restored_memory_plan(model().config(), &drafter().config(), &ftheta().config(),
+                                                       mixed.restore, at::kFloat, n));
+  EXPECT_NE(rm.memory.table().find("as pw4+5=pw5v4 coded rows"), std::string::npos) << rm.memory.table();
+  EXPECT_EQ(rm.memory.find(MemoryPart::FullCoded)->bytes,
+            r.memory.find(MemoryPart::FullCoded)->bytes + n * model().config().kv_heads(5) * 32);
+  EXPECT_EQ(rm.tokens.size(), 6u);
+  auto sliding_layer = mixed;
+  std::tie(sliding_layer.restore.full_code, sliding_layer.restore.full_code_layers) =
+      ops::parse_layer_codes("pw4+4=pw5v4", "--full-code");
+  expect_error([&] { decode(model(), nullptr, nullptr, prompt(), sliding_layer); },
+               "--full-code pw4+4=pw5v4: layer 4 is not a full-attention layer that stores K/V (this model's: 5, 11, 17)");
 
   auto bad = o;
   bad.restore.calib = "";

@@ -164,9 +164,10 @@ void register_eval_long(CLI::App& app) {
                                             "perplexity) over decoder configs side by side");
   o->rf.add(c);
   c->add_option("--configs", o->configs,
-                "decoder configs: oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W, e.g. restored-int4:W, "
-                "restored-codec-lm4:W (W: exact window; CODE: " + ops::row_code_names() +
-                    "; the other restore options come from the flags above)")
+                "decoder configs: oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W | exact[-CODE][-codec[-CODE]]:W, "
+                "e.g. restored-int4:W, restored-codec-lm4:W, exact-int6-codec-pw4+17=pw5v4:W (W: exact window; CODE: " +
+                    ops::row_code_names() + "; +L=CODE: a full-attention layer's own code; the other restore options "
+                    "come from the flags above)")
       ->capture_default_str();
   c->add_option("--tasks", o->tasks, "all | none (perplexity only) | comma list of data/longeval.h tasks")
       ->capture_default_str();

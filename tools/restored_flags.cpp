@@ -1,5 +1,7 @@
 #include "tools/restored_flags.h"
 
+#include <tuple>
+
 #include "core/error.h"
 #include "core/io/fs.h"
 
@@ -29,7 +31,8 @@ void RestoreFlags::add_restore(CLI::App* c, const std::string& prefix) {
       ->capture_default_str();
   c->add_option("--full-code", full_code,
                 prefix + "--full-attn codec: full-attention K/V stored as " + ops::row_code_names() +
-                    " rows (pwB: lmB with calibrated K weights from --calib; a rotated code + vC: V rows in C bits, e.g. pw5v3)")
+                    " rows (pwB: lmB with calibrated K weights from --calib; a rotated code + vC: V rows in C bits, e.g. pw5v3; "
+                    "+L=CODE gives full-attention layer L its own code, e.g. pw4+17=pw5v4)")
       ->capture_default_str();
   c->add_option("--calib", calib, prefix + "--full-code pwB: calibration bundle holding K weights (kakeya calibrate k-weights)")
       ->capture_default_str();
@@ -60,7 +63,7 @@ RestoreOptions RestoreFlags::options() const {
   o.layers = layers;
   o.region_code = ops::parse_row_code(region_code, "--restored-code");
   check_region_code(o.region_code, "--restored-code");
-  o.full_code = ops::parse_row_code(full_code, "--full-code");
+  std::tie(o.full_code, o.full_code_layers) = ops::parse_layer_codes(full_code, "--full-code");
   o.calib = calib;
   return o;
 }

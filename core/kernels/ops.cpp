@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -237,6 +238,45 @@ RowCode parse_row_code(const std::string& s, const std::string& flag) {
   if (s == "int6") return {RowKind::Affine, 6};
   if (s == "int4") return {RowKind::Affine, 4};
   return {RowKind::Rotated, s[2] - '0', s[0] == 'p', s[0] == 'r', s.size() == 5 ? s[4] - '0' : 0};
+}
+
+std::pair<RowCode, std::vector<RowCode>> parse_layer_codes(const std::string& s, const std::string& flag) {
+  const size_t plus = s.find('+');
+  const RowCode base = parse_row_code(s.substr(0, plus), flag);
+  std::vector<RowCode> layers;
+  for (size_t at = plus; at != std::string::npos;) {
+    const size_t next = s.find('+', at + 1);
+    const std::string item = s.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
+    const size_t eq = item.find('=');
+    const std::string layer = item.substr(0, eq);
+    KAKEYA_CHECK(eq != std::string::npos && !layer.empty() && layer.size() <= 6 &&
+                     std::all_of(layer.begin(), layer.end(), [](char ch) { return ch >= '0' && ch <= '9'; }),
+                 flag << ": '" << item << "' in '" << s << "': expected LAYER=CODE (a layer's own code, e.g. pw4+17=pw5v4)");
+    const int64_t l = std::stoll(layer);
+    const RowCode code = parse_row_code(item.substr(eq + 1), flag);
+    KAKEYA_CHECK(code.defined(), flag << ": layer " << l << " in '" << s << "': 'none' is not a code (layers take codes)");
+    if ((int64_t)layers.size() <= l) layers.resize(l + 1);
+    KAKEYA_CHECK(!layers[l].defined(), flag << ": layer " << l << " given twice in '" << s << "'");
+    layers[l] = code;
+    at = next;
+  }
+  KAKEYA_CHECK(layers.empty() || base.defined(), flag << ": '" << s << "': layers' own codes over no default code");
+  return {base, layers};
+}
+
+bool is_layer_codes_name(const std::string& s) {
+  try {
+    return s != "none" && parse_layer_codes(s, "").first.defined();
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+std::string layer_codes_name(const RowCode& base, const std::vector<RowCode>& layers) {
+  std::string n = row_code_name(base);
+  for (size_t l = 0; l < layers.size(); ++l)
+    if (layers[l].defined()) n += "+" + std::to_string(l) + "=" + row_code_name(layers[l]);
+  return n;
 }
 
 std::string row_code_name(const RowCode& c) {

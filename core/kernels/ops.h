@@ -200,6 +200,16 @@ bool is_row_code_name(const std::string& s);  // one of row_code_names(), or a s
 // "none" (undefined) or one of row_code_names(); `flag` names the option in errors.
 RowCode parse_row_code(const std::string& s, const std::string& flag);
 std::string row_code_name(const RowCode& c);  // "none" for an undefined code
+// A code per layer over a default one: layer l takes layers[l] where that is defined, else `base`
+// (a full-attention layer's own code: --full-code pw4+17=pw5v4).
+inline const RowCode& layer_code(const RowCode& base, const std::vector<RowCode>& layers, int64_t l) {
+  return l >= 0 && l < (int64_t)layers.size() && layers[l].defined() ? layers[l] : base;
+}
+// "CODE" or "CODE+L=CODE+...": the default code and the layers' own (a code name each, layers
+// distinct); `flag` names the option in errors. Which layers may take a code is the caller's check.
+std::pair<RowCode, std::vector<RowCode>> parse_layer_codes(const std::string& s, const std::string& flag);
+bool is_layer_codes_name(const std::string& s);  // parse_layer_codes would take it (a code, "none" aside)
+std::string layer_codes_name(const RowCode& base, const std::vector<RowCode>& layers);  // the form parsed above
 // Bytes of the codes / f16 halves of side values of one row of D values (a K row's for a split code:
 // pass c.v() for V rows).
 inline int64_t code_bytes(int64_t D, const RowCode& c) { return D * c.bits / 8; }

@@ -95,7 +95,8 @@ KVCache::KVCache(const ModelConfig& cfg, const KVCacheOptions& opt) : cfg_(cfg),
       v_.push_back(v);
       continue;
     }
-    const ops::RowCode code = st.coded ? rp.full_code : st.policy ? rp.region_code : ops::RowCode{};
+    const ops::RowCode code = st.coded ? ops::layer_code(rp.full_code, rp.full_code_layers, l)
+                              : st.policy ? rp.region_code : ops::RowCode{};
     if (code.defined()) {
       ops::check_row_code(D, code, "KV cache: layer " + std::to_string(l) + (st.coded ? " (full_code)" : " (region_code)"));
       ops::CodedSlots& c = codes_[l];

@@ -67,6 +67,7 @@ struct RestorePolicy {
                           // steps 1, verify blocks B); longer ones attend over [ring ++ chunk]
   bool linear = false;    // one slot per position in both regions, no rings (reference decoders)
   ops::RowCode full_code;  // defined: full-attention layers keep every position as coded rows (exclusive with `full`)
+  std::vector<ops::RowCode> full_code_layers;  // per layer where defined: its own code instead (ops::layer_code)
   // Per layer (empty: none): a covered layer that drops its restored positions — its restored
   // region shows only the sinks (positions < sink), so it attends sinks + the exact window
   // (evict-only on that layer). Restoration still writes the region; the mask hides it.
@@ -79,8 +80,8 @@ struct RestorePolicy {
   // full-attention ones (full_code: every position is coded as it is written); not `full` (a
   // restored full-attention layer's ring would grow with the chunk).
   bool exact_copies = false;
-  // full_code.weighted: per layer, the K weights of its coded rows ([H_kv, D] f32, any device;
-  // calib/calibrate.h k_weights); read on the full-attention layers, which must all have one.
+  // Weighted full-attention codes: per layer, the K weights of its coded rows ([H_kv, D] f32, any device;
+  // calib/calibrate.h k_weights); read on the layers whose code is weighted, which must all have one.
   std::vector<at::Tensor> full_k_weight;
   bool enabled() const { return window > 0; }
   bool drops(int64_t layer) const { return layer < (int64_t)drop.size() && drop[layer]; }
