@@ -1157,9 +1157,6 @@ inline int decode_attn_group(int Hq, int Hkv, int D, int Tq, bool long_rotated, 
   return 1;
 }
 
-// Returns false if D is not one of the supported head dims (64, 128, 256, 512) or G is not one
-// decode_attn_group gives for D. tk, tv, tpos: the tail's tn rows (tn 0: none); keys:
-// decode_attn_keys of S + tn over one sequence's Tq·Hq / G block rows; G: decode_attn_group.
 // f(std::false_type), then f(std::true_type): a kernel's bool template cases.
 template <typename F>
 void for_each_bool(F&& f) {
@@ -1167,6 +1164,9 @@ void for_each_bool(F&& f) {
   f(std::true_type{});
 }
 
+// Returns false if D is not one of the supported head dims (64, 128, 256, 512) or G is not one
+// decode_attn_group gives for D. tk, tv, tpos: the tail's tn rows (tn 0: none); keys:
+// decode_attn_keys of S + tn over one sequence's Tq·Hq / G block rows; G: decode_attn_group.
 template <typename T>
 bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs, const int64_t* q_pos,
                              int qstride, int qp_bs, const bool* in_restored, int rwin, int64_t code_from, int64_t keep_below,
