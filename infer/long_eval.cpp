@@ -321,6 +321,11 @@ LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOpti
   return c;
 }
 
+bool configs_need_ftheta(const std::vector<LongEvalConfig>& configs) {
+  return std::any_of(configs.begin(), configs.end(),
+                     [](const LongEvalConfig& c) { return !c.oracle() && c.restore.needs_ftheta(); });
+}
+
 std::vector<LongEvalConfig> parse_long_eval_configs(const std::string& specs, const RestoreOptions& base) {
   std::vector<LongEvalConfig> out;
   std::stringstream ss(specs);

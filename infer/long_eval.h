@@ -45,11 +45,16 @@ struct LongEvalConfig {
 //   CODE              the restored regions stored as CODE coded rows (ops::row_code_names(),
 //                     core/kernels/ops.h): restored-int4:W
 //   codec [CODE]      full-attention layers as coded rows (--full-attn codec), in CODE right after
-//                     it, else base's full_code: restored-codec:W, restored-int4-codec-lm3:W
+//                     it, else base's full_code: restored-codec:W, restored-int4-codec-lm3:W; a
+//                     full-attention layer may take its own: restored-codec-pw4+17=pw5v4:W
+// and "exact" in place of "restored" (the region holds each position's exact K/V, --mix-alpha 1).
 // Errors name the bad spec and list the forms.
 LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOptions& base);
 // A comma-separated list of specs; names must be unique.
 std::vector<LongEvalConfig> parse_long_eval_configs(const std::string& specs, const RestoreOptions& base);
+// Whether a config restores through the drafter and f_θ (the others, oracle, exact and evict-only
+// ones, run without loading them).
+bool configs_need_ftheta(const std::vector<LongEvalConfig>& configs);
 
 struct LongEvalOptions {
   std::vector<std::string> tasks;    // data::long_task_names() entries

@@ -299,6 +299,9 @@ TEST(LongEval, ConfigSpecs) {
   EXPECT_EQ(c[2].restore.mix_alpha, 0.0);
   expect_error([&] { parse_long_eval_configs("exact-all:64", base); }, "unknown modifier 'all'");
   EXPECT_EQ(ops::row_code_name(parse_long_eval_configs("restored-ru5-codec-pw5v3:64", base)[0].restore.full_code), "pw5v3");
+  // Only configs restoring through f_θ need the drafter and f_θ loaded (eval-long, bench memory).
+  EXPECT_FALSE(configs_need_ftheta(parse_long_eval_configs("oracle,evict:64,exact-int6-codec-pw4:64,exact:32", base)));
+  EXPECT_TRUE(configs_need_ftheta(parse_long_eval_configs("oracle,exact:64,restored-int8:64", base)));
   // A full-attention layer's own code after the codec's.
   const auto layered = parse_long_eval_configs("exact-int6-codec-pw4+17=pw5v4:64", base)[0].restore;
   EXPECT_EQ(ops::layer_codes_name(layered.full_code, layered.full_code_layers), "pw4+17=pw5v4");

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "infer/bench_memory.h"
+#include "infer/long_eval.h"
 #include "tools/cli_common.h"
 #include "tools/restored_flags.h"
 
@@ -66,10 +67,12 @@ void register_bench_memory(CLI::App& bench) {
       report["device"] = "plans only: " + o->random_init;
       report["dtype"] = c10::toString(o->rf.df.torch_dtype());
     } else {
-      DecodeStack st = load_decode_stack(o->rf, b.context, true);
+      // The drafter and f_θ only where a config restores through them (exact and evict-only ones do not).
+      DecodeStack st = load_decode_stack(o->rf, b.context, configs_need_ftheta(parse_long_eval_configs(b.configs, b.restore)));
       BenchMemoryModels m;
       if (o->speed) m = {st.model.get(), st.d(), st.f(), bench_prompt(*st.tok, b.context - b.new_tokens)};
-      report = bench_memory(st.model->config(), st.model->dtype(), &st.d()->config(), &st.f()->config(), b, m);
+      report = bench_memory(st.model->config(), st.model->dtype(), st.d() ? &st.d()->config() : nullptr,
+                            st.f() ? &st.f()->config() : nullptr, b, m);
       report["device"] = device_description(st.model->device());
       report["dtype"] = c10::toString(st.model->dtype());
     }

@@ -230,9 +230,7 @@ void register_eval_long(CLI::App& app) {
     lo.chat = o->chat == "auto" ? data::detect_chat_format(*st.tok) : data::parse_chat_format(o->chat);
     const auto plan = plan_long_eval(*st.tok, ModelConfig::from_file(o->rf.verifier + "/config.json"), lo);
     st.model = std::make_unique<Model>(load_model(o->rf.verifier, o->rf.df, plan.positions));
-    bool need_restore = false;
-    for (const auto& cf : configs) need_restore |= !cf.oracle() && cf.restore.needs_ftheta();
-    if (need_restore) load_restoration(o->rf, *st.model, *st.tok, st);
+    if (configs_need_ftheta(configs)) load_restoration(o->rf, *st.model, *st.tok, st);
 
     // The report so far, with what identifies the run, where --resume finds it.
     auto stamp = [&](nlohmann::json& rep) {
