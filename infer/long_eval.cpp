@@ -308,7 +308,8 @@ LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOpti
       c.restore.layers = "all";
     } else if (parts[i] == "codec") {
       c.restore.full_attn = FullAttn::Codec;
-      if (i + 1 < parts.size() && ops::is_layer_codes_name(parts[i + 1]))
+      // Its code, when one follows (a full-attention layer's own after '+': codec-pw4+17=pw5v4).
+      if (i + 1 < parts.size() && ops::is_row_code_name(parts[i + 1].substr(0, parts[i + 1].find('+'))))
         std::tie(c.restore.full_code, c.restore.full_code_layers) = ops::parse_layer_codes(parts[++i], "--configs");
     } else if (ops::is_row_code_name(parts[i])) {
       c.restore.region_code = ops::parse_row_code(parts[i], "--configs");

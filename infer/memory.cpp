@@ -325,11 +325,12 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
       p.full_rest = codec ? region_bytes_for(cfg, elem, p.full_rest_slots, 1, o.full_code, o.full_code_layers)
                           : region_bytes_for(cfg, elem, p.full_rest_slots, 1, o.region_code);
       // Rotated codes on coded layers: the session's K and V means (and K weights, weighted codes), f32.
-      for (int64_t l = 0; codec && l < cfg.num_layers; ++l) {
-        const ops::RowCode& code = ops::layer_code(o.full_code, o.full_code_layers, l);
-        if (!cfg.is_sliding(l) && !cfg.kv_shared(l) && code.rotated())
-          p.full_rest += (code.weighted ? 3 : 2) * cfg.kv_heads(l) * cfg.layer_head_dim[l] * 4;
-      }
+      if (codec)
+        for (int64_t l = 0; l < cfg.num_layers; ++l) {
+          const ops::RowCode& code = ops::layer_code(o.full_code, o.full_code_layers, l);
+          if (!cfg.is_sliding(l) && !cfg.kv_shared(l) && code.rotated())
+            p.full_rest += (code.weighted ? 3 : 2) * cfg.kv_heads(l) * cfg.layer_head_dim[l] * 4;
+        }
     }
     p.full_exact = kv_bytes_for(cfg, elem, p.full_exact_slots, 1);
   }

@@ -306,6 +306,8 @@ TEST(LongEval, ConfigSpecs) {
   const auto layered = parse_long_eval_configs("exact-int6-codec-pw4+17=pw5v4:64", base)[0].restore;
   EXPECT_EQ(ops::layer_codes_name(layered.full_code, layered.full_code_layers), "pw4+17=pw5v4");
   EXPECT_EQ(ops::row_code_name(layered.region_code), "int6");
+  expect_error([&] { parse_long_eval_configs("exact-codec-pw4+17:64", base); },
+               "--configs: '17' in 'pw4+17': expected LAYER=CODE");
 }
 
 TEST(LongEval, Intervals) {

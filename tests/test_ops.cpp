@@ -240,9 +240,9 @@ TEST(CodedRows, BadInput) {
     EXPECT_EQ(ops::layer_code(base, layers, 40), base);
     EXPECT_EQ(ops::layer_codes_name(base, layers), "pw4+5=lm5+17=pw5v4");
     EXPECT_TRUE(ops::parse_layer_codes("int6", "--x").second.empty());
-    EXPECT_TRUE(ops::is_layer_codes_name("pw4+17=pw5v4"));
-    for (const char* n : {"none", "pw4+", "pw4+17", "pw4+x=pw5", "pw4+17=none", "pw4+17=lm9", "pw6", ""})
-      EXPECT_FALSE(ops::is_layer_codes_name(n)) << n;
+    EXPECT_FALSE(ops::parse_layer_codes("none", "--x").first.defined());
+    for (const char* n : {"pw4+", "pw4+17", "pw4+x=pw5", "pw4+17=none", "pw4+17=lm9", "pw6", ""})
+      EXPECT_THROW(ops::parse_layer_codes(n, "--x"), std::exception) << n;
     expect_error([] { ops::parse_layer_codes("pw4+17", "--full-code"); },
                  "--full-code: '17' in 'pw4+17': expected LAYER=CODE (a layer's own code, e.g. pw4+17=pw5v4)");
     expect_error([] { ops::parse_layer_codes("pw4+5=pw5+5=lm4", "--full-code"); }, "--full-code: layer 5 given twice");

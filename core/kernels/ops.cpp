@@ -264,14 +264,6 @@ std::pair<RowCode, std::vector<RowCode>> parse_layer_codes(const std::string& s,
   return {base, layers};
 }
 
-bool is_layer_codes_name(const std::string& s) {
-  try {
-    return s != "none" && parse_layer_codes(s, "").first.defined();
-  } catch (const std::exception&) {
-    return false;
-  }
-}
-
 std::string layer_codes_name(const RowCode& base, const std::vector<RowCode>& layers) {
   std::string n = row_code_name(base);
   for (size_t l = 0; l < layers.size(); ++l)

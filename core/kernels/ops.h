@@ -208,7 +208,6 @@ inline const RowCode& layer_code(const RowCode& base, const std::vector<RowCode>
 // "CODE" or "CODE+L=CODE+...": the default code and the layers' own (a code name each, layers
 // distinct); `flag` names the option in errors. Which layers may take a code is the caller's check.
 std::pair<RowCode, std::vector<RowCode>> parse_layer_codes(const std::string& s, const std::string& flag);
-bool is_layer_codes_name(const std::string& s);  // parse_layer_codes would take it (a code, "none" aside)
 std::string layer_codes_name(const RowCode& base, const std::vector<RowCode>& layers);  // the form parsed above
 // Bytes of the codes / f16 halves of side values of one row of D values (a K row's for a split code:
 // pass c.v() for V rows).
