@@ -251,6 +251,10 @@ TEST(ConfigErrors, Gemma4RopeParameters) {
   json j = gemma4();
   j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 10000.0}};
   expect_error("gemma4_rope_flat", j, {"'rope_parameters'", "full_attention"});
+  // A count past int64's range (found by fuzz_config): refused, not cast.
+  j = gemma4();
+  j["rope_parameters"]["full_attention"]["original_max_position_embeddings"] = 3.27778e+93;
+  expect_error("gemma4_rope_orig_max", j, {"'rope_parameters.full_attention.original_max_position_embeddings'", "1 .. 1e15"});
   j = gemma4();
   j["rope_parameters"].erase("sliding_attention");
   expect_error("gemma4_rope_missing", j, {"'rope_parameters.sliding_attention'"});

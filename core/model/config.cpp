@@ -74,8 +74,13 @@ RopeParams parse_rope(const Reader& r, const json& p, const std::string& where) 
   if (p.contains("factor")) rp.factor = r.number(p["factor"], where + ".factor");
   if (p.contains("low_freq_factor")) rp.low_freq_factor = r.number(p["low_freq_factor"], where + ".low_freq_factor");
   if (p.contains("high_freq_factor")) rp.high_freq_factor = r.number(p["high_freq_factor"], where + ".high_freq_factor");
-  if (p.contains("original_max_position_embeddings"))
-    rp.original_max_position = (int64_t)r.number(p["original_max_position_embeddings"], where + ".original_max_position_embeddings");
+  if (p.contains("original_max_position_embeddings")) {
+    // A count of positions: checked before the cast (a double past int64's range does not convert).
+    const double n = r.number(p["original_max_position_embeddings"], where + ".original_max_position_embeddings");
+    KAKEYA_CHECK(n >= 1 && n <= 1e15, r.origin << ": field '" << where << ".original_max_position_embeddings' expected "
+                                                << "a position count in 1 .. 1e15, got " << n);
+    rp.original_max_position = (int64_t)n;
+  }
   if (p.contains("partial_rotary_factor"))
     rp.partial_rotary_factor = r.number(p["partial_rotary_factor"], where + ".partial_rotary_factor");
   KAKEYA_CHECK(rp.type == "default" || rp.type == "linear" || rp.type == "llama3" || rp.type == "proportional",
