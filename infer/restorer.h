@@ -75,7 +75,7 @@ namespace kakeya {
 void validate_restore(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& opt,
                       int64_t n_prompt, int64_t max_new_tokens, const std::string& ftheta_origin = "f_theta");
 
-// The codes a restored region takes, "int8 | int4 | lm5 | ...": the unweighted row codes (a
+// The codes a restored region takes, "int8 | int6 | int4 | lm5 | ...": the unweighted row codes (a
 // weighted pwB code's K weights are calibrated for full-attention rows, --full-code).
 std::string region_code_names();
 // Throws unless `code` is one a restored region takes (none or unweighted), naming `flag` and
