@@ -5,11 +5,16 @@
 // from the oracle's, paired differences that agree with the cells, a resumed run that runs only
 // what its report lacks, and comparisons with a named reference config; perplexity alone; a run
 // past its deadline reports partial; bad input fails before anything decodes, naming what is
-// wrong; the interval helpers on known values.
+// wrong; the interval helpers on known values. The layer-code choice (infer/layer_codes.h) on
+// calibration text: its scores against eval-long's scoring, the choice, the bundle entry, bad input.
 #include <ATen/ATen.h>
+
+#include <unistd.h>
 
 #include <chrono>
 #include <cmath>
+#include <fstream>
+#include <iterator>
 #include <string>
 
 #include "core/model/drafter.h"
@@ -17,6 +22,8 @@
 #include "core/model/ftheta.h"
 #include "core/model/model.h"
 #include "data/longeval.h"
+#include "calib/codec/calib_bundle.h"
+#include "infer/layer_codes.h"
 #include "infer/long_eval.h"
 #include "tests/test_util.h"
 
@@ -325,4 +332,122 @@ TEST(LongEval, Intervals) {
   EXPECT_EQ(paired_differences({1.0, 0.5, 0.25}, {0.5, 0.5}), (std::vector<double>{0.5, 0.0}));
   EXPECT_EQ(long_task_family("niah_multikey"), "niah");
   EXPECT_EQ(long_task_family("vt"), "vt");
+}
+
+// Which full-attention layer a richer code serves best, chosen on calibration text (infer/layer_codes.h):
+// two windows of 256 tokens of data/codec/calib.txt, exact restoration at window 64, int6 regions, pw4 on
+// every full-attention layer and pw5v4 as the upgrade (the shipped bundle's K weights).
+TEST(LayerCodes, ChoosesTheLargestGainOnCalibrationText) {
+  const std::string src = test::env_or_fail("KAKEYA_SOURCE_DIR");
+  std::ifstream f(src + "/data/codec/calib.txt");
+  const std::string calib_text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const auto text = tokenizer().encode(calib_text, false);
+  ASSERT_GE(text.size(), 2000u);
+  const std::vector<int64_t> ids(text.begin(), text.begin() + 2000);
+  LayerCodeOptions o;
+  o.decoder.window = 64;
+  o.decoder.mix_alpha = 1.0;
+  o.decoder.full_attn = FullAttn::Codec;
+  o.decoder.full_code = ops::parse_row_code("pw4", "test");
+  o.decoder.region_code = ops::parse_row_code("int6", "test");
+  o.decoder.calib = test::shipped_dir("calib");
+  o.rich = ops::parse_row_code("pw5v4", "test");
+  o.context = 256;
+  o.tail = 48;
+  o.windows = 2;
+  int64_t last = -1, total = 0;
+  const auto r = select_layer_codes(model(), ids, o, [&](int64_t d, int64_t t) {
+    EXPECT_GT(d, last);
+    last = d;
+    total = t;
+  });
+  EXPECT_EQ(last, total);
+  EXPECT_EQ(total, 2 * 5 * 256);  // 2 windows × (exact, pw4, pw4 with each of the 3 layers upgraded)
+  EXPECT_EQ(r["windows"], 2);
+
+  // The base code's NLL is what eval-long's scoring gives the same windows: [BOS] + the text, back to back.
+  const auto& cfg = model().config();
+  double base = 0, exact = 0;
+  for (int w = 0; w < 2; ++w) {
+    std::vector<int64_t> win{cfg.bos_token_id};
+    win.insert(win.end(), ids.begin() + w * 255, ids.begin() + (w + 1) * 255);
+    auto tail_nll = [&](const RestoreOptions& ro) {
+      const auto sr = score_restored(model(), nullptr, nullptr, win, ro);
+      double s = 0;
+      for (auto it = sr.logprobs.end() - 48; it != sr.logprobs.end(); ++it) s -= *it;
+      return s / 48;
+    };
+    base += tail_nll(o.decoder) / 2;
+    RestoreOptions ex = o.decoder;
+    ex.full_attn = FullAttn::Exact;
+    exact += tail_nll(ex) / 2;
+  }
+  EXPECT_NEAR(r["base_nll"].get<double>(), base, 1e-9);
+  EXPECT_NEAR(r["exact_nll"].get<double>(), exact, 1e-9);
+  EXPECT_NE(r["base_nll"].get<double>(), r["exact_nll"].get<double>());  // the code costs something
+
+  // Gemma 3 270M's full-attention layers; each upgrade's gain is the base NLL less its own, and
+  // pw5v4 costs 32 bytes a position over pw4 (K 160 + 4, V 128 + 4 against 128 + 4 twice; one KV head).
+  ASSERT_EQ(r["per_layer"].size(), 3u);
+  double best = 0;
+  int64_t best_layer = -1;
+  for (size_t i = 0; i < 3; ++i) {
+    const auto& e = r["per_layer"][i];
+    const int64_t full_layers[] = {5, 11, 17};
+    EXPECT_EQ(e["layer"], full_layers[i]);
+    EXPECT_NEAR(e["gain"].get<double>(), r["base_nll"].get<double>() - e["nll"].get<double>(), 1e-12);
+    EXPECT_EQ(e["extra_bytes"], 32);
+    if (e["gain"].get<double>() > best) best = e["gain"].get<double>(), best_layer = e["layer"].get<int64_t>();
+  }
+  // The choice: the largest gain (if any layer gains), as a code --full-code parses.
+  const std::string want = best_layer < 0 ? "pw4" : "pw4+" + std::to_string(best_layer) + "=pw5v4";
+  EXPECT_EQ(r["code"], want);
+  EXPECT_EQ(r["chosen"], best_layer < 0 ? nlohmann::json::array() : nlohmann::json({best_layer}));
+  const auto [b, layers] = ops::parse_layer_codes(r["code"].get<std::string>(), "test");
+  EXPECT_EQ(ops::row_code_name(b), "pw4");
+  if (best_layer >= 0) EXPECT_EQ(ops::row_code_name(ops::layer_code(b, layers, best_layer)), "pw5v4");
+
+  // The bundle entry --full-code auto reads: written for this model, read back, refused when absent.
+  // (POSIX calls: std::filesystem resolves to LibTorch's copy of it, of another ABI.)
+  const std::string dir = fs::temp_dir() + "/kakeya_layer_codes_" + std::to_string(::getpid());
+  ::unlink((dir + "/manifest.json").c_str());
+  CalibBundle::prepare_dir(dir, cfg);
+  expect_error([&] { CalibBundle::layer_codes(dir, cfg); }, "manifest.json: no entry 'layer_codes.code' (run `kakeya calibrate layer-codes");
+  CalibBundle::update_manifest(dir, cfg, "layer_codes", r);
+  EXPECT_EQ(CalibBundle::layer_codes(dir, cfg), want);
+  ::unlink((dir + "/manifest.json").c_str());
+  ::rmdir(dir.c_str());
+
+  // No layer may take it: the base code alone.
+  LayerCodeOptions none = o;
+  none.layers = 0;
+  none.windows = 1;
+  EXPECT_EQ(select_layer_codes(model(), ids, none)["code"], "pw4");
+}
+
+TEST(LayerCodes, BadInput) {
+  LayerCodeOptions o;
+  o.decoder.mix_alpha = 1.0;
+  o.decoder.window = 64;
+  o.decoder.full_attn = FullAttn::Codec;
+  o.decoder.full_code = ops::parse_row_code("lm4", "test");
+  o.rich = ops::parse_row_code("lm5", "test");
+  o.context = 384;
+  o.tail = 64;
+  const std::vector<int64_t> ids(1000, 100);
+  auto with = [&](const std::function<void(LayerCodeOptions&)>& f) {
+    LayerCodeOptions x = o;
+    f(x);
+    return [x, &ids] { select_layer_codes(model(), ids, x); };
+  };
+  expect_error(with([](LayerCodeOptions& x) { x.decoder.full_attn = FullAttn::Exact; }), "one base code");
+  expect_error(with([](LayerCodeOptions& x) { std::tie(x.decoder.full_code, x.decoder.full_code_layers) =
+                                                   ops::parse_layer_codes("lm4+11=lm5", "test"); }),
+               "(--full-code CODE, no +L=CODE), got lm4+11=lm5");
+  expect_error(with([](LayerCodeOptions& x) { x.decoder.mix_alpha = 0; }), "restore exactly (mix_alpha 1)");
+  expect_error(with([](LayerCodeOptions& x) { x.rich = x.decoder.full_code; }), "--rich must be a code other than");
+  expect_error(with([](LayerCodeOptions& x) { x.layers = 4; }), "--layers 4 must be in [0, 3]");
+  expect_error(with([](LayerCodeOptions& x) { x.tail = 384; }), "--tail 384 must be in [1, 383]");
+  expect_error(with([](LayerCodeOptions& x) { x.context = 4000; }),
+               "the text holds 1000 tokens, one window of --context 4000 needs 3999");
 }

@@ -1,5 +1,5 @@
-// kakeya calibrate sigma-q | codebook | k-weights: the KV codec's calibration jobs, writing a
-// bundle directory (calib/codec/calib_bundle.h) that codec-eval and the decoder load.
+// kakeya calibrate sigma-q | codebook | k-weights | layer-codes: the KV codec's calibration jobs,
+// writing a bundle directory (calib/codec/calib_bundle.h) that codec-eval and the decoder load.
 //
 // Calibration text (default data/codec/calib.txt) is disjoint from the
 // evaluation text (data/codec/eval.txt): both come from CPython's
@@ -7,12 +7,15 @@
 #include <chrono>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <sstream>
 
 #include "calib/calibrate.h"
 #include "calib/codec/calib_bundle.h"
 #include "calib/codec/codec.h"
 #include "core/error.h"
+#include "infer/layer_codes.h"
+#include "infer/restorer.h"
 #include "tools/cli_common.h"
 
 namespace kakeya::cli {
@@ -285,6 +288,75 @@ void register_calibrate(CLI::App& app) {
                     "%.2f s = %.0f tok/s, bases %.2f s, residuals+Lloyd-Max %.2f s)\n",
                     device_description(model.device()).c_str(), (long long)n, t_end - t0, t_tok - t0, t_load - t_tok,
                     t_fwd - t_load, n / std::max(t_fwd - t_load, 1e-9), t_basis - t_fwd, t_end - t_basis);
+    });
+  }
+
+  // ---- layer-codes (what --full-code auto reads)
+  {
+    struct Opts : Common {
+      std::string base = "pw4", rich = "pw5v4", region_code = "int6";
+      int64_t layers = 1, tail = 512, sink = 4, window = 64;
+    };
+    auto o = std::make_shared<Opts>();
+    o->corpus.context = 16384;  // the error a coded history costs grows with it: choose where it shows
+    o->corpus.tokens = 65536;
+    auto* c = cal->add_subcommand("layer-codes",
+                                  "which full-attention layers get a richer row code (--full-code auto): each layer's "
+                                  "upgrade scored in perplexity on calibration text, exact restoration");
+    o->add(c);
+    c->add_option("--base", o->base, "every full-attention layer's code (pwB needs the bundle's K weights)")->capture_default_str();
+    c->add_option("--rich", o->rich, "the code a chosen layer gets")->capture_default_str();
+    c->add_option("--layers", o->layers, "at most this many layers get --rich (only those it helps)")
+        ->capture_default_str()
+        ->check(non_negative());
+    c->add_option("--tail", o->tail, "last tokens of each --context window scored")->capture_default_str();
+    c->add_option("--sink", o->sink, "the decoder's sink positions")->capture_default_str()->check(non_negative());
+    c->add_option("--window", o->window, "the decoder's exact window")->capture_default_str()->check(CLI::PositiveNumber);
+    c->add_option("--restored-code", o->region_code, "the decoder's restored regions: none | " + region_code_names())
+        ->capture_default_str();
+    c->callback([o] {
+      auto cfg = ModelConfig::from_file(o->model + "/config.json");
+      CalibBundle::check_manifest(o->out, cfg);  // the bundle this writes into, made for this model
+      LayerCodeOptions lo;
+      lo.decoder.sink = o->sink;
+      lo.decoder.window = o->window;
+      lo.decoder.mix_alpha = 1.0;
+      lo.decoder.full_attn = FullAttn::Codec;
+      lo.decoder.full_code = ops::parse_row_code(o->base, "--base");
+      lo.decoder.calib = o->out;
+      lo.decoder.region_code = ops::parse_row_code(o->region_code, "--restored-code");
+      check_region_code(lo.decoder.region_code, "--restored-code");
+      lo.rich = ops::parse_row_code(o->rich, "--rich");
+      lo.layers = o->layers;
+      lo.context = o->corpus.context;
+      lo.tail = o->tail;
+      lo.windows = std::max<int64_t>(1, o->corpus.tokens / o->corpus.context);
+      nlohmann::json data;
+      const auto ids = o->corpus.load(o->model, cfg, data);
+      auto model = load_model(o->model, o->df, o->corpus.context + 1);
+      std::optional<Progress> prog;
+      auto r = select_layer_codes(model, ids, lo, [&](int64_t d, int64_t total) {
+        if (!prog) prog.emplace("[layer-codes]", total);
+        prog->update(d);
+      });
+      if (prog) prog->finish();
+      std::printf("layer-codes: %lld windows of %lld tokens, last %lld scored; NLL exact %.5f, %s everywhere %.5f\n",
+                  (long long)r["windows"].get<int64_t>(), (long long)lo.context, (long long)lo.tail,
+                  r["exact_nll"].get<double>(), o->base.c_str(), r["base_nll"].get<double>());
+      for (const auto& e : r["per_layer"]) {
+        auto end = [](const nlohmann::json& x) { return x.is_null() ? std::nan("") : x.get<double>(); };
+        std::printf("  layer %3lld in %s: NLL %.5f, gain %+.5f [%+.5f, %+.5f], %+lld bytes a position\n",
+                    (long long)e["layer"].get<int64_t>(), o->rich.c_str(), e["nll"].get<double>(), e["gain"].get<double>(),
+                    end(e["gain_ci95"][0]), end(e["gain_ci95"][1]), (long long)e["extra_bytes"].get<int64_t>());
+      }
+      data["tokens"] = r["windows"].get<int64_t>() * lo.context;
+      r["command"] = command_line();
+      r["data"] = data;
+      r["device"] = device_description(model.device());
+      r["dtype"] = c10::toString(model.dtype());
+      CalibBundle::update_manifest(o->out, cfg, "layer_codes", r);
+      std::printf("-> %s/manifest.json: layer_codes %s (--full-code auto)\n", o->out.c_str(),
+                  r["code"].get<std::string>().c_str());
     });
   }
 }

@@ -2,6 +2,7 @@
 
 #include <tuple>
 
+#include "calib/codec/calib_bundle.h"
 #include "core/error.h"
 #include "core/io/fs.h"
 
@@ -32,7 +33,8 @@ void RestoreFlags::add_restore(CLI::App* c, const std::string& prefix) {
   c->add_option("--full-code", full_code,
                 prefix + "--full-attn codec: full-attention K/V stored as " + ops::row_code_names() +
                     " rows (pwB: lmB with calibrated K weights from --calib; a rotated code + vC: V rows in C bits, e.g. pw5v3; "
-                    "+L=CODE gives full-attention layer L its own code, e.g. pw4+17=pw5v4)")
+                    "+L=CODE gives full-attention layer L its own code, e.g. pw4+17=pw5v4; auto: the codes --calib's bundle "
+                    "chose, kakeya calibrate layer-codes)")
       ->capture_default_str();
   c->add_option("--calib", calib, prefix + "--full-code pwB: calibration bundle holding K weights (kakeya calibrate k-weights)")
       ->capture_default_str();
@@ -63,7 +65,13 @@ RestoreOptions RestoreFlags::options() const {
   o.layers = layers;
   o.region_code = ops::parse_row_code(region_code, "--restored-code");
   check_region_code(o.region_code, "--restored-code");
-  std::tie(o.full_code, o.full_code_layers) = ops::parse_layer_codes(full_code, "--full-code");
+  if (full_code == "auto") {  // the codes chosen for this model on calibration text (its identity checked)
+    const std::string chosen = CalibBundle::layer_codes(calib, ModelConfig::from_file(verifier + "/config.json"));
+    std::tie(o.full_code, o.full_code_layers) =
+        ops::parse_layer_codes(chosen, "--full-code auto (" + calib + "/manifest.json)");
+  } else {
+    std::tie(o.full_code, o.full_code_layers) = ops::parse_layer_codes(full_code, "--full-code");
+  }
   o.calib = calib;
   return o;
 }

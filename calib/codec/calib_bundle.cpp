@@ -167,6 +167,16 @@ std::vector<at::Tensor> CalibBundle::load_k_weights(const std::string& dir, cons
   return w;
 }
 
+std::string CalibBundle::layer_codes(const std::string& dir, const ModelConfig& cfg) {
+  const json m = check_manifest(dir, cfg);
+  const json& e = m.value("entries", json::object());
+  KAKEYA_CHECK(e.contains("layer_codes") && e["layer_codes"].is_object() && e["layer_codes"].contains("code") &&
+                   e["layer_codes"]["code"].is_string(),
+               dir << "/manifest.json: no entry 'layer_codes.code' (run `kakeya calibrate layer-codes --out " << dir
+                   << "` to choose the full-attention codes --full-code auto reads)");
+  return e["layer_codes"]["code"].get<std::string>();
+}
+
 CalibBundle CalibBundle::load(const std::string& dir, const ModelConfig& cfg) {
   CalibBundle b;
   b.dir_ = dir;

@@ -15,6 +15,8 @@
 //   codebook_summary.json         MSE of the fitted vs the Gaussian-optimal tables
 //   k_weights.safetensors         layer_{l}_k_weight [n_kv, D] f32 > 0 on full-attention layers: the
 //                                 K weights of weighted row codes (--full-code pwB; calib/calibrate.h)
+//   (manifest entry layer_codes)  the full-attention layers' row codes chosen on the calibration
+//                                 text (infer/layer_codes.h), with the NLL of every upgrade
 //
 // Loading checks the model identity first: a bundle made for another model is
 // refused with an error naming manifest.json and the mismatching field.
@@ -50,6 +52,10 @@ class CalibBundle {
   // tables): per layer [n_kv, D] f32 on the CPU, undefined on sliding layers. Checks the model
   // identity as load() does; throws naming the bundle when it has no K weights.
   static std::vector<at::Tensor> load_k_weights(const std::string& dir, const ModelConfig& cfg);
+  // The full-attention codes `kakeya calibrate layer-codes` chose ("pw4+11=pw5v4": what
+  // --full-code auto stands for). Checks the model identity as load() does; throws naming
+  // manifest.json when the bundle has no such entry.
+  static std::string layer_codes(const std::string& dir, const ModelConfig& cfg);
   // Before a job writes into dir: creates dir/manifest.json for `cfg` if absent,
   // refuses a directory holding another model's bundle.
   static void prepare_dir(const std::string& dir, const ModelConfig& cfg);
