@@ -42,7 +42,7 @@ nlohmann::json select_layer_codes(const Model& v, const std::vector<int64_t>& id
   KAKEYA_CHECK(o.windows >= 1, "calibrate layer-codes: --windows expected >= 1, got " << o.windows);
   std::vector<int64_t> full;  // the full-attention layers that store K/V: the ones a code applies to
   for (int64_t l = 0; l < cfg.num_layers; ++l)
-    if (!cfg.is_sliding(l) && !cfg.kv_shared(l)) full.push_back(l);
+    if (cfg.stores_full_kv(l)) full.push_back(l);
   KAKEYA_CHECK(!full.empty(), "calibrate layer-codes: the model has no full-attention layer that stores K/V");
   KAKEYA_CHECK(o.layers >= 0 && o.layers <= (int64_t)full.size(),
                "calibrate layer-codes: --layers " << o.layers << " must be in [0, " << full.size()

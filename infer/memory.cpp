@@ -328,7 +328,7 @@ MemoryReport restored_memory_plan(const ModelConfig& cfg, const DrafterConfig* d
       if (codec)
         for (int64_t l = 0; l < cfg.num_layers; ++l) {
           const ops::RowCode& code = ops::layer_code(o.full_code, o.full_code_layers, l);
-          if (!cfg.is_sliding(l) && !cfg.kv_shared(l) && code.rotated())
+          if (cfg.stores_full_kv(l) && code.rotated())
             p.full_rest += (code.weighted ? 3 : 2) * cfg.kv_heads(l) * cfg.layer_head_dim[l] * 4;
         }
     }

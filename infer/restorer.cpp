@@ -81,9 +81,9 @@ void validate_restore(const Model& verifier, const Drafter* drafter, const FThet
   if (!o.full_code_layers.empty()) {
     std::string stored;  // the full-attention layers that store K/V: those a layer's own code may name
     for (int64_t i = 0; i < cfg.num_layers; ++i)
-      if (!cfg.is_sliding(i) && !cfg.kv_shared(i)) stored += (stored.empty() ? "" : ", ") + std::to_string(i);
+      if (cfg.stores_full_kv(i)) stored += (stored.empty() ? "" : ", ") + std::to_string(i);
     for (size_t l = 0; l < o.full_code_layers.size(); ++l)
-      KAKEYA_CHECK(!o.full_code_layers[l].defined() || ((int64_t)l < cfg.num_layers && !cfg.is_sliding(l) && !cfg.kv_shared(l)),
+      KAKEYA_CHECK(!o.full_code_layers[l].defined() || ((int64_t)l < cfg.num_layers && cfg.stores_full_kv(l)),
                    "decode: --full-code " << ops::layer_codes_name(o.full_code, o.full_code_layers) << ": layer " << l
                                           << " is not a full-attention layer that stores K/V (this model's: " << stored << ")");
   }

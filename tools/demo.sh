@@ -4,8 +4,8 @@
 # until then a toy f_θ trained here stands in). Jobs, in order:
 #   1. generate + score (the plain model)
 #   2. the training loop at toy scale: capture -> train f_θ -> calibrate a codec
-#   3. decode sessions: ar vs restored (--full-attn exact and codec), memory tables; the restored
-#      decoder behind the OpenAI API (kakeya serve, through the openai client)
+#   3. decode sessions: ar vs restored (--full-attn exact and codec, and the compact configuration),
+#      memory tables; the restored decoder behind the OpenAI API (kakeya serve, through the openai client)
 #   4. a short NIAH ladder (512, 1k) against the full-KV oracle
 #   5. an alpha sweep (3 alphas)
 #   6. the held-out long-context suite at 1k: full-KV oracle vs evict-only vs restored (kakeya eval-long)
@@ -84,6 +84,11 @@ job decode_exact $K decode "${R[@]}" --mode restored --full-attn exact --prompt 
 job decode_codec $K decode "${R[@]}" --mode restored --full-attn codec --prompt "$P" --max-new-tokens 32 \
   --compare-ar --json "$OUT/decode_codec.json"
 grep -A14 "^memory at" "$OUT/decode_codec.log" | head -16 || true
+#    The compact configuration: window 64, each evicted position's exact K/V kept as int6 rows, the
+#    full-attention history in the codes the shipped calibration bundle chose (--full-code auto).
+job decode_compact $K decode "${R[@]}" --mode restored --window 64 --mix-alpha 1 --restored-code int6 --full-attn codec \
+  --full-code auto --prompt "$P" --max-new-tokens 32 --compare-ar --json "$OUT/decode_compact.json"
+grep -A14 "^memory at" "$OUT/decode_compact.log" | head -16 || true
 job serve $PY tools/serve_demo.py --kakeya $K -- "${R[@]}" --mode restored \
   --chat-template checkpoints/chat_templates/gemma.jinja --max-context 1024
 cat "$OUT/serve.log"

@@ -42,7 +42,7 @@ def main(out, ftheta):
         row("codec_eval", f"release recipe through the toy bundle: {ours['bits_per_value']:.2f} bits/value, "
                           f"{ours['ratio']:.2f}x, Δppl {100 * ours['dppl']:+.2f}%, top-1 {100 * ours['top1']:.1f}%")
     mem = {}
-    for job in ("decode_ar", "decode_exact", "decode_codec"):
+    for job in ("decode_ar", "decode_exact", "decode_codec", "decode_compact"):
         d = load(out, job + ".json")
         p = d["prompts"][0]
         m = p["memory"]

@@ -102,6 +102,9 @@ struct ModelConfig {
     for (int64_t l = 0; l < num_layers; ++l) n += kv_shared(l);
     return n;
   }
+  // A full-attention layer that computes and stores its own K/V: what a full-attention code
+  // (--full-code, a layer's own code) applies to.
+  bool stores_full_kv(int64_t layer) const { return !is_sliding(layer) && !kv_shared(layer); }
   int64_t mlp_width(int64_t layer) const { return intermediate_size * (double_wide_mlp && kv_shared(layer) ? 2 : 1); }
 };
 
