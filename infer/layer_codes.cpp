@@ -40,6 +40,12 @@ nlohmann::json select_layer_codes(const Model& v, const std::vector<int64_t>& id
                "calibrate layer-codes: --tail " << o.tail << " must be in [1, " << o.context - 1 << "] (--context "
                                                 << o.context << ")");
   KAKEYA_CHECK(o.windows >= 1, "calibrate layer-codes: --windows expected >= 1, got " << o.windows);
+  const int64_t limit = cfg.max_position_embeddings;
+  KAKEYA_CHECK(limit <= 0 || o.context <= limit, "calibrate layer-codes: --context " << o.context << " exceeds the model's limit of "
+                                                                                   << limit << " positions (max_position_embeddings)");
+  KAKEYA_CHECK(base.sink + base.window < o.context,
+               "calibrate layer-codes: --sink " << base.sink << " + --window " << base.window << " must be below --context "
+                                                << o.context << " (no position would leave the window to be coded)");
   std::vector<int64_t> full;  // the full-attention layers that store K/V: the ones a code applies to
   for (int64_t l = 0; l < cfg.num_layers; ++l)
     if (cfg.stores_full_kv(l)) full.push_back(l);

@@ -448,6 +448,9 @@ TEST(LayerCodes, BadInput) {
   expect_error(with([](LayerCodeOptions& x) { x.rich = x.decoder.full_code; }), "--rich must be a code other than");
   expect_error(with([](LayerCodeOptions& x) { x.layers = 4; }), "--layers 4 must be in [0, 3]");
   expect_error(with([](LayerCodeOptions& x) { x.tail = 384; }), "--tail 384 must be in [1, 383]");
+  expect_error(with([](LayerCodeOptions& x) { x.context = 40000; }),
+               "--context 40000 exceeds the model's limit of 32768 positions");
+  expect_error(with([](LayerCodeOptions& x) { x.decoder.window = 380; }), "--sink 4 + --window 380 must be below --context 384");
   expect_error(with([](LayerCodeOptions& x) { x.context = 4000; }),
                "the text holds 1000 tokens, one window of --context 4000 needs 3999");
 }
