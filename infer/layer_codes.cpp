@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <numeric>
 
 #include "core/error.h"
 #include "infer/long_eval.h"
@@ -12,14 +11,10 @@ namespace kakeya {
 
 namespace {
 
-double mean(const std::vector<double>& x) { return std::accumulate(x.begin(), x.end(), 0.0) / (double)x.size(); }
-
-// Bytes of one position's K and V rows of layer l in `c` (codes and side values; a weighted
-// code's K weights and the rows' means are per layer, not per position).
+// Bytes of one position's K and V rows of layer l in `c` (a weighted code's K weights and the
+// rows' means are per layer, not per position).
 int64_t position_bytes(const ModelConfig& cfg, int64_t l, const ops::RowCode& c) {
-  const int64_t D = cfg.layer_head_dim[l];
-  auto row = [D](const ops::RowCode& r) { return ops::code_bytes(D, r) + 2 * ops::side_halves(D, r); };
-  return cfg.kv_heads(l) * (row(c.k()) + row(c.v()));
+  return cfg.kv_heads(l) * ops::row_pair_bytes(cfg.layer_head_dim[l], c);
 }
 
 }  // namespace
@@ -85,10 +80,7 @@ nlohmann::json select_layer_codes(const Model& v, const std::vector<int64_t>& id
   if (progress) progress(0, total);
   for (int64_t w = 0; w < W; ++w)
     for (size_t c = 0; c < configs.size(); ++c) {
-      const ScoreResult sr = score_restored(v, nullptr, nullptr, windows[w], configs[c]);
-      double s = 0;
-      for (auto it = sr.logprobs.end() - o.tail; it != sr.logprobs.end(); ++it) s -= *it;
-      nll[c].push_back(s / o.tail);
+      nll[c].push_back(tail_nll(score_restored(v, nullptr, nullptr, windows[w], configs[c]), o.tail));
       if (progress) progress(done += o.context, total);
     }
 

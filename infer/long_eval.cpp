@@ -28,11 +28,6 @@ std::string config_forms() {
          "their own, +L=CODE: exact-int6-codec-pw4+17=pw5v4:64)";
 }
 
-double mean(const std::vector<double>& x) {
-  double s = 0;
-  for (double v : x) s += v;
-  return x.empty() ? 0.0 : s / x.size();
-}
 
 double sample_sd(const std::vector<double>& x) {
   const double m = mean(x);
@@ -358,6 +353,20 @@ std::pair<double, double> score_ci95(const std::vector<double>& x) {
   return {std::max(0.0, p - half), std::min(1.0, p + half)};
 }
 
+double mean(const std::vector<double>& x) {
+  double s = 0;
+  for (double v : x) s += v;
+  return x.empty() ? 0.0 : s / x.size();
+}
+
+double tail_nll(const ScoreResult& sr, int64_t tail) {
+  KAKEYA_CHECK(tail >= 1 && tail <= (int64_t)sr.logprobs.size(),
+               "tail_nll: " << tail << " tokens asked of " << sr.logprobs.size() << " scored");
+  double nll = 0;
+  for (auto it = sr.logprobs.end() - tail; it != sr.logprobs.end(); ++it) nll -= *it;
+  return nll / tail;
+}
+
 std::pair<double, double> mean_ci95(const std::vector<double>& x) {
   if (x.size() < 2) return {std::nan(""), std::nan("")};
   const double m = mean(x), half = 1.96 * sample_sd(x) / std::sqrt((double)x.size());
@@ -647,10 +656,7 @@ nlohmann::json run_long_eval(const Model& v, const Drafter* drafter, const FThet
           sr = score_restored(v, r.drafter, r.ftheta, ids, r.restore);
         }
         r.seconds += seconds_since(ts, v.device());
-        // sr.logprobs: the n - 1 next-token log-probs of the prefix; the last ppl_tail are scored.
-        double nll = 0;
-        for (auto it = sr.logprobs.end() - opt.ppl_tail; it != sr.logprobs.end(); ++it) nll -= *it;
-        r.nll[c].push_back(nll / opt.ppl_tail);
+        r.nll[c].push_back(tail_nll(sr, opt.ppl_tail));  // of the prefix's n - 1 next-token log-probs
       }
       advance(m * n);
     }

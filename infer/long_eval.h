@@ -140,6 +140,10 @@ nlohmann::json run_long_eval(const Model& verifier, const Drafter* drafter, cons
 // score, whose sample deviation is undefined), else the normal approximation with the sample
 // standard deviation, clipped to [0, 1].
 std::pair<double, double> score_ci95(const std::vector<double>& scores);
+// The arithmetic mean (0 for no values).
+double mean(const std::vector<double>& x);
+// Mean NLL (nats a token) of the last `tail` tokens sr scored: the suite's perplexity measure.
+double tail_nll(const ScoreResult& sr, int64_t tail);
 // mean ± 1.96·sd/√n (sample sd); NaN at both ends below 2 values (the report writes null).
 std::pair<double, double> mean_ci95(const std::vector<double>& x);
 // a[i] - b[i] over the first min(|a|, |b|) entries: the paired differences of two configs on the

@@ -30,10 +30,7 @@ int64_t region_bytes_for(const ModelConfig& cfg, int64_t elem, int64_t slots, in
     if (cfg.kv_shared(l)) continue;  // reads another layer's K/V
     const int64_t D = cfg.layer_head_dim[l];
     const ops::RowCode& code = ops::layer_code(base, layers, l);
-    // A K row and a V row (their codes apart for a split code).
-    const int64_t rows = code.defined() ? ops::code_bytes(D, code.k()) + ops::code_bytes(D, code.v()) +
-                                              2 * (ops::side_halves(D, code.k()) + ops::side_halves(D, code.v()))
-                                        : 2 * D * elem;
+    const int64_t rows = code.defined() ? ops::row_pair_bytes(D, code) : 2 * D * elem;  // a K row and a V row
     b += cfg.kv_heads(l) * slots * rows;
   }
   return b;

@@ -213,6 +213,11 @@ std::string layer_codes_name(const RowCode& base, const std::vector<RowCode>& la
 // pass c.v() for V rows).
 inline int64_t code_bytes(int64_t D, const RowCode& c) { return D * c.bits / 8; }
 inline int64_t side_halves(int64_t D, const RowCode& c) { return c.rotated() ? 2 : D / kCodeGroup * 2; }
+// Bytes of one position's K row and V row of D values in code c, codes and side values (a split
+// code's two halves apart).
+inline int64_t row_pair_bytes(int64_t D, const RowCode& c) {
+  return code_bytes(D, c.k()) + code_bytes(D, c.v()) + 2 * (side_halves(D, c.k()) + side_halves(D, c.v()));
+}
 // Whether a rotated code fits the kernels' layout for rows of D values: the attention kernel gives
 // each of a warp's 32 lanes D/32 values, whose codes are whole bytes and at most 8 (one 64-bit word),
 // in K rows and (a split code) in V rows.
