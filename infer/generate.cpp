@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "core/error.h"
+#include "core/kernels/ops.h"
 #include "infer/loop_util.h"
 
 #ifdef KAKEYA_CUDA
@@ -37,14 +38,8 @@ struct DecodeStep {
 
   void run() {
     ForwardOptions fo;
-    fo.last_logits_only = true;
     fo.advance_cache = false;
-    auto logits = model.forward(cur, pos, cache, fo);   // [1, 1, V]
-    auto next = sampler.sample(logits.select(1, 0));  // [1]
-    out.index_copy_(0, step, next);
-    cur.copy_(next.view({1, 1}));
-    pos.add_(1);
-    step.add_(1);
+    ops::advance_step(step_token(model, cur, pos, cache, fo, sampler), out, step, cur, pos);
   }
 };
 

@@ -6,6 +6,9 @@
 #include <chrono>
 #include <vector>
 
+#include "core/model/kv_cache.h"
+#include "core/model/model.h"
+#include "core/model/sampling.h"
 #include "infer/options.h"
 #include "infer/result.h"
 
@@ -41,6 +44,16 @@ inline int64_t device_allocations(const at::Device& dev) {
 #endif
   (void)dev;
   return -1;
+}
+
+// One decode step's forward of token cur [1, 1] at pos [1] and its next token [1]: a greedy
+// sampler takes the forward's argmax (ForwardOptions::argmax: no logits), the others sample.
+inline at::Tensor step_token(const Model& model, const at::Tensor& cur, const at::Tensor& pos, KVCache& cache,
+                             ForwardOptions fo, Sampler& sampler) {
+  fo.last_logits_only = true;
+  fo.argmax = sampler.greedy();
+  at::Tensor r = model.forward(cur, pos, cache, fo);  // [1, 1] tokens or [1, 1, V] logits
+  return fo.argmax ? r.view({1}) : sampler.sample(r.select(1, 0));
 }
 
 // Generation ends after `tok`: a stop token, or opt.should_stop() (a client gone, a stop string).

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "core/kernels/ops.h"
 #include "infer/loop_util.h"
 
 namespace kakeya {
@@ -25,15 +26,10 @@ struct RestoredStep {
   void run() {
     ForwardOptions fo;
     fo.taps = rest.verifier_taps();
-    fo.last_logits_only = true;
     fo.advance_cache = false;
-    auto logits = model.forward(cur, pos, cache, fo);  // [1, 1, V]
+    const at::Tensor next = step_token(model, cur, pos, cache, fo, sampler);  // [1]
     rest.stash_step(pos);
-    auto next = sampler.sample(logits.select(1, 0));  // [1]
-    out.index_copy_(0, step, next);
-    cur.copy_(next.view({1, 1}));
-    pos.add_(1);
-    step.add_(1);
+    ops::advance_step(next, out, step, cur, pos);
   }
 };
 

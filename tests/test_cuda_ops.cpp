@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 
+#include <cmath>
 #include <tuple>
 
 #include "core/io/fs.h"
@@ -80,6 +81,44 @@ TEST_P(CudaOps, AddRmsNorm) {
       expect_close(h_got, h_ref, "add_rms_norm h H=" + std::to_string(H));
       expect_close(y_got, y_ref, "add_rms_norm y H=" + std::to_string(H));
     }
+}
+
+// The forward's first rows (embedding × the model's scale, then the first pre-norm) in one
+// kernel: h exactly the reference's (a gather and one rounded product), x as rms_norm's; and the
+// bits of the CUDA ops it replaces.
+TEST_P(CudaOps, EmbedRmsNorm) {
+  for (int64_t H : {5, 640, 1111}) {
+    auto table = at::randn({50, H}).to(dt());
+    auto ids = at::tensor(std::vector<int64_t>{3, 0, 49, 3, 17, 8}, at::kLong).view({2, 3});
+    auto scale = at::scalar_tensor(std::sqrt((double)H), at::kFloat).to(dt());
+    auto w = at::randn({H}) * 0.2 + 1;
+    ops::NormSpec ns{1e-6, true};
+    auto [h_ref, x_ref] = ops::embed_rms_norm(table, ids, scale, w, ns);
+    auto tc = table.to(kCuda), sc = scale.to(kCuda), wc = w.to(kCuda);
+    auto [h_got, x_got] = ops::embed_rms_norm(tc, ids.to(kCuda), sc, wc, ns);
+    const std::string tag = "embed_rms_norm H=" + std::to_string(H);
+    ASSERT_EQ(h_got.sizes().vec(), (std::vector<int64_t>{2, 3, H})) << tag;
+    EXPECT_TRUE(h_got.cpu().equal(h_ref)) << tag;
+    expect_close(x_got, x_ref, tag + " x");
+    auto h_two = at::embedding(tc, ids.to(kCuda)) * sc;
+    EXPECT_TRUE(h_got.equal(h_two) && x_got.equal(ops::rms_norm(h_two, wc, ns))) << tag << ": not the two ops' bits";
+  }
+}
+
+// A decode step's bookkeeping in one kernel: the four ATen ops' results.
+TEST(CudaOpsStep, AdvanceStep) {
+  if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
+  auto o = at::TensorOptions().dtype(at::kLong);
+  auto next = at::tensor(std::vector<int64_t>{4242}, o), out = at::arange(6, o), step = at::tensor(std::vector<int64_t>{2}, o);
+  auto cur = at::zeros({1, 1}, o), pos = at::tensor(std::vector<int64_t>{100}, o);
+  auto n_c = next.to(kCuda), out_c = out.to(kCuda), step_c = step.to(kCuda), cur_c = cur.to(kCuda), pos_c = pos.to(kCuda);
+  ops::advance_step(next, out, step, cur, pos);
+  ops::advance_step(n_c, out_c, step_c, cur_c, pos_c);
+  EXPECT_EQ(out[2].item<int64_t>(), 4242);
+  EXPECT_TRUE(out_c.cpu().equal(out) && step_c.cpu().equal(step) && cur_c.cpu().equal(cur) && pos_c.cpu().equal(pos));
+  EXPECT_EQ(step.item<int64_t>(), 3);
+  EXPECT_EQ(pos.item<int64_t>(), 101);
+  EXPECT_EQ(cur.item<int64_t>(), 4242);
 }
 
 // The residual step that also stores its new residual rows into a ring of per-position rows
@@ -817,7 +856,8 @@ TEST_P(CudaOps, DequantizeRows) {
 
 TEST_P(CudaOps, Linear) {
   for (int64_t M : {1, 3, 8, 13})  // several rows: the cuBLAS path
-    for (auto nk : {std::pair<int64_t, int64_t>{7, 640}, {1536, 640}, {640, 2048}, {1001, 24}})
+    // 16397 x 640: a vocabulary's rows, 4 to a warp, the last warp's partly past N
+    for (auto nk : {std::pair<int64_t, int64_t>{7, 640}, {1536, 640}, {640, 2048}, {1001, 24}, {16397, 640}})
       for (bool with_bias : {false, true}) {
         auto x = at::randn({M, nk.second}).to(dt());
         auto w = (at::randn({nk.first, nk.second}) * 0.05).to(dt());
@@ -832,6 +872,31 @@ TEST_P(CudaOps, Linear) {
           EXPECT_TRUE(at::equal(got, at::linear(x.to(kCuda), w.to(kCuda), with_bias ? b.to(kCuda) : b))) << tag;
         }
       }
+}
+
+// The greedy lm_head: the argmax of the GEMV's logits (the first of equal maxima), without them.
+// Vocabularies of 7 and 16397 rows (a block's 32 rows partly past V), the maximum planted in a row
+// that a later row repeats (equal logits: the lower index wins), and the CPU path.
+TEST_P(CudaOps, LinearArgmax) {
+  for (int64_t V : {7, 16397})
+    for (int64_t K : {640, 24}) {
+      auto x = at::randn({1, 1, K}).to(dt());
+      auto w = (at::randn({V, K}) * 0.05).to(dt());
+      const int64_t hot = V / 3;
+      w[hot] = x.view({K}) * 0.5;  // the largest logit, and a later copy of it
+      w[V - 1] = w[hot];
+      auto xc = x.to(kCuda), wc = w.to(kCuda);
+      auto got = at::empty({1, 1}, at::TensorOptions().dtype(at::kLong).device(kCuda));
+      ops::linear_argmax(xc, wc, got);
+      auto want = at::empty({1, 1}, got.options());
+      ops::argmax_rows(ops::linear(xc, wc), {}, want);
+      const std::string tag = "linear_argmax V=" + std::to_string(V) + " K=" + std::to_string(K);
+      EXPECT_EQ(got.item<int64_t>(), want.item<int64_t>()) << tag;
+      EXPECT_EQ(got.item<int64_t>(), hot) << tag;
+      auto cpu = at::empty({1, 1}, at::kLong);
+      ops::linear_argmax(x, w, cpu);
+      EXPECT_EQ(cpu.item<int64_t>(), hot) << tag << " (CPU)";
+    }
 }
 
 TEST_P(CudaOps, LinearActMul) {
@@ -852,6 +917,41 @@ TEST_P(CudaOps, LinearActMul) {
           EXPECT_TRUE(at::equal(got, want)) << tag;
         }
       }
+}
+
+// The residual step folded into the projection that reads its pre-norm (one kernel for one row):
+// the bits of the two CUDA ops it replaces (add_rms_norm, then the GEMV), for plain and gated
+// projections, hidden sizes of 640 and 1000 (residual blocks of 640 and 1024 threads, emulated by
+// the GEMV's 256) and 36 (f32 only: bf16 leaves it to the two ops, not a multiple of its 8-value
+// loads), with and without the post-norm, a bias and a copy of the new residual; h' against the
+// LibTorch reference on the CPU as well. Several rows take the two ops.
+TEST_P(CudaOps, AddRmsNormLinear) {
+  ops::NormSpec ns{1e-6, true};
+  for (int64_t M : {1, 3})
+    for (int64_t H : {640, 1000, 36})
+      for (auto [N, gated] : {std::pair<int64_t, bool>{1536, false}, {7, false}, {2048, true}, {13, true}})
+        for (bool post : {true, false}) {
+          const bool bias = N == 7 || N == 13;
+          auto h = at::randn({1, M, H}).to(dt()), x = at::randn({1, M, H}).to(dt());
+          auto wp = post ? at::randn({H}) * 0.2 + 1 : at::Tensor(), wn = at::randn({H}) * 0.2 + 1;
+          auto w = (at::randn({gated ? 2 * N : N, H}) * 0.05).to(dt());
+          auto b = bias ? at::randn({gated ? 2 * N : N}).to(dt()) : at::Tensor();
+          const std::string tag = "add_rms_norm_linear M=" + std::to_string(M) + " H=" + std::to_string(H) +
+                                  " N=" + std::to_string(N) + (gated ? " gated" : "") + (post ? " post" : "");
+          auto pos = at::full({M}, 9, at::kLong) + at::arange(M, at::kLong);
+          auto ring = at::zeros({4, 2 * H}, dt()).to(kCuda);
+          ops::RowCopy copy{ring, H, pos.to(kCuda)};
+          auto hc = h.to(kCuda), xc = x.to(kCuda), wnc = wn.to(kCuda), wpc = post ? wp.to(kCuda) : wp;
+          ops::Linear lin{w.to(kCuda), bias ? b.to(kCuda) : b, gated, /*gelu_tanh=*/true};
+          auto [h_got, y_got] = ops::add_rms_norm_linear(hc, xc, wpc, wnc, ns, lin, &copy);
+          auto [h2, pre] = ops::add_rms_norm(hc, xc, wpc, wnc, ns);
+          auto y_two = gated ? ops::linear_act_mul(pre, lin.w, lin.bias, true) : ops::linear(pre, lin.w, lin.bias);
+          EXPECT_TRUE(h_got.equal(h2)) << tag << ": h' differs from add_rms_norm's";
+          EXPECT_TRUE(y_got.equal(y_two)) << tag << ": y differs from the two ops'";
+          EXPECT_TRUE(ring.narrow(1, H, H).index_select(0, pos.remainder(4).to(kCuda)).equal(h_got.view({M, H}))) << tag;
+          auto h_ref = ops::add_rms_norm_linear(h, x, wp, wn, ns, {w, b, gated, true}).first;
+          expect_close(h_got, h_ref, tag + " h'");
+        }
 }
 
 // A plan of the pairs whose experts are `flat` ([P] int64): every pair exactly once, grouped by

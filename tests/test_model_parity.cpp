@@ -89,6 +89,24 @@ TEST_P(Parity, TruncateAndRedo) {
   EXPECT_NO_THROW(cache.truncate(T - co.rollback));
 }
 
+// ForwardOptions::argmax: the greedy tokens are the argmax of the same forward's logits, for every
+// position and for the last only (Gemma 4's final softcap takes the capped logits' argmax).
+TEST_P(Parity, GreedyTokensAreTheArgmaxOfTheLogits) {
+  auto c = load(GetParam());
+  const auto ids = c.ids.unsqueeze(0);
+  KVCacheOptions co;
+  co.capacity = ids.size(1);
+  for (bool last : {false, true}) {
+    KVCache a(c.model.config(), co), b(c.model.config(), co);
+    ForwardOptions fo;
+    fo.last_logits_only = last;
+    const at::Tensor logits = c.model.forward(ids, a, fo);  // [1, T or 1, V]
+    fo.argmax = true;
+    const at::Tensor tokens = c.model.forward(ids, b, fo);  // [1, T or 1]
+    EXPECT_TRUE(tokens.equal(logits.argmax(-1))) << GetParam() << (last ? " last position" : " every position");
+  }
+}
+
 // Random weights drawn by Model::random (core/model/random_weights.h) are exactly HF's model
 // filled by tools/random_weights.py with the same seed: its logits, to the parity tolerance,
 // with no weight file between the two. A different seed gives another model.

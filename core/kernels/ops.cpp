@@ -43,6 +43,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns
   return w.to(x.scalar_type()) * normed.to(x.scalar_type());
 }
 
+std::pair<at::Tensor, at::Tensor> embed_rms_norm(const at::Tensor& table, const at::Tensor& ids,
+                                                 const at::Tensor& scale, const at::Tensor& w, const NormSpec& ns) {
+#ifdef KAKEYA_CUDA
+  if (fused(table, w)) return cuda::embed_rms_norm(table, ids, scale, w, ns.eps, ns.unit_offset);
+#endif
+  at::Tensor h = at::embedding(table, ids) * scale;
+  return {h, rms_norm(h, w, ns)};
+}
+
 void copy_rows(const at::Tensor& x, const RowCopy& to) {
   const int64_t H = x.size(-1);
   to.dst.narrow(1, to.col, H).index_copy_(0, to.positions.remainder(to.dst.size(0)), x.reshape({-1, H}));
@@ -70,6 +79,19 @@ at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Te
   if (fused(x, w)) return cuda::linear_act_mul(x, w, bias, gelu_tanh);
 #endif
   return act_mul(at::linear(x, w, bias), gelu_tanh);
+}
+
+std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
+                                                      const at::Tensor& w_next, const NormSpec& ns, const Linear& lin,
+                                                      const RowCopy* copy) {
+#ifdef KAKEYA_CUDA
+  if (fused(h, lin.w) && fused(x)) {
+    auto r = cuda::add_rms_norm_linear(h, x, w_post, w_next, ns.eps, ns.unit_offset, lin, copy);
+    if (r.first.defined()) return r;
+  }
+#endif
+  auto [h2, y] = add_rms_norm(h, x, w_post, w_next, ns, copy);
+  return {h2, lin.gated ? linear_act_mul(y, lin.w, lin.bias, lin.gelu_tanh) : linear(y, lin.w, lin.bias)};
 }
 
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh) {
@@ -580,6 +602,23 @@ void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0
   pos0.add_(n);
   at::add_out(qpos, at::arange(T, qpos.options()), pos0);
   if (emb) emb->out.copy_((at::embedding(emb->table, tok) * emb->scale).view(emb->out.sizes()));
+}
+
+void linear_argmax(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+#ifdef KAKEYA_CUDA
+  if (fused(x, w) && cuda::linear_argmax(x, w, out)) return;
+#endif
+  argmax_rows(linear(x, w, at::Tensor()), {}, out);
+}
+
+void advance_step(const at::Tensor& next, at::Tensor& out, at::Tensor& step, at::Tensor& cur, at::Tensor& pos) {
+#ifdef KAKEYA_CUDA
+  if (next.is_cuda()) return cuda::advance_step(next, out, step, cur, pos);
+#endif
+  out.index_copy_(0, step, next);
+  cur.copy_(next.view({1, 1}));
+  pos.add_(1);
+  step.add_(1);
 }
 
 void concat_rows(const std::vector<at::Tensor>& parts, at::Tensor* out, at::Tensor* ring, const at::Tensor& pos) {

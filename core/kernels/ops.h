@@ -25,6 +25,12 @@ struct NormSpec {
 // x: [..., H]; w: [H] f32 -> [..., H] in x's dtype.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, const NormSpec& ns);
 
+// The forward's first rows: h = embedding(table, ids) · scale (a multiply in the table's dtype) and
+// x = rms_norm(h, w). table: [V, H]; ids: [...] int64 (in range: the caller's token ids); scale: a
+// one-value tensor in table's dtype on its device -> {h, x}: [..., H]. One kernel on CUDA.
+std::pair<at::Tensor, at::Tensor> embed_rms_norm(const at::Tensor& table, const at::Tensor& ids,
+                                                 const at::Tensor& scale, const at::Tensor& w, const NormSpec& ns);
+
 // Rows of a [.., T, H] tensor of one sequence also written into a ring of per-position rows:
 // dst [R, F] (rows contiguous) at row positions[t] mod R, columns col .. col + H - 1.
 struct RowCopy {
@@ -48,6 +54,20 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bi
 // The gated MLP's first half: act_mul(linear(x, w, bias)) with w = [gate; up]: [2I, K] -> [..., I].
 // One fused GEMV kernel on CUDA for one row (a decode step).
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);
+
+// A projection as the model applies it: linear(x, w, bias), or (gated, w = [gate; up]) linear_act_mul.
+struct Linear {
+  at::Tensor w;     // [N, K] ([2N, K] gated)
+  at::Tensor bias;  // [N] ([2N] gated) or undefined
+  bool gated = false, gelu_tanh = false;
+};
+// The residual step and the projection that reads its pre-norm: {h', lin(y)} with h', y as
+// add_rms_norm's (copy too). On CUDA with one row (a decode step) one kernel: every block of the
+// GEMV redoes the step from the two rows, so the step costs no launch and y is never stored; the
+// results are the two ops' bits.
+std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
+                                                      const at::Tensor& w_next, const NormSpec& ns, const Linear& lin,
+                                                      const RowCopy* copy = nullptr);
 
 // gu: [..., 2I] = [gate | up] -> act(gate)·up: [..., I]. gelu_tanh or silu.
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
@@ -350,6 +370,11 @@ void greedy_accept(const at::Tensor& scores, const at::Tensor& block, at::Tensor
 // contiguous (e.g. a slice of the next verify block).
 void argmax_rows(const at::Tensor& scores, const at::Tensor& map, at::Tensor& out);
 
+// out[r] = argmax(linear(x[r], w)) with the logits in x's dtype (the first of equal maxima): a greedy
+// step's lm_head. x: [..., K]; w: [V, K]; out: [rows] int64. On CUDA with one row the GEMV and its
+// argmax in two kernels, no logits stored.
+void linear_argmax(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
+
 // The draft block's input row of the carried token, written by advance_block: out = table[token]
 // · scale in the table's dtype (Drafter::embed). table: [V, H]; out: [H] contiguous, same dtype.
 struct CarriedEmbedding {
@@ -363,6 +388,11 @@ struct CarriedEmbedding {
 // block: [1, T], pos0: [1], qpos: [T] int64.
 void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos,
                    const CarriedEmbedding* emb = nullptr);
+
+// A decode step's bookkeeping once its token `next` ([1]) is chosen: out[step] = next, cur = next
+// ([1, 1]), pos += 1, step += 1 (all int64 on one device; out: [capacity], step < capacity). One
+// kernel on CUDA.
+void advance_step(const at::Tensor& next, at::Tensor& out, at::Tensor& step, at::Tensor& cur, at::Tensor& pos);
 
 // Rows of the concatenation of `parts` (each [..., H_i] with the same leading rows T): into
 // out [.., T, ΣH] (if given) and into ring [R, ΣH] at rows pos mod R (if given; pos [T] int64).

@@ -184,8 +184,6 @@ int64_t Model::active_weight_bytes() const {
   return b;
 }
 
-at::Tensor Model::embed(const at::Tensor& ids) const { return at::embedding(embed_, ids) * embed_scale_; }
-
 at::Tensor Model::per_layer_inputs(const at::Tensor& ids, const at::Tensor& embeds) const {
   const int64_t B = ids.size(0), T = ids.size(1), L = cfg_.num_layers, P = cfg_.per_layer_input_size;
   // The token's own rows of the packed table, and a projection of its (scaled) embedding,
@@ -372,10 +370,21 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   at::Tensor tail_pos;  // [T] int64: the position each scratch row holds
   if (tail_kernel && !qkv_tapped) tail_pos = at::empty_like(positions).index_copy_(0, positions.remainder(T), positions);
 
-  at::Tensor h = embed(ids);                         // [B, T, hidden]
+  // h: [B, T, hidden] = embed(ids); x: its first pre-norm (later layers get theirs from the residual steps)
+  at::Tensor h, x;
+  std::tie(h, x) = ops::embed_rms_norm(embed_, ids, embed_scale_, layers_[0].attn_norm, norm_spec_);
   const at::Tensor ple = ple_embed_.defined() ? per_layer_inputs(ids, h) : at::Tensor();  // [B, T, L, P]
-  at::Tensor x = rms_norm(h, layers_[0].attn_norm);  // later layers get theirs from the fused residual step
   std::pair<at::Tensor, at::Tensor> concat_kv;       // [B, H_kv, S + T, D] each: see !write_first below
+  // A layer's last residual step, left to the next layer's q/k/v projection (ops::add_rms_norm_linear:
+  // on a decode step one kernel) when nothing reads the layer's output: the FFN branch, its post-norm,
+  // and where the step stores its rows.
+  struct {
+    at::Tensor f;  // [B, T, hidden]; undefined: x holds the next pre-norm
+    const at::Tensor* w_post = nullptr;
+    ops::RowCopy store;
+    bool stored = false;
+  } pending;
+  const bool layer_out_read = taps && taps->reads(Tap::LayerOut);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
     const auto& w = layers_[l];
     const int64_t D = cfg_.layer_head_dim[l], Hkv = cfg_.kv_heads(l), qd = cfg_.q_dim(l), kvd = cfg_.kv_dim(l);
@@ -384,7 +393,14 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     auto tap = [&](Tap t, at::Tensor& x) { if (taps) taps->cb(t, ctx, x); };
 
     // [B, T, qd + 2·kvd] ([B, T, qd + kvd] on K=V layers, [B, T, qd] on KV-shared layers)
-    at::Tensor qkv = ops::linear(x, w.qkv, w.qkv_bias);
+    at::Tensor qkv;
+    if (pending.f.defined()) {
+      std::tie(h, qkv) = ops::add_rms_norm_linear(h, pending.f, *pending.w_post, w.attn_norm, norm_spec_,
+                                                  {w.qkv, w.qkv_bias}, pending.stored ? &pending.store : nullptr);
+      pending.f = at::Tensor();
+    } else {
+      qkv = ops::linear(x, w.qkv, w.qkv_bias);
+    }
     at::Tensor q, kc, vc;  // q: [B, T, Hq, D] after RoPE; kc, vc: [B, H_kv, T, D] when not stored yet
     const bool write_first = sliding ? !sliding_concat : !full_concat;
     // KV-shared layers compute only q: the cache's buffers of such a layer are those of
@@ -456,9 +472,14 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     }
     at::Tensor a = ops::linear(attn, w.o, w.o_bias);  // [B, T, hidden]
     tap(Tap::AttnOut, a);
-    std::tie(h, x) = ops::add_rms_norm(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_);
-
     const bool gelu = cfg_.act == Activation::GeluTanh;
+    at::Tensor gu;  // act(gate)·up of the dense MLP: [B, T, intermediate]
+    if (w.moe.defined())
+      std::tie(h, x) = ops::add_rms_norm(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_);
+    else
+      std::tie(h, gu) = ops::add_rms_norm_linear(h, a, w.post_attn_norm, w.ffn_norm, norm_spec_,
+                                                 {w.gate_up, w.gate_up_bias, /*gated=*/true, gelu});
+
     // Gemma 4 MoE: the router and the experts read the residual stream h (not the dense
     // branch's pre-norm x), so they run beside the dense MLP (ops::SideBranch).
     ops::ExpertRoute route;
@@ -472,7 +493,9 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
         y = moe_experts(w.moe, ops::rms_norm(flat, w.moe.pre_norm, norm_spec_), route, gelu);
       });
     }
-    at::Tensor f = ops::linear(ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, gelu), w.down, w.down_bias);
+    // MoE layers: the dense branch after the experts' side branch is issued, so the two overlap.
+    if (!gu.defined()) gu = ops::linear_act_mul(x, w.gate_up, w.gate_up_bias, gelu);
+    at::Tensor f = ops::linear(gu, w.down, w.down_bias);
     if (experts) experts->join();
     const at::Tensor& next_norm = l + 1 < cfg_.num_layers ? layers_[l + 1].attn_norm : norm_;
     // A subscriber may want the layer output stored as it is computed (core/model/taps.h).
@@ -499,6 +522,13 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
       if (w.layer_scalar.defined()) h = h * w.layer_scalar;
       x = rms_norm(h, next_norm);
       if (stored) ops::copy_rows(h, store);
+    } else if (!w.moe.defined() && l + 1 < cfg_.num_layers && !layer_out_read) {
+      pending.f = f;
+      pending.w_post = &w.post_ffn_norm;
+      pending.store = store;
+      pending.stored = stored;
+      x = at::Tensor();
+      continue;  // no LayerOut tap: nothing reads h' here (a store goes with the step)
     } else if (!w.moe.defined()) {
       std::tie(h, x) = ops::add_rms_norm(h, f, w.post_ffn_norm, next_norm, norm_spec_, stored ? &store : nullptr);
     }
@@ -511,6 +541,13 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   if (fo.advance_cache && !rows) cache.advance(T);
   if (fo.skip_logits) return at::Tensor();
   if (fo.last_logits_only) x = x.slice(1, T - 1);
+  if (fo.argmax) {
+    at::Tensor out = at::empty({B, x.size(1)}, ids.options().dtype(at::kLong));
+    // A final softcap's bf16 rounding can tie two distinct scores: argmax of the capped logits then.
+    if (cfg_.final_logit_softcap) ops::argmax_rows(logits(x), {}, out);
+    else ops::linear_argmax(x, lm_head_, out);
+    return out;
+  }
   if (fo.raw_logits) return ops::linear(x, lm_head_);
   return logits(x);  // x = final_norm(h) from the last residual step
 }

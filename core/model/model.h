@@ -31,6 +31,10 @@ struct ForwardOptions {
   // The lm_head's scores as they come, in the model dtype: no softcap, no f32 cast. Any
   // monotone map of the logits, so they serve an argmax (greedy verification) unchanged.
   bool raw_logits = false;
+  // The greedy tokens instead of logits: [B, T] ([B, 1] with last_logits_only) int64, the argmax
+  // of the logits (the first of equal maxima); on CUDA for one row the lm_head's fused argmax
+  // (ops::linear_argmax: no logits stored).
+  bool argmax = false;
   const Taps* taps = nullptr;
   bool advance_cache = true;      // false: caller commits (CUDA-graph capture runs the host code once)
 };
@@ -100,8 +104,7 @@ class Model {
   // [B, H_kv, T, D]. On K=V layers pass v_raw = k_raw.
   std::pair<at::Tensor, at::Tensor> finish_kv(int64_t layer, const at::Tensor& k_raw, const at::Tensor& v_raw,
                                               const at::Tensor& positions) const;
-  at::Tensor embed(const at::Tensor& ids) const;        // [B, T] -> [B, T, hidden]
-  // Gemma 4 per-layer inputs of ids [B, T] with embeds = embed(ids): [B, T, num_layers, P].
+  // Gemma 4 per-layer inputs of ids [B, T] with embeds = the scaled embeddings of ids ([B, T, hidden]): [B, T, num_layers, P].
   at::Tensor per_layer_inputs(const at::Tensor& ids, const at::Tensor& embeds) const;
   at::Tensor logits(const at::Tensor& hidden) const;    // [B, T, hidden] final-normed -> [B, T, V] f32
   at::Tensor final_norm(const at::Tensor& h) const;     // [B, T, hidden]

@@ -135,11 +135,63 @@ __global__ void rms_norm_kernel(const T* __restrict__ x, const float* __restrict
 // Gemma 3 270M, H = 640): the residual step took 6.8 us with 4 values per thread and 4.0 us with
 // one; unrolling the 4-value loops did not help (6.7 us); one warp per row holding 20 values in
 // registers took 14.8 us. (A 2816-wide row with 256 threads had taken ~10 us.)
-inline int norm_threads(int H) { return std::min(1024, std::max(32, (H + 31) / 32 * 32)); }
+__host__ __device__ inline int norm_threads(int H) {
+  const int t = (H + 31) / 32 * 32;
+  return t < 32 ? 32 : (t > 1024 ? 1024 : t);
+}
+
+// Σ v[i]² over a row of H values summed as a block of norm_threads(H) threads sums it in
+// block_sum (thread t its values t, t + NT, ... in turn, each warp's by warp_sum, the warps' sums by
+// one more), whatever this block's thread count: a kernel that folds a residual step into its
+// prologue (residual_gemv_kernel) then gives the residual kernel's bits. v: shared memory, written
+// by any thread before the call; every thread of the block calls it and gets the sum.
+__device__ __forceinline__ float norm_sumsq(const float* v, int H, float* red) {
+  const int NT = norm_threads(H), nvw = NT >> 5;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  __syncthreads();  // v complete; red no longer read by a previous call
+  for (int vw = warp; vw < nvw; vw += nwarps) {
+    float ss = 0.f;
+    for (int i = vw * 32 + lane; i < H; i += NT) ss += v[i] * v[i];
+    ss = warp_sum(ss);
+    if (lane == 0) red[vw] = ss;
+  }
+  __syncthreads();
+  return warp_sum(lane < nvw ? red[lane] : 0.f);
+}
 
 template <typename T>
 void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float eps, bool unit_offset, cudaStream_t s) {
   launch_pdl(rms_norm_kernel<T>, rows, norm_threads(H), 0, s, x, w, out, H, eps, unit_offset);
+}
+
+// The forward's first rows: h = table[id]·scale in T (at::embedding, then a multiply by the T
+// scalar *scale), and x = rms_norm(h)·w with rms_norm_kernel's order (a block of norm_threads(H)
+// threads per row). ids: [rows] int64; table: [V, H]; h, x: [rows, H].
+template <typename T>
+__global__ void embed_rms_norm_kernel(const int64_t* __restrict__ ids, const T* __restrict__ table,
+                                      const T* __restrict__ scale, const float* __restrict__ w, T* __restrict__ h,
+                                      T* __restrict__ x, int H, float eps, bool unit_offset) {
+  pdl_begin();
+  __shared__ float red[32];
+  const T* row = table + ids[blockIdx.x] * H;
+  const float sc = from_t<T>(scale[0]);
+  T* hr = h + (int64_t)blockIdx.x * H;
+  T* xr = x + (int64_t)blockIdx.x * H;
+  float ss = 0.f;
+  for (int i = threadIdx.x; i < H; i += blockDim.x) {
+    const float v = rnd<T>(from_t<T>(row[i]) * sc);
+    hr[i] = to_t<T>(v);
+    ss += v * v;
+  }
+  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x)
+    xr[i] = to_t<T>(norm_value<T>(rnd<T>(from_t<T>(row[i]) * sc), inv, w[i], unit_offset));
+}
+
+template <typename T>
+void launch_embed_rms_norm(const int64_t* ids, const T* table, const T* scale, const float* w, T* h, T* x, int rows,
+                           int H, float eps, bool unit_offset, cudaStream_t s) {
+  launch_pdl(embed_rms_norm_kernel<T>, rows, norm_threads(H), 0, s, ids, table, scale, w, h, x, H, eps, unit_offset);
 }
 
 // The end of a residual step, every thread of the block: the new residual hs [H] (f32 values of
@@ -1254,60 +1306,87 @@ template <> struct Vec16<__nv_bfloat16> { static constexpr int n = 8; };
 // to the weights (xg [K]): a decode step's block then waits for no staging and no barrier
 // before its weight loads, which issue before pdl_wait and so overlap the kernel before it;
 // the products are the same.
-template <typename T, int M, int R, bool XG = false>
-__device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t stride, int nrows,
-                                         const float* __restrict__ xs, const T* __restrict__ xg, int K, int k0,
-                                         int k1, int lane, float* acc) {
-  static_assert(!XG || M == 1, "x from global memory: one row");
+// One step of a lane's walk: its kGemvUnroll 16-byte loads of R rows at k (predicated: rows past
+// nrows, loads past k1), and their products with x at the same k.
+template <typename T, int R>
+__device__ __forceinline__ void load_rows(uint4 (&raw)[R][kGemvUnroll], const T* __restrict__ w0, int64_t stride,
+                                          int nrows, int k, int k1) {
+  constexpr int STEP = 32 * Vec16<T>::n;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u)
+      raw[r][u] = r < nrows && k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(w0 + r * stride + k + u * STEP)
+                                                 : make_uint4(0, 0, 0, 0);
+}
+// x from xs [M, K] (f32, shared memory), or (xraw given, one row) the loads of x at k.
+template <typename T, int M, int R>
+__device__ __forceinline__ void fma_rows(const uint4 (&raw)[R][kGemvUnroll], const uint4* xraw,
+                                         const float* __restrict__ xs, int K, int k, int k1, float* acc) {
   constexpr int V = Vec16<T>::n;
   constexpr int STEP = 32 * V;
-  for (int k = k0 + lane * V; k < k1; k += kGemvUnroll * STEP) {
-    uint4 raw[R][kGemvUnroll], xraw[XG ? kGemvUnroll : 1];
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+  for (int u = 0; u < kGemvUnroll; ++u) {
+    if (k + u * STEP >= k1) break;
 #pragma unroll
-      for (int u = 0; u < kGemvUnroll; ++u)
-        raw[r][u] = r < nrows && k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(w0 + r * stride + k + u * STEP)
-                                                   : make_uint4(0, 0, 0, 0);
-    if constexpr (XG) {
-      // x is the previous kernel's output; the weight loads above are already in flight.
-      pdl_wait();
+    for (int r = 0; r < R; ++r) {
+      const T* e = reinterpret_cast<const T*>(&raw[r][u]);
+      if (xraw) {
+        const T* xe = reinterpret_cast<const T*>(&xraw[u]);
 #pragma unroll
-      for (int u = 0; u < kGemvUnroll; ++u)
-        xraw[u] = k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(xg + k + u * STEP) : make_uint4(0, 0, 0, 0);
-    }
+        for (int i = 0; i < V; ++i) acc[r] += from_t<T>(e[i]) * from_t<T>(xe[i]);
+      } else {
 #pragma unroll
-    for (int u = 0; u < kGemvUnroll; ++u) {
-      if (k + u * STEP >= k1) break;
+        for (int m = 0; m < M; ++m) {
+          const float* xm = xs + m * K + k + u * STEP;
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const T* e = reinterpret_cast<const T*>(&raw[r][u]);
-        if constexpr (XG) {
-          const T* xe = reinterpret_cast<const T*>(&xraw[u]);
-#pragma unroll
-          for (int i = 0; i < V; ++i) acc[r] += from_t<T>(e[i]) * from_t<T>(xe[i]);
-        } else {
-#pragma unroll
-          for (int m = 0; m < M; ++m) {
-            const float* xm = xs + m * K + k + u * STEP;
-#pragma unroll
-            for (int i = 0; i < V; ++i) acc[r * M + m] += from_t<T>(e[i]) * xm[i];
-          }
+          for (int i = 0; i < V; ++i) acc[r * M + m] += from_t<T>(e[i]) * xm[i];
         }
       }
     }
   }
 }
 
+template <typename T, int M, int R, bool XG = false>
+__device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t stride, int nrows,
+                                         const float* __restrict__ xs, const T* __restrict__ xg, int K, int k0,
+                                         int k1, int lane, float* acc) {
+  static_assert(!XG || M == 1, "x from global memory: one row");
+  constexpr int STEP = 32 * Vec16<T>::n;
+  for (int k = k0 + lane * Vec16<T>::n; k < k1; k += kGemvUnroll * STEP) {
+    uint4 raw[R][kGemvUnroll];
+    load_rows<T, R>(raw, w0, stride, nrows, k, k1);
+    if constexpr (XG) {
+      // x is the previous kernel's output; the weight loads above are already in flight.
+      pdl_wait();
+      uint4 xraw[kGemvUnroll];
+#pragma unroll
+      for (int u = 0; u < kGemvUnroll; ++u)
+        xraw[u] = k + u * STEP < k1 ? *reinterpret_cast<const uint4*>(xg + k + u * STEP) : make_uint4(0, 0, 0, 0);
+      fma_rows<T, M, R>(raw, xraw, xs, K, k, k1, acc);
+    } else {
+      fma_rows<T, M, R>(raw, nullptr, xs, K, k, k1, acc);
+    }
+  }
+}
+
+// No prologue (gemv_rows' default): x is ready when the kernel reads it.
+struct NoPrologue {
+  static constexpr bool active = false;
+  __device__ void operator()() const {}
+};
+
 // One block's output rows of the GEMV against the M rows of x staged in xs, written to
 // out.row(m)[n]. A warp group of `wpr` warps (split K) serves RW consecutive rows n (RW > 1:
 // whole rows, wpr 1, not gated), so that a warp has RW rows' loads in flight. Gated: the warp
 // reads row n's gate and up rows together. Every thread of the block calls it (it synchronises
 // once when wpr > 1); `part` holds the split-K partial sums.
-template <typename T, int M, int RW, typename Out, bool XG = false>
+// Pro (active): every thread calls pro() once, after its warp's first weight loads are issued and
+// before any product: it waits for the kernel before and fills xs (residual_gemv_kernel).
+template <typename T, int M, int RW, typename Out, bool XG = false, typename Pro = NoPrologue>
 __device__ __forceinline__ void gemv_rows(const float* __restrict__ xs, float* __restrict__ part,
                                           const T* __restrict__ W, const T* __restrict__ bias, int N, int K, int wpr,
-                                          Act act, Out out, const T* __restrict__ xg = nullptr) {
+                                          Act act, Out out, const T* __restrict__ xg = nullptr, Pro pro = {}) {
   constexpr int V = Vec16<T>::n;
   constexpr int R = RW > 2 ? RW : 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1322,9 +1401,19 @@ __device__ __forceinline__ void gemv_rows(const float* __restrict__ xs, float* _
   float acc[R * M];
 #pragma unroll
   for (int i = 0; i < R * M; ++i) acc[i] = 0.f;
+  int kd = k0;  // where the loop over this warp's K range starts
+  if constexpr (Pro::active) {
+    static_assert(!XG, "a prologue fills xs");
+    uint4 raw[R][kGemvUnroll];
+    const int kf = k0 + lane * V;
+    load_rows<T, R>(raw, W + (int64_t)n * K, gated ? (int64_t)N * K : K, n < N ? (gated ? 2 : nrows) : 0, kf, k1);
+    pro();
+    fma_rows<T, M, R>(raw, nullptr, xs, K, kf, k1, acc);
+    kd = k0 + kGemvUnroll * 32 * V;
+  }
   if (n < N) {
-    if (gated) dot_rows<T, M, 2, XG>(W + (int64_t)n * K, (int64_t)N * K, 2, xs, xg, K, k0, k1, lane, acc);
-    else dot_rows<T, M, RW, XG>(W + (int64_t)n * K, K, nrows, xs, xg, K, k0, k1, lane, acc);
+    if (gated) dot_rows<T, M, 2, XG>(W + (int64_t)n * K, (int64_t)N * K, 2, xs, xg, K, kd, k1, lane, acc);
+    else dot_rows<T, M, RW, XG>(W + (int64_t)n * K, K, nrows, xs, xg, K, kd, k1, lane, acc);
   }
 #pragma unroll
   for (int i = 0; i < R * M; ++i) acc[i] = warp_sum(acc[i]);
@@ -1368,13 +1457,21 @@ struct DenseRows {
   __device__ T* row(int m) const { return y + (int64_t)m * N; }
 };
 
-template <typename T>
+// RW rows per warp (RW > 1: whole rows, not gated): a vocabulary's lm_head has rows of a few
+// hundred values, so one row per warp keeps too few loads in flight per lane.
+template <typename T, int RW>
 __global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias,
                             T* __restrict__ y, int N, int K, int wpr, Act act) {
   pdl_trigger();  // its weights load before pdl_wait (dot_rows)
   extern __shared__ float xs[];  // [kGemvWarps, 2] partial sums
-  gemv_rows<T, 1, 1, DenseRows<T>, true>(nullptr, xs, W, bias, N, K, wpr, act, DenseRows<T>{y, N}, x);
+  gemv_rows<T, 1, RW, DenseRows<T>, true>(nullptr, xs, W, bias, N, K, wpr, act, DenseRows<T>{y, N}, x);
 }
+
+// Warps that share one output row (split K): enough warps in flight to cover memory latency
+// when the rows are few.
+inline int gemv_split(int N) { return N >= 4096 ? 1 : (N >= 1024 ? 2 : 4); }
+// From this many output rows (a vocabulary) a warp takes 4 whole rows (gemv_kernel's RW).
+constexpr int kGemvWideRows = 16384;
 
 // Returns false when the shape is not for this kernel (more than one row of x, a K or address
 // the vector loads cannot take): the caller falls back to cuBLAS.
@@ -1383,11 +1480,92 @@ template <typename T>
 bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int K, Act act, cudaStream_t s) {
   if (M != 1 || K % Vec16<T>::n != 0) return false;
   if (reinterpret_cast<uintptr_t>(W) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
-  // Enough warps in flight to cover memory latency: split K when rows are few.
-  const int wpr = N >= 4096 ? 1 : (N >= 1024 ? 2 : 4);
+  const int wpr = gemv_split(N);
+  if (wpr == 1 && act == Act::None && N >= kGemvWideRows) {
+    constexpr int RW = 4;
+    launch_pdl(gemv_kernel<T, RW>, dim3((N + kGemvWarps * RW - 1) / (kGemvWarps * RW)), kGemvWarps * 32,
+               kGemvWarps * 2 * sizeof(float), s, x, W, bias, y, N, K, wpr, act);
+    return true;
+  }
   const int rows_per_block = kGemvWarps / wpr;
   const dim3 grid((N + rows_per_block - 1) / rows_per_block);
-  launch_pdl(gemv_kernel<T>, grid, kGemvWarps * 32, kGemvWarps * 2 * sizeof(float), s, x, W, bias, y, N, K, wpr, act);
+  launch_pdl(gemv_kernel<T, 1>, grid, kGemvWarps * 32, kGemvWarps * 2 * sizeof(float), s, x, W, bias, y, N, K, wpr,
+             act);
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// A layer's residual step (add_rms_norm_kernel's) as the prologue of the GEMV that reads its
+// pre-norm: y = W · rms_norm(h + rms_norm(x)·w_post)·w_next for one row, h' = h + ... also
+// written (block 0, and its copy row as add_rms_norm_kernel writes it). A residual step alone is
+// one block doing a few microseconds of latency-bound work between two bandwidth-bound GEMVs;
+// here every block of the GEMV recomputes it from the two rows of H = K values (L2 hits), with
+// the residual kernel's roundings and sums (norm_sumsq), while its warps' first weight loads
+// are in flight (gemv_rows' prologue), and the GEMV reads the pre-norm from shared memory.
+//   h, x, h_out: [K]; w_post (nullable), w_next: [K] f32; W: [N or 2N, K]; y: [N].
+// Dynamic smem: (2K + kGemvWarps·2) floats.
+template <typename T>
+struct ResidualPrologue {
+  static constexpr bool active = true;
+  const T *h, *x;
+  const float *w_post, *w_next;
+  T *h_out, *copy;  // copy: the ring of per-position rows, or nullptr (add_rms_norm_kernel's)
+  int64_t copy_stride;
+  const int64_t* copy_pos;
+  int64_t copy_rows;
+  float *xs, *hs, *red;
+  int K;
+  float eps;
+  bool unit_offset;
+  __device__ void operator()() const {
+    pdl_wait();
+    T* c = copy && blockIdx.x == 0 ? copy + (copy_pos[0] % copy_rows) * copy_stride : nullptr;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      xs[i] = from_t<T>(x[i]);
+      hs[i] = from_t<T>(h[i]);
+    }
+    const float inv_x = w_post ? rsqrtf(norm_sumsq(xs, K, red) / K + eps) : 1.f;
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      const float a = w_post ? rnd<T>(norm_value<T>(xs[i], inv_x, w_post[i], unit_offset)) : xs[i];
+      hs[i] = rnd<T>(hs[i] + a);
+    }
+    const float inv = rsqrtf(norm_sumsq(hs, K, red) / K + eps);
+    for (int i = threadIdx.x; i < K; i += blockDim.x) {
+      if (blockIdx.x == 0) h_out[i] = to_t<T>(hs[i]);
+      if (c) c[i] = to_t<T>(hs[i]);
+      xs[i] = rnd<T>(norm_value<T>(hs[i], inv, w_next[i], unit_offset));
+    }
+    __syncthreads();
+  }
+};
+
+template <typename T>
+__global__ void residual_gemv_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
+                                     const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ copy,
+                                     int64_t copy_stride, const int64_t* __restrict__ copy_pos, int64_t copy_rows,
+                                     const T* __restrict__ W, const T* __restrict__ bias, T* __restrict__ y, int N,
+                                     int K, int wpr, Act act, float eps, bool unit_offset) {
+  pdl_trigger();  // its first weight loads issue before pdl_wait (the prologue)
+  extern __shared__ float smem[];  // [K] x, then the pre-norm; [K] the new residual; [kGemvWarps·2] partial sums
+  __shared__ float red[32];
+  const ResidualPrologue<T> pro{h,    x,        w_post, w_next, h_out, copy, copy_stride, copy_pos,
+                                copy_rows, smem, smem + K, red, K,  eps,  unit_offset};
+  gemv_rows<T, 1, 1, DenseRows<T>, false, ResidualPrologue<T>>(smem, smem + 2 * K, W, bias, N, K, wpr, act,
+                                                               DenseRows<T>{y, N}, nullptr, pro);
+}
+
+// False when the shape is not for the kernel (as launch_gemv's, or a row too long for shared memory).
+template <typename T>
+bool launch_residual_gemv(const T* h, const T* x, const float* w_post, const float* w_next, T* h_out, T* copy,
+                          int64_t copy_stride, const int64_t* copy_pos, int64_t copy_rows, const T* W, const T* bias,
+                          T* y, int N, int K, Act act, float eps, bool unit_offset, cudaStream_t s) {
+  const size_t smem = (2 * (size_t)K + kGemvWarps * 2) * sizeof(float);
+  if (K % Vec16<T>::n != 0 || smem > 48 * 1024 || reinterpret_cast<uintptr_t>(W) % 16 != 0) return false;
+  const int wpr = gemv_split(N);
+  const int rows_per_block = kGemvWarps / wpr;
+  launch_pdl(residual_gemv_kernel<T>, dim3((N + rows_per_block - 1) / rows_per_block), kGemvWarps * 32, smem, s, h, x,
+             w_post, w_next, h_out, copy, copy_stride, copy_pos, copy_rows, W, bias, y, N, K, wpr, act, eps,
+             unit_offset);
   return true;
 }
 

@@ -83,7 +83,7 @@ struct ResidualStep {
   int T_len = 1;
   template <typename T> T* copy_dst(const RowCopy* copy) const { return copy ? ptr<T>(copy->dst) + copy->col : nullptr; }
 };
-ResidualStep residual_step(const at::Tensor& h, const RowCopy* copy, const char* who) {
+ResidualStep residual_step(const at::Tensor& h, const RowCopy* copy, const char* who, bool with_y = true) {
   ResidualStep r;
   r.T_len = h.dim() >= 2 ? (int)h.size(-2) : 1;
   if (copy) {
@@ -94,7 +94,7 @@ ResidualStep residual_step(const at::Tensor& h, const RowCopy* copy, const char*
     r.copy_pos = copy->positions.data_ptr<int64_t>();
   }
   r.h_out = at::empty_like(h);
-  r.y = at::empty_like(h);
+  if (with_y) r.y = at::empty_like(h);
   return r;
 }
 
@@ -114,6 +114,33 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, boo
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return out;
+}
+
+std::pair<at::Tensor, at::Tensor> embed_rms_norm(const at::Tensor& table, const at::Tensor& ids_in,
+                                                 const at::Tensor& scale, const at::Tensor& w, double eps,
+                                                 bool unit_offset) {
+  auto ids = ids_in.contiguous();
+  check_act(table, "embed_rms_norm table");
+  TORCH_CHECK(table.dim() == 2, "embed_rms_norm table: expected [V, H], got ", table.sizes());
+  const int64_t H = table.size(1);
+  check_cuda(ids, "embed_rms_norm ids");
+  TORCH_CHECK(ids.scalar_type() == at::kLong, "embed_rms_norm ids: expected int64, got ", ids.scalar_type());
+  check_cuda(scale, "embed_rms_norm scale");
+  TORCH_CHECK(scale.numel() == 1 && scale.scalar_type() == table.scalar_type(), "embed_rms_norm scale: expected one ",
+              table.scalar_type(), " value, got ", scale.sizes(), " ", scale.scalar_type());
+  check_w(w, H, "embed_rms_norm w");
+  c10::cuda::CUDAGuard g(table.device());
+  auto sizes = ids.sizes().vec();
+  sizes.push_back(H);
+  auto h = at::empty(sizes, table.options()), x = at::empty(sizes, table.options());
+  if (ids.numel() == 0) return {h, x};
+  dispatch(table.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    k::launch_embed_rms_norm<T>(ids.data_ptr<int64_t>(), ptr<T>(table), ptr<T>(scale), w.data_ptr<float>(), ptr<T>(h),
+                                ptr<T>(x), ids.numel(), H, eps, unit_offset, at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return {h, x};
 }
 
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h_in, const at::Tensor& x_in, const at::Tensor& w_post,
@@ -567,6 +594,43 @@ at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
   return launched ? y : at::Tensor();
 }
 }  // namespace
+
+std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h_in, const at::Tensor& x_in,
+                                                      const at::Tensor& w_post, const at::Tensor& w_next, double eps,
+                                                      bool unit_offset, const Linear& lin, const RowCopy* copy) {
+  auto h = h_in.contiguous(), x = x_in.contiguous();
+  const at::Tensor& w = lin.w;
+  const int64_t K = h.size(-1);
+  const bool ok = h.numel() == K && x.sizes() == h.sizes() && x.scalar_type() == h.scalar_type() &&
+                  (h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kFloat) && w.is_cuda() &&
+                  w.scalar_type() == h.scalar_type() && w.is_contiguous() && w.dim() == 2 && w.size(1) == K &&
+                  (!lin.gated || w.size(0) % 2 == 0) &&
+                  (!lin.bias.defined() || (lin.bias.scalar_type() == h.scalar_type() && lin.bias.is_contiguous()));
+  if (!ok) return {};
+  check_act(h, "add_rms_norm_linear h");
+  check_act(x, "add_rms_norm_linear x");
+  if (w_post.defined()) check_w(w_post, K, "add_rms_norm_linear w_post");
+  check_w(w_next, K, "add_rms_norm_linear w_next");
+  c10::cuda::CUDAGuard g(h.device());
+  const auto r = residual_step(h, copy, "add_rms_norm_linear", /*with_y=*/false);
+  const int64_t N = lin.gated ? w.size(0) / 2 : w.size(0);
+  auto sizes = h.sizes().vec();
+  sizes.back() = N;
+  auto y = at::empty(sizes, h.options());
+  const k::Act act = !lin.gated ? k::Act::None : (lin.gelu_tanh ? k::Act::GeluTanh : k::Act::Silu);
+  bool launched = false;
+  dispatch(h.scalar_type(), [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    launched = k::launch_residual_gemv<T>(
+        ptr<T>(h), ptr<T>(x), w_post.defined() ? w_post.data_ptr<float>() : nullptr, w_next.data_ptr<float>(),
+        ptr<T>(r.h_out), r.copy_dst<T>(copy), r.copy_stride, r.copy_pos, r.copy_rows, ptr<T>(w),
+        lin.bias.defined() ? ptr<T>(lin.bias) : nullptr, ptr<T>(y), (int)N, (int)K, act, eps, unit_offset,
+        at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  if (!launched) return {};
+  return {r.h_out, y};
+}
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
   auto y = try_gemv(x, w, bias, k::Act::None);

@@ -11,10 +11,18 @@
 namespace kakeya::ops::cuda {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset);
+std::pair<at::Tensor, at::Tensor> embed_rms_norm(const at::Tensor& table, const at::Tensor& ids,
+                                                 const at::Tensor& scale, const at::Tensor& w, double eps,
+                                                 bool unit_offset);
 std::pair<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
                                                const at::Tensor& w_next, double eps, bool unit_offset,
                                                const RowCopy* copy);
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
+// ops::add_rms_norm_linear for one row in one kernel; an undefined pair when the shapes or dtypes
+// are not for it (the caller runs the two ops).
+std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
+                                                      const at::Tensor& w_next, double eps, bool unit_offset,
+                                                      const Linear& lin, const RowCopy* copy);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);
 at::Tensor qk_norm_rope_store(const at::Tensor& qkv, const at::Tensor& positions, const QKRopeArgs& a,

@@ -41,6 +41,24 @@ __device__ __forceinline__ void warp_argmax(float& v, int& i) {
   }
 }
 
+// The block's (max, first index) of every thread's candidate: true in thread 0, which holds it.
+__device__ __forceinline__ bool block_argmax(float& best, int& bi) {
+  __shared__ float sv[32];
+  __shared__ int si[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = (blockDim.x + 31) >> 5;
+  warp_argmax(best, bi);
+  if (lane == 0) {
+    sv[warp] = best;
+    si[warp] = bi;
+  }
+  __syncthreads();
+  if (warp != 0) return false;
+  best = lane < warps ? sv[lane] : -INFINITY;
+  bi = lane < warps ? si[lane] : 0x7fffffff;
+  warp_argmax(best, bi);
+  return lane == 0;
+}
+
 constexpr int kArgmaxThreads = 256;
 
 template <typename T>
@@ -59,23 +77,9 @@ __global__ void argmax_partial_kernel(const T* __restrict__ scores, int V, int c
       bi = j;
     }
   }
-  warp_argmax(best, bi);
-  __shared__ float sv[kArgmaxThreads / 32];
-  __shared__ int si[kArgmaxThreads / 32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) {
-    sv[warp] = best;
-    si[warp] = bi;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    best = lane < kArgmaxThreads / 32 ? sv[lane] : -INFINITY;
-    bi = lane < kArgmaxThreads / 32 ? si[lane] : 0x7fffffff;
-    warp_argmax(best, bi);
-    if (lane == 0) {
-      pval[row * chunks + c] = best;
-      pidx[row * chunks + c] = bi;
-    }
+  if (block_argmax(best, bi)) {
+    pval[row * chunks + c] = best;
+    pidx[row * chunks + c] = bi;
   }
 }
 
@@ -178,6 +182,89 @@ template <typename T>
 void launch_advance_block(const int64_t* report, int Tn, int64_t* block, int64_t* pos0, int64_t* qpos, const T* table,
                           float scale, T* emb, int H, cudaStream_t s) {
   launch_pdl(advance_block_kernel<T>, 1, 256, 0, s, report, Tn, block, pos0, qpos, table, scale, emb, H);
+}
+
+// ---------------------------------------------------------------------------
+// The lm_head of a greedy decode step with its argmax fused: gemv_kernel's wide rows (4 per warp,
+// kGemvWarps warps a block) rounded to T as the logits are, each block's (max, first index) into
+// pval/pidx[block] and no logits written; argmax_blocks_kernel then reduces the blocks. The
+// unfused step wrote 2·V bytes of logits, cast them to f32 and read them back in two kernels.
+//   x: [K]; W: [N, K]; pval, pidx: [gridDim.x].
+constexpr int kArgmaxRowsPerWarp = 4;
+template <typename T>
+__global__ void gemv_argmax_kernel(const T* __restrict__ x, const T* __restrict__ W, int N, int K,
+                                   float* __restrict__ pval, int* __restrict__ pidx) {
+  pdl_trigger();  // its weights load before pdl_wait (dot_rows)
+  constexpr int RW = kArgmaxRowsPerWarp;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n = (blockIdx.x * kGemvWarps + warp) * RW;
+  const int nrows = min(RW, N - n);
+  float acc[RW];
+#pragma unroll
+  for (int r = 0; r < RW; ++r) acc[r] = 0.f;
+  if (n < N) dot_rows<T, 1, RW, true>(W + (int64_t)n * K, K, nrows, nullptr, x, K, 0, K, lane, acc);
+  pdl_wait();  // a warp without rows has not waited in dot_rows
+  float best = -INFINITY;
+  int bi = 0x7fffffff;
+#pragma unroll
+  for (int r = 0; r < RW; ++r) {
+    const float v = rnd<T>(warp_sum(acc[r]));
+    if (r < nrows && argmax_beats(v, n + r, best, bi)) {
+      best = v;
+      bi = n + r;
+    }
+  }
+  if (block_argmax(best, bi)) {
+    pval[blockIdx.x] = best;
+    pidx[blockIdx.x] = bi;
+  }
+}
+
+// One row's argmax from many blocks' partials (all threads of one block). out: [1] int64.
+__global__ void argmax_blocks_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int blocks,
+                                     int64_t* __restrict__ out) {
+  pdl_begin();
+  float best = -INFINITY;
+  int bi = 0x7fffffff;
+  for (int c = threadIdx.x; c < blocks; c += blockDim.x)
+    if (argmax_beats(pval[c], pidx[c], best, bi)) {
+      best = pval[c];
+      bi = pidx[c];
+    }
+  if (block_argmax(best, bi)) out[0] = bi;
+}
+
+inline int gemv_argmax_blocks(int N) {
+  return (N + kGemvWarps * kArgmaxRowsPerWarp - 1) / (kGemvWarps * kArgmaxRowsPerWarp);
+}
+
+// scratch: gemv_argmax_blocks(N) floats and as many ints. False when the shape is not for the kernel.
+template <typename T>
+bool launch_gemv_argmax(const T* x, const T* W, int N, int K, float* pval, int* pidx, int64_t* out, cudaStream_t s) {
+  if (K % Vec16<T>::n != 0 || reinterpret_cast<uintptr_t>(W) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0)
+    return false;
+  const int blocks = gemv_argmax_blocks(N);
+  launch_pdl(gemv_argmax_kernel<T>, blocks, kGemvWarps * 32, 0, s, x, W, N, K, pval, pidx);
+  launch_pdl(argmax_blocks_kernel, 1, 1024, 0, s, pval, pidx, blocks, out);
+  return true;
+}
+
+// ---------------------------------------------------------------------------
+// A decode step's bookkeeping once its token is chosen (ATen took four launches, each a full stop
+// of the step's launch chain): out[step] = next (when step < cap), cur = next, pos += 1, step += 1.
+__global__ void advance_step_kernel(const int64_t* __restrict__ next, int64_t* __restrict__ out, int64_t cap,
+                                    int64_t* __restrict__ step, int64_t* __restrict__ cur, int64_t* __restrict__ pos) {
+  pdl_begin();
+  const int64_t t = next[0], s = step[0];
+  if (s < cap) out[s] = t;
+  cur[0] = t;
+  pos[0] += 1;
+  step[0] = s + 1;
+}
+
+inline void launch_advance_step(const int64_t* next, int64_t* out, int64_t cap, int64_t* step, int64_t* cur,
+                                int64_t* pos, cudaStream_t s) {
+  launch_pdl(advance_step_kernel, 1, 1, 0, s, next, out, cap, step, cur, pos);
 }
 
 // ---------------------------------------------------------------------------

@@ -66,6 +66,43 @@ void argmax_rows(const at::Tensor& scores_in, const at::Tensor& map, at::Tensor&
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+bool linear_argmax(const at::Tensor& x_in, const at::Tensor& w, at::Tensor& out) {
+  auto x = x_in.contiguous();
+  const int64_t K = x.size(-1), N = w.size(0);
+  if (!(x.numel() == K && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && w.is_cuda() &&
+        w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 2 && w.size(1) == K &&
+        N < (int64_t)1 << 31))
+    return false;
+  check_long(out, 1, "linear_argmax out");
+  c10::cuda::CUDAGuard g(x.device());
+  const int blocks = k::gemv_argmax_blocks((int)N);
+  auto pval = at::empty({blocks}, x.options().dtype(at::kFloat));
+  auto pidx = at::empty({blocks}, x.options().dtype(at::kInt));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  bool launched;
+  if (x.scalar_type() == at::kFloat)
+    launched = k::launch_gemv_argmax<float>(x.data_ptr<float>(), w.data_ptr<float>(), (int)N, (int)K,
+                                            pval.data_ptr<float>(), pidx.data_ptr<int>(), out.data_ptr<int64_t>(), stream);
+  else
+    launched = k::launch_gemv_argmax<__nv_bfloat16>(ptr<__nv_bfloat16>(x), ptr<__nv_bfloat16>(w), (int)N, (int)K,
+                                                    pval.data_ptr<float>(), pidx.data_ptr<int>(),
+                                                    out.data_ptr<int64_t>(), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return launched;
+}
+
+void advance_step(const at::Tensor& next, at::Tensor& out, at::Tensor& step, at::Tensor& cur, at::Tensor& pos) {
+  check_long(next, 1, "advance_step next");
+  check_long(out, -1, "advance_step out");
+  check_long(step, 1, "advance_step step");
+  check_long(cur, 1, "advance_step cur");
+  check_long(pos, 1, "advance_step pos");
+  c10::cuda::CUDAGuard g(next.device());
+  k::launch_advance_step(next.data_ptr<int64_t>(), out.data_ptr<int64_t>(), out.numel(), step.data_ptr<int64_t>(),
+                         cur.data_ptr<int64_t>(), pos.data_ptr<int64_t>(), at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos,
                    const CarriedEmbedding* emb) {
   const int64_t T = qpos.numel();
