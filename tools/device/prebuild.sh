@@ -2,7 +2,7 @@
 # Run here (not on the GPU machine): build the GPU machine's binaries with this machine's nvcc and
 # the .venv's LibTorch (the same torch wheel the GPU machine has), so a lease spends no device time
 # building (a build on a fresh lease takes ~250 of its seconds). Packs the stripped
-# build-cuda/{kakeya, tests/test_cuda_ops, tests/test_cuda_restored} into .carry/prebuilt/$NAME.tgz
+# build-cuda/{kakeya, tests/test_cuda_*} (every GPU suite) into .carry/prebuilt/$NAME.tgz
 # (carry .carry/prebuilt, then `tools/device/remote.sh prebuilt` in /tmp/ksrc unpacks and checks them).
 # The binaries find the GPU machine's LibTorch (and the CUDA runtime beside it) through RPATH entries:
 # DEVICE_TORCH_LIB and its wheel's nvidia/cu13/lib.
@@ -25,7 +25,7 @@ cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON -D
   -DCMAKE_DISABLE_FIND_PACKAGE_PkgConfig=ON -U "CPP_HTTPLIB*" -U __pkg_config_checked_CPP_HTTPLIB \
   -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" -DCMAKE_BUILD_RPATH="$DEVICE_TORCH_LIB;$DEVICE_TORCH_LIB/../../nvidia/cu13/lib" > /tmp/prebuild-cmake.log 2>&1 ||
   { tail -30 /tmp/prebuild-cmake.log; exit 1; }
-TESTS="test_cuda_ops test_cuda_restored"  # the GPU suites the package carries
+TESTS="test_cuda_ops test_cuda_restored test_cuda_drafter test_cuda_gemma4"  # every GPU suite (label gpu)
 cmake --build build-cuda -j "${JOBS:-$(nproc)}" --target kakeya $TESTS
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
