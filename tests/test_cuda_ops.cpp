@@ -105,6 +105,22 @@ TEST_P(CudaOps, EmbedRmsNorm) {
   }
 }
 
+// A KV cache's slot positions in one kernel: index_copy_'s results, for a ring and for no ring.
+TEST(CudaOpsStep, StorePositions) {
+  if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
+  for (int64_t ring : {0, 7})
+    for (int64_t first : {0, 12}) {
+      auto dst = at::full({20}, -1, at::kLong);
+      auto positions = at::arange(first, first + (ring > 0 ? ring : 5), at::kLong);
+      auto got = dst.to(kCuda);
+      ops::store_positions(got, positions.to(kCuda), ring);
+      ops::store_positions(dst, positions, ring);
+      auto want = at::full({20}, -1, at::kLong).index_copy_(0, ring > 0 ? positions.remainder(ring) : positions, positions);
+      EXPECT_TRUE(dst.equal(want)) << "CPU, ring " << ring;
+      EXPECT_TRUE(got.cpu().equal(want)) << "CUDA, ring " << ring << ", first " << first;
+    }
+}
+
 // A decode step's bookkeeping in one kernel: the four ATen ops' results.
 TEST(CudaOpsStep, AdvanceStep) {
   if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";

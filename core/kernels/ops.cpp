@@ -611,6 +611,13 @@ void linear_argmax(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
   argmax_rows(linear(x, w, at::Tensor()), {}, out);
 }
 
+void store_positions(at::Tensor& dst, const at::Tensor& positions, int64_t ring) {
+#ifdef KAKEYA_CUDA
+  if (dst.is_cuda()) return cuda::store_positions(dst, positions, ring);
+#endif
+  dst.index_copy_(0, ring > 0 ? positions.remainder(ring) : positions, positions);
+}
+
 void advance_step(const at::Tensor& next, at::Tensor& out, at::Tensor& step, at::Tensor& cur, at::Tensor& pos) {
 #ifdef KAKEYA_CUDA
   if (next.is_cuda()) return cuda::advance_step(next, out, step, cur, pos);

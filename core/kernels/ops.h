@@ -389,6 +389,11 @@ struct CarriedEmbedding {
 void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0, at::Tensor& qpos,
                    const CarriedEmbedding* emb = nullptr);
 
+// A KV cache's slot positions: dst[slot] = p for every p of positions ([T] int64, distinct slots),
+// slot = p mod ring (ring > 0) or p. dst: [S] int64 contiguous. One kernel on CUDA (ATen took two,
+// each ending the step's chain of early-launched kernels).
+void store_positions(at::Tensor& dst, const at::Tensor& positions, int64_t ring);
+
 // A decode step's bookkeeping once its token `next` ([1]) is chosen: out[step] = next, cur = next
 // ([1, 1]), pos += 1, step += 1 (all int64 on one device; out: [capacity], step < capacity). One
 // kernel on CUDA.

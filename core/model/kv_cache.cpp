@@ -252,24 +252,21 @@ void KVCache::mark(const at::Tensor& positions) {
                                              << opt_.restore.max_chunk);
       // A chunk longer than the ring (exact copies) leaves its last ring's worth there.
       const at::Tensor held = t > s->ring ? positions.slice(0, t - s->ring) : positions;
-      const at::Tensor slot = held.remainder(s->ring);
-      s->pos.narrow(0, 0, s->ring).index_copy_(0, slot, held);
+      at::Tensor ring_pos = s->pos.narrow(0, 0, s->ring);
+      ops::store_positions(ring_pos, held, s->ring);
       // A coded layer's rows hold every position (row = position), coded as it is written; its
       // sink slots hold the sinks (re-marked: a truncation below them cleared them).
       if (s->coded) {
         s->marked = t > s->ring ? at::Tensor() : positions;
-        s->marked_slot = slot;
+        s->marked_slot = held.remainder(s->ring);
         s->pos.narrow(0, s->ring + s->held, s->rest).index_copy_(0, positions, positions);
         if (s->held > 0) s->pos.narrow(0, s->ring, s->held).copy_(s->held_pos);
       }
     } else if (s == &full_) {
-      s->pos.index_copy_(0, positions, positions);
-    } else if (t >= s->ring) {
-      // Only the last S positions of a long chunk stay in the ring.
-      auto tail = positions.slice(0, t - s->ring);
-      s->pos.index_copy_(0, tail.remainder(s->ring), tail);
+      ops::store_positions(s->pos, positions, 0);
     } else {
-      s->pos.index_copy_(0, positions.remainder(s->ring), positions);
+      // Only the last S positions of a long chunk stay in the ring.
+      ops::store_positions(s->pos, t >= s->ring ? positions.slice(0, t - s->ring) : positions, s->ring);
     }
   }
 }

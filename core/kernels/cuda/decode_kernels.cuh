@@ -194,6 +194,21 @@ void launch_embed_rms_norm(const int64_t* ids, const T* table, const T* scale, c
   launch_pdl(embed_rms_norm_kernel<T>, rows, norm_threads(H), 0, s, ids, table, scale, w, h, x, H, eps, unit_offset);
 }
 
+// A KV cache's slot positions at a forward: dst[slot] = p for each position p, slot = p mod ring
+// (ring > 0) or p (one block; the positions map to distinct slots).
+static __global__ void store_positions_kernel(const int64_t* __restrict__ positions, int T, int64_t ring,
+                                              int64_t* __restrict__ dst) {
+  pdl_begin();
+  for (int i = threadIdx.x; i < T; i += blockDim.x) {
+    const int64_t p = positions[i];
+    dst[ring > 0 ? p % ring : p] = p;
+  }
+}
+
+inline void launch_store_positions(const int64_t* positions, int T, int64_t ring, int64_t* dst, cudaStream_t s) {
+  launch_pdl(store_positions_kernel, 1, 256, 0, s, positions, T, ring, dst);
+}
+
 // The end of a residual step, every thread of the block: the new residual hs [H] (f32 values of
 // T; each thread reads its own i) written to h_out and, when given, the copy row c; the next
 // pre-norm of it to y. h_out, c, y point at the row.

@@ -116,6 +116,21 @@ at::Tensor rms_norm(const at::Tensor& x_in, const at::Tensor& w, double eps, boo
   return out;
 }
 
+void store_positions(at::Tensor& dst, const at::Tensor& positions_in, int64_t ring) {
+  auto positions = positions_in.contiguous();
+  check_cuda(dst, "store_positions dst");
+  check_cuda(positions, "store_positions positions");
+  TORCH_CHECK(dst.scalar_type() == at::kLong && positions.scalar_type() == at::kLong && dst.dim() == 1 &&
+                  positions.dim() == 1 && ring >= 0 && (ring == 0 || ring <= dst.numel()),
+              "store_positions: expected [S] and [T] int64 and a ring of at most S slots, got ", dst.sizes(), " ",
+              dst.scalar_type(), ", ", positions.sizes(), " ", positions.scalar_type(), ", ring ", ring);
+  if (positions.numel() == 0) return;
+  c10::cuda::CUDAGuard g(dst.device());
+  k::launch_store_positions(positions.data_ptr<int64_t>(), (int)positions.numel(), ring, dst.data_ptr<int64_t>(),
+                            at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 std::pair<at::Tensor, at::Tensor> embed_rms_norm(const at::Tensor& table, const at::Tensor& ids_in,
                                                  const at::Tensor& scale, const at::Tensor& w, double eps,
                                                  bool unit_offset) {

@@ -11,6 +11,7 @@
 namespace kakeya::ops::cuda {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps, bool unit_offset);
+void store_positions(at::Tensor& dst, const at::Tensor& positions, int64_t ring);
 std::pair<at::Tensor, at::Tensor> embed_rms_norm(const at::Tensor& table, const at::Tensor& ids,
                                                  const at::Tensor& scale, const at::Tensor& w, double eps,
                                                  bool unit_offset);
