@@ -1519,6 +1519,10 @@ bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int 
 // are in flight (gemv_rows' prologue), and the GEMV reads the pre-norm from shared memory.
 //   h, x, h_out: [K]; w_post (nullable), w_next: [K] f32; W: [N or 2N, K]; y: [N].
 // Dynamic smem: (2K + kGemvWarps·2) floats.
+// A thread's values of the row: i = threadIdx.x + u·blockDim.x for u < kResidualPer, held in
+// registers so that each of the prologue's reads is one batch of independent loads (a loop that
+// stores each load before the next waited one L2 round trip per value a thread holds).
+constexpr int kResidualPer = 4;
 template <typename T>
 struct ResidualPrologue {
   static constexpr bool active = true;
@@ -1533,29 +1537,51 @@ struct ResidualPrologue {
   float eps;
   bool unit_offset;
   __device__ void operator()() const {
-    pdl_wait();
-    T* c = copy && blockIdx.x == 0 ? copy + (copy_pos[0] % copy_rows) * copy_stride : nullptr;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-      xs[i] = from_t<T>(x[i]);
-      hs[i] = from_t<T>(h[i]);
+    constexpr int P = kResidualPer;
+    const int t = threadIdx.x, bd = blockDim.x;
+    float wp[P], wn[P], xv[P], hv[P];
+#pragma unroll
+    for (int u = 0; u < P; ++u) {  // weights: read before the wait
+      const int i = t + u * bd;
+      wp[u] = w_post && i < K ? w_post[i] : 0.f;
+      wn[u] = i < K ? w_next[i] : 0.f;
     }
+    pdl_wait();
+#pragma unroll
+    for (int u = 0; u < P; ++u) {
+      const int i = t + u * bd;
+      xv[u] = i < K ? from_t<T>(x[i]) : 0.f;
+      hv[u] = i < K ? from_t<T>(h[i]) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < P; ++u)
+      if (t + u * bd < K) xs[t + u * bd] = xv[u];
     const float inv_x = w_post ? rsqrtf(norm_sumsq(xs, K, red) / K + eps) : 1.f;
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-      const float a = w_post ? rnd<T>(norm_value<T>(xs[i], inv_x, w_post[i], unit_offset)) : xs[i];
-      hs[i] = rnd<T>(hs[i] + a);
+#pragma unroll
+    for (int u = 0; u < P; ++u) {
+      const int i = t + u * bd;
+      const float a = w_post ? rnd<T>(norm_value<T>(xv[u], inv_x, wp[u], unit_offset)) : xv[u];
+      hv[u] = rnd<T>(hv[u] + a);
+      if (i < K) hs[i] = hv[u];
     }
     const float inv = rsqrtf(norm_sumsq(hs, K, red) / K + eps);
-    for (int i = threadIdx.x; i < K; i += blockDim.x) {
-      if (blockIdx.x == 0) h_out[i] = to_t<T>(hs[i]);
-      if (c) c[i] = to_t<T>(hs[i]);
-      xs[i] = rnd<T>(norm_value<T>(hs[i], inv, w_next[i], unit_offset));
+    T* c = copy && blockIdx.x == 0 ? copy + (copy_pos[0] % copy_rows) * copy_stride : nullptr;
+#pragma unroll
+    for (int u = 0; u < P; ++u) {
+      const int i = t + u * bd;
+      if (i >= K) continue;
+      if (blockIdx.x == 0) h_out[i] = to_t<T>(hv[u]);
+      if (c) c[i] = to_t<T>(hv[u]);
+      xs[i] = rnd<T>(norm_value<T>(hv[u], inv, wn[u], unit_offset));
     }
     __syncthreads();
   }
 };
 
+// At most 64 registers, so that 4 blocks fit an SM (80 without the cap: 3), and a 512-block GEMV
+// is resident in one wave while the kernel before it runs (H200: AR decode 1,762 -> 1,833 tok/s).
 template <typename T>
-__global__ void residual_gemv_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
+__global__ void __launch_bounds__(kGemvWarps * 32, 4) residual_gemv_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
                                      const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ copy,
                                      int64_t copy_stride, const int64_t* __restrict__ copy_pos, int64_t copy_rows,
                                      const T* __restrict__ W, const T* __restrict__ bias, T* __restrict__ y, int N,
@@ -1569,13 +1595,15 @@ __global__ void residual_gemv_kernel(const T* __restrict__ h, const T* __restric
                                                                DenseRows<T>{y, N}, nullptr, pro);
 }
 
-// False when the shape is not for the kernel (as launch_gemv's, or a row too long for shared memory).
+// False when the shape is not for the kernel (as launch_gemv's, or a row of more values than the
+// prologue's registers hold: kResidualPer a thread).
 template <typename T>
 bool launch_residual_gemv(const T* h, const T* x, const float* w_post, const float* w_next, T* h_out, T* copy,
                           int64_t copy_stride, const int64_t* copy_pos, int64_t copy_rows, const T* W, const T* bias,
                           T* y, int N, int K, Act act, float eps, bool unit_offset, cudaStream_t s) {
   const size_t smem = (2 * (size_t)K + kGemvWarps * 2) * sizeof(float);
-  if (K % Vec16<T>::n != 0 || smem > 48 * 1024 || reinterpret_cast<uintptr_t>(W) % 16 != 0) return false;
+  if (K % Vec16<T>::n != 0 || K > kResidualPer * kGemvWarps * 32 || reinterpret_cast<uintptr_t>(W) % 16 != 0)
+    return false;
   const int wpr = gemv_split(N);
   const int rows_per_block = kGemvWarps / wpr;
   launch_pdl(residual_gemv_kernel<T>, dim3((N + rows_per_block - 1) / rows_per_block), kGemvWarps * 32, smem, s, h, x,
