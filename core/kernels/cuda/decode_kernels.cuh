@@ -1485,8 +1485,13 @@ __global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, co
 // Warps that share one output row (split K): enough warps in flight to cover memory latency
 // when the rows are few.
 inline int gemv_split(int N) { return N >= 4096 ? 1 : (N >= 1024 ? 2 : 4); }
-// From this many output rows (a vocabulary) a warp takes 4 whole rows (gemv_kernel's RW).
+// From this many output rows (a vocabulary) a warp takes kGemvWideRowsPerWarp whole rows
+// (gemv_kernel's RW; the greedy lm_head's gemv_argmax_kernel too), in gemv_wide_blocks(N) blocks.
 constexpr int kGemvWideRows = 16384;
+constexpr int kGemvWideRowsPerWarp = 4;
+inline int gemv_wide_blocks(int N) {
+  return (N + kGemvWarps * kGemvWideRowsPerWarp - 1) / (kGemvWarps * kGemvWideRowsPerWarp);
+}
 
 // Returns false when the shape is not for this kernel (more than one row of x, a K or address
 // the vector loads cannot take): the caller falls back to cuBLAS.
@@ -1497,8 +1502,7 @@ bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int 
   if (reinterpret_cast<uintptr_t>(W) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
   const int wpr = gemv_split(N);
   if (wpr == 1 && act == Act::None && N >= kGemvWideRows) {
-    constexpr int RW = 4;
-    launch_pdl(gemv_kernel<T, RW>, dim3((N + kGemvWarps * RW - 1) / (kGemvWarps * RW)), kGemvWarps * 32,
+    launch_pdl(gemv_kernel<T, kGemvWideRowsPerWarp>, gemv_wide_blocks(N), kGemvWarps * 32,
                kGemvWarps * 2 * sizeof(float), s, x, W, bias, y, N, K, wpr, act);
     return true;
   }
@@ -1510,15 +1514,6 @@ bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int 
 }
 
 // ---------------------------------------------------------------------------
-// A layer's residual step (add_rms_norm_kernel's) as the prologue of the GEMV that reads its
-// pre-norm: y = W · rms_norm(h + rms_norm(x)·w_post)·w_next for one row, h' = h + ... also
-// written (block 0, and its copy row as add_rms_norm_kernel writes it). A residual step alone is
-// one block doing a few microseconds of latency-bound work between two bandwidth-bound GEMVs;
-// here every block of the GEMV recomputes it from the two rows of H = K values (L2 hits), with
-// the residual kernel's roundings and sums (norm_sumsq), while its warps' first weight loads
-// are in flight (gemv_rows' prologue), and the GEMV reads the pre-norm from shared memory.
-//   h, x, h_out: [K]; w_post (nullable), w_next: [K] f32; W: [N or 2N, K]; y: [N].
-// Dynamic smem: (2K + kGemvWarps·2) floats.
 // A thread's values of the row: i = threadIdx.x + u·blockDim.x for u < kResidualPer, held in
 // registers so that each of the prologue's reads is one batch of independent loads (a loop that
 // stores each load before the next waited one L2 round trip per value a thread holds).
@@ -1578,19 +1573,29 @@ struct ResidualPrologue {
   }
 };
 
+// A layer's residual step (add_rms_norm_kernel's) as the prologue of the GEMV that reads its
+// pre-norm: y = W · rms_norm(h + rms_norm(x)·w_post)·w_next for one row, h' = h + ... also
+// written (block 0, and its copy row as add_rms_norm_kernel writes it). A residual step alone is
+// one block doing a few microseconds of latency-bound work between two bandwidth-bound GEMVs;
+// here every block of the GEMV recomputes it from the two rows of H = K values (L2 hits), with
+// the residual kernel's roundings and sums (norm_sumsq), while its warps' first weight loads
+// are in flight (gemv_rows' prologue), and the GEMV reads the pre-norm from shared memory.
+//   h, x, h_out: [K]; w_post (nullable), w_next: [K] f32; W: [N or 2N, K]; y: [N].
+// Dynamic smem: (2K + kGemvWarps·2) floats.
 // At most 64 registers, so that 4 blocks fit an SM (80 without the cap: 3), and a 512-block GEMV
 // is resident in one wave while the kernel before it runs (H200: AR decode 1,762 -> 1,833 tok/s).
 template <typename T>
-__global__ void __launch_bounds__(kGemvWarps * 32, 4) residual_gemv_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
-                                     const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ copy,
-                                     int64_t copy_stride, const int64_t* __restrict__ copy_pos, int64_t copy_rows,
-                                     const T* __restrict__ W, const T* __restrict__ bias, T* __restrict__ y, int N,
-                                     int K, int wpr, Act act, float eps, bool unit_offset) {
+__global__ void __launch_bounds__(kGemvWarps * 32, 4)
+    residual_gemv_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
+                         const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ copy,
+                         int64_t copy_stride, const int64_t* __restrict__ copy_pos, int64_t copy_rows,
+                         const T* __restrict__ W, const T* __restrict__ bias, T* __restrict__ y, int N, int K, int wpr,
+                         Act act, float eps, bool unit_offset) {
   pdl_trigger();  // its first weight loads issue before pdl_wait (the prologue)
   extern __shared__ float smem[];  // [K] x, then the pre-norm; [K] the new residual; [kGemvWarps·2] partial sums
   __shared__ float red[32];
-  const ResidualPrologue<T> pro{h,    x,        w_post, w_next, h_out, copy, copy_stride, copy_pos,
-                                copy_rows, smem, smem + K, red, K,  eps,  unit_offset};
+  const ResidualPrologue<T> pro{h,         x,    w_post,   w_next, h_out, copy, copy_stride, copy_pos,
+                                copy_rows, smem, smem + K, red,    K,     eps,  unit_offset};
   gemv_rows<T, 1, 1, DenseRows<T>, false, ResidualPrologue<T>>(smem, smem + 2 * K, W, bias, N, K, wpr, act,
                                                                DenseRows<T>{y, N}, nullptr, pro);
 }

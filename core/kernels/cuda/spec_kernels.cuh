@@ -185,17 +185,17 @@ void launch_advance_block(const int64_t* report, int Tn, int64_t* block, int64_t
 }
 
 // ---------------------------------------------------------------------------
-// The lm_head of a greedy decode step with its argmax fused: gemv_kernel's wide rows (4 per warp,
-// kGemvWarps warps a block) rounded to T as the logits are, each block's (max, first index) into
-// pval/pidx[block] and no logits written; argmax_blocks_kernel then reduces the blocks. The
-// unfused step wrote 2·V bytes of logits, cast them to f32 and read them back in two kernels.
-//   x: [K]; W: [N, K]; pval, pidx: [gridDim.x].
-constexpr int kArgmaxRowsPerWarp = 4;
+// The lm_head of a greedy decode step with its argmax fused: gemv_kernel's wide rows
+// (kGemvWideRowsPerWarp a warp, kGemvWarps warps a block) rounded to T as the logits are, each
+// block's (max, first index) into pval/pidx[block] and no logits written; argmax_blocks_kernel then
+// reduces the blocks. The unfused step wrote 2·V bytes of logits, cast them to f32 and read them
+// back in two kernels.
+//   x: [K]; W: [N, K]; pval, pidx: [gridDim.x] = [gemv_wide_blocks(N)].
 template <typename T>
 __global__ void gemv_argmax_kernel(const T* __restrict__ x, const T* __restrict__ W, int N, int K,
                                    float* __restrict__ pval, int* __restrict__ pidx) {
   pdl_trigger();  // its weights load before pdl_wait (dot_rows)
-  constexpr int RW = kArgmaxRowsPerWarp;
+  constexpr int RW = kGemvWideRowsPerWarp;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int n = (blockIdx.x * kGemvWarps + warp) * RW;
   const int nrows = min(RW, N - n);
@@ -234,16 +234,12 @@ __global__ void argmax_blocks_kernel(const float* __restrict__ pval, const int* 
   if (block_argmax(best, bi)) out[0] = bi;
 }
 
-inline int gemv_argmax_blocks(int N) {
-  return (N + kGemvWarps * kArgmaxRowsPerWarp - 1) / (kGemvWarps * kArgmaxRowsPerWarp);
-}
-
-// scratch: gemv_argmax_blocks(N) floats and as many ints. False when the shape is not for the kernel.
+// scratch: gemv_wide_blocks(N) floats and as many ints. False when the shape is not for the kernel.
 template <typename T>
 bool launch_gemv_argmax(const T* x, const T* W, int N, int K, float* pval, int* pidx, int64_t* out, cudaStream_t s) {
   if (K % Vec16<T>::n != 0 || reinterpret_cast<uintptr_t>(W) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0)
     return false;
-  const int blocks = gemv_argmax_blocks(N);
+  const int blocks = gemv_wide_blocks(N);
   launch_pdl(gemv_argmax_kernel<T>, blocks, kGemvWarps * 32, 0, s, x, W, N, K, pval, pidx);
   launch_pdl(argmax_blocks_kernel, 1, 1024, 0, s, pval, pidx, blocks, out);
   return true;

@@ -75,7 +75,7 @@ bool linear_argmax(const at::Tensor& x_in, const at::Tensor& w, at::Tensor& out)
     return false;
   check_long(out, 1, "linear_argmax out");
   c10::cuda::CUDAGuard g(x.device());
-  const int blocks = k::gemv_argmax_blocks((int)N);
+  const int blocks = k::gemv_wide_blocks((int)N);
   auto pval = at::empty({blocks}, x.options().dtype(at::kFloat));
   auto pidx = at::empty({blocks}, x.options().dtype(at::kInt));
   auto stream = at::cuda::getCurrentCUDAStream();
