@@ -2,6 +2,7 @@
 // LibTorch reference over odd sizes, f32 and bf16 (label gpu: runs on the GPU
 // machine only; CI builds without CUDA).
 #include <ATen/ATen.h>
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <unistd.h>
@@ -1234,6 +1235,27 @@ TEST_P(CudaOps, ConcatRows) {
     ops::concat_rows(gparts, nullptr, &only_ring, pos.to(kCuda));
     EXPECT_TRUE(only_ring.cpu().equal(ring_ref));
   }
+}
+
+// ops::prefetch_l2 asks for bytes, writes nothing: tensors of odd sizes and offsets (views that
+// start off a 16-byte boundary, a few bytes, more chunks than its grid has threads) come back
+// unchanged and the launch leaves no error; more than 8 tensors or a strided view are refused.
+TEST_P(CudaOps, PrefetchL2LeavesTensorsUnchanged) {
+  auto opt = at::TensorOptions().dtype(dt()).device(kCuda);
+  auto big = at::randn({4099, 1031}, opt);             // ~8 / 16 MB: more chunks than the 64 x 32 threads
+  auto odd = at::randn({1001}, opt).narrow(0, 3, 997);  // starts 6 or 12 bytes past an allocation
+  auto tiny = at::randn({3}, opt);                      // under one 16-byte unit in bf16
+  std::vector<at::Tensor> ts{big, odd.contiguous(), odd, tiny, at::Tensor()};
+  std::vector<at::Tensor> before;
+  for (const auto& t : ts) before.push_back(t.defined() ? t.clone() : t);
+  ops::prefetch_l2(ts);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (size_t i = 0; i < ts.size(); ++i)
+    if (ts[i].defined()) EXPECT_TRUE(at::equal(ts[i], before[i])) << "tensor " << i;
+  EXPECT_THROW(ops::prefetch_l2(std::vector<at::Tensor>(9, tiny)), c10::Error);
+  EXPECT_THROW(ops::prefetch_l2({big.t()}), c10::Error);
+  EXPECT_NO_THROW(ops::prefetch_l2({}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOps, ::testing::Values(at::kFloat, at::kBFloat16));

@@ -223,6 +223,18 @@ void SideBranch::join() {
 #endif
 }
 
+void prefetch_l2(const std::vector<at::Tensor>& tensors) {
+#ifdef KAKEYA_CUDA
+  for (const auto& t : tensors)
+    if (t.defined()) {
+      if (t.is_cuda()) cuda::prefetch_l2(tensors);
+      return;
+    }
+#else
+  (void)tensors;
+#endif
+}
+
 bool cuda_kernels_available() {
 #ifdef KAKEYA_CUDA
   return true;

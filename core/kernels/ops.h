@@ -137,6 +137,12 @@ class SideBranch {
   std::unique_ptr<Impl> impl_;  // null: in order
 };
 
+// Asks the GPU to bring these tensors' bytes into L2 (at most 8 contiguous CUDA tensors; undefined
+// ones skipped): one launch of bulk prefetch requests, a hint that nothing waits for. A decode
+// step's kernels each read a few MB of weights and wait on DRAM latency; issued on a SideBranch a
+// layer ahead, their weights are in L2 when they run. No-op off CUDA.
+void prefetch_l2(const std::vector<at::Tensor>& tensors);
+
 // True when this build has the CUDA kernels (the two ops below have no CPU version:
 // their reference is the unfused path of Model::forward).
 bool cuda_kernels_available();

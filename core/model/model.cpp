@@ -1,7 +1,11 @@
 #include "core/model/model.h"
 
 #include <cmath>
+#include <cstdlib>
+#include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "core/model/random_weights.h"
@@ -370,6 +374,21 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   at::Tensor tail_pos;  // [T] int64: the position each scratch row holds
   if (tail_kernel && !qkv_tapped) tail_pos = at::empty_like(positions).index_copy_(0, positions.remainder(T), positions);
 
+  // A decode step or block (a few rows) waits on DRAM latency in every GEMV: each layer's weights are
+  // brought into L2 a layer ahead, beside the step's kernels (ops::prefetch_l2 on a SideBranch, joined
+  // when the forward returns). KAKEYA_PREFETCH=0 turns it off (a measurement's switch).
+  static const bool prefetch_on = [] {
+    const char* e = std::getenv("KAKEYA_PREFETCH");
+    return !e || std::string(e) != "0";
+  }();
+  std::vector<std::unique_ptr<ops::SideBranch>> prefetches;
+  auto prefetch_layer = [&](int64_t l) {
+    if (!prefetch_on || !cuda_fused || T > kAttnKernelMaxQueries || l >= cfg_.num_layers) return;
+    const auto& w = layers_[l];
+    prefetches.push_back(std::make_unique<ops::SideBranch>(ids));
+    prefetches.back()->run([&] { ops::prefetch_l2({w.qkv, w.o, w.gate_up, w.down}); });
+  };
+  prefetch_layer(0);
   // h: [B, T, hidden] = embed(ids); x: its first pre-norm (later layers get theirs from the residual steps)
   at::Tensor h, x;
   std::tie(h, x) = ops::embed_rms_norm(embed_, ids, embed_scale_, layers_[0].attn_norm, norm_spec_);
@@ -386,6 +405,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   } pending;
   const bool layer_out_read = taps && taps->reads(Tap::LayerOut);
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    prefetch_layer(l + 1);
     const auto& w = layers_[l];
     const int64_t D = cfg_.layer_head_dim[l], Hkv = cfg_.kv_heads(l), qd = cfg_.q_dim(l), kvd = cfg_.kv_dim(l);
     const bool sliding = cfg_.is_sliding(l);

@@ -1274,6 +1274,40 @@ bool launch_decode_attention(const T* q, const T* k, const T* v, const int64_t* 
 }
 
 // ---------------------------------------------------------------------------
+// L2 prefetch: the bytes of up to kPrefetchRanges ranges brought into L2 by bulk requests of
+// kPrefetchChunk bytes (cp.async.bulk.prefetch, a hint: nothing waits for it), one per thread
+// over a grid of single-warp blocks, so the requests start from many SMs at once. Reads no
+// activations and writes nothing: it may run beside a step's kernels (ops::prefetch_l2).
+constexpr int kPrefetchRanges = 8;
+constexpr int64_t kPrefetchChunk = 16 << 10;
+struct PrefetchRanges {
+  const char* ptr[kPrefetchRanges];
+  int64_t bytes[kPrefetchRanges];  // multiples of 16, ptr 16-byte aligned
+  int n = 0;
+};
+static __global__ void prefetch_l2_kernel(PrefetchRanges r) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int i = 0; i < r.n; ++i) {
+    const int64_t chunks = (r.bytes[i] + kPrefetchChunk - 1) / kPrefetchChunk;
+    for (; c < chunks; c += stride) {
+      const int64_t off = c * kPrefetchChunk;
+      const unsigned size = (unsigned)min(kPrefetchChunk, r.bytes[i] - off);
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(r.ptr[i] + off), "r"(size) : "memory");
+    }
+    c -= chunks;  // the thread's next chunk, counted from the next range
+  }
+#endif
+}
+inline void launch_prefetch_l2(const PrefetchRanges& r, cudaStream_t s) {
+  int64_t chunks = 0;
+  for (int i = 0; i < r.n; ++i) chunks += (r.bytes[i] + kPrefetchChunk - 1) / kPrefetchChunk;
+  const int blocks = (int)std::min<int64_t>(64, (chunks + 31) / 32);
+  if (blocks > 0) prefetch_l2_kernel<<<blocks, 32, 0, s>>>(r);
+}
+
+// ---------------------------------------------------------------------------
 // Gated MLP activation: out = act(gate) · up, gu = [gate | up]: [rows, 2I] -> out [rows, I].
 // act(gate) is rounded to T before the product, as PyTorch materialises it.
 template <typename T>

@@ -647,6 +647,28 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h_in, co
   return {r.h_out, y};
 }
 
+void prefetch_l2(const std::vector<at::Tensor>& tensors) {
+  k::PrefetchRanges r;
+  c10::Device dev = c10::kCPU;
+  for (const auto& t : tensors) {
+    if (!t.defined()) continue;
+    check_cuda(t, "prefetch_l2 tensor");
+    dev = t.device();
+    TORCH_CHECK(r.n < k::kPrefetchRanges, "prefetch_l2: more than ", k::kPrefetchRanges, " tensors");
+    // Its whole 16-byte units (what a bulk request takes), from the first 16-byte boundary.
+    const auto p = reinterpret_cast<uintptr_t>(t.data_ptr());
+    const uintptr_t a = (p + 15) & ~uintptr_t(15);
+    const int64_t bytes = (t.numel() * t.element_size() - (int64_t)(a - p)) & ~int64_t(15);
+    if (bytes <= 0) continue;
+    r.ptr[r.n] = reinterpret_cast<const char*>(a);
+    r.bytes[r.n++] = bytes;
+  }
+  if (r.n == 0) return;
+  c10::cuda::CUDAGuard g(dev);
+  k::launch_prefetch_l2(r, at::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias) {
   auto y = try_gemv(x, w, bias, k::Act::None);
   return y.defined() ? y : at::linear(x, w, bias);
