@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -233,6 +234,20 @@ void prefetch_l2(const std::vector<at::Tensor>& tensors) {
 #else
   (void)tensors;
 #endif
+}
+
+L2Prefetch::L2Prefetch(const at::Tensor& like, int64_t rows) {
+  static const bool on = [] {
+    const char* e = std::getenv("KAKEYA_PREFETCH");
+    return !e || std::string(e) != "0";
+  }();
+  if (on && rows <= kMaxRows && fused(like)) like_ = like;
+}
+
+void L2Prefetch::ahead(const std::vector<at::Tensor>& tensors) {
+  if (!like_.defined()) return;
+  branches_.push_back(std::make_unique<SideBranch>(like_));
+  branches_.back()->run([&] { prefetch_l2(tensors); });
 }
 
 bool cuda_kernels_available() {

@@ -138,10 +138,24 @@ class SideBranch {
 };
 
 // Asks the GPU to bring these tensors' bytes into L2 (at most 8 contiguous CUDA tensors; undefined
-// ones skipped): one launch of bulk prefetch requests, a hint that nothing waits for. A decode
-// step's kernels each read a few MB of weights and wait on DRAM latency; issued on a SideBranch a
-// layer ahead, their weights are in L2 when they run. No-op off CUDA.
+// ones skipped): one launch of bulk prefetch requests, a hint that nothing waits for. No-op off CUDA.
 void prefetch_l2(const std::vector<at::Tensor>& tensors);
+
+// A decode step's or block's kernels (a few rows) each read a few MB of weights and wait on DRAM
+// latency: ahead(ts) issues prefetch_l2(ts) on a SideBranch forked at this point of the stream, so a
+// layer's weights are in L2 by the time its kernels run when asked one layer ahead. The branches join
+// when the object goes. Inactive (ahead does nothing) off CUDA, for more than kMaxRows rows, or with
+// KAKEYA_PREFETCH=0 (a measurement's switch).
+class L2Prefetch {
+ public:
+  static constexpr int64_t kMaxRows = 32;
+  L2Prefetch(const at::Tensor& like, int64_t rows);
+  void ahead(const std::vector<at::Tensor>& tensors);
+
+ private:
+  at::Tensor like_;  // undefined: inactive
+  std::vector<std::unique_ptr<SideBranch>> branches_;
+};
 
 // True when this build has the CUDA kernels (the two ops below have no CPU version:
 // their reference is the unfused path of Model::forward).

@@ -815,9 +815,16 @@ at::Tensor Drafter::forward_block_in_cache(const at::Tensor& x, const at::Tensor
   ops::QKRopeArgs a = rope_args(cfg_.num_heads);
   const ops::NormSpec& ns = a.norm;
   const double scale = 1.0 / std::sqrt((double)cfg_.head_dim);
+  // Each layer's weights a layer ahead (ops::L2Prefetch).
+  ops::L2Prefetch prefetch(x, x.size(1));
+  auto prefetch_layer = [&](int64_t l) {
+    if (l < cfg_.num_layers) prefetch.ahead({layers_[l].qkv, layers_[l].o_proj, layers_[l].gate_up, layers_[l].down_proj});
+  };
+  prefetch_layer(0);
   at::Tensor h = x;                                                     // [1, T, H]
   at::Tensor xn = ops::rms_norm(h, layers_[0].input_norm32, ns);        // [1, T, H]
   for (int64_t l = 0; l < cfg_.num_layers; ++l) {
+    prefetch_layer(l + 1);
     const auto& w = layers_[l];
     a.q_norm = w.q_norm32;
     a.k_norm = w.k_norm32;

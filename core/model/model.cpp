@@ -1,10 +1,7 @@
 #include "core/model/model.h"
 
 #include <cmath>
-#include <cstdlib>
-#include <memory>
 #include <optional>
-#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -374,19 +371,19 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   at::Tensor tail_pos;  // [T] int64: the position each scratch row holds
   if (tail_kernel && !qkv_tapped) tail_pos = at::empty_like(positions).index_copy_(0, positions.remainder(T), positions);
 
-  // A decode step or block (a few rows) waits on DRAM latency in every GEMV: each layer's weights are
-  // brought into L2 a layer ahead, beside the step's kernels (ops::prefetch_l2 on a SideBranch, joined
-  // when the forward returns). KAKEYA_PREFETCH=0 turns it off (a measurement's switch).
-  static const bool prefetch_on = [] {
-    const char* e = std::getenv("KAKEYA_PREFETCH");
-    return !e || std::string(e) != "0";
-  }();
-  std::vector<std::unique_ptr<ops::SideBranch>> prefetches;
+  // Each layer's weights, and its K/V rows where they fit L2 beside them, a layer ahead (ops::L2Prefetch).
+  // 16 MB of K + V: a Gemma 3 270M full-attention layer's 8k positions, beside its 11 MB of weights.
+  constexpr size_t kPrefetchKVBytes = 16 << 20;
+  ops::L2Prefetch prefetch(ids, T);
   auto prefetch_layer = [&](int64_t l) {
-    if (!prefetch_on || !cuda_fused || T > kAttnKernelMaxQueries || l >= cfg_.num_layers) return;
+    if (l >= cfg_.num_layers) return;
     const auto& w = layers_[l];
-    prefetches.push_back(std::make_unique<ops::SideBranch>(ids));
-    prefetches.back()->run([&] { ops::prefetch_l2({w.qkv, w.o, w.gate_up, w.down}); });
+    std::vector<at::Tensor> ts{w.qkv, w.o, w.gate_up, w.down};
+    const at::Tensor &k = cache.keys(l), &v = cache.values(l);
+    const at::Tensor& pos = cache.slot_positions(l);
+    if (k.is_contiguous() && v.is_contiguous() && pos.is_contiguous() && k.nbytes() + v.nbytes() <= kPrefetchKVBytes)
+      ts.insert(ts.end(), {k, v, pos});
+    prefetch.ahead(ts);
   };
   prefetch_layer(0);
   // h: [B, T, hidden] = embed(ids); x: its first pre-norm (later layers get theirs from the residual steps)

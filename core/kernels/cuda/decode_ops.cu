@@ -648,13 +648,14 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h_in, co
 }
 
 void prefetch_l2(const std::vector<at::Tensor>& tensors) {
+  const auto defined = std::count_if(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return t.defined(); });
+  TORCH_CHECK(defined <= k::kPrefetchRanges, "prefetch_l2: ", defined, " tensors, at most ", k::kPrefetchRanges);
   k::PrefetchRanges r;
   c10::Device dev = c10::kCPU;
   for (const auto& t : tensors) {
     if (!t.defined()) continue;
     check_cuda(t, "prefetch_l2 tensor");
     dev = t.device();
-    TORCH_CHECK(r.n < k::kPrefetchRanges, "prefetch_l2: more than ", k::kPrefetchRanges, " tensors");
     // Its whole 16-byte units (what a bulk request takes), from the first 16-byte boundary.
     const auto p = reinterpret_cast<uintptr_t>(t.data_ptr());
     const uintptr_t a = (p + 15) & ~uintptr_t(15);
