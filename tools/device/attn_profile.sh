@@ -13,13 +13,14 @@
 #                                              # STEP_NAME: the CSV's name (ar)
 # ncu runs with --cache-control none --clock-control none so a kernel's time is close to its time
 # in the run (small kernels keep their warm L2); every run prints its command first.
-# Env: MODEL (/tmp/models/gemma3-270m), OUT ($OUT or /tmp/attn-profile), RCODE (the restored regions' code,
+# Env: KAKEYA (the binary profiled, build-cuda/kakeya: another package's, e.g. a reference unpacked beside it),
+# MODEL (/tmp/models/gemma3-270m), OUT ($OUT or /tmp/attn-profile), RCODE (the restored regions' code,
 # int4), FCODE (the full-attention rows' code of STEP=prefill, pw4).
 set -euo pipefail
 MODEL=${MODEL:-/tmp/models/gemma3-270m}
 OUT=${OUT:-/tmp/attn-profile}
 mkdir -p "$OUT"
-K=build-cuda/kakeya
+K=${KAKEYA:-build-cuda/kakeya}
 python3 -c "
 import json; t = open('data/longeval/docs/00.txt').read()[:30000]
 open('/tmp/attn-profile-prompt.jsonl', 'w').write(json.dumps({'prompt': t}) + '\n')"
