@@ -237,11 +237,15 @@ void prefetch_l2(const std::vector<at::Tensor>& tensors) {
 }
 
 L2Prefetch::L2Prefetch(const at::Tensor& like, int64_t rows) {
+#ifdef KAKEYA_CUDA
   static const bool on = [] {
     const char* e = std::getenv("KAKEYA_PREFETCH");
     return !e || std::string(e) != "0";
   }();
   if (on && rows <= kMaxRows && fused(like)) like_ = like;
+#else
+  (void)like, (void)rows;
+#endif
 }
 
 void L2Prefetch::ahead(const std::vector<at::Tensor>& tensors) {
