@@ -249,7 +249,7 @@ L2Prefetch::L2Prefetch(const at::Tensor& like, int64_t rows) {
 }
 
 void L2Prefetch::ahead(const std::vector<at::Tensor>& tensors) {
-  if (!like_.defined()) return;
+  if (!active()) return;
   branches_.push_back(std::make_unique<SideBranch>(like_));
   branches_.back()->run([&] { prefetch_l2(tensors); });
 }

@@ -150,6 +150,7 @@ class L2Prefetch {
  public:
   static constexpr int64_t kMaxRows = 32;
   L2Prefetch(const at::Tensor& like, int64_t rows);
+  bool active() const { return like_.defined(); }
   void ahead(const std::vector<at::Tensor>& tensors);
 
  private:

@@ -376,7 +376,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   constexpr size_t kPrefetchKVBytes = 16 << 20;
   ops::L2Prefetch prefetch(ids, T);
   auto prefetch_layer = [&](int64_t l) {
-    if (l >= cfg_.num_layers) return;
+    if (!prefetch.active() || l >= cfg_.num_layers) return;  // no tensor lists for a forward that takes none
     const auto& w = layers_[l];
     std::vector<at::Tensor> ts{w.qkv, w.o, w.gate_up, w.down};
     const at::Tensor &k = cache.keys(l), &v = cache.values(l);
