@@ -871,18 +871,27 @@ TEST_P(CudaOps, DequantizeRows) {
   }
 }
 
+// Whether ops::linear / linear_act_mul take the tensor-core kernel for M rows of a projection to
+// N outputs: bf16, 2 .. 16 rows, N below a vocabulary (launch_mma_gemv); else cuBLAS.
+bool mma_rows(at::ScalarType dt, int64_t M, int64_t N) {
+  return dt == at::kBFloat16 && M >= 2 && M <= 16 && N < 16384;
+}
+
 TEST_P(CudaOps, Linear) {
-  for (int64_t M : {1, 3, 8, 13})  // several rows: the cuBLAS path
-    // 16397 x 640: a vocabulary's rows, 4 to a warp, the last warp's partly past N
-    for (auto nk : {std::pair<int64_t, int64_t>{7, 640}, {1536, 640}, {640, 2048}, {1001, 24}, {16397, 640}})
+  // Several rows: the tensor-core kernel in bf16 (2 .. 16 rows; 17 and the vocabulary take cuBLAS).
+  for (int64_t M : {1, 2, 3, 8, 13, 16, 17})
+    // 16397 x 640: a vocabulary's rows, 4 to a warp, the last warp's partly past N; 1001 x 24 and
+    // 7 x 40: tiles of 8 rows partly past N, a chunk of 32 values partly past K
+    for (auto nk : {std::pair<int64_t, int64_t>{7, 640}, {1536, 640}, {640, 2048}, {1001, 24}, {7, 40}, {16397, 640}})
       for (bool with_bias : {false, true}) {
         auto x = at::randn({M, nk.second}).to(dt());
         auto w = (at::randn({nk.first, nk.second}) * 0.05).to(dt());
         auto b = with_bias ? at::randn({nk.first}).to(dt()) : at::Tensor();
         auto got = ops::linear(x.to(kCuda), w.to(kCuda), with_bias ? b.to(kCuda) : b);
-        const std::string tag = "linear M=" + std::to_string(M) + " N=" + std::to_string(nk.first);
-        if (M == 1) {
-          // The GEMV kernel: against f32 matmul of the same values, rounded once.
+        const std::string tag = "linear M=" + std::to_string(M) + " N=" + std::to_string(nk.first) +
+                                " K=" + std::to_string(nk.second) + (with_bias ? " bias" : "");
+        if (M == 1 || mma_rows(dt(), M, nk.first)) {
+          // The GEMV kernels: against f32 matmul of the same values, rounded once.
           auto ref = at::linear(x.to(at::kFloat), w.to(at::kFloat), with_bias ? b.to(at::kFloat) : b).to(dt());
           expect_close(got, ref, tag);
         } else {
@@ -917,14 +926,15 @@ TEST_P(CudaOps, LinearArgmax) {
 }
 
 TEST_P(CudaOps, LinearActMul) {
-  for (int64_t M : {1, 4, 8, 11})
-    for (auto nk : {std::pair<int64_t, int64_t>{2048, 640}, {13, 64}})
+  for (int64_t M : {1, 4, 8, 11, 16, 17})
+    for (auto nk : {std::pair<int64_t, int64_t>{2048, 640}, {13, 64}, {2048, 2048}})
       for (bool gelu : {true, false}) {
         auto x = at::randn({M, nk.second}).to(dt());
         auto w = (at::randn({2 * nk.first, nk.second}) * 0.1).to(dt());
-        std::string tag = "linear_act_mul M=" + std::to_string(M) + " I=" + std::to_string(nk.first);
+        std::string tag = "linear_act_mul M=" + std::to_string(M) + " I=" + std::to_string(nk.first) +
+                          " K=" + std::to_string(nk.second);
         auto got = ops::linear_act_mul(x.to(kCuda), w.to(kCuda), {}, gelu);
-        if (M == 1) {
+        if (M == 1 || mma_rows(dt(), M, nk.first)) {
           // The fused kernel: against f32 matmul rounded once (what a GEMM returns), then the activation.
           auto gu = at::linear(x.to(at::kFloat), w.to(at::kFloat)).to(dt());
           expect_close(got, ops::act_mul(gu, gelu), tag);

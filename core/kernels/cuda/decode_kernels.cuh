@@ -1548,6 +1548,153 @@ bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int 
 }
 
 // ---------------------------------------------------------------------------
+// A few rows at once (a verify block, a drafter block, a batch of sessions): y = x · Wᵀ for 2 ..
+// kMmaRows rows of x through the tensor cores (bf16 only). The CUDA-core GEMV does M multiply-adds
+// per weight it loads, which made it grow linearly with the rows (see gemv_kernel); one
+// mma.m16n8k16 takes 16 rows × 8 weight rows × 16 values in one instruction, so a block of 16 rows
+// reads each weight once at about the one-row kernel's cost, where cuBLAS gives these shapes a
+// handful of thread blocks and no early launch.
+// Work: a warp takes G·8 consecutive weight rows (a tile; gated: the 8 gate rows and their 8 up
+// rows) over its share of K (split K over `wpr` warps of one block, summed in warp order through
+// shared memory: deterministic). K runs in chunks of 32 values: lane (g = lane / 4, t = lane % 4)
+// loads 16 bytes of weight row g and of x rows g and g + 8 at k = 8t .. 8t + 7, and two mma
+// instructions take them. The dot product does not care in which order k is walked, so each mma
+// gets its k positions permuted the same way for x and W: the first takes k 8t .. 8t + 3 of each
+// lane (as the fragment's k = 2t, 2t + 1, 2t + 8, 2t + 9), the second 8t + 4 .. 8t + 7, and every
+// load stays one 16-byte vector.
+//   x: [M, K] (rows past M read as zeros); W: [N or 2N, K]; bias: [N or 2N] or nullptr; y: [M, N].
+//   K % 8 == 0, x and W 16-byte aligned.
+constexpr int kMmaRows = 16;
+constexpr int kMmaUnroll = 4;  // chunks of 32 values in flight per lane
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// G weight tiles of 8 rows (tile j: rows n + j·tile_stride + g) against x, chunks c0 .. c1 of 32
+// values; acc[j]: the tile's C fragment (rows g and g + 8 of x, weight rows 2t, 2t + 1 of the tile).
+template <int G>
+__device__ __forceinline__ void mma_tiles(const __nv_bfloat16* __restrict__ x, int M, const __nv_bfloat16* __restrict__ W,
+                                          int64_t tile_stride, int n, int N, int K, int c0, int c1,
+                                          float (&acc)[G][4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const bool row_ok = n + g < N;
+  const __nv_bfloat16* wr[G];
+#pragma unroll
+  for (int j = 0; j < G; ++j) wr[j] = W + ((int64_t)j * tile_stride + n + g) * K;
+  const __nv_bfloat16* xlo = x + (int64_t)g * K;
+  const __nv_bfloat16* xhi = x + (int64_t)(g + 8) * K;
+  bool waited = false;
+  for (int c = c0; c < c1; c += kMmaUnroll) {
+    uint4 b[G][kMmaUnroll], alo[kMmaUnroll], ahi[kMmaUnroll];
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int k = (c + u) * 32 + 8 * t;
+      const bool ok = c + u < c1 && k < K;
+#pragma unroll
+      for (int j = 0; j < G; ++j)
+        b[j][u] = ok && row_ok ? *reinterpret_cast<const uint4*>(wr[j] + k) : make_uint4(0, 0, 0, 0);
+    }
+    // x is the previous kernel's output: the first weight loads above are already in flight.
+    if (!waited) {
+      pdl_wait();
+      waited = true;
+    }
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u) {
+      const int k = (c + u) * 32 + 8 * t;
+      const bool ok = c + u < c1 && k < K;
+      alo[u] = ok && g < M ? *reinterpret_cast<const uint4*>(xlo + k) : make_uint4(0, 0, 0, 0);
+      ahi[u] = ok && g + 8 < M ? *reinterpret_cast<const uint4*>(xhi + k) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kMmaUnroll; ++u)
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        mma_bf16(acc[j], alo[u].x, ahi[u].x, alo[u].y, ahi[u].y, b[j][u].x, b[j][u].y);
+        mma_bf16(acc[j], alo[u].z, ahi[u].z, alo[u].w, ahi[u].w, b[j][u].z, b[j][u].w);
+      }
+  }
+  if (!waited) pdl_wait();  // a warp without a K range
+}
+
+// One block: kGemvWarps / wpr tiles, wpr warps each (split K). Gated (act != None): W = [gate; up]
+// and y = act(gate)·up, rounded as the unfused path rounds (gemv_rows' epilogue).
+template <bool GATED>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    mma_gemv_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ W,
+                    const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y, int M, int N, int K,
+                    int wpr, Act act) {
+  using T = __nv_bfloat16;
+  pdl_trigger();  // its first weight loads issue before pdl_wait (mma_tiles)
+  constexpr int G = GATED ? 2 : 1;
+  __shared__ float part[kGemvWarps][G][4][32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  const int n = (blockIdx.x * (kGemvWarps / wpr) + warp / wpr) * 8;
+  const int part_idx = warp % wpr;
+  const int chunks = (K + 31) / 32, per = (chunks + wpr - 1) / wpr;
+  const int c0 = min(chunks, part_idx * per), c1 = min(chunks, (part_idx + 1) * per);
+  float acc[G][4] = {};
+  if (n < N) mma_tiles<G>(x, M, W, N, n, N, K, c0, c1, acc);
+  else pdl_wait();
+  if (wpr > 1) {
+#pragma unroll
+    for (int j = 0; j < G; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) part[warp][j][i][lane] = acc[j][i];
+    __syncthreads();
+    if (part_idx != 0) return;
+#pragma unroll
+    for (int j = 0; j < G; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float s = 0.f;
+        for (int p = 0; p < wpr; ++p) s += part[warp + p][j][i][lane];
+        acc[j][i] = s;
+      }
+  }
+  if (n >= N) return;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int m = g + (i >> 1) * 8, col = n + 2 * t + (i & 1);
+    if (m >= M || col >= N) continue;
+    if constexpr (!GATED) {
+      y[(int64_t)m * N + col] = to_t<T>(acc[0][i] + (bias ? from_t<T>(bias[col]) : 0.f));
+    } else {
+      const float gv = acc[0][i] + (bias ? from_t<T>(bias[col]) : 0.f);
+      const float uv = rnd<T>(acc[1][i] + (bias ? from_t<T>(bias[col + N]) : 0.f));
+      y[(int64_t)m * N + col] = to_t<T>(rnd<T>(apply_act(rnd<T>(gv), act)) * uv);
+    }
+  }
+}
+
+// False when the shape is not for this kernel (1 or more than kMmaRows rows, a K or an address the
+// 16-byte loads cannot take, a vocabulary-sized N: cuBLAS reads those at the copy bandwidth).
+inline bool launch_mma_gemv(const __nv_bfloat16* x, const __nv_bfloat16* W, const __nv_bfloat16* bias,
+                            __nv_bfloat16* y, int M, int N, int K, Act act, cudaStream_t s) {
+  if (M < 2 || M > kMmaRows || K % 8 != 0 || N >= kGemvWideRows) return false;
+  if (reinterpret_cast<uintptr_t>(W) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
+  // Split K until the grid covers the GPU (~128 blocks), while every warp keeps a chunk.
+  const int tiles = (N + 7) / 8, chunks = (K + 31) / 32;
+  int wpr = 1;
+  while (wpr < kGemvWarps && 2 * wpr <= chunks && (tiles * wpr + kGemvWarps - 1) / kGemvWarps < 128) wpr *= 2;
+  const int tiles_per_block = kGemvWarps / wpr;
+  const dim3 grid((tiles + tiles_per_block - 1) / tiles_per_block);
+  if (act == Act::None)
+    launch_pdl(mma_gemv_kernel<false>, grid, kGemvWarps * 32, 0, s, x, W, bias, y, M, N, K, wpr, act);
+  else
+    launch_pdl(mma_gemv_kernel<true>, grid, kGemvWarps * 32, 0, s, x, W, bias, y, M, N, K, wpr, act);
+  return true;
+}
+
+// ---------------------------------------------------------------------------
 // A thread's values of the row: i = threadIdx.x + u·blockDim.x for u < kResidualPer, held in
 // registers so that each of the prologue's reads is one batch of independent loads (a loop that
 // stores each load before the next waited one L2 round trip per value a thread holds).

@@ -594,12 +594,22 @@ at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
   const bool ok = x.is_cuda() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
                   w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.size(1) == K &&
                   (!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.is_contiguous()));
-  if (!ok || M != 1) return {};
+  // Several rows: the tensor-core kernel in bf16; f32 keeps cuBLAS (the lossless checks compare
+  // f32 decoders bit for bit, and the mma instructions take no f32 inputs).
+  const bool mma = M > 1 && x.scalar_type() == at::kBFloat16;
+  if (!ok || (M != 1 && !mma)) return {};
   c10::cuda::CUDAGuard g(x.device());
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = at::empty(sizes, x.options());
   bool launched = false;
+  if (mma) {
+    launched = k::launch_mma_gemv(ptr<__nv_bfloat16>(x), ptr<__nv_bfloat16>(w),
+                                  bias.defined() ? ptr<__nv_bfloat16>(bias) : nullptr, ptr<__nv_bfloat16>(y), M, N, K,
+                                  act, at::cuda::getCurrentCUDAStream());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return launched ? y : at::Tensor();
+  }
   dispatch(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     launched = k::launch_gemv<T>(ptr<T>(x), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, ptr<T>(y), M, N, K,
