@@ -31,16 +31,16 @@ bool code_fits(int64_t D, const ops::RowCode& code) {
   }
 }
 
-// f32: 1e-5 relative to the tensor's scale. bf16: one rounding step of the
-// larger value (2^-7 relative) — the kernel and PyTorch may round a float
+// f32: 1e-5 relative to the tensor's scale. bf16: `steps` rounding steps of the
+// larger value (2^-7 relative each) — the kernel and PyTorch may round a float
 // that sits on a bf16 tie differently after a different summation order.
-void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what) {
+void expect_close(const at::Tensor& got, const at::Tensor& want, const std::string& what, int steps = 1) {
   auto g = got.to(at::kCPU, at::kFloat), w = want.to(at::kFloat);
   ASSERT_EQ(g.sizes(), w.sizes()) << what;
   auto err = (g - w).abs();
   if (want.scalar_type() == at::kBFloat16) {
     double scale = w.abs().max().item<double>() + 1e-6;
-    auto tol = at::maximum(g.abs(), w.abs()) * (1.0 / 128) + 1e-5 * scale;
+    auto tol = at::maximum(g.abs(), w.abs()) * (steps / 128.0) + 1e-5 * scale;
     EXPECT_TRUE(err.le(tol).all().item<bool>()) << what << ": max err " << err.max().item<double>();
     // And nearly all elements identical: a systematic error would show here.
     EXPECT_GE(err.eq(0).to(at::kFloat).mean().item<double>(), 0.97) << what;
@@ -936,8 +936,10 @@ TEST_P(CudaOps, LinearActMul) {
         auto got = ops::linear_act_mul(x.to(kCuda), w.to(kCuda), {}, gelu);
         if (M == 1 || mma_rows(dt(), M, nk.first)) {
           // The fused kernel: against f32 matmul rounded once (what a GEMM returns), then the activation.
+          // Two steps: a gate and an up value each one step off (another summation order) move the
+          // product by up to two (the 16-row cases at K 2048 reach it).
           auto gu = at::linear(x.to(at::kFloat), w.to(at::kFloat)).to(dt());
-          expect_close(got, ops::act_mul(gu, gelu), tag);
+          expect_close(got, ops::act_mul(gu, gelu), tag, 2);
         } else {
           // Several rows: exactly the unfused cuBLAS path.
           auto want = ops::act_mul(at::linear(x.to(kCuda), w.to(kCuda)), gelu);

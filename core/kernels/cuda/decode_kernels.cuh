@@ -1580,8 +1580,11 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 
 // G weight tiles of 8 rows (tile j: rows n + j·tile_stride + g) against x, chunks c0 .. c1 of 32
 // values; acc[j]: the tile's C fragment (rows g and g + 8 of x, weight rows 2t, 2t + 1 of the tile).
+// x is not __restrict__: loads through a const __restrict__ pointer may be compiled as invariant
+// and hoisted above pdl_wait (read before the kernel that writes x has finished: on the H200 every
+// verify block then went wrong while the isolated kernel tested right).
 template <int G>
-__device__ __forceinline__ void mma_tiles(const __nv_bfloat16* __restrict__ x, int M, const __nv_bfloat16* __restrict__ W,
+__device__ __forceinline__ void mma_tiles(const __nv_bfloat16* x, int M, const __nv_bfloat16* __restrict__ W,
                                           int64_t tile_stride, int n, int N, int K, int c0, int c1,
                                           float (&acc)[G][4]) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -1629,7 +1632,7 @@ __device__ __forceinline__ void mma_tiles(const __nv_bfloat16* __restrict__ x, i
 // and y = act(gate)·up, rounded as the unfused path rounds (gemv_rows' epilogue).
 template <bool GATED>
 __global__ void __launch_bounds__(kGemvWarps * 32)
-    mma_gemv_kernel(const __nv_bfloat16* __restrict__ x, const __nv_bfloat16* __restrict__ W,
+    mma_gemv_kernel(const __nv_bfloat16* x, const __nv_bfloat16* __restrict__ W,
                     const __nv_bfloat16* __restrict__ bias, __nv_bfloat16* __restrict__ y, int M, int N, int K,
                     int wpr, Act act) {
   using T = __nv_bfloat16;
