@@ -10,7 +10,8 @@
 #                                              # per kernel (the run's last step); STEP_ARGS: the decode's mode
 #                                              # flags instead of --mode ar, CHARS: the prompt's characters of
 #                                              # data/longeval/docs/01.txt (4000; 30000 is ~8k tokens),
-#                                              # STEP_NAME: the CSV's name (ar)
+#                                              # STEP_NAME: the CSV's name (ar), NEW: tokens decoded (4; a fused
+#                                              # decode needs a few blocks for its last one to show)
 # ncu runs with --cache-control none --clock-control none so a kernel's time is close to its time
 # in the run (small kernels keep their warm L2); every run prints its command first.
 # Env: KAKEYA (the binary profiled, build-cuda/kakeya: another package's, e.g. a reference unpacked beside it),
@@ -87,8 +88,8 @@ import json; t = open('data/longeval/docs/01.txt').read()[:${CHARS:-4000}]
 open('/tmp/attn-profile-prompt.jsonl', 'w').write(json.dumps({'prompt': t}) + '\n')"
     read -r -a A <<< "${STEP_ARGS:---mode ar}"
     N=${STEP_NAME:-ar}
-    echo "== ${NCU[*]} $K decode ${R[*]} --max-new-tokens 4 ${A[*]}"
-    "${NCU[@]}" $K decode "${R[@]}" --max-new-tokens 4 "${A[@]}" > "$OUT/ncu_step_$N.csv" 2> "$OUT/ncu_step_$N.err" ||
+    echo "== ${NCU[*]} $K decode ${R[*]} --max-new-tokens ${NEW:-4} ${A[*]}"
+    "${NCU[@]}" $K decode "${R[@]}" --max-new-tokens "${NEW:-4}" "${A[@]}" > "$OUT/ncu_step_$N.csv" 2> "$OUT/ncu_step_$N.err" ||
       tail -5 "$OUT/ncu_step_$N.err"
     LAST_STEP=1 summarize "$OUT/ncu_step_$N.csv"
     ;;
