@@ -1698,6 +1698,194 @@ inline bool launch_mma_gemv(const __nv_bfloat16* x, const __nv_bfloat16* W, cons
 }
 
 // ---------------------------------------------------------------------------
+// A block of query rows (verify and drafter blocks: 2 .. 32 queries per sequence) through the
+// tensor cores. decode_attn_partial_kernel walks its keys in a chain of dependent loads per warp,
+// each key serving at most 4 query heads: a 16-token verify block spent 29 us per layer there
+// (H200, ncu), half of the block's GPU time. Here a block stages kAttnMmaKeys keys' K and V rows
+// of one KV head in shared memory (all loads in flight at once) and every query row of that head
+// (T · Hq / Hkv rows, 64 to a block) meets them in two small matrix products: S = Q·Kᵀ, then
+// O = P·V with P split into two bf16 terms (hi + lo: P keeps ~16 bits, not bf16's 8), so the
+// output matches the f32 softmax within the rounding the one-query kernel has.
+// Output: the one-query kernel's partials (acc, max, sum per row and chunk) for the same combine.
+// Dense rows only (no coded region, no tail); visibility as decode_attn_partial_kernel's.
+constexpr int kAttnMmaKeys = 32;
+constexpr int kAttnMmaRows = 64;  // query rows per block: 4 warps of 16
+
+__device__ __forceinline__ void ldsm_x2_trans(uint32_t& r0, uint32_t& r1, const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned a = (unsigned)__cvta_generic_to_shared(p);
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(a));
+#endif
+}
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);  // a in the low half
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+//   q: [B, T, Hq, D]; k, v: [B, Hkv, S, D] dense; grid (chunks, Hkv · row tiles, B), 128 threads.
+template <int D>
+__global__ void __launch_bounds__(128)
+    decode_attn_mma_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                           const int64_t* slot_pos, int sp_bs, const int64_t* q_pos, int qstride, int qp_bs,
+                           const bool* in_restored, int rwin, int64_t keep_below, float* __restrict__ partial, int Tq,
+                           int Hq, int Hkv, int S, int window, float scale, float softcap) {
+  pdl_begin();
+  constexpr int KC = kAttnMmaKeys, DP = D + 8;  // rows padded by 16 bytes: the fragment loads spread over banks
+  __shared__ __align__(16) __nv_bfloat16 ks[KC][DP];
+  __shared__ __align__(16) __nv_bfloat16 vs[KC][DP];
+  __shared__ int64_t spos[KC];
+  __shared__ bool srest[KC];
+  const int chunk = blockIdx.x, nchunks = gridDim.x;
+  const int G = Hq / Hkv, R = Tq * G, tiles = (R + kAttnMmaRows - 1) / kAttnMmaRows;
+  const int hk = blockIdx.y / tiles, tile = blockIdx.y % tiles, b = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  const int j0 = chunk * KC;
+  const __nv_bfloat16* kb = k + ((int64_t)b * Hkv + hk) * S * D;
+  const __nv_bfloat16* vb = v + ((int64_t)b * Hkv + hk) * S * D;
+  constexpr int VEC = D / 8;  // 16-byte pieces of a row
+  for (int i = threadIdx.x; i < KC * VEC; i += blockDim.x) {
+    const int r = i / VEC, c = (i % VEC) * 8, j = j0 + r;
+    uint4 kk = make_uint4(0, 0, 0, 0), vv = kk;
+    if (j < S) {
+      kk = *reinterpret_cast<const uint4*>(kb + (int64_t)j * D + c);
+      vv = *reinterpret_cast<const uint4*>(vb + (int64_t)j * D + c);
+    }
+    *reinterpret_cast<uint4*>(&ks[r][c]) = kk;
+    *reinterpret_cast<uint4*>(&vs[r][c]) = vv;
+  }
+  if (threadIdx.x < KC) {
+    const int j = j0 + threadIdx.x;
+    spos[threadIdx.x] = j < S ? slot_pos[(int64_t)b * sp_bs + j] : -1;
+    srest[threadIdx.x] = j < S && in_restored ? in_restored[j] : false;
+  }
+  // This warp's 16 query rows of the KV head: row r is query t = r / G, head hk·G + r % G.
+  const int r_lo = tile * kAttnMmaRows + warp * 16 + g, r_hi = r_lo + 8;
+  const bool ok_lo = r_lo < R, ok_hi = r_hi < R;
+  const int64_t row_lo = ((int64_t)b * Tq + r_lo / G) * Hq + hk * G + r_lo % G;  // the row of q / partial
+  const int64_t row_hi = ((int64_t)b * Tq + r_hi / G) * Hq + hk * G + r_hi % G;
+  const int64_t qp_lo = ok_lo ? q_pos[(int64_t)b * qp_bs + (r_lo / G) * qstride] : -1;
+  const int64_t qp_hi = ok_hi ? q_pos[(int64_t)b * qp_bs + (r_hi / G) * qstride] : -1;
+  const __nv_bfloat16* qlo = q + row_lo * D;
+  const __nv_bfloat16* qhi = q + row_hi * D;
+  __syncthreads();
+  // S = Q·Kᵀ: s[n][0..1] row lo, keys 8n + 2t4 + {0, 1}; s[n][2..3] row hi.
+  float s[KC / 8][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kk * 16 + 2 * t4;
+    const uint32_t a0 = ok_lo ? *reinterpret_cast<const uint32_t*>(qlo + c) : 0u;
+    const uint32_t a1 = ok_hi ? *reinterpret_cast<const uint32_t*>(qhi + c) : 0u;
+    const uint32_t a2 = ok_lo ? *reinterpret_cast<const uint32_t*>(qlo + c + 8) : 0u;
+    const uint32_t a3 = ok_hi ? *reinterpret_cast<const uint32_t*>(qhi + c + 8) : 0u;
+#pragma unroll
+    for (int n = 0; n < KC / 8; ++n)
+      mma_bf16(s[n], a0, a1, a2, a3, *reinterpret_cast<const uint32_t*>(&ks[n * 8 + g][c]),
+               *reinterpret_cast<const uint32_t*>(&ks[n * 8 + g][c + 8]));
+  }
+  // Visibility (decode_attn_partial_kernel's rules for dense slots), scale, softcap; the chunk's softmax.
+  float m_lo = -INFINITY, m_hi = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < KC / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = n * 8 + 2 * t4 + (e & 1);
+      const int64_t p = spos[key], qp = e < 2 ? qp_lo : qp_hi;
+      bool vis = p >= 0 && p <= qp && !(window > 0 && qp - p >= window);
+      if (vis && in_restored) {
+        const bool recent = qp - p < rwin, rest = srest[key];
+        vis = recent != rest && !(rest && keep_below >= 0 && p >= keep_below);
+      }
+      float x = s[n][e] * scale;
+      if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
+      s[n][e] = vis ? x : -INFINITY;
+      if (e < 2) m_lo = fmaxf(m_lo, s[n][e]);
+      else m_hi = fmaxf(m_hi, s[n][e]);
+    }
+  // A row's values sit in the 4 lanes of its group.
+  for (int o = 1; o < 4; o <<= 1) {
+    m_lo = fmaxf(m_lo, __shfl_xor_sync(0xffffffffu, m_lo, o));
+    m_hi = fmaxf(m_hi, __shfl_xor_sync(0xffffffffu, m_hi, o));
+  }
+  float l_lo = 0.f, l_hi = 0.f;
+#pragma unroll
+  for (int n = 0; n < KC / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float m = e < 2 ? m_lo : m_hi;
+      const float p = s[n][e] == -INFINITY ? 0.f : __expf(s[n][e] - m);
+      s[n][e] = p;
+      if (e < 2) l_lo += p;
+      else l_hi += p;
+    }
+  for (int o = 1; o < 4; o <<= 1) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o);
+  }
+  // P as the A operand of O = P·V (a C fragment's layout is an A fragment's), in two bf16 terms.
+  uint32_t ph[KC / 16][4], pl[KC / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < KC / 16; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      // a0: row lo, keys 16kk + 2t4 (+1); a1: row hi; a2 / a3: keys 16kk + 8 + 2t4 (+1).
+      const float* c = &s[2 * kk + (i >> 1)][(i & 1) * 2];
+      const float h0 = __bfloat162float(__float2bfloat16_rn(c[0])), h1 = __bfloat162float(__float2bfloat16_rn(c[1]));
+      ph[kk][i] = pack_bf16(h0, h1);
+      pl[kk][i] = pack_bf16(c[0] - h0, c[1] - h1);
+    }
+  float* out_lo = partial + (row_lo * nchunks + chunk) * (D + 2);
+  float* out_hi = partial + (row_hi * nchunks + chunk) * (D + 2);
+#pragma unroll 4
+  for (int nd = 0; nd < D / 8; ++nd) {
+    float o[4] = {};
+#pragma unroll
+    for (int kk = 0; kk < KC / 16; ++kk) {
+      uint32_t b0, b1;
+      ldsm_x2_trans(b0, b1, &vs[kk * 16 + (lane & 15)][nd * 8]);
+      mma_bf16(o, ph[kk][0], ph[kk][1], ph[kk][2], ph[kk][3], b0, b1);
+      mma_bf16(o, pl[kk][0], pl[kk][1], pl[kk][2], pl[kk][3], b0, b1);
+    }
+    const int d = nd * 8 + 2 * t4;
+    if (ok_lo) *reinterpret_cast<float2*>(out_lo + d) = make_float2(o[0], o[1]);
+    if (ok_hi) *reinterpret_cast<float2*>(out_hi + d) = make_float2(o[2], o[3]);
+  }
+  if (t4 == 0) {
+    if (ok_lo) *reinterpret_cast<float2*>(out_lo + D) = make_float2(m_lo, l_lo);
+    if (ok_hi) *reinterpret_cast<float2*>(out_hi + D) = make_float2(m_hi, l_hi);
+  }
+}
+
+// Whether a call takes decode_attn_mma_kernel: bf16 (T = __nv_bfloat16), dense rows, no tail,
+// several queries per sequence, a head dim of 64, 128 or 256.
+inline bool decode_attn_mma_fits(bool bf16, bool coded, int tn, int Tq, int D) {
+  return bf16 && !coded && tn == 0 && Tq >= 2 && (D == 64 || D == 128 || D == 256);
+}
+
+// decode_attn_mma_kernel, then the combine (launch_decode_attention's). partial: [B·Tq·Hq,
+// decode_attn_chunks(S, kAttnMmaKeys), D + 2].
+inline bool launch_decode_attention_mma(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                                        const int64_t* slot_pos, int sp_bs, const int64_t* q_pos, int qstride, int qp_bs,
+                                        const bool* in_restored, int rwin, int64_t keep_below, float* partial,
+                                        __nv_bfloat16* out, int B, int Tq, int Hq, int Hkv, int S, int D, int window,
+                                        float scale, float softcap, cudaStream_t s) {
+  const int nchunks = decode_attn_chunks(S, kAttnMmaKeys);
+  const int tiles = (Tq * (Hq / Hkv) + kAttnMmaRows - 1) / kAttnMmaRows;
+  const dim3 grid(nchunks, Hkv * tiles, B);
+  auto launch = [&](auto kernel) {
+    launch_pdl(kernel, grid, 128, 0, s, q, k, v, slot_pos, sp_bs, q_pos, qstride, qp_bs, in_restored, rwin, keep_below,
+               partial, Tq, Hq, Hkv, S, window, scale, softcap);
+  };
+  if (D == 64) launch(decode_attn_mma_kernel<64>);
+  else if (D == 128) launch(decode_attn_mma_kernel<128>);
+  else if (D == 256) launch(decode_attn_mma_kernel<256>);
+  else return false;
+  const dim3 cgrid(B * Tq * Hq, (D + kCombineDims - 1) / kCombineDims);
+  launch_pdl(decode_attn_combine_kernel<__nv_bfloat16>, cgrid, kAttnWarps * 32, nchunks * sizeof(float), s, partial,
+             out, D, nchunks);
+  return true;
+}
+
+// ---------------------------------------------------------------------------
 // A thread's values of the row: i = threadIdx.x + u·blockDim.x for u < kResidualPer, held in
 // registers so that each of the prologue's reads is one batch of independent loads (a loop that
 // stores each load before the next waited one L2 round trip per value a thread holds).
