@@ -551,8 +551,7 @@ TEST_P(CudaOps, DecodeAttention) {
                  Case{4, 1, 256, 399, 512, 0.0, 3, false, 64, 9}, Case{6, 3, 128, 250, 0, 0.0, 1, false, 40, 77},
                  // Enough query rows x keys for full 64-key blocks (small grids take blocks of 8-32 keys).
                  Case{4, 1, 256, 2049, 0, 0.0, 16, false, 0},
-                 // Several queries in bf16 take the tensor-core kernel (decode_attn_mma_kernel): a softcap,
-                 // and 8 heads a KV head x 9 queries = 72 rows (two tiles of 64, the second mostly empty).
+                 // Several queries with a softcap; 8 query heads a KV head x 9 queries under a window.
                  Case{8, 8, 128, 129, 0, 30.0, 4, false, 0}, Case{8, 1, 64, 95, 40, 0.0, 9, false, 0},
                  // Decode steps over long caches: blocks of hundreds of keys (the grid in one wave),
                  // with and without a copy rule.

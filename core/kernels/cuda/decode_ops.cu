@@ -551,21 +551,6 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     TORCH_CHECK(!sp_rows, "decode_attention: a tail with per-row slot positions (independent rows never attend one)");
   }
   c10::cuda::CUDAGuard g(q.device());
-  const int qstride = qp_rows || q_pos.numel() != 1 ? 1 : 0, qp_bs = qp_rows ? (int)T : 0;
-  const int64_t keep_below = in_restored ? copies.keep_below : (int64_t)-1;
-  auto out = at::empty({B, T, Hq * D}, q.options());
-  // Several queries over dense rows in bf16 (verify and drafter blocks): the tensor-core kernel.
-  if (k::decode_attn_mma_fits(q.scalar_type() == at::kBFloat16, cr.kc != nullptr, (int)tn, (int)T, (int)D)) {
-    auto partial = at::empty({B * T * Hq, k::decode_attn_chunks((int)S, k::kAttnMmaKeys), D + 2},
-                             q.options().dtype(at::kFloat));
-    k::launch_decode_attention_mma(ptr<__nv_bfloat16>(q), ptr<__nv_bfloat16>(k), ptr<__nv_bfloat16>(v),
-                                   slot_pos.data_ptr<int64_t>(), sp_rows ? (int)S : 0, q_pos.data_ptr<int64_t>(), qstride,
-                                   qp_bs, in_restored, (int)copies.window, keep_below, partial.data_ptr<float>(),
-                                   ptr<__nv_bfloat16>(out), B, T, Hq, Hkv, S, D, window, scale, softcap,
-                                   at::cuda::getCurrentCUDAStream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return out;
-  }
   // From one sequence's query rows, not the batch's: a session's result must not depend on the
   // sessions batched with it (the key blocks fix the order of the softmax sums).
   // Query heads per block: one in a decode step (but over a long history of rotated coded rows),
@@ -580,12 +565,15 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   const int keys = k::decode_attn_keys((int)(S + tn), (int)(T * Hq / G),
                                        at::cuda::getCurrentDeviceProperties()->multiProcessorCount, (int)T, G);
   auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S + tn, keys), D + 2}, q.options().dtype(at::kFloat));
+  auto out = at::empty({B, T, Hq * D}, q.options());
   bool ok = false;
   dispatch(q.scalar_type(), [&](auto* tag) {
     using T_ = std::remove_pointer_t<decltype(tag)>;
     ok = k::launch_decode_attention<T_>(ptr<T_>(q), ptr<T_>(k), ptr<T_>(v), slot_pos.data_ptr<int64_t>(),
-                                        sp_rows ? (int)S : 0, q_pos.data_ptr<int64_t>(), qstride, qp_bs, in_restored,
-                                        (int)copies.window, copies.code_from, keep_below, cr,
+                                        sp_rows ? (int)S : 0, q_pos.data_ptr<int64_t>(),
+                                        qp_rows || q_pos.numel() != 1 ? 1 : 0, qp_rows ? (int)T : 0, in_restored,
+                                        (int)copies.window, copies.code_from,
+                                        in_restored ? copies.keep_below : (int64_t)-1, cr,
                                         tn ? ptr<T_>(tail.k) : nullptr, tn ? ptr<T_>(tail.v) : nullptr,
                                         tn ? tail.pos.data_ptr<int64_t>() : nullptr, (int)tn, partial.data_ptr<float>(), ptr<T_>(out),
                                         B, T, Hq, Hkv, S, D, keys, G, window, scale, softcap,
