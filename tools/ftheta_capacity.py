@@ -272,6 +272,19 @@ def gram_op(G):
     return lambda Q: G.T @ (G @ Q)
 
 
+def write_report(path, script, fields):
+    """The JSON report of a CPU measurement tool: its command, the commit, whether the tool differs from it, then fields."""
+    rel = os.path.relpath(script, ROOT)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", rel], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    out = {"command": "python " + " ".join([rel] + sys.argv[1:]), "commit": commit, "tool_differs_from_commit": bool(dirty),
+           "device": "CPU", "dtype": "f32", **fields}
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(ROOT / "checkpoints/models/gemma3-270m"))
@@ -525,13 +538,8 @@ def main():
     wall = time.time() - t_start
     print(f"\nwall {wall:.0f}s (capture {t_cap:.0f}s)")
     if a.json:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", os.path.relpath(__file__, ROOT)], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
-        out = {
-            "command": "python " + " ".join([os.path.relpath(__file__, ROOT)] + sys.argv[1:]),
-            "commit": commit, "tool_differs_from_commit": bool(dirty), "device": "CPU", "dtype": "f32", "threads": a.threads,
-            "model": os.path.relpath(a.model, ROOT), "drafter": os.path.relpath(a.drafter, ROOT),
+        write_report(a.json, __file__, {
+            "threads": a.threads, "model": os.path.relpath(a.model, ROOT), "drafter": os.path.relpath(a.drafter, ROOT),
             "data": {"fit": fit_desc, "eval": eval_desc, "seq_len": a.seq_len, "bos_prepended": True,
                      "fit_rows": Hf.shape[0], "eval_rows": He.shape[0], "positions_from": a.skip,
                      "lambda_split": f"last {a.val_seqs} sequences of every fit source",
@@ -541,11 +549,7 @@ def main():
                       "layers; raw = k_proj/v_proj outputs, cache = K after k_norm (V has no norm)",
             "rank": a.rank, "alphas": alphas, "sliding_layers": sliding, "target_layer_ids": tids,
             "nonexact_sliding_layers": nonexact, "rank_variance_kept": kept, "rank_sweep": sweep, "results": results, "wall_s": round(wall, 1),
-        }
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
-        print(f"wrote {a.json}")
+        })
 
 
 if __name__ == "__main__":
