@@ -874,7 +874,7 @@ TEST_P(CudaOps, DequantizeRows) {
 }
 
 // Whether ops::linear / linear_act_mul take the tensor-core kernel for M rows of a projection to
-// N outputs: bf16, 2 .. 16 rows, N below a vocabulary (launch_mma_gemv); else cuBLAS.
+// N outputs: bf16, 2 .. 16 rows, N below a vocabulary (mma_gemv_fits); else cuBLAS.
 bool mma_rows(at::ScalarType dt, int64_t M, int64_t N) {
   return dt == at::kBFloat16 && M >= 2 && M <= 16 && N < 16384;
 }
@@ -939,7 +939,7 @@ TEST_P(CudaOps, LinearActMul) {
         if (M == 1 || mma_rows(dt(), M, nk.first)) {
           // The fused kernel: against f32 matmul rounded once (what a GEMM returns), then the activation.
           // Two steps: a gate and an up value each one step off (another summation order) move the
-          // product by up to two (the 16-row cases at K 2048 reach it).
+          // product by up to two (16 rows of 2,048 outputs reach it, at K 640 and 2048).
           auto gu = at::linear(x.to(at::kFloat), w.to(at::kFloat)).to(dt());
           expect_close(got, ops::act_mul(gu, gelu), tag, 2);
         } else {

@@ -1333,9 +1333,10 @@ void launch_act_mul(const T* gu, T* out, int64_t rows, int I, Act act, cudaStrea
 // Matrix-vector product for a decode step: y[n] = Σ_k x[k]·W[n, k] (+ bias[n]), one row of x.
 // Batch-1 decode reads every weight once per token, so this is a bandwidth
 // kernel: 16-byte vector loads of W, four in flight per lane, x read next to them,
-// f32 accumulation, one rounding to T (as cuBLAS). Several rows take cuBLAS: a version for up
-// to 8 rows (x staged in shared memory) grew linearly with the rows (H100, Gemma 3 270M, one
-// step: 0.46 ms of GEMVs at 1 row, 0.89 at 2, 1.83 at 4; cuBLAS ~0.6 ms at 16).
+// f32 accumulation, one rounding to T (as cuBLAS). Several rows take mma_gemv_kernel (bf16) or
+// cuBLAS: a version of this kernel for up to 8 rows (x staged in shared memory) grew linearly with
+// the rows (H100, Gemma 3 270M, one step: 0.46 ms of GEMVs at 1 row, 0.89 at 2, 1.83 at 4; cuBLAS
+// ~0.6 ms at 16).
 // `wpr` warps share one output row (split K) so small N still fills the GPU.
 // Gated mode (the MLP's gate/up pair): W holds [gate; up] ([2N, K]) and the
 // warp group computes both rows, writing act(gate)·up rounded as PyTorch does.
@@ -1580,9 +1581,10 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1
 
 // G weight tiles of 8 rows (tile j: rows n + j·tile_stride + g) against x, chunks c0 .. c1 of 32
 // values; acc[j]: the tile's C fragment (rows g and g + 8 of x, weight rows 2t, 2t + 1 of the tile).
-// x is not __restrict__: loads through a const __restrict__ pointer may be compiled as invariant
-// and hoisted above pdl_wait (read before the kernel that writes x has finished: on the H200 every
-// verify block then went wrong while the isolated kernel tested right).
+// x is not __restrict__: through a const __restrict__ pointer its loads compiled to ld.global.nc,
+// whose data must not change while the kernel runs, and under programmatic dependent launch the
+// kernel before writes x while this one runs (to pdl_wait): on the H200 every verify block then
+// went wrong while the isolated kernel, its x written long before, tested right.
 template <int G>
 __device__ __forceinline__ void mma_tiles(const __nv_bfloat16* x, int M, const __nv_bfloat16* __restrict__ W,
                                           int64_t tile_stride, int n, int N, int K, int c0, int c1,
@@ -1678,11 +1680,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   }
 }
 
-// False when the shape is not for this kernel (1 or more than kMmaRows rows, a K or an address the
-// 16-byte loads cannot take, a vocabulary-sized N: cuBLAS reads those at the copy bandwidth).
+// Whether M rows of x against N weight rows of K values suit the kernel: 2 .. kMmaRows rows, K a
+// multiple of the 16-byte loads, N below a vocabulary (cuBLAS reads those at the copy bandwidth).
+inline bool mma_gemv_fits(int64_t M, int64_t N, int64_t K) {
+  return M >= 2 && M <= kMmaRows && K % 8 == 0 && N < kGemvWideRows;
+}
+
+// False when the shape (mma_gemv_fits) or an address is not for this kernel.
 inline bool launch_mma_gemv(const __nv_bfloat16* x, const __nv_bfloat16* W, const __nv_bfloat16* bias,
                             __nv_bfloat16* y, int M, int N, int K, Act act, cudaStream_t s) {
-  if (M < 2 || M > kMmaRows || K % 8 != 0 || N >= kGemvWideRows) return false;
+  if (!mma_gemv_fits(M, N, K)) return false;
   if (reinterpret_cast<uintptr_t>(W) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
   // Split K until the grid covers the GPU (~128 blocks), while every warp keeps a chunk.
   const int tiles = (N + 7) / 8, chunks = (K + 31) / 32;

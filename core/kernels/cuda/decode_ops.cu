@@ -594,9 +594,9 @@ at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
   const bool ok = x.is_cuda() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) &&
                   w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.size(1) == K &&
                   (!bias.defined() || (bias.scalar_type() == x.scalar_type() && bias.is_contiguous()));
-  // Several rows: the tensor-core kernel in bf16; f32 keeps cuBLAS (the lossless checks compare
-  // f32 decoders bit for bit, and the mma instructions take no f32 inputs).
-  const bool mma = M > 1 && x.scalar_type() == at::kBFloat16;
+  // Several rows: the tensor-core kernel in bf16 where the shape suits it; f32 keeps cuBLAS (the
+  // lossless checks compare f32 decoders bit for bit, and the mma instructions take no f32 inputs).
+  const bool mma = M > 1 && x.scalar_type() == at::kBFloat16 && k::mma_gemv_fits(M, N, K);
   if (!ok || (M != 1 && !mma)) return {};
   c10::cuda::CUDAGuard g(x.device());
   auto sizes = x.sizes().vec();
