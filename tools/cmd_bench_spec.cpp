@@ -65,24 +65,37 @@ void register_bench_spec(CLI::App& bench) {
       "spec", "ar vs restored vs fused decode tok/s in one run: τ, fused per-block split, held-out code/prose + NIAH");
   o->rf.add(c);
   c->add_option("--block-size", o->b.block_size, "fused: tokens per verify forward (0: the drafter's block_size)")
-      ->capture_default_str();
-  c->add_option("--new-tokens", o->b.new_tokens, "tokens generated per held-out prompt (no stop)")->capture_default_str();
-  c->add_option("--prompts", o->b.prompts, "held-out prompts per domain (0: no code/prose sets)")->capture_default_str();
-  c->add_option("--prompt-len", o->b.prompt_len, "held-out prompt length in tokens (BOS included)")->capture_default_str();
+      ->capture_default_str()
+      ->check(non_negative());
+  c->add_option("--new-tokens", o->b.new_tokens, "tokens generated per held-out prompt (no stop)")
+      ->capture_default_str()
+      ->check(positive());
+  c->add_option("--prompts", o->b.prompts, "held-out prompts per domain (0: no code/prose sets)")
+      ->capture_default_str()
+      ->check(non_negative());
+  c->add_option("--prompt-len", o->b.prompt_len, "held-out prompt length in tokens (BOS included)")
+      ->capture_default_str()
+      ->check(positive());
   c->add_option("--heldout-percent", o->b.heldout_percent, "train-drafter's split: files held out by content hash")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(CLI::Range(1, 99));
   c->add_option("--seed", o->b.seed, "prompt sampling seed (train-drafter's eval prompts: its --seed + 1)")
       ->capture_default_str();
   c->add_option("--code", o->b.code, "code roots (*.py), as given to train-drafter")->capture_default_str();
   c->add_option("--prose", o->b.prose, "prose roots, as given to train-drafter")->capture_default_str();
   c->add_option("--niah-contexts", o->niah_contexts, "NIAH prompt lengths in tokens ('' for none)")->capture_default_str();
   c->add_option("--niah-depths", o->niah_depths, "NIAH needle depths, one prompt each")->capture_default_str();
-  c->add_option("--niah-samples", o->b.niah_samples, "NIAH prompts per depth and context")->capture_default_str();
-  c->add_option("--niah-new", o->b.niah_new, "tokens generated per NIAH prompt (stops at EOS)")->capture_default_str();
+  c->add_option("--niah-samples", o->b.niah_samples, "NIAH prompts per depth and context")
+      ->capture_default_str()
+      ->check(positive());
+  c->add_option("--niah-new", o->b.niah_new, "tokens generated per NIAH prompt (stops at EOS)")
+      ->capture_default_str()
+      ->check(positive());
   c->add_option("--source-dir", o->b.source_dir, "NIAH haystack files")->capture_default_str();
   c->add_option("--modes", o->modes, "comma-separated subset of ar,restored,fused")->capture_default_str();
   c->add_option("--warmup", o->b.warmup, "untimed runs per mode and set first (allocator, cuBLAS; captures each decoder's graphs)")
-      ->capture_default_str();
+      ->capture_default_str()
+      ->check(non_negative());
   c->add_flag("--no-graph", o->no_graph, "no CUDA graphs in any mode (eager launches)");
   c->add_option("--json", o->json, "write the results here");
   c->callback([o] {
