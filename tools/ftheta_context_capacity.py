@@ -40,10 +40,8 @@ import ftheta_capacity as fc  # noqa: E402
 INPUTS = [("d", [0], False), ("d+emb", [0], True), ("d+d1+emb", [0, 1], True), ("d+d1+d2+emb", [0, 1, 2], True)]
 
 
-def fit_mlp(a, Zf, Ze, Yf, Ye, ridge, nonexact, L, D, t0):
-    """Ridge (at the alpha chosen for this input) + a trained MLP correction on the non-exact layers."""
-    alpha = ridge["alpha"]
-    W, b = fc.Stats(Zf, Yf).solve([alpha])[alpha]
+def fit_mlp(a, Zf, Ze, Yf, Ye, W, b, alpha, nonexact, L, D, t0):
+    """The ridge map W, b (at the alpha chosen for this input) + a trained MLP correction on the non-exact layers."""
     cols = torch.cat([torch.arange(p * L * D + l * D, p * L * D + (l + 1) * D) for p in (0, 1) for l in nonexact])
     W, b = W[:, cols], b[cols]
     Tf, Te = Yf[:, cols], Ye[:, cols]
@@ -63,13 +61,11 @@ def fit_mlp(a, Zf, Ze, Yf, Ye, ridge, nonexact, L, D, t0):
     def rel(P, T):  # per layer relative MSE, [2·layers]
         return (P - T).view(-1, n_l, D).pow(2).sum(-1).mean(0) * inv
 
-    def evaluate(Z, T):
+    def evaluate(Z, T):  # per layer Σ‖pred − true‖² / Σ‖true‖² over the set
         with torch.no_grad():
-            e = torch.cat([rel(pred(Z[i:i + 4096]), T[i:i + 4096]).unsqueeze(0) * min(4096, Z.shape[0] - i)
-                           for i in range(0, Z.shape[0], 4096)]).sum(0) / Z.shape[0]
-        # rel() weights by the fit targets' energy; the report divides by each set's own
-        scale = (T.view(-1, n_l, D).pow(2).sum(-1).mean(0) * inv)
-        return (e / scale).tolist()
+            err = sum((pred(Z[i:i + 4096]) - T[i:i + 4096]).view(-1, n_l, D).pow(2).sum((0, 2))
+                      for i in range(0, Z.shape[0], 4096))
+        return (err / T.view(-1, n_l, D).pow(2).sum((0, 2))).tolist()
 
     bs, steps = 1024, 0
     for ep in range(a.mlp_epochs):
@@ -171,7 +167,7 @@ def main():
     for name in chosen:
         shifts, with_emb = known[name]
         Zf, Ze = rows(Hf, Ef, len(fit_seqs), shifts, with_emb), rows(He, Ee, len(eval_seqs), shifts, with_emb)
-        best = None
+        best, best_map = None, None
         for alpha, (W, b) in fc.Stats(Zf, Yf).solve(alphas).items():
             P = Ze @ W + b
             kr = fc.layer_rel(P[:, :LD], Ye[:, :LD], L, D)
@@ -183,12 +179,12 @@ def main():
                  "per_nonexact_layer": {"layers": nonexact, "k_raw": [round(kr[i], 4) for i in nonexact],
                                         "v_raw": [round(vr[i], 4) for i in nonexact]}}
             if best is None or r["k_raw_nonexact"] + r["v_raw_nonexact"] < best["k_raw_nonexact"] + best["v_raw_nonexact"]:
-                best = r
+                best, best_map = r, (W, b)
         results[name] = best
         print(f"  {name:16s} non-exact sliding layers: K {best['k_raw_nonexact']:.4f}  V {best['v_raw_nonexact']:.4f}"
               f"   (alpha {best['alpha']:g}, {best['in_dims']} inputs, {time.time() - t0:.0f}s)", flush=True)
         if a.mlp_hidden and name == a.mlp_input:
-            results[f"{name} + mlp{a.mlp_hidden}"] = fit_mlp(a, Zf, Ze, Yf, Ye, best, nonexact, L, D, t0)
+            results[f"{name} + mlp{a.mlp_hidden}"] = fit_mlp(a, Zf, Ze, Yf, Ye, *best_map, best["alpha"], nonexact, L, D, t0)
         del Zf, Ze
     if a.json:
         fc.write_report(a.json, __file__, {
@@ -198,6 +194,7 @@ def main():
             "lambda": "per input, the best of --alphas on the evaluation rows (optimistic, equally for every input)",
             "target_layer_ids": tids, "nonexact_sliding_layers": nonexact, "results": results,
             "wall_s": round(time.time() - t0, 1)})
+
 
 if __name__ == "__main__":
     main()
