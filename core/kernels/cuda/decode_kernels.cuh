@@ -1705,6 +1705,277 @@ inline bool launch_mma_gemv(const __nv_bfloat16* x, const __nv_bfloat16* W, cons
 }
 
 // ---------------------------------------------------------------------------
+// Attention of a block of queries (verify and drafter blocks: Tq >= 2 queries per sequence, bf16,
+// dense rows) through the tensor cores. decode_attn_partial_kernel walks its keys in a chain of
+// dependent loads per warp, a key serving at most 4 query heads: a 16-token verify block spent
+// 29 us a layer there (H200, ncu), a third of the block's serialized GPU time. Here a block
+// stages KC keys' K and V rows of one KV head in shared memory (cp.async: every load in flight at
+// once, V still arriving while the scores are computed) and every query row of that head (Tq · Hq /
+// Hkv of them, 64 to a block) meets them in two small matrix products: S = Q·Kᵀ, then O = P·V with
+// P in two bf16 terms (hi + lo: ~16 bits of P, not bf16's 8), so the output keeps the one-query
+// kernel's accuracy. Output: that kernel's partials (acc, max, sum per row and key block) for the
+// same combine.
+// KC trades blocks for partials: each block writes 64 rows × (D + 2) floats whatever KC is, as
+// many bytes as 64 keys' K/V rows at D = 256, so small key blocks spread the grid over more SMs
+// but multiply the partials the combine reads (decode_attn_mma_keys).
+constexpr int kAttnMmaRows = 64;  // query rows per block: 4 warps of 16
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  // .cg: through L2 only, which holds what the kernel before wrote once pdl_wait has returned.
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((unsigned)__cvta_generic_to_shared(smem)),
+               "l"(gmem)
+               : "memory");
+#endif
+}
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+// Four 8x8 bf16 matrices from shared memory; lane l gives the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"((unsigned)__cvta_generic_to_shared(p)));
+#endif
+}
+__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);  // a in the low half
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// Shared memory of a block: K and V rows padded by 16 bytes (each ldmatrix's 8 rows fall in
+// different banks), then the keys' positions and region flags.
+template <int D, int KC>
+constexpr size_t decode_attn_mma_smem() {
+  return 2 * (size_t)KC * (D + 8) * sizeof(__nv_bfloat16) + KC * (sizeof(int64_t) + sizeof(bool));
+}
+
+//   q: [B, Tq, Hq, D]; k, v: [B, Hkv, S, D] dense; tk, tv: [B, Hkv, tn, D] (tn 0: none), tpos: [tn];
+//   partial: [B·Tq·Hq, ceil((S + tn) / KC), D + 2]; grid (ceil((S + tn) / KC), Hkv · row tiles, B),
+//   128 threads. q, k, v, slot_pos and q_pos are written
+//   by the kernels before this one: plain (coherent) loads, after pdl_begin.
+template <int D, int KC>
+__global__ void __launch_bounds__(128, 1)
+    decode_attn_mma_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                           const int64_t* slot_pos, int sp_bs, const int64_t* q_pos, int qstride, int qp_bs,
+                           const bool* in_restored, int rwin, int64_t keep_below, const __nv_bfloat16* tk,
+                           const __nv_bfloat16* tv, const int64_t* tpos, int tn, float* __restrict__ partial, int Tq,
+                           int Hq, int Hkv, int S, int window, float scale, float softcap) {
+  pdl_begin();
+  constexpr int DP = D + 8, VEC = D / 8;  // VEC: 16-byte pieces of a row
+  extern __shared__ __align__(16) unsigned char attn_smem[];
+  auto ks = reinterpret_cast<__nv_bfloat16(*)[DP]>(attn_smem);                       // [KC][DP]
+  auto vs = reinterpret_cast<__nv_bfloat16(*)[DP]>(attn_smem + KC * DP * 2);         // [KC][DP]
+  int64_t* spos = reinterpret_cast<int64_t*>(attn_smem + 2 * KC * DP * 2);          // [KC]
+  bool* srest = reinterpret_cast<bool*>(spos + KC);                                 // [KC]
+  const int chunk = blockIdx.x, nchunks = gridDim.x;
+  const int G = Hq / Hkv, R = Tq * G, tiles = (R + kAttnMmaRows - 1) / kAttnMmaRows;
+  const int hk = blockIdx.y / tiles, tile = blockIdx.y % tiles, b = blockIdx.z;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
+  // Keys j < S are the cache's slots, S <= j < S + tn the tail's rows (exact, never restored).
+  const int j0 = chunk * KC, nrows = min(KC, S + tn - j0);
+  const int64_t head = (int64_t)b * Hkv + hk;
+  // K, then V, as two groups; rows past the keys are zeros (their scores are masked, and 0 · V
+  // must not meet a NaN).
+  for (int kv = 0; kv < 2; ++kv) {
+    auto dst = kv ? vs : ks;
+    const __nv_bfloat16* cache = (kv ? v : k) + head * S * D;
+    const __nv_bfloat16* tail = (kv ? tv : tk) + head * tn * D;
+    for (int i = threadIdx.x; i < KC * VEC; i += blockDim.x) {
+      const int r = i / VEC, c = (i % VEC) * 8, j = j0 + r;
+      if (r < nrows) cp_async16(&dst[r][c], (j < S ? cache + (int64_t)j * D : tail + (int64_t)(j - S) * D) + c);
+      else *reinterpret_cast<uint4*>(&dst[r][c]) = make_uint4(0, 0, 0, 0);
+    }
+    cp_async_commit();
+  }
+  if (threadIdx.x < KC) {
+    const int j = j0 + threadIdx.x;
+    spos[threadIdx.x] = j < S ? slot_pos[(int64_t)b * sp_bs + j] : j < S + tn ? tpos[j - S] : -1;
+    srest[threadIdx.x] = j < S && in_restored ? in_restored[j] : false;
+  }
+  // This warp's 16 query rows of the KV head: row r is query t = r / G, head hk·G + r % G. Their
+  // A fragments (rows g and g + 8, d 16kk + 2t4 (+1) and + 8) load while K arrives.
+  const int r_lo = tile * kAttnMmaRows + warp * 16 + g, r_hi = r_lo + 8;
+  const bool ok_lo = r_lo < R, ok_hi = r_hi < R;
+  const int64_t row_lo = ((int64_t)b * Tq + r_lo / G) * Hq + hk * G + r_lo % G;  // the row of q / partial
+  const int64_t row_hi = ((int64_t)b * Tq + r_hi / G) * Hq + hk * G + r_hi % G;
+  const int64_t qp_lo = ok_lo ? q_pos[(int64_t)b * qp_bs + (r_lo / G) * qstride] : -1;
+  const int64_t qp_hi = ok_hi ? q_pos[(int64_t)b * qp_bs + (r_hi / G) * qstride] : -1;
+  uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kk * 16 + 2 * t4;
+    qa[kk][0] = ok_lo ? *reinterpret_cast<const uint32_t*>(q + row_lo * D + c) : 0u;
+    qa[kk][1] = ok_hi ? *reinterpret_cast<const uint32_t*>(q + row_hi * D + c) : 0u;
+    qa[kk][2] = ok_lo ? *reinterpret_cast<const uint32_t*>(q + row_lo * D + c + 8) : 0u;
+    qa[kk][3] = ok_hi ? *reinterpret_cast<const uint32_t*>(q + row_hi * D + c + 8) : 0u;
+  }
+  cp_async_wait<1>();  // this thread's K pieces
+  __syncthreads();     // everyone's, and the positions
+  // S = Q·Kᵀ: s[n][0..1] row lo, keys 8n + 2t4 + {0, 1}; s[n][2..3] row hi. ldmatrix x4 gives the B
+  // fragments of key tiles n and n + 1 (matrices: tile n d lo / hi, tile n + 1 d lo / hi).
+  float s[KC / 8][4] = {};
+  const int mrow = lane & 7, mat = lane >> 3;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+    for (int n = 0; n < KC / 8; n += 2) {
+      uint32_t bk[4];
+      ldsm_x4(bk, &ks[(n + (mat >> 1)) * 8 + mrow][kk * 16 + (mat & 1) * 8]);
+      mma_bf16(s[n], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], bk[0], bk[1]);
+      mma_bf16(s[n + 1], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], bk[2], bk[3]);
+    }
+  // Visibility (decode_attn_partial_kernel's rules for dense slots), scale, softcap; the block's softmax.
+  float m_lo = -INFINITY, m_hi = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < KC / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = n * 8 + 2 * t4 + (e & 1);
+      const int64_t p = spos[key], qp = e < 2 ? qp_lo : qp_hi;
+      bool vis = p >= 0 && p <= qp && !(window > 0 && qp - p >= window);
+      if (vis && in_restored) {
+        const bool recent = qp - p < rwin, rest = srest[key];
+        vis = recent != rest && !(rest && keep_below >= 0 && p >= keep_below);
+      }
+      float x = s[n][e] * scale;
+      if (softcap > 0.f) x = tanhf(x / softcap) * softcap;
+      s[n][e] = vis ? x : -INFINITY;
+      if (e < 2) m_lo = fmaxf(m_lo, s[n][e]);
+      else m_hi = fmaxf(m_hi, s[n][e]);
+    }
+  // A row's values sit in the 4 lanes of its group.
+  for (int o = 1; o < 4; o <<= 1) {
+    m_lo = fmaxf(m_lo, __shfl_xor_sync(0xffffffffu, m_lo, o));
+    m_hi = fmaxf(m_hi, __shfl_xor_sync(0xffffffffu, m_hi, o));
+  }
+  float l_lo = 0.f, l_hi = 0.f;
+#pragma unroll
+  for (int n = 0; n < KC / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float m = e < 2 ? m_lo : m_hi;
+      const float p = s[n][e] == -INFINITY ? 0.f : __expf(s[n][e] - m);
+      s[n][e] = p;
+      if (e < 2) l_lo += p;
+      else l_hi += p;
+    }
+  for (int o = 1; o < 4; o <<= 1) {
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, o);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, o);
+  }
+  // P as the A operand of O = P·V (a C fragment's layout is an A fragment's), in two bf16 terms.
+  uint32_t ph[KC / 16][4], pl[KC / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < KC / 16; ++kk)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      // a0: row lo, keys 16kk + 2t4 (+1); a1: row hi; a2 / a3: keys 16kk + 8 + 2t4 (+1).
+      const float* c = &s[2 * kk + (i >> 1)][(i & 1) * 2];
+      const float h0 = __bfloat162float(__float2bfloat16_rn(c[0])), h1 = __bfloat162float(__float2bfloat16_rn(c[1]));
+      ph[kk][i] = pack_bf16(h0, h1);
+      pl[kk][i] = pack_bf16(c[0] - h0, c[1] - h1);
+    }
+  cp_async_wait<0>();
+  __syncthreads();
+  float* out_lo = partial + (row_lo * nchunks + chunk) * (D + 2);
+  float* out_hi = partial + (row_hi * nchunks + chunk) * (D + 2);
+  // Two 8-wide d tiles per step: ldmatrix x4 .trans gives the B fragments of both (matrices: keys
+  // lo / hi of tile d0, keys lo / hi of tile d0 + 8).
+#pragma unroll 2
+  for (int d0 = 0; d0 < D; d0 += 16) {
+    float o[2][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < KC / 16; ++kk) {
+      uint32_t bv[4];
+      ldsm_x4_trans(bv, &vs[kk * 16 + (lane & 15)][d0 + (lane >> 4) * 8]);
+      mma_bf16(o[0], ph[kk][0], ph[kk][1], ph[kk][2], ph[kk][3], bv[0], bv[1]);
+      mma_bf16(o[0], pl[kk][0], pl[kk][1], pl[kk][2], pl[kk][3], bv[0], bv[1]);
+      mma_bf16(o[1], ph[kk][0], ph[kk][1], ph[kk][2], ph[kk][3], bv[2], bv[3]);
+      mma_bf16(o[1], pl[kk][0], pl[kk][1], pl[kk][2], pl[kk][3], bv[2], bv[3]);
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int d = d0 + j * 8 + 2 * t4;
+      if (ok_lo) *reinterpret_cast<float2*>(out_lo + d) = make_float2(o[j][0], o[j][1]);
+      if (ok_hi) *reinterpret_cast<float2*>(out_hi + d) = make_float2(o[j][2], o[j][3]);
+    }
+  }
+  if (t4 == 0) {
+    if (ok_lo) *reinterpret_cast<float2*>(out_lo + D) = make_float2(m_lo, l_lo);
+    if (ok_hi) *reinterpret_cast<float2*>(out_hi + D) = make_float2(m_hi, l_hi);
+  }
+}
+
+// Whether a call can take decode_attn_mma_kernel: bf16, dense rows (no coded region), several
+// queries per sequence, a head dim of 64, 128 or 256.
+inline bool decode_attn_mma_fits(bool bf16, bool coded, int Tq, int D) {
+  return bf16 && !coded && Tq >= 2 && (D == 64 || D == 128 || D == 256);
+}
+
+// Keys per block (32, 64 or 128): `forced` where given (a measurement's switch), else KAKEYA_TODO.
+inline int decode_attn_mma_keys(int S, int row_blocks, int sms, int forced) {
+  if (forced == 32 || forced == 64 || forced == 128) return forced;
+  (void)S; (void)row_blocks; (void)sms;
+  return 64;
+}
+
+// decode_attn_mma_kernel with KC keys per block, then the combine (launch_decode_attention's).
+// partial: [B·Tq·Hq, decode_attn_chunks(S + tn, KC), D + 2]. False for a shape it does not take.
+inline bool launch_decode_attention_mma(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
+                                        const int64_t* slot_pos, int sp_bs, const int64_t* q_pos, int qstride, int qp_bs,
+                                        const bool* in_restored, int rwin, int64_t keep_below, const __nv_bfloat16* tk,
+                                        const __nv_bfloat16* tv, const int64_t* tpos, int tn, float* partial,
+                                        __nv_bfloat16* out, int B, int Tq, int Hq, int Hkv, int S, int D, int KC,
+                                        int window, float scale, float softcap, cudaStream_t s) {
+  const int nchunks = decode_attn_chunks(S + tn, KC);
+  const int tiles = (Tq * (Hq / Hkv) + kAttnMmaRows - 1) / kAttnMmaRows;
+  const dim3 grid(nchunks, Hkv * tiles, B);
+  bool launched = false;
+  auto launch = [&](auto d, auto kc) {
+    constexpr int DD = decltype(d)::value, KK = decltype(kc)::value;
+    if (D != DD || KC != KK) return;
+    constexpr size_t smem = decode_attn_mma_smem<DD, KK>();
+    // Above 48 KB a kernel must ask for its shared memory; once per instantiation.
+    static const bool sized = cudaFuncSetAttribute(decode_attn_mma_kernel<DD, KK>,
+                                                   cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) == cudaSuccess;
+    if (!sized) return;
+    launch_pdl(decode_attn_mma_kernel<DD, KK>, grid, 128, smem, s, q, k, v, slot_pos, sp_bs, q_pos, qstride, qp_bs,
+               in_restored, rwin, keep_below, tk, tv, tpos, tn, partial, Tq, Hq, Hkv, S, window, scale, softcap);
+    launched = true;
+  };
+  auto each_keys = [&](auto d) {
+    launch(d, std::integral_constant<int, 32>{});
+    launch(d, std::integral_constant<int, 64>{});
+    launch(d, std::integral_constant<int, 128>{});
+  };
+  each_keys(std::integral_constant<int, 64>{});
+  each_keys(std::integral_constant<int, 128>{});
+  each_keys(std::integral_constant<int, 256>{});
+  if (!launched) return false;
+  const dim3 cgrid(B * Tq * Hq, (D + kCombineDims - 1) / kCombineDims);
+  launch_pdl(decode_attn_combine_kernel<__nv_bfloat16>, cgrid, kAttnWarps * 32, nchunks * sizeof(float), s, partial,
+             out, D, nchunks);
+  return true;
+}
+
+// ---------------------------------------------------------------------------
 // A thread's values of the row: i = threadIdx.x + u·blockDim.x for u < kResidualPer, held in
 // registers so that each of the prologue's reads is one batch of independent loads (a loop that
 // stores each load before the next waited one L2 round trip per value a thread holds).
