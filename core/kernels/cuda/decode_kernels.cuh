@@ -1399,7 +1399,7 @@ __device__ __forceinline__ void fma_rows(const uint4 (&raw)[R][kGemvUnroll], con
 
 template <typename T, int M, int R, bool XG = false>
 __device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t stride, int nrows,
-                                         const float* __restrict__ xs, const T* __restrict__ xg, int K, int k0,
+                                         const float* __restrict__ xs, const T* xg, int K, int k0,
                                          int k1, int lane, float* acc) {
   static_assert(!XG || M == 1, "x from global memory: one row");
   constexpr int STEP = 32 * Vec16<T>::n;
@@ -1407,7 +1407,9 @@ __device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t strid
     uint4 raw[R][kGemvUnroll];
     load_rows<T, R>(raw, w0, stride, nrows, k, k1);
     if constexpr (XG) {
-      // x is the previous kernel's output; the weight loads above are already in flight.
+      // x is the previous kernel's output; the weight loads above are already in flight. xg is
+      // not __restrict__: a const __restrict__ pointer's loads compile to ld.global.nc, which may be
+      // served or moved as if x never changed while the kernel runs (mma_tiles says where that broke).
       pdl_wait();
       uint4 xraw[kGemvUnroll];
 #pragma unroll
@@ -1436,7 +1438,7 @@ struct NoPrologue {
 template <typename T, int M, int RW, typename Out, bool XG = false, typename Pro = NoPrologue>
 __device__ __forceinline__ void gemv_rows(const float* __restrict__ xs, float* __restrict__ part,
                                           const T* __restrict__ W, const T* __restrict__ bias, int N, int K, int wpr,
-                                          Act act, Out out, const T* __restrict__ xg = nullptr, Pro pro = {}) {
+                                          Act act, Out out, const T* xg = nullptr, Pro pro = {}) {
   constexpr int V = Vec16<T>::n;
   constexpr int R = RW > 2 ? RW : 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -1510,7 +1512,7 @@ struct DenseRows {
 // RW rows per warp (RW > 1: whole rows, not gated): a vocabulary's lm_head has rows of a few
 // hundred values, so one row per warp keeps too few loads in flight per lane.
 template <typename T, int RW>
-__global__ void gemv_kernel(const T* __restrict__ x, const T* __restrict__ W, const T* __restrict__ bias,
+__global__ void gemv_kernel(const T* x, const T* __restrict__ W, const T* __restrict__ bias,
                             T* __restrict__ y, int N, int K, int wpr, Act act) {
   pdl_trigger();  // its weights load before pdl_wait (dot_rows)
   extern __shared__ float xs[];  // [kGemvWarps, 2] partial sums

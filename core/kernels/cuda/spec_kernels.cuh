@@ -192,7 +192,7 @@ void launch_advance_block(const int64_t* report, int Tn, int64_t* block, int64_t
 // back in two kernels.
 //   x: [K]; W: [N, K]; pval, pidx: [gridDim.x] = [gemv_wide_blocks(N)].
 template <typename T>
-__global__ void gemv_argmax_kernel(const T* __restrict__ x, const T* __restrict__ W, int N, int K,
+__global__ void gemv_argmax_kernel(const T* x, const T* __restrict__ W, int N, int K,
                                    float* __restrict__ pval, int* __restrict__ pidx) {
   pdl_trigger();  // its weights load before pdl_wait (dot_rows)
   constexpr int RW = kGemvWideRowsPerWarp;
