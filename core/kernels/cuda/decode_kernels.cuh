@@ -1778,9 +1778,8 @@ __global__ void __launch_bounds__(128, 1)
                            const int64_t* slot_pos, int sp_bs, const int64_t* q_pos, int qstride, int qp_bs,
                            const bool* in_restored, int rwin, int64_t keep_below, const __nv_bfloat16* tk,
                            const __nv_bfloat16* tv, const int64_t* tpos, int tn, float* __restrict__ partial, int Tq,
-                           int Hq, int Hkv, int S, int window, float scale, float softcap, bool late_trigger) {
-  if (!late_trigger) pdl_trigger();
-  pdl_wait();
+                           int Hq, int Hkv, int S, int window, float scale, float softcap) {
+  pdl_begin();
   constexpr int DP = D + 8, VEC = D / 8;  // VEC: 16-byte pieces of a row
   extern __shared__ __align__(16) unsigned char attn_smem[];
   auto ks = reinterpret_cast<__nv_bfloat16(*)[DP]>(attn_smem);                       // [KC][DP]
@@ -1924,7 +1923,6 @@ __global__ void __launch_bounds__(128, 1)
     if (ok_lo) *reinterpret_cast<float2*>(out_lo + D) = make_float2(m_lo, l_lo);
     if (ok_hi) *reinterpret_cast<float2*>(out_hi + D) = make_float2(m_hi, l_hi);
   }
-  if (late_trigger) pdl_trigger();
 }
 
 // Whether a call can take decode_attn_mma_kernel: bf16, dense rows (no coded region), several
@@ -1947,7 +1945,7 @@ inline bool launch_decode_attention_mma(const __nv_bfloat16* q, const __nv_bfloa
                                         const bool* in_restored, int rwin, int64_t keep_below, const __nv_bfloat16* tk,
                                         const __nv_bfloat16* tv, const int64_t* tpos, int tn, float* partial,
                                         __nv_bfloat16* out, int B, int Tq, int Hq, int Hkv, int S, int D, int KC,
-                                        int window, float scale, float softcap, bool late_trigger, cudaStream_t s) {
+                                        int window, float scale, float softcap, cudaStream_t s) {
   const int nchunks = decode_attn_chunks(S + tn, KC);
   const int tiles = (Tq * (Hq / Hkv) + kAttnMmaRows - 1) / kAttnMmaRows;
   const dim3 grid(nchunks, Hkv * tiles, B);
@@ -1961,8 +1959,7 @@ inline bool launch_decode_attention_mma(const __nv_bfloat16* q, const __nv_bfloa
                                                    cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem) == cudaSuccess;
     if (!sized) return;
     launch_pdl(decode_attn_mma_kernel<DD, KK>, grid, 128, smem, s, q, k, v, slot_pos, sp_bs, q_pos, qstride, qp_bs,
-               in_restored, rwin, keep_below, tk, tv, tpos, tn, partial, Tq, Hq, Hkv, S, window, scale, softcap,
-               late_trigger);
+               in_restored, rwin, keep_below, tk, tv, tpos, tn, partial, Tq, Hq, Hkv, S, window, scale, softcap);
     launched = true;
   };
   auto each_keys = [&](auto d) {

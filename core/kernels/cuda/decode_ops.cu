@@ -566,7 +566,6 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     const char* e = std::getenv("KAKEYA_ATTN_MMA");
     return e ? std::atoi(e) : -1;
   }();
-  static const bool mma_late = std::getenv("KAKEYA_ATTN_MMA_LATE") != nullptr;  // measurement: its dependents launch after it
   if (mma_keys != 0 && k::decode_attn_mma_fits(q.scalar_type() == at::kBFloat16, cr.kc != nullptr, (int)T, (int)D)) {
     const int KC = k::decode_attn_mma_keys((int)(S + tn), (int)(B * Hkv), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
                                            mma_keys);
@@ -578,7 +577,7 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
         in_restored, (int)copies.window, in_restored ? copies.keep_below : (int64_t)-1,
         tn ? ptr<__nv_bfloat16>(tail.k) : nullptr, tn ? ptr<__nv_bfloat16>(tail.v) : nullptr,
         tn ? tail.pos.data_ptr<int64_t>() : nullptr, (int)tn, partial.data_ptr<float>(),
-        ptr<__nv_bfloat16>(out), B, T, Hq, Hkv, S, D, KC, window, scale, softcap, mma_late, at::cuda::getCurrentCUDAStream());
+        ptr<__nv_bfloat16>(out), B, T, Hq, Hkv, S, D, KC, window, scale, softcap, at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (launched) return out;
   }
