@@ -560,27 +560,6 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
     const char* e = std::getenv("KAKEYA_ATTN_GROUP");
     return e ? std::atoi(e) : 0;
   }();
-  // Blocks of queries over dense bf16 rows: the tensor-core kernel. KAKEYA_ATTN_MMA=0 turns it off,
-  // =32 / 64 / 128 forces its keys per block (a measurement's switch).
-  static const int mma_keys = [] {
-    const char* e = std::getenv("KAKEYA_ATTN_MMA");
-    return e ? std::atoi(e) : -1;
-  }();
-  if (mma_keys != 0 && k::decode_attn_mma_fits(q.scalar_type() == at::kBFloat16, cr.kc != nullptr, (int)T, (int)D)) {
-    const int KC = k::decode_attn_mma_keys((int)(S + tn), (int)(B * Hkv), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
-                                           mma_keys);
-    auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S + tn, KC), D + 2}, q.options().dtype(at::kFloat));
-    auto out = at::empty({B, T, Hq * D}, q.options());
-    const bool launched = k::launch_decode_attention_mma(
-        ptr<__nv_bfloat16>(q), ptr<__nv_bfloat16>(k), ptr<__nv_bfloat16>(v), slot_pos.data_ptr<int64_t>(),
-        sp_rows ? (int)S : 0, q_pos.data_ptr<int64_t>(), qp_rows || q_pos.numel() != 1 ? 1 : 0, qp_rows ? (int)T : 0,
-        in_restored, (int)copies.window, in_restored ? copies.keep_below : (int64_t)-1,
-        tn ? ptr<__nv_bfloat16>(tail.k) : nullptr, tn ? ptr<__nv_bfloat16>(tail.v) : nullptr,
-        tn ? tail.pos.data_ptr<int64_t>() : nullptr, (int)tn, partial.data_ptr<float>(),
-        ptr<__nv_bfloat16>(out), B, T, Hq, Hkv, S, D, KC, window, scale, softcap, at::cuda::getCurrentCUDAStream());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (launched) return out;
-  }
   const bool long_rotated = cr.kc && cr.rotated && cr.rows >= k::kAttnGroupCodedRows;
   const int G = k::decode_attn_group((int)Hq, (int)Hkv, (int)D, (int)T, long_rotated, group_cap);
   const int keys = k::decode_attn_keys((int)(S + tn), (int)(T * Hq / G),
