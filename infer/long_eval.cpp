@@ -21,9 +21,10 @@ namespace kakeya {
 namespace {
 
 std::string config_forms() {
-  return "oracle | evict:W | restored[-all][-CODE][-codec[-CODE]]:W | exact[-CODE][-codec[-CODE]]:W, e.g. "
-         "restored:W, restored-int4:W, restored-codec-lm3:W, exact-int8:W (exact: the region holds the exact K/V, "
-         "--mix-alpha 1; W: the exact window, a positive integer; CODE: " + ops::row_code_names() +
+  return "oracle | evict:W | restored[-all][-token|-learned][-CODE][-codec[-CODE]]:W | exact[-CODE][-codec[-CODE]]:W, e.g. "
+         "restored:W, restored-learned:W, restored-int4:W, restored-codec-lm3:W, exact-int8:W (exact: the region holds the "
+         "exact K/V, --mix-alpha 1; token / learned: the first layer restored from its token / by f_θ, --token-layers; "
+         "W: the exact window, a positive integer; CODE: " + ops::row_code_names() +
          ", or a rotated one + vC for V rows in C bits, e.g. pw5v3; the codec's CODE may give full-attention layers "
          "their own, +L=CODE: exact-int6-codec-pw4+17=pw5v4:64)";
 }
@@ -301,6 +302,8 @@ LongEvalConfig parse_long_eval_config(const std::string& spec, const RestoreOpti
   for (size_t i = 1; i < parts.size(); ++i) {
     if (parts[i] == "all" && !exact) {
       c.restore.layers = "all";
+    } else if ((parts[i] == "token" || parts[i] == "learned") && !exact) {
+      c.restore.token_layers = parts[i] == "token";  // the first layer from its token, or from f_θ
     } else if (parts[i] == "codec") {
       c.restore.full_attn = FullAttn::Codec;
       // Its code, when one follows (a full-attention layer's own after '+': codec-pw4+17=pw5v4).

@@ -48,7 +48,7 @@ bool RestoreOptions::full_code_weighted() const {
 nlohmann::json RestoreOptions::to_json() const {
   nlohmann::json j{{"sink", sink},        {"window", window},          {"full_attn", full_attn_name(full_attn)},
                    {"mix_alpha", mix_alpha}, {"chunk", resolved_chunk()}, {"stats", stats},
-                   {"layers", layers}};
+                   {"layers", layers},     {"token_layers", token_layers}};
   if (full_attn == FullAttn::Codec) j["full_code"] = ops::layer_codes_name(full_code, full_code_layers);
   if (full_attn == FullAttn::Codec && full_code_weighted()) j["calib"] = calib;
   // Only when coded: reports written before the option existed describe the same runs.

@@ -60,6 +60,13 @@ struct RestoreOptions {
   // "all", "none" (evict-only everywhere: the StreamingLLM baseline, needs no f_θ), or a
   // comma-separated list of verifier layers. resolve_restore_layers() turns it into a per-layer mask.
   std::string layers = "auto";
+  // Covered layers whose K/V are a function of the position's token alone (token_layer(): the
+  // first layer, whose input is the token's embedding) are restored from the token, exactly: their
+  // restored K/V are what the verifier computed for that token, copied from the exact ring as the
+  // position leaves it (as a = 1 does), so f_θ's error there is gone and a region restored on the
+  // fly would need only the token id. false: f_θ restores them too (what this is measured against).
+  // Only with f_θ (a < 1); evict-only drops them like every covered layer.
+  bool token_layers = true;
   // Exact restoration's prefill chunk when --chunk is 0. Chunks of the window run ~330 small kernels
   // per 64 tokens (0.19x AR's prefill at 8k, window 64, int8 regions, H200); longer ones run eagerly:
   // 1024 tokens 0.26x, 2048 0.60-0.79x, 4096 1.03-1.06x (2.45x at 32k; coded full-attention layers

@@ -169,6 +169,12 @@ void set_dropped_layers(RestorePolicy& p, const ModelConfig& cfg, const FTheta* 
 
 // ---------------------------------------------------------------- Restorer
 
+bool token_layer(int64_t l) {
+  // The first layer reads the token's (scaled) embedding and nothing else: its raw K/V are a
+  // function of the token alone, RoPE adds the position. Every later layer mixes positions.
+  return l == 0;
+}
+
 Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* ftheta, const RestoreOptions& opt,
                    KVCache& cache)
     : model_(verifier), drafter_(drafter), ftheta_(ftheta), opt_(opt), cache_(cache) {
@@ -183,6 +189,9 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
                "restorer: cache window " << cache.options().restore.window << " vs " << opt.window);
   KAKEYA_CHECK(!opt.needs_ftheta() || (drafter && ftheta), "restorer: --mix-alpha < 1 needs a drafter and f_θ");
   const at::Device dev = verifier.device();
+  from_token_.assign(cfg.num_layers, false);
+  if (opt.token_layers && opt.needs_ftheta())
+    for (int64_t l : layers_) from_token_[l] = token_layer(l);
   // The pending rings hold every committed position not restored yet. A forward's queries read
   // restored K/V of every j <= (its last position) - window, so before a forward of positions up to
   // p nothing older than p - window + 1 is pending: window slots, plus the rolled-back tail. (An
@@ -234,22 +243,25 @@ Restorer::Restorer(const Model& verifier, const Drafter* drafter, const FTheta* 
                 cfg.layer_head_dim[l] == cfg.layer_head_dim[layers_[0]] && !cache.sinks_only(l);
   }
   if (kernel_) {
-    // One store launch for every layer the policy covers; sinks leaving the window take their
-    // exact K/V, which the exact ring still holds.
-    std::vector<ops::RestoreStore::Layer> layers;
+    // One store launch for every layer f_θ restores, one copy launch for the token layers (both
+    // every layer at a = 1); sinks leaving the window take their exact K/V, which the exact ring
+    // still holds, as do the token layers' positions.
+    std::vector<ops::RestoreStore::Layer> learned, copied;
     for (int64_t l : layers_) {
       ops::RestoreStore::Layer L;
-      L.k_src = exact_copy ? 0 : ftheta->config().k_offset(l);
-      L.v_src = exact_copy ? 0 : ftheta->config().v_offset(l);
+      const bool copy = exact_copy || from_token_[l];
+      L.k_src = copy ? 0 : ftheta->config().k_offset(l);
+      L.v_src = copy ? 0 : ftheta->config().v_offset(l);
       L.args = verifier.rope_args(l, 0, cache.restored_slots(l));
       std::tie(L.args.sink_k, L.args.sink_v) = cache.exact_ring(l);
       L.args.sink = opt.sink;
       L.args.sink_ring = cache.exact_slots(l);
       if (cache.region_coded(l)) L.codes = cache.region_codes(l);
       else std::tie(L.k_cache, L.v_cache) = cache.restored_region(l);
-      layers.push_back(std::move(L));
+      (copy ? copied : learned).push_back(std::move(L));
     }
-    store_ = std::make_unique<ops::RestoreStore>(std::move(layers));
+    if (!learned.empty()) store_ = std::make_unique<ops::RestoreStore>(std::move(learned));
+    if (!copied.empty()) copy_store_ = std::make_unique<ops::RestoreStore>(std::move(copied));
   }
 }
 
@@ -415,12 +427,17 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Ten
   std::vector<std::pair<at::Tensor, at::Tensor>> pred;
   if (opt_.needs_ftheta()) pred = ftheta_->predict(dk, dv);  // per layer [N, H, D]
   for (int64_t l : layers_) {
+    if (from_token_[l] && !opt_.needs_true_raw()) {  // restored from the token: its exact K/V (sinks too)
+      auto [ek, ev] = cache_.exact_kv(l, js);
+      cache_.write_restored(l, ek, ev, js);
+      continue;
+    }
     at::Tensor rk, rv, tk, tv;
     if (opt_.needs_true_raw()) {
       tk = tk_[l].index_select(0, slot);
       tv = tv_[l].index_select(0, slot);
     }
-    if (a >= 1.0) {
+    if (a >= 1.0 || from_token_[l]) {
       rk = tk;
       rv = tv;
     } else {
@@ -459,9 +476,8 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Ten
 
 void Restorer::restore_kernel(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv) {
   const int64_t N = js.size(0);
-  if (!opt_.needs_ftheta()) {
-    store_->copy(js);  // exact restoration
-  } else {
+  if (copy_store_) copy_store_->copy(js);  // exact restoration (a = 1), or the token layers
+  if (store_ && opt_.needs_ftheta()) {
     const FThetaConfig& fc = ftheta_->config();
     at::Tensor k = ftheta_->predict_fused(dk, false).to(model_.dtype()).view({N, fc.k_out()});  // [N, Σ_l H_kv·D]
     at::Tensor v = ftheta_->predict_fused(dv, true).to(model_.dtype()).view({N, fc.v_out()});   // [N, Σ_l H_kv·D]

@@ -10,6 +10,8 @@
 //   restored K/V  otherwise:
 //       j <  sink: the exact K/V of j (attention sinks are never approximated)
 //       j >= sink: finish_kv(a · true_raw(j) + (1 - a) · f_θ(drafter_raw(j)))
+//       on a token layer (token_layer(), RestoreOptions::token_layers, a < 1): j's exact K/V,
+//                  a function of j's token alone
 // where drafter_raw(j) = the drafter's raw context K/V at j (what Tap::KProj/VProj of
 // Drafter::context_kv see, computed for all drafter layers in one GEMM by
 // Drafter::context_raw_kv_rows, on the verifier's hidden states at j, which are themselves
@@ -95,6 +97,9 @@ void check_restores_something(const RestoreOptions& o, int64_t n_prompt, int64_t
 // RestoreOptions::layers per verifier layer: true where the layer reads its restored positions
 // (false on layers the policy does not cover). Throws naming --restore-layers on a bad list.
 std::vector<bool> resolve_restore_layers(const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o);
+// Whether verifier layer l's raw K/V are a function of the position's token alone (the first
+// layer): RestoreOptions::token_layers restores such layers from the token, exactly.
+bool token_layer(int64_t l);
 // The cache policy's per-layer drop mask (covered layers that do not restore) and sink.
 void set_dropped_layers(RestorePolicy& p, const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o);
 
@@ -196,7 +201,8 @@ class Restorer : public TapSubscriber {
   // restore() on CUDA in two GEMMs per stream and one store launch: f_θ's fused outputs, then
   // ops::RestoreStore k-norms, RoPEs and stores them into every layer's restored region (sinks
   // copied from the exact ring): what finish_kv + write_restored do, without ~a dozen ops per layer.
-  // At a = 1 no f_θ: the store copies every position from the exact ring (RestoreStore::copy).
+  // The token layers (and at a = 1 every layer, with no f_θ) take a second store's copy from the
+  // exact ring (RestoreStore::copy).
   void restore_kernel(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv);
   at::Tensor take_features(int64_t n);
 
@@ -222,7 +228,9 @@ class Restorer : public TapSubscriber {
   int64_t restored_upto_ = -1;
   bool kernel_ = false;                          // restore() runs restore_kernel()
   bool features_in_ = false;                     // f_θ reads the target features (feat_) instead of dk_/dv_
-  std::unique_ptr<ops::RestoreStore> store_;     // restore_kernel()'s store (kernel_ only)
+  std::vector<bool> from_token_;                 // per verifier layer: restored from the token (token_layers)
+  std::unique_ptr<ops::RestoreStore> store_;     // restore_kernel()'s store of f_θ's rows (kernel_ only)
+  std::unique_ptr<ops::RestoreStore> copy_store_;  // its copies from the exact ring: every layer at a = 1, else the token layers
 };
 // The cache a restored decode of `capacity` positions runs on (linear: one slot per position,
 // no rings: the reforward reference).

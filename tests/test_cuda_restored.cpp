@@ -80,16 +80,21 @@ class CudaRestoredF32 : public RestoredSetup, public ::testing::Test {
   void SetUp() override { load(at::kFloat); }
 };
 
-// f32: the same math in another op order, so the scores agree to rounding.
+// f32: the same math in another op order, so the scores agree to rounding; with the first layer
+// restored from the token (a second store launch copying the exact ring) and by f_θ.
 TEST_F(CudaRestoredF32, KernelScoresEqualReference) {
-  auto got = score_restored(*target_, drafter_.get(), ftheta_.get(), ids_, options(true));
-  auto want = score_restored(*target_, drafter_.get(), ftheta_.get(), ids_, options(false));
-  ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
-  double worst = 0;
-  for (size_t i = 0; i < got.logprobs.size(); ++i) worst = std::max(worst, std::abs(got.logprobs[i] - want.logprobs[i]));
-  EXPECT_LE(worst, 2e-3) << "max |Δ log p| over " << got.logprobs.size() << " tokens";
-  EXPECT_EQ(got.top1, want.top1);
-  EXPECT_NEAR(got.mean_nll(), want.mean_nll(), 1e-4);
+  for (bool token : {true, false}) {
+    RestoreOptions k = options(true), r = options(false);
+    k.token_layers = r.token_layers = token;
+    auto got = score_restored(*target_, drafter_.get(), ftheta_.get(), ids_, k);
+    auto want = score_restored(*target_, drafter_.get(), ftheta_.get(), ids_, r);
+    ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+    double worst = 0;
+    for (size_t i = 0; i < got.logprobs.size(); ++i) worst = std::max(worst, std::abs(got.logprobs[i] - want.logprobs[i]));
+    EXPECT_LE(worst, 2e-3) << "max |Δ log p| over " << got.logprobs.size() << " tokens, token layers " << token;
+    EXPECT_EQ(got.top1, want.top1) << "token layers " << token;
+    EXPECT_NEAR(got.mean_nll(), want.mean_nll(), 1e-4) << "token layers " << token;
+  }
 }
 
 // Exact restoration (a = 1) through the store kernel copies each position from the exact ring

@@ -305,6 +305,16 @@ TEST(LongEval, ConfigSpecs) {
   EXPECT_EQ(e[1].restore.full_attn, FullAttn::Codec);
   EXPECT_EQ(c[2].restore.mix_alpha, 0.0);
   expect_error([&] { parse_long_eval_configs("exact-all:64", base); }, "unknown modifier 'all'");
+  // The first layer restored from its token (the default) or by f_θ; exact restoration copies every layer anyway.
+  EXPECT_TRUE(c[2].restore.token_layers);
+  RestoreOptions learned_base = base;
+  learned_base.token_layers = false;
+  const auto t = parse_long_eval_configs("restored-learned:64,restored-all-token:64,restored:64", learned_base);
+  EXPECT_FALSE(t[0].restore.token_layers);
+  EXPECT_TRUE(t[1].restore.token_layers);
+  EXPECT_EQ(t[1].restore.layers, "all");
+  EXPECT_FALSE(t[2].restore.token_layers);
+  expect_error([&] { parse_long_eval_configs("exact-learned:64", base); }, "unknown modifier 'learned'");
   EXPECT_EQ(ops::row_code_name(parse_long_eval_configs("restored-ru5-codec-pw5v3:64", base)[0].restore.full_code), "pw5v3");
   // Only configs restoring through f_θ need the drafter and f_θ loaded (eval-long, bench memory).
   EXPECT_FALSE(configs_need_ftheta(parse_long_eval_configs("oracle,evict:64,exact-int6-codec-pw4:64,exact:32", base)));

@@ -492,6 +492,35 @@ TEST(Restored, ExactLayersAreTheVerifiersOwnKv) {
   std::printf("layers %s: nll through f_theta %.5f, exact %.5f, evicted %.5f\n", layers.c_str(), through_f, exact, evict);
 }
 
+// The first layer's K/V are a function of the token alone: restored from the token (the default),
+// that layer scores as exact restoration does, whatever f_θ predicts there (a random f_θ, far from
+// it); restored by f_θ (--token-layers off) it does not. Incremental = reforward either way.
+TEST(Restored, TokenLayerIsRestoredFromTheToken) {
+  ASSERT_TRUE(token_layer(0));
+  ASSERT_FALSE(token_layer(1));
+  ASSERT_TRUE(model().config().is_sliding(0));
+  RestoreOptions ro;
+  ro.sink = 4;
+  ro.window = 8;
+  ro.layers = "0";
+  ASSERT_TRUE(ro.token_layers);
+  const double token = score_restored(model(), &drafter(), &ftheta(), prompt(), ro).mean_nll();
+  ro.token_layers = false;
+  const double learned = score_restored(model(), &drafter(), &ftheta(), prompt(), ro).mean_nll();
+  ro.mix_alpha = 1.0;
+  const double exact = score_restored(model(), &drafter(), &ftheta(), prompt(), ro).mean_nll();
+  EXPECT_NEAR(token, exact, 1e-6);
+  EXPECT_GT(std::abs(learned - exact), 1e-3);
+  std::printf("layer 0: nll from the token %.5f, by a random f_theta %.5f, exact %.5f\n", token, learned, exact);
+  for (bool on : {true, false}) {
+    auto inc_o = options(DecodeMode::Restored, 0.0, 5), ref_o = options(DecodeMode::RestoredReforward, 0.0, 5);
+    inc_o.restore.token_layers = ref_o.restore.token_layers = on;
+    EXPECT_EQ(decode(model(), &drafter(), &ftheta(), prompt(), inc_o).tokens,
+              decode(model(), &drafter(), &ftheta(), prompt(), ref_o).tokens)
+        << "token layers " << on;
+  }
+}
+
 TEST(Restored, MixAlphaOneHasZeroErrorAndKeepsTrueKv) {
   auto o = options(DecodeMode::Restored, 1.0, 4);
   o.restore.stats = true;

@@ -41,6 +41,11 @@ void RestoreFlags::add_restore(CLI::App* c, const std::string& prefix) {
   c->add_option("--restore-layers", layers,
                 prefix + "layers that read restored positions: auto (f_θ's measured list) | all | none (evict-only) | L1,L2,...")
       ->capture_default_str();
+  c->add_option("--token-layers", token_layers,
+                prefix + "on: layers whose K/V depend on the token alone (the first) restored from the token, exactly; "
+                         "off: f_θ restores them too")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"on", "off"}));
 }
 
 void RestoreFlags::add(CLI::App* c, bool with_alpha) {
@@ -63,6 +68,7 @@ RestoreOptions RestoreFlags::options() const {
   o.full_attn = parse_full_attn(full_attn);
   o.mix_alpha = mix_alpha;
   o.layers = layers;
+  o.token_layers = token_layers == "on";
   o.region_code = ops::parse_row_code(region_code, "--restored-code");
   check_region_code(o.region_code, "--restored-code");
   if (full_code == "auto") {  // the codes chosen for this model on calibration text (its identity checked)

@@ -23,6 +23,7 @@ struct RestoreFlags {
   int64_t sink = RestoreOptions{}.sink, window = RestoreOptions{}.window, chunk = 0;
   std::string full_attn = "exact";
   std::string layers = "auto";  // --restore-layers (RestoreOptions::layers)
+  std::string token_layers = RestoreOptions{}.token_layers ? "on" : "off";  // --token-layers
   std::string region_code = "none";  // --restored-code (RestoreOptions::region_code)
   std::string full_code = ops::row_code_name(RestoreOptions{}.full_code);  // --full-code
   std::string calib = "checkpoints/gemma3-270m/calib";                    // --calib (pwB's K weights)
