@@ -477,7 +477,7 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Ten
 void Restorer::restore_kernel(const at::Tensor& js, const at::Tensor& dk, const at::Tensor& dv) {
   const int64_t N = js.size(0);
   if (copy_store_) copy_store_->copy(js);  // exact restoration (a = 1), or the token layers
-  if (store_ && opt_.needs_ftheta()) {
+  if (store_) {  // f_θ's rows (built only when f_θ restores some layer)
     const FThetaConfig& fc = ftheta_->config();
     at::Tensor k = ftheta_->predict_fused(dk, false).to(model_.dtype()).view({N, fc.k_out()});  // [N, Σ_l H_kv·D]
     at::Tensor v = ftheta_->predict_fused(dv, true).to(model_.dtype()).view({N, fc.v_out()});   // [N, Σ_l H_kv·D]
