@@ -128,6 +128,27 @@ TEST(FThetaLoss, UnknownLossNamesTheChoices) {
   }
 }
 
+TEST(FThetaLoss, LayerSpecs) {
+  ModelConfig mc;
+  mc.num_layers = 4;
+  mc.layer_types = {LayerType::Sliding, LayerType::Sliding, LayerType::Full, LayerType::Sliding};
+  EXPECT_TRUE(parse_ftheta_loss_layers("all", mc).empty());  // empty = every layer
+  EXPECT_EQ(parse_ftheta_loss_layers("sliding", mc), (std::vector<int64_t>{0, 1, 3}));
+  EXPECT_EQ(parse_ftheta_loss_layers("full", mc), (std::vector<int64_t>{2}));
+  // restored: the sliding layers but the first, which a restored decode takes from the token
+  EXPECT_EQ(parse_ftheta_loss_layers("restored", mc), (std::vector<int64_t>{1, 3}));
+  try {
+    parse_ftheta_loss_layers("slide", mc);
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("--layers 'slide' (expected all, sliding, full or restored)"),
+              std::string::npos)
+        << e.what();
+  }
+  mc.layer_types.assign(4, LayerType::Sliding);
+  EXPECT_THROW(parse_ftheta_loss_layers("full", mc), Error);  // no such layers
+}
+
 // ---------------------------------------------------------------------------
 // FTheta model
 

@@ -56,16 +56,6 @@ FThetaSequence to_training(const data::CaptureSequence& c, const FThetaConfig& f
   return s;
 }
 
-std::vector<int64_t> parse_layers(const std::string& spec, const ModelConfig& mc) {
-  std::vector<int64_t> out;
-  if (spec == "all") return out;  // empty = all
-  KAKEYA_CHECK(spec == "sliding" || spec == "full", "--layers '" << spec << "' (expected all, sliding or full)");
-  for (int64_t l = 0; l < mc.num_layers; ++l)
-    if ((spec == "sliding") == mc.is_sliding(l)) out.push_back(l);
-  KAKEYA_CHECK(!out.empty(), "--layers " << spec << ": the verifier has no such layers");
-  return out;
-}
-
 // Resume, train, report, save, plot: the same for captured and online data.
 // Data-parallel: every rank trains, rank 0 alone writes SAVE.
 template <typename Opts>
@@ -147,7 +137,8 @@ void register_train_ftheta(CLI::App& app) {
   c->add_option("--lambda-v-mag", o->t.loss.lambda_v_mag, "hybrid: weight of the pre-norm V magnitude term")->capture_default_str();
   c->add_option("--sink", o->t.loss.layout.sink, "exact sink positions (the decoder's layout)")->capture_default_str();
   c->add_option("--window", o->t.loss.layout.window, "exact recent positions per query")->capture_default_str();
-  c->add_option("--layers", o->layers, "verifier layers in the loss: all | sliding | full")->capture_default_str();
+  c->add_option("--layers", o->layers, "verifier layers in the loss: all | sliding | full | restored (sliding but the token layers)")
+      ->capture_default_str();
   c->add_option("--steps", o->t.steps, "optimisation steps")->capture_default_str();
   c->add_option("--batch", o->t.batch, "sequences per step")->capture_default_str();
   c->add_option("--max-len", o->t.max_len, "prefix length cap per sequence")->capture_default_str();
@@ -184,7 +175,7 @@ void register_train_ftheta(CLI::App& app) {
     KAKEYA_CHECK(!reader || o->input == "drafter_kv",
                  "train-ftheta: --input target_features needs --online (a capture stores the drafter's K/V, not the features)");
     o->t.loss.type = parse_ftheta_loss(o->loss);
-    o->t.loss.layers = parse_layers(o->layers, verifier.config());
+    o->t.loss.layers = parse_ftheta_loss_layers(o->layers, verifier.config());
 
     FTheta f;
     if (!o->init_from.empty()) {

@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/kernels/ops.h"
+#include "infer/restorer.h"
 
 namespace kakeya::train {
 
@@ -28,6 +29,18 @@ FThetaLoss parse_ftheta_loss(const std::string& s) {
 }
 
 const char* ftheta_loss_name(FThetaLoss l) { return kLossNames[(int)l]; }
+
+std::vector<int64_t> parse_ftheta_loss_layers(const std::string& spec, const ModelConfig& cfg) {
+  std::vector<int64_t> out;
+  if (spec == "all") return out;  // empty = all
+  KAKEYA_CHECK(spec == "sliding" || spec == "full" || spec == "restored",
+               "--layers '" << spec << "' (expected all, sliding, full or restored)");
+  for (int64_t l = 0; l < cfg.num_layers; ++l)
+    if (spec == "full" ? !cfg.is_sliding(l) : cfg.is_sliding(l) && !(spec == "restored" && token_layer(l)))
+      out.push_back(l);
+  KAKEYA_CHECK(!out.empty(), "--layers " << spec << ": the verifier has no such layers");
+  return out;
+}
 const char* ftheta_stat_name(int64_t s) { return kStatNames[s]; }
 
 FThetaLossResult ftheta_kv_loss(const Model& verifier, const std::vector<std::pair<at::Tensor, at::Tensor>>& pred,

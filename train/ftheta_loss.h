@@ -48,6 +48,10 @@ namespace kakeya::train {
 enum class FThetaLoss { Mse, CosMag, Combined, AttnDistill, AttnDistillHybrid };
 FThetaLoss parse_ftheta_loss(const std::string& s);  // "mse" ... "attn_distill_hybrid"; error lists the choices
 const char* ftheta_loss_name(FThetaLoss l);
+// FThetaLossOptions::layers of a --layers spec: all (empty: every layer) | sliding | full | restored
+// (what a restored decode takes from f_θ by default: the sliding layers but the token layers,
+// infer/restorer.h token_layer, whose rows f_θ computes and nothing reads). Errors name --layers.
+std::vector<int64_t> parse_ftheta_loss_layers(const std::string& spec, const ModelConfig& cfg);
 
 // Which cached positions are exact for a query (the restored decoder's layout).
 struct KVLayout {
