@@ -208,6 +208,56 @@ TEST(FTheta, SaveLoadRoundTripAnyDtype) {
   }
 }
 
+// The nonlinear branch: y = dec(enc(x)) + gelu(x F1^T + f1) F2^T; added at zero it changes nothing;
+// saved and loaded with the rest; gradients reach it; configs written without it read as none.
+TEST(FTheta, NonlinearBranch) {
+  FTheta lin = FTheta::random(mixed_config(), 5, at::kFloat, at::kCPU);
+  at::Tensor dk = at::randn({2, 7, 3, 1, 7}), dv = at::randn({2, 7, 3, 1, 7});
+  const at::Tensor before = lin.predict_fused(dk, false);
+  lin.add_mlp(6, 9);
+  EXPECT_EQ(lin.config().mlp_hidden, 6);
+  EXPECT_TRUE(at::equal(lin.predict_fused(dk, false), before));  // F2 = 0
+  EXPECT_THROW(lin.add_mlp(6, 9), Error);                        // one branch
+
+  FThetaConfig c = mixed_config();
+  c.mlp_hidden = 6;
+  FTheta f = FTheta::random(c, 5, at::kFloat, at::kCPU);
+  auto P = f.named_parameters();
+  ASSERT_EQ(P.size(), 14u);
+  EXPECT_EQ(P[8].first, "k.mlp.fc1.weight");
+  EXPECT_EQ(P[13].first, "v.mlp.fc2.weight");
+  EXPECT_EQ(P[10].second.sizes(), at::IntArrayRef({48, 6}));  // [k_out, h]
+  P[10].second.normal_();  // a trained-looking F2 for K (nothing requires grad yet)
+  P[13].second.normal_();
+  at::Tensor rows = dk.flatten(2);  // [2, 7, 21]
+  at::Tensor lin_k = at::linear(at::linear(rows, P[0].second, P[1].second), P[2].second, P[3].second);
+  at::Tensor mlp_k = at::linear(at::gelu(at::linear(rows, P[8].second, P[9].second)), P[10].second);
+  expect_close(f.predict_fused(dk, false), lin_k + mlp_k, 1e-5, 1e-5, "K = code + branch");
+  at::Tensor rows_v = dv.flatten(2);
+  at::Tensor lin_v = at::linear(at::linear(rows_v, P[4].second, P[5].second), P[6].second, P[7].second);
+  at::Tensor mlp_v = at::linear(at::gelu(at::linear(rows_v, P[11].second, P[12].second)), P[13].second);
+  expect_close(f.predict_fused(dv, true), lin_v + mlp_v, 1e-5, 1e-5, "V = code + branch");
+
+  const std::string dir = temp_dir("mlp");
+  f.save(dir);
+  FTheta g = FTheta::load(dir, at::kFloat, at::kCPU);
+  EXPECT_EQ(g.config().mlp_hidden, 6);
+  auto pg = g.named_parameters();
+  ASSERT_EQ(pg.size(), P.size());
+  for (size_t i = 0; i < P.size(); ++i) EXPECT_TRUE(at::equal(P[i].second, pg[i].second)) << P[i].first;
+
+  for (auto& [name, t] : P) t.requires_grad_(true);
+  f.predict_fused(dk, false).pow(2).sum().backward();
+  EXPECT_GT(P[10].second.grad().abs().sum().item<double>(), 0);  // F2
+  EXPECT_GT(P[8].second.grad().abs().sum().item<double>(), 0);   // F1 (F2 is not zero here)
+
+  json j = f.config().to_json();
+  EXPECT_EQ(j["mlp_hidden"], 6);
+  EXPECT_FALSE(mixed_config().to_json().contains("mlp_hidden"));  // none: as before the branch existed
+  j["mlp_hidden"] = -1;
+  test::expect_error([&] { FThetaConfig::from_json(j, "f.json"); }, "field 'mlp_hidden' expected an integer >= 0");
+}
+
 TEST(FTheta, MismatchedConfigRefused) {
   const std::string dir = test::fixtures_dir("ftheta") + "/gemma3";
   ModelConfig v = ModelConfig::from_file(dir + "/config.json");

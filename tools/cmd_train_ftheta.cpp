@@ -66,8 +66,10 @@ void finish_training(FThetaTrainer& tr, FTheta& f, const Opts& opt, const Dist& 
   if (o->resume && !tr.resume() && root)
     std::fprintf(stderr, "[train-ftheta] --resume: no checkpoint yet, starting fresh\n");
   if (root)
-    std::fprintf(stderr, "[train-ftheta] f_theta rank %lld (%s input), %lld parameters, loss %s, %s, %d rank(s)%s\n",
-                 (long long)f.config().rank, ftheta_input_name(f.config().input), (long long)f.num_parameters(),
+    std::fprintf(stderr, "[train-ftheta] f_theta rank %lld%s (%s input), %lld parameters, loss %s, %s, %d rank(s)%s\n",
+                 (long long)f.config().rank,
+                 f.config().mlp_hidden ? (" + nonlinear branch " + std::to_string(f.config().mlp_hidden)).c_str() : "",
+                 ftheta_input_name(f.config().input), (long long)f.num_parameters(),
                  o->loss.c_str(), device_description(dist.device()).c_str(), dist.world(),
                  dist.backend() == "none" ? "" : (" (" + dist.backend() + ")").c_str());
   const bool done = tr.run();
@@ -100,7 +102,7 @@ void register_train_ftheta(CLI::App& app) {
     std::string data, online, verifier = "checkpoints/models/gemma3-270m", drafter, save, init_from,
         loss = "attn_distill_hybrid";
     std::string layers = "all", plot_python = "python3", input = "drafter_kv";
-    int64_t rank = 256, heldout = 4, synthetic_every = 8, max_train_tokens = 0;
+    int64_t rank = 256, mlp_hidden = 0, heldout = 4, synthetic_every = 8, max_train_tokens = 0;
     bool resume = false, exact = false;
     FThetaTrainOptions t;
     DeviceFlags df;
@@ -130,6 +132,11 @@ void register_train_ftheta(CLI::App& app) {
               "target_features: layers fed by a feature layer get their K/V in closed form from the verifier's own "
               "projections (fixed, not trained; core/model/ftheta.h)");
   c->add_option("--rank", o->rank, "shared encoder width r (ignored with --init-from)")->capture_default_str();
+  c->add_option("--mlp-hidden", o->mlp_hidden,
+                "width of a nonlinear branch beside the low-rank code, zero-initialised (an --init-from f_theta "
+                "without one gets it); 0: none")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   c->add_option("--loss", o->loss, "mse | cos_mag | combined | attn_distill | attn_distill_hybrid")->capture_default_str();
   c->add_option("--lambda-k-dir", o->t.loss.lambda_k_dir, "hybrid: weight of the post-norm K direction term")->capture_default_str();
   c->add_option("--lambda-v-dir", o->t.loss.lambda_v_dir, "hybrid: weight of the post-norm V direction term")->capture_default_str();
@@ -185,6 +192,10 @@ void register_train_ftheta(CLI::App& app) {
       f = FTheta::random(FThetaConfig::for_pair(verifier.config(), dcfg, o->rank, parse_ftheta_input(o->input)),
                          o->t.seed, at::kFloat, dev);
     }
+    if (o->mlp_hidden > 0 && f.config().mlp_hidden == 0) f.add_mlp(o->mlp_hidden, o->t.seed);
+    KAKEYA_CHECK(o->mlp_hidden == 0 || f.config().mlp_hidden == o->mlp_hidden,
+                 "--mlp-hidden " << o->mlp_hidden << ": " << o->init_from << " has a nonlinear branch of width "
+                                 << f.config().mlp_hidden);
     if (o->exact) f.add_exact_layers(verifier);
     fs::make_dirs(o->save);
     const std::string ckpt = o->save + "/checkpoint.safetensors";

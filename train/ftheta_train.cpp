@@ -278,8 +278,9 @@ bool FThetaTrainer::resume() {
   json mine = f_.config().to_json(), theirs = json::parse(md["f_theta_config"]);
   mine.erase("provenance");
   theirs.erase("provenance");
-  KAKEYA_CHECK(mine == theirs, ckpt_ << ": the checkpoint's f_theta config differs from this run's (rank, dimensions "
-                                        "or model fingerprints): delete it or use the same models and --rank");
+  KAKEYA_CHECK(mine == theirs, ckpt_ << ": the checkpoint's f_theta config differs from this run's (rank, nonlinear branch, "
+                                        "dimensions or model fingerprints): delete it or use the same models, --rank "
+                                        "and --mlp-hidden");
   json o = json::parse(md["options"]), want = opt_.to_json();
   for (auto& [k, v] : want.items())
     KAKEYA_CHECK(o.contains(k) && o[k] == v, ckpt_ << ": option '" << k << "' was " << (o.contains(k) ? o[k].dump() : "absent")

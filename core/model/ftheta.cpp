@@ -125,7 +125,7 @@ json FThetaConfig::to_json() const {
     in["layers"] = feature_layers;
     in["hidden"] = hidden;
   }
-  return {{"format", kFThetaFormat},
+  json j = {{"format", kFThetaFormat},
           {"rank", rank},
           {"input", in},
           {"drafter", {{"layers", drafter_layers}, {"kv_heads", drafter_kv_heads}, {"head_dim", drafter_head_dim}}},
@@ -135,6 +135,8 @@ json FThetaConfig::to_json() const {
           {"verifier_fingerprint", verifier_fingerprint},
           {"drafter_fingerprint", drafter_fingerprint},
           {"provenance", provenance}};
+  if (mlp_hidden > 0) j["mlp_hidden"] = mlp_hidden;  // absent: none (configs written before the branch read alike)
+  return j;
 }
 
 FThetaConfig FThetaConfig::from_json(const json& j, const std::string& file) {
@@ -158,6 +160,12 @@ FThetaConfig FThetaConfig::from_json(const json& j, const std::string& file) {
   KAKEYA_CHECK(fmt == kFThetaFormat, file << ": field 'format' is '" << fmt << "', expected '" << kFThetaFormat << "'");
   FThetaConfig c;
   c.rank = positive(j, "rank", "rank");
+  if (j.contains("mlp_hidden")) {
+    const json& h = j.at("mlp_hidden");
+    KAKEYA_CHECK(h.is_number_integer() && h.get<int64_t>() >= 0,
+                 file << ": field 'mlp_hidden' expected an integer >= 0 (0: no nonlinear branch), got " << h.dump());
+    c.mlp_hidden = h.get<int64_t>();
+  }
   const json& d = field(j, "drafter", "drafter");
   KAKEYA_CHECK(d.is_object(), file << ": field 'drafter' expected an object, got " << d.dump());
   c.drafter_layers = positive(d, "layers", "drafter.layers");
@@ -289,6 +297,13 @@ std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const
     out.push_back({pre + ".decoder.weight", {n, c.rank}});
     out.push_back({pre + ".decoder.bias", {n}});
   }
+  for (int p = 0; p < 2 && c.mlp_hidden > 0; ++p) {
+    const int64_t n = p == 0 ? c.k_out() : c.v_out();
+    const std::string pre = kPath[p];
+    out.push_back({pre + ".mlp.fc1.weight", {c.mlp_hidden, c.in_features()}});
+    out.push_back({pre + ".mlp.fc1.bias", {c.mlp_hidden}});
+    out.push_back({pre + ".mlp.fc2.weight", {n, c.mlp_hidden}});
+  }
   for (int p = 0; p < 2; ++p) {
     const int64_t n = c.exact_rows(p == 1);
     if (n == 0) continue;
@@ -306,6 +321,7 @@ FTheta FTheta::random(const FThetaConfig& cfg, uint64_t seed, at::ScalarType dty
   FTheta f;
   f.cfg_ = cfg;
   f.cfg_.exact_layers.clear();  // their tensors are the verifier's: add_exact_layers
+  f.cfg_.mlp_hidden = 0;        // add_mlp below
   auto uniform = [&](std::vector<int64_t> shape, int64_t fan_in) {
     const double b = 1.0 / std::sqrt((double)fan_in);
     return (at::rand(shape, gen, at::kFloat) * (2 * b) - b).to(device, dtype);
@@ -318,7 +334,24 @@ FTheta FTheta::random(const FThetaConfig& cfg, uint64_t seed, at::ScalarType dty
     f.dec_b_[p] = uniform({n}, cfg.rank);
   }
   f.check_shapes("f_theta (random)");
+  if (cfg.mlp_hidden > 0) f.add_mlp(cfg.mlp_hidden, seed + 1);
   return f;
+}
+
+void FTheta::add_mlp(int64_t hidden, uint64_t seed) {
+  KAKEYA_CHECK(hidden > 0, "f_theta: nonlinear branch width expected > 0, got " << hidden);
+  KAKEYA_CHECK(cfg_.mlp_hidden == 0, "f_theta: has a nonlinear branch of width " << cfg_.mlp_hidden << " already");
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  const int64_t in = cfg_.in_features();
+  const double b = 1.0 / std::sqrt((double)in);
+  const auto to = at::TensorOptions().dtype(dtype()).device(device());
+  for (int p = 0; p < 2; ++p) {
+    mlp1_w_[p] = (at::rand({hidden, in}, gen, at::kFloat) * (2 * b) - b).to(to);
+    mlp1_b_[p] = (at::rand({hidden}, gen, at::kFloat) * (2 * b) - b).to(to);
+    mlp2_w_[p] = at::zeros({dec_w_[p].size(0), hidden}, to);
+  }
+  cfg_.mlp_hidden = hidden;
+  check_shapes("f_theta (nonlinear branch)");
 }
 
 FTheta FTheta::load(const std::string& dir, at::ScalarType dtype, at::Device device) {
@@ -347,6 +380,11 @@ FTheta FTheta::load(const std::string& dir, at::ScalarType dtype, at::Device dev
     f.enc_b_[p] = w.at(pre + ".encoder.bias");
     f.dec_w_[p] = w.at(pre + ".decoder.weight");
     f.dec_b_[p] = w.at(pre + ".decoder.bias");
+    if (f.cfg_.mlp_hidden > 0) {
+      f.mlp1_w_[p] = w.at(pre + ".mlp.fc1.weight");
+      f.mlp1_b_[p] = w.at(pre + ".mlp.fc1.bias");
+      f.mlp2_w_[p] = w.at(pre + ".mlp.fc2.weight");
+    }
     if (w.count(pre + ".exact.weight")) {
       f.ex_w_[p] = w.at(pre + ".exact.weight");
       f.ex_b_[p] = w.at(pre + ".exact.bias");
@@ -437,6 +475,13 @@ std::vector<std::pair<std::string, at::Tensor>> FTheta::named_parameters() const
     out.push_back({pre + ".decoder.weight", dec_w_[p]});
     out.push_back({pre + ".decoder.bias", dec_b_[p]});
   }
+  for (int p = 0; p < 2; ++p) {
+    if (!mlp1_w_[p].defined()) continue;
+    const std::string pre = kPath[p];
+    out.push_back({pre + ".mlp.fc1.weight", mlp1_w_[p]});
+    out.push_back({pre + ".mlp.fc1.bias", mlp1_b_[p]});
+    out.push_back({pre + ".mlp.fc2.weight", mlp2_w_[p]});
+  }
   return out;
 }
 
@@ -472,6 +517,8 @@ at::Tensor FTheta::predict_fused(const at::Tensor& x, bool v_path) const {
   at::Tensor rows = input_rows(x, v_path);                    // [..., in]
   at::Tensor z = at::linear(rows, enc_w_[p], enc_b_[p]);      // [..., r]
   at::Tensor y = at::linear(z, dec_w_[p], dec_b_[p]);         // [..., k_out | v_out]
+  if (mlp1_w_[p].defined())                                   // the nonlinear branch: [..., h] -> [..., k_out | v_out]
+    y = y + at::linear(at::gelu(at::linear(rows, mlp1_w_[p], mlp1_b_[p])), mlp2_w_[p]);
   return ex_w_[p].defined() ? with_exact(y, rows, p) : y;
 }
 

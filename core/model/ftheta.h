@@ -6,6 +6,14 @@
 //   z = x · E^T + e                                        [N, r]   shared low-rank encoder
 //   y_l = z · W_l^T + b_l  for every verifier layer l      [N, H_kv(l)·D(l)]   one decoder per layer
 //
+// With FThetaConfig::mlp_hidden = h > 0 each path also has a nonlinear branch beside the code:
+//
+//   y += gelu(x · F1^T + f1) · F2^T                         [N, h] -> [N, k_out | v_out]
+//
+// The low-rank code is near the best LINEAR map of its input already; the branch is what a
+// nonlinear f_θ adds. F2 starts at zero (add_mlp), so a linear f_θ given a branch predicts what it
+// did before, and training starts from it.
+//
 // Two inputs (FThetaConfig::input):
 //   drafter_kv       the seeds' input: the drafter's raw context K (K path), resp. V (V path),
 //                    concatenated over drafter layers, [N, L_d·H_d·D_d]. Each drafter layer's
@@ -46,6 +54,8 @@
 //   k.encoder.weight [r, in]  k.encoder.bias [r]
 //   k.decoder.weight [Σ_l H_kv(l)·D(l), r]  k.decoder.bias [Σ_l H_kv(l)·D(l)]
 //   v.* the same, the V decoder without the rows of K=V layers.
+//   with a nonlinear branch also k.mlp.fc1.weight [h, in]  k.mlp.fc1.bias [h]  k.mlp.fc2.weight [k_out, h]
+//   (v.mlp.* the same with v_out);
 //   with exact layers also k.exact.weight [Σ_e H_kv(e)·D(e), H]  k.exact.bias [Σ_e H_kv(e)·D(e)]
 //   (e over exact_layers, in order) and v.exact.* the same over exact layers with a V decoder.
 #pragma once
@@ -71,6 +81,8 @@ FThetaInput parse_ftheta_input(const std::string& name);  // throws naming the c
 
 struct FThetaConfig {
   int64_t rank = 256;                       // shared low-rank encoder width r
+  // Width h of the nonlinear branch (0: none). JSON "mlp_hidden", absent in configs written before it (0).
+  int64_t mlp_hidden = 0;
   FThetaInput input = FThetaInput::DrafterKV;
   // Drafter side (DrafterKV input): the input is [N, drafter_layers, drafter_kv_heads, drafter_head_dim].
   int64_t drafter_layers = 0, drafter_kv_heads = 0, drafter_head_dim = 0;
@@ -163,8 +175,14 @@ class FTheta {
   at::Tensor input_rows(const at::Tensor& x, bool v_path) const;
 
   // The learned tensors: name -> tensor, sharing storage with the model (the trainer sets
-  // requires_grad and updates them in place). Names as in f_theta.safetensors.
+  // requires_grad and updates them in place). Names as in f_theta.safetensors: both paths'
+  // encoder and decoder first, then the nonlinear branch's.
   std::vector<std::pair<std::string, at::Tensor>> named_parameters() const;
+
+  // A nonlinear branch of width `hidden` on both paths, F1 and f1 drawn as nn.Linear's from `seed`,
+  // F2 zero: predictions are unchanged until it is trained (train-ftheta --mlp-hidden). Throws if
+  // there is one already.
+  void add_mlp(int64_t hidden, uint64_t seed);
 
   // Every layer whose input is a tapped feature row (and that computes its own K/V) becomes an
   // exact layer: its K/V rows of `verifier` (the pair's verifier, checked by fingerprint), folded
@@ -181,6 +199,7 @@ class FTheta {
   FThetaConfig cfg_;
   at::Tensor enc_w_[2], enc_b_[2];  // [0] = K, [1] = V: [r, in], [r]
   at::Tensor dec_w_[2], dec_b_[2];  // [k_out|v_out, r], [k_out|v_out]
+  at::Tensor mlp1_w_[2], mlp1_b_[2], mlp2_w_[2];  // [h, in], [h], [k_out|v_out, h]; undefined without the branch
   at::Tensor ex_w_[2], ex_b_[2];    // [exact_rows, H], [exact_rows]; undefined without exact rows on that path
 };
 

@@ -8,7 +8,8 @@
 #   3. `kakeya ftheta-layers` on held-out corpus text: restore only the layers that beat evict-only.
 # Env: MODEL (/tmp/models/gemma3-270m), DRAFTER (checkpoints/gemma3-270m/drafter), RUN (/tmp/ftheta-online),
 #      INPUT (target_features), RANK (256), STEPS (3000), BATCH (8), MAX_LEN (1024), LR (1e-3), WARMUP (200),
-#      SYNTH (8), WINDOW (64: the exact window of the loss's layout), LAYERS (all: the layers in the loss), INIT (an f_θ directory to start from;
+#      SYNTH (8), WINDOW (64: the exact window of the loss's layout), LAYERS (all: the layers in the loss),
+#      MLP (0: the width of f_θ's nonlinear branch, --mlp-hidden), INIT (an f_θ directory to start from;
 #      empty: random), EXACT (1: --exact-layers), BUDGET (seconds for this call, 540), OUT (/tmp/ftheta-online-out).
 # Writes to $OUT when finished: ftheta.tar.partNN = one tar of report.json, loss.png, layers.json,
 # train.log, corpus_manifest.json and ftheta/ (bf16), split into 15 MiB parts (the device tool brings
@@ -21,7 +22,7 @@ DRAFTER=${DRAFTER:-checkpoints/gemma3-270m/drafter}
 RUN=${RUN:-/tmp/ftheta-online}
 INPUT=${INPUT:-target_features}; RANK=${RANK:-256}; STEPS=${STEPS:-3000}; BATCH=${BATCH:-8}
 MAX_LEN=${MAX_LEN:-1024}; LR=${LR:-1e-3}; WARMUP=${WARMUP:-200}; SYNTH=${SYNTH:-8}; BUDGET=${BUDGET:-540}
-WINDOW=${WINDOW:-64}; LAYERS=${LAYERS:-all}; INIT=${INIT:-}; EXACT=${EXACT:-0}
+WINDOW=${WINDOW:-64}; LAYERS=${LAYERS:-all}; MLP=${MLP:-0}; INIT=${INIT:-}; EXACT=${EXACT:-0}
 EXTRA=()
 [ -n "$INIT" ] && EXTRA+=(--init-from "$INIT")
 [ "$EXACT" = 1 ] && EXTRA+=(--exact-layers)
@@ -43,7 +44,7 @@ echo "[ftheta-online] corpus ready at +$(( $(date +%s) - T0 ))s"
 build-cuda/kakeya train-ftheta --device cuda --online "$RUN/corpus" --input "$INPUT" --verifier "$MODEL" \
   --drafter "$DRAFTER" --save "$RUN/save" --resume --loss attn_distill_hybrid --rank "$RANK" --steps "$STEPS" \
   --batch "$BATCH" --max-len "$MAX_LEN" --lr "$LR" --lr-schedule cosine --warmup "$WARMUP" --heldout 8 --eval-every 500 \
-  --synthetic-every "$SYNTH" --window "$WINDOW" --layers "$LAYERS" "${EXTRA[@]}" --deadline $((T0 + BUDGET - 100)) 2>&1 | tr '\r' '\n' | tee -a "$RUN/train.log" \
+  --synthetic-every "$SYNTH" --window "$WINDOW" --layers "$LAYERS" --mlp-hidden "$MLP" "${EXTRA[@]}" --deadline $((T0 + BUDGET - 100)) 2>&1 | tr '\r' '\n' | tee -a "$RUN/train.log" \
   | grep -v "^\[train-ftheta\] step" | tail -12
 grep "^\[train-ftheta\] step" "$RUN/train.log" | tail -1
 if [ ! -f "$RUN/save/f_theta.safetensors" ]; then
