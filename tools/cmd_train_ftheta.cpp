@@ -136,7 +136,7 @@ void register_train_ftheta(CLI::App& app) {
                 "width of a nonlinear branch beside the low-rank code, zero-initialised (an --init-from f_theta "
                 "without one gets it); 0: none")
       ->capture_default_str()
-      ->check(CLI::NonNegativeNumber);
+      ->check(non_negative());
   c->add_option("--loss", o->loss, "mse | cos_mag | combined | attn_distill | attn_distill_hybrid")->capture_default_str();
   c->add_option("--lambda-k-dir", o->t.loss.lambda_k_dir, "hybrid: weight of the post-norm K direction term")->capture_default_str();
   c->add_option("--lambda-v-dir", o->t.loss.lambda_v_dir, "hybrid: weight of the post-norm V direction term")->capture_default_str();

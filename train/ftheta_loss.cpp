@@ -30,6 +30,8 @@ FThetaLoss parse_ftheta_loss(const std::string& s) {
 
 const char* ftheta_loss_name(FThetaLoss l) { return kLossNames[(int)l]; }
 
+const char* ftheta_stat_name(int64_t s) { return kStatNames[s]; }
+
 std::vector<int64_t> parse_ftheta_loss_layers(const std::string& spec, const ModelConfig& cfg) {
   std::vector<int64_t> out;
   if (spec == "all") return out;  // empty = all
@@ -41,7 +43,6 @@ std::vector<int64_t> parse_ftheta_loss_layers(const std::string& spec, const Mod
   KAKEYA_CHECK(!out.empty(), "--layers " << spec << ": the verifier has no such layers");
   return out;
 }
-const char* ftheta_stat_name(int64_t s) { return kStatNames[s]; }
 
 FThetaLossResult ftheta_kv_loss(const Model& verifier, const std::vector<std::pair<at::Tensor, at::Tensor>>& pred,
                                 const FThetaBatch& b, const FThetaLossOptions& opt) {

@@ -126,15 +126,15 @@ json FThetaConfig::to_json() const {
     in["hidden"] = hidden;
   }
   json j = {{"format", kFThetaFormat},
-          {"rank", rank},
-          {"input", in},
-          {"drafter", {{"layers", drafter_layers}, {"kv_heads", drafter_kv_heads}, {"head_dim", drafter_head_dim}}},
-          {"verifier_layers", layers},
-          {"restore_layers", restore_layers_measured ? json(restore_layers) : json(nullptr)},
-          {"exact_layers", exact_layers},
-          {"verifier_fingerprint", verifier_fingerprint},
-          {"drafter_fingerprint", drafter_fingerprint},
-          {"provenance", provenance}};
+            {"rank", rank},
+            {"input", in},
+            {"drafter", {{"layers", drafter_layers}, {"kv_heads", drafter_kv_heads}, {"head_dim", drafter_head_dim}}},
+            {"verifier_layers", layers},
+            {"restore_layers", restore_layers_measured ? json(restore_layers) : json(nullptr)},
+            {"exact_layers", exact_layers},
+            {"verifier_fingerprint", verifier_fingerprint},
+            {"drafter_fingerprint", drafter_fingerprint},
+            {"provenance", provenance}};
   if (mlp_hidden > 0) j["mlp_hidden"] = mlp_hidden;  // absent: none (configs written before the branch read alike)
   return j;
 }
