@@ -284,6 +284,24 @@ TEST(Restored, IncrementalEqualsReforwardWithRandomFTheta) {
   EXPECT_NE(inc.tokens, std::vector<int64_t>(ar_tokens().begin(), ar_tokens().begin() + 5));
 }
 
+// An f_θ with a nonlinear branch restores through the same paths: incremental = reforward, and the
+// branch changes what is restored (scores differ from the same f_θ with F2 = 0).
+TEST(Restored, IncrementalEqualsReforwardWithNonlinearFTheta) {
+  FThetaConfig c = FThetaConfig::for_pair(model().config(), drafter().config(), 32);
+  c.mlp_hidden = 16;
+  FTheta f = FTheta::random(c, 7, at::kFloat, at::kCPU);
+  RestoreOptions ro;
+  ro.sink = 4;
+  ro.window = 8;
+  const double zero_branch = score_restored(model(), &drafter(), &f, prompt(), ro).mean_nll();
+  for (auto& [name, t] : f.named_parameters())
+    if (name.find(".mlp.fc2.") != std::string::npos) t.normal_(0.0, 0.5);
+  EXPECT_NE(score_restored(model(), &drafter(), &f, prompt(), ro).mean_nll(), zero_branch);
+  auto inc = decode(model(), &drafter(), &f, prompt(), options(DecodeMode::Restored, 0.0, 5));
+  auto ref = decode(model(), &drafter(), &f, prompt(), options(DecodeMode::RestoredReforward, 0.0, 5));
+  EXPECT_EQ(inc.tokens, ref.tokens);
+}
+
 TEST(Restored, IncrementalEqualsReforwardMixedAndFullRestored) {
   auto o = options(DecodeMode::Restored, 0.5, 3);
   o.restore.full_attn = FullAttn::Restored;
