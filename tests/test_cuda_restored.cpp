@@ -97,6 +97,24 @@ TEST_F(CudaRestoredF32, KernelScoresEqualReference) {
   }
 }
 
+// f_θ with a nonlinear branch (the shipped one given a branch with a non-zero F2): the kernel path's
+// GEMMs and the reference ops go through the same predict_fused, so scores agree as without it.
+TEST_F(CudaRestoredF32, KernelScoresEqualReferenceWithNonlinearBranch) {
+  FTheta f = *ftheta_;
+  f.add_mlp(64, 3);
+  for (auto& [name, t] : f.named_parameters())
+    if (name.find(".mlp.fc2.") != std::string::npos) t.normal_(0.0, 0.02);
+  auto got = score_restored(*target_, drafter_.get(), &f, ids_, options(true));
+  auto want = score_restored(*target_, drafter_.get(), &f, ids_, options(false));
+  ASSERT_EQ(got.logprobs.size(), want.logprobs.size());
+  double worst = 0;
+  for (size_t i = 0; i < got.logprobs.size(); ++i) worst = std::max(worst, std::abs(got.logprobs[i] - want.logprobs[i]));
+  EXPECT_LE(worst, 2e-3) << "max |Δ log p| over " << got.logprobs.size() << " tokens";
+  EXPECT_EQ(got.top1, want.top1);
+  const double linear = score_restored(*target_, drafter_.get(), ftheta_.get(), ids_, options(true)).mean_nll();
+  EXPECT_NE(got.mean_nll(), linear);  // the branch acts
+}
+
 // Exact restoration (a = 1) through the store kernel copies each position from the exact ring
 // (through the region's code): with a plain region the reference ops' scores and the full cache's;
 // coded, as close to the full cache's as the reference ops' are (below).
