@@ -287,6 +287,12 @@ void FThetaConfig::check(const ModelConfig& verifier, const DrafterConfig& draft
 
 namespace {
 
+// nn.Linear's init, U(-1/√fan_in, 1/√fan_in), drawn in f32 from `gen` (the same values on every device).
+at::Tensor linear_uniform(at::IntArrayRef shape, int64_t fan_in, at::Generator& gen, const at::TensorOptions& to) {
+  const double b = 1.0 / std::sqrt((double)fan_in);
+  return (at::rand(shape, gen, at::kFloat) * (2 * b) - b).to(to);
+}
+
 std::vector<std::pair<std::string, std::vector<int64_t>>> expected_tensors(const FThetaConfig& c) {
   std::vector<std::pair<std::string, std::vector<int64_t>>> out;
   for (int p = 0; p < 2; ++p) {
@@ -322,10 +328,8 @@ FTheta FTheta::random(const FThetaConfig& cfg, uint64_t seed, at::ScalarType dty
   f.cfg_ = cfg;
   f.cfg_.exact_layers.clear();  // their tensors are the verifier's: add_exact_layers
   f.cfg_.mlp_hidden = 0;        // add_mlp below
-  auto uniform = [&](std::vector<int64_t> shape, int64_t fan_in) {
-    const double b = 1.0 / std::sqrt((double)fan_in);
-    return (at::rand(shape, gen, at::kFloat) * (2 * b) - b).to(device, dtype);
-  };
+  const auto to = at::TensorOptions().dtype(dtype).device(device);
+  auto uniform = [&](at::IntArrayRef shape, int64_t fan_in) { return linear_uniform(shape, fan_in, gen, to); };
   for (int p = 0; p < 2; ++p) {
     const int64_t n = p == 0 ? cfg.k_out() : cfg.v_out();
     f.enc_w_[p] = uniform({cfg.rank, cfg.in_features()}, cfg.in_features());
@@ -343,11 +347,10 @@ void FTheta::add_mlp(int64_t hidden, uint64_t seed) {
   KAKEYA_CHECK(cfg_.mlp_hidden == 0, "f_theta: has a nonlinear branch of width " << cfg_.mlp_hidden << " already");
   at::Generator gen = at::detail::createCPUGenerator(seed);
   const int64_t in = cfg_.in_features();
-  const double b = 1.0 / std::sqrt((double)in);
   const auto to = at::TensorOptions().dtype(dtype()).device(device());
   for (int p = 0; p < 2; ++p) {
-    mlp1_w_[p] = (at::rand({hidden, in}, gen, at::kFloat) * (2 * b) - b).to(to);
-    mlp1_b_[p] = (at::rand({hidden}, gen, at::kFloat) * (2 * b) - b).to(to);
+    mlp1_w_[p] = linear_uniform({hidden, in}, in, gen, to);
+    mlp1_b_[p] = linear_uniform({hidden}, in, gen, to);
     mlp2_w_[p] = at::zeros({dec_w_[p].size(0), hidden}, to);
   }
   cfg_.mlp_hidden = hidden;
