@@ -403,14 +403,16 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Ten
     restore_kernel(js, dk, dv);
     return;
   }
+  // Layer l's region gets the exact copies the ring still holds (through the region's code).
+  auto copy_exact = [&](int64_t l) {
+    auto [ek, ev] = cache_.exact_kv(l, js);
+    cache_.write_restored(l, ek, ev, js);
+  };
   if (!opt_.needs_ftheta() && !opt_.needs_true_raw()) {
-    // Exact restoration (a = 1) and evict-only: the region gets the exact copies the ring still
-    // holds (through the region's code). Evict-only's covered layers drop their restored positions
-    // (the cache's mask shows only the sinks there), so only its sinks are ever read.
-    for (int64_t l : layers_) {
-      auto [ek, ev] = cache_.exact_kv(l, js);
-      cache_.write_restored(l, ek, ev, js);
-    }
+    // Exact restoration (a = 1) and evict-only copy every layer. Evict-only's covered layers drop
+    // their restored positions (the cache's mask shows only the sinks there), so only its sinks are
+    // ever read.
+    for (int64_t l : layers_) copy_exact(l);
     if (has_sliding_) cache_.mark_restored(LayerType::Sliding, js);
     if (has_full_) cache_.mark_restored(LayerType::Full, js);
     return;
@@ -428,8 +430,7 @@ void Restorer::restore(const at::Tensor& js, const at::Tensor& dk, const at::Ten
   if (opt_.needs_ftheta()) pred = ftheta_->predict(dk, dv);  // per layer [N, H, D]
   for (int64_t l : layers_) {
     if (from_token_[l] && !opt_.needs_true_raw()) {  // restored from the token: its exact K/V (sinks too)
-      auto [ek, ev] = cache_.exact_kv(l, js);
-      cache_.write_restored(l, ek, ev, js);
+      copy_exact(l);
       continue;
     }
     at::Tensor rk, rv, tk, tv;
