@@ -305,6 +305,10 @@ def main():
     ap.add_argument("--val-seqs", type=int, default=2, help="per fit source, sequences held out to choose lambda")
     ap.add_argument("--alphas", default="1e-4,1e-2,1e-1,1")
     ap.add_argument("--rf-dim", type=int, default=1024, help="random gelu features of option e (0: no option e)")
+    ap.add_argument("--side-code", default="",
+                    help="comma-separated widths k: also the error of input d's full-rank ridge map plus a k-wide "
+                         "side code per path (the top-k principal directions of its fit residual on the layers "
+                         "a restored decode takes from f_theta), e.g. 16,32,64,128")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
@@ -418,13 +422,42 @@ def main():
                 Vp.append(lay.self_attn.v_proj(x))
             record(f"verifier proj {which}", torch.cat(Kp, -1), torch.cat(Vp, -1),
                    extra={"target_layer_used": used})
-    if a.ftheta:
+    if a.ftheta and json.load(open(Path(a.ftheta) / "f_theta_config.json"))["input"]["kind"] != "drafter_kv":
+        print(f"  (no 'shipped f_theta' row: {a.ftheta} does not read input a)", file=sys.stderr)
+    elif a.ftheta:
         fw = {k: v.float() for k, v in load_file(str(Path(a.ftheta) / "f_theta.safetensors")).items()}
         ce = dr.context(He)
         dk, dv = ce @ dr.wk.T, ce @ dr.wv.T
         pk = (dk @ fw["k.encoder.weight"].T + fw["k.encoder.bias"]) @ fw["k.decoder.weight"].T + fw["k.decoder.bias"]
         pv = (dv @ fw["v.encoder.weight"].T + fw["v.encoder.bias"]) @ fw["v.decoder.weight"].T + fw["v.decoder.bias"]
         record("shipped f_theta (input a)", pk, pv)
+
+    # ---- side code ------------------------------------------------------------------------
+    # What f_theta cannot predict from the target features, stored at eviction (when the exact K/V
+    # are still known) as k numbers per position and path: c = U_k^T (y - pred), restored as
+    # pred + U_k c. U_k: top-k principal directions of the fit residual, 1/rms-weighted, on the
+    # layers a restored decode takes from f_theta (sliding, not a target layer's successor, not
+    # layer 0, which is restored from its token); the other layers get no side code.
+    side_ks = sorted(int(k) for k in a.side_code.split(",") if k)
+    coded = [l for l in nonexact if l != 0]
+    side = {"layers": coded, "per_position_values": "k per path (K and V: 2k)", "by_k": {}}
+
+    def side_code(p, pred_fit, pred_eval):
+        sl = paths[p]
+        true_f, true_e = (Kf, Ke) if p == "K" else (Vf, Ve)
+        mask = torch.zeros(L, D)
+        mask[coded] = 1.0
+        w = s[sl] * mask.view(-1)
+        Rf = (true_f - pred_fit) * w
+        U = eig_desc(Rf.T @ Rf)
+        del Rf
+        Re = (true_e - pred_eval) * w
+        key = "k_raw" if p == "K" else "v_raw"
+        for k in [0] + side_ks:
+            pr = pred_eval + torch.nan_to_num((Re @ U[:, :k]) @ U[:, :k].T / w) if k else pred_eval
+            e = layer_rel(pr, true_e, L, D)
+            side["by_k"].setdefault(str(k), {})[key] = sum(e[i] for i in coded) / len(coded)
+        print(f"  side code {p}: " + "  ".join(f"k{k}: {v[key]:.3f}" for k, v in side["by_k"].items()), file=sys.stderr)
 
     # ---- ridge per input option ----------------------------------------------------------
     alphas = [float(x) for x in a.alphas.split(",")]
@@ -477,6 +510,8 @@ def main():
                 sw = s[paths[p]]
                 Pr = top_subspace(gram_op(R @ (W * sw)), LD, a.rank, seed=2)
                 preds_r[p] = b + ((preds[p] - b) * sw) @ Pr @ Pr.T / sw
+                if fkey == "d" and side_ks:
+                    side_code(p, chunked_mm(Z, W) + b, preds[p])
                 if p == "K":
                     # K only matters through k_norm (scale-free up to eps): also fit the per-layer
                     # unit-RMS direction of K, the best linear fit for cache space
@@ -548,7 +583,7 @@ def main():
             "metric": "relative MSE sum||pred-true||^2/sum||true||^2 per layer; summary = mean over sliding "
                       "layers; raw = k_proj/v_proj outputs, cache = K after k_norm (V has no norm)",
             "rank": a.rank, "alphas": alphas, "sliding_layers": sliding, "target_layer_ids": tids,
-            "nonexact_sliding_layers": nonexact, "rank_variance_kept": kept, "rank_sweep": sweep, "results": results, "wall_s": round(wall, 1),
+            "nonexact_sliding_layers": nonexact, "side_code": side if side_ks else None, "rank_variance_kept": kept, "rank_sweep": sweep, "results": results, "wall_s": round(wall, 1),
         })
 
 
