@@ -305,13 +305,24 @@ def main():
     ap.add_argument("--val-seqs", type=int, default=2, help="per fit source, sequences held out to choose lambda")
     ap.add_argument("--alphas", default="1e-4,1e-2,1e-1,1")
     ap.add_argument("--rf-dim", type=int, default=1024, help="random gelu features of option e (0: no option e)")
-    ap.add_argument("--side-code", default="",
+    def widths(v):
+        try:
+            ks = sorted(int(k) for k in v.split(",") if k)
+        except ValueError:
+            ks = [-1]
+        if any(k < 1 for k in ks):
+            raise argparse.ArgumentTypeError(f"expected comma-separated widths >= 1, got '{v}'")
+        return ks
+
+    ap.add_argument("--side-code", type=widths, default=[],
                     help="comma-separated widths k: also the error of input d's full-rank ridge map plus a k-wide "
                          "side code per path (the top-k principal directions of its fit residual on the layers "
                          "a restored decode takes from f_theta), e.g. 16,32,64,128")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.ftheta and not (Path(a.ftheta) / "f_theta_config.json").is_file():
+        ap.error(f"--ftheta {a.ftheta}: no f_theta_config.json there ('' leaves the shipped-f_theta row out)")
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     t_start = time.time()
@@ -438,7 +449,7 @@ def main():
     # pred + U_k c. U_k: top-k principal directions of the fit residual, 1/rms-weighted, on the
     # layers a restored decode takes from f_theta (sliding, not a target layer's successor, not
     # layer 0, which is restored from its token); the other layers get no side code.
-    side_ks = sorted(int(k) for k in a.side_code.split(",") if k)
+    side_ks = a.side_code
     coded = [l for l in nonexact if l != 0]
     side = {"layers": coded, "per_position_values": "k per path (K and V: 2k)", "by_k": {}}
 
