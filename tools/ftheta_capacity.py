@@ -37,6 +37,11 @@ averages only the sliding layers whose input is NOT a target-layer output (on la
 2,5,9,13,16 raw K/V are exactly linear in input d); a rank sweep (--sweep-ranks) gives
 the target-PCA floor and the d ridge map at other bottleneck widths.
 
+--side-code k1,k2,...: what f_θ plus k numbers a position and path, stored when the position leaves the
+window (its exact K/V still known), could reach: input d's full-rank ridge map plus the projection of its
+residual on the top-k principal directions of the fit residual, on the layers a restored decode takes from
+f_θ (sliding, not a target layer's successor, not layer 0).
+
 Reference rows: "mean" predicts the fit-data mean; "shipped f_θ" is
 checkpoints/gemma3-270m/ftheta on input a; "pca256 of target" is the error of the
 best rank-256 reconstruction of the TRUE targets (fit-data basis, same weighting): the
