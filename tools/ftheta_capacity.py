@@ -328,6 +328,7 @@ def main():
     a = ap.parse_args()
     if a.ftheta and not (Path(a.ftheta) / "f_theta_config.json").is_file():
         ap.error(f"--ftheta {a.ftheta}: no f_theta_config.json there ('' leaves the shipped-f_theta row out)")
+    ftheta_input = json.load(open(Path(a.ftheta) / "f_theta_config.json"))["input"]["kind"] if a.ftheta else None
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     t_start = time.time()
@@ -438,7 +439,7 @@ def main():
                 Vp.append(lay.self_attn.v_proj(x))
             record(f"verifier proj {which}", torch.cat(Kp, -1), torch.cat(Vp, -1),
                    extra={"target_layer_used": used})
-    if a.ftheta and json.load(open(Path(a.ftheta) / "f_theta_config.json"))["input"]["kind"] != "drafter_kv":
+    if ftheta_input not in (None, "drafter_kv"):
         print(f"  (no 'shipped f_theta' row: {a.ftheta} does not read input a)", file=sys.stderr)
     elif a.ftheta:
         fw = {k: v.float() for k, v in load_file(str(Path(a.ftheta) / "f_theta.safetensors")).items()}
@@ -459,18 +460,18 @@ def main():
     side = {"layers": coded, "per_position_values": "k per path (K and V: 2k)", "by_k": {}}
 
     def side_code(p, pred_fit, pred_eval):
-        sl = paths[p]
         true_f, true_e = (Kf, Ke) if p == "K" else (Vf, Ve)
         mask = torch.zeros(L, D)
         mask[coded] = 1.0
-        w = s[sl] * mask.view(-1)
+        w = s[paths[p]] * mask.view(-1)  # 0 on the layers without a side code
+        inv_w = torch.where(w > 0, 1 / w, torch.zeros_like(w))
         Rf = (true_f - pred_fit) * w
         U = eig_desc(Rf.T @ Rf)
         del Rf
         Re = (true_e - pred_eval) * w
         key = "k_raw" if p == "K" else "v_raw"
         for k in [0] + side_ks:
-            pr = pred_eval + torch.nan_to_num((Re @ U[:, :k]) @ U[:, :k].T / w) if k else pred_eval
+            pr = pred_eval + (Re @ U[:, :k]) @ U[:, :k].T * inv_w if k else pred_eval
             e = layer_rel(pr, true_e, L, D)
             side["by_k"].setdefault(str(k), {})[key] = sum(e[i] for i in coded) / len(coded)
         print(f"  side code {p}: " + "  ".join(f"k{k}: {v[key]:.3f}" for k, v in side["by_k"].items()), file=sys.stderr)
