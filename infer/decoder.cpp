@@ -31,8 +31,9 @@ void Decoder::check_call(const char* who, int64_t n_tokens, const DecodeOptions&
   KAKEYA_CHECK(opt.mode == opt_.mode,
                who << ": built for --mode " << decode_mode_name(opt_.mode) << ", asked for " << decode_mode_name(opt.mode));
   const auto &a = opt_.sampling, &b = opt.sampling;
-  KAKEYA_CHECK(a.temperature == b.temperature && a.top_p == b.top_p && opt_.cuda_graph == opt.cuda_graph,
-               who << ": sampling / cuda_graph options differ from the ones this decoder was built with "
+  KAKEYA_CHECK(a.temperature == b.temperature && a.top_p == b.top_p && opt_.cuda_graph == opt.cuda_graph &&
+                   opt_.megakernel == opt.megakernel,
+               who << ": sampling / cuda_graph / megakernel options differ from the ones this decoder was built with "
                       "(its graphs depend on them): build another decoder");
   KAKEYA_CHECK(opt.block_size == opt_.block_size,
                who << ": built for blocks of " << opt_.block_size << " (--block-size), asked for " << opt.block_size);

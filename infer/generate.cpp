@@ -11,6 +11,8 @@
 #include <ATen/cuda/CUDAGraph.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+#include "core/kernels/step_program.h"
 #endif
 
 namespace kakeya {
@@ -18,6 +20,8 @@ namespace kakeya {
 #ifdef KAKEYA_CUDA
 struct LoopGraphs {
   std::unique_ptr<at::cuda::CUDAGraph> step;
+  std::unique_ptr<ops::StepProgram> program;  // the step's program (DecodeOptions::megakernel), kept with its graph
+  std::string step_program;                   // DecodeResult::step_program
 };
 #else
 struct LoopGraphs {};
@@ -125,10 +129,38 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
     auto tc = Clock::now();
     {
       c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-      g.step = std::make_unique<at::cuda::CUDAGraph>();
-      g.step->capture_begin();
-      loop.step();
-      g.step->capture_end();
+      if (opt.megakernel) {
+        // The step recorded as persistent-kernel programs inside the capture; a recording that
+        // cannot be used leaves a graph that is thrown away, and the step is captured as it is.
+        g.program = std::make_unique<ops::StepProgram>(dev);
+        g.step = std::make_unique<at::cuda::CUDAGraph>();
+        g.step->capture_begin();
+        bool ok = false;
+        try {
+          ok = g.program->record(loop.step);
+        } catch (...) {
+          g.step->capture_end();
+          throw;
+        }
+        g.step->capture_end();
+        if (ok) {
+          g.program->upload();
+          g.step_program = std::to_string(g.program->instructions()) + " launches as " +
+                           std::to_string(g.program->segments()) + " persistent-kernel launches of " +
+                           std::to_string(g.program->grid()) + " blocks + " +
+                           std::to_string(g.program->kernels_alone()) + " kernels";
+        } else {
+          g.step_program = "kept its kernels: " + g.program->why_not();
+          g.program.reset();
+          g.step.reset();
+        }
+      }
+      if (!g.step) {
+        g.step = std::make_unique<at::cuda::CUDAGraph>();
+        g.step->capture_begin();
+        loop.step();
+        g.step->capture_end();
+      }
     }
     if (loop.upkeep) loop.upkeep->capture();
     res.capture_seconds = std::chrono::duration<double>(Clock::now() - tc).count();
@@ -175,6 +207,12 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
   // find them half done.
   if (loop.upkeep) loop.upkeep->drain();
   if (allocs0 >= 0) res.steady_allocations = device_allocations(dev) - allocs0;
+  if (opt.megakernel) {
+#ifdef KAKEYA_CUDA
+    res.step_program = g.step_program;
+#endif
+    if (res.step_program.empty()) res.step_program = "no CUDA graph (CPU, eager, or too short a run): nothing recorded";
+  }
   res.decode_seconds = seconds_since(t1, dev);
 }
 

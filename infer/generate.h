@@ -64,6 +64,7 @@ class ArDecoder : public Decoder {
   int64_t capacity() const override { return cache_.capacity(); }
   int64_t length() const override { return cache_.length(); }
   MemoryReport memory() const override;
+  const KVCache& cache() const { return cache_; }  // what the runs left (tests compare decode strategies)
 
  private:
   DecodeResult feed(const std::vector<int64_t>& tokens, const DecodeOptions& opt, bool fresh) override;

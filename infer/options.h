@@ -97,7 +97,7 @@ struct RestoreOptions {
 constexpr int64_t kStopCheckEvery = 8;
 
 // Every decode mode's options. A persistent decoder fixes the fields its caches and graphs
-// depend on when it is built (mode, restore, sampling temperature/top-p, cuda_graph,
+// depend on when it is built (mode, restore, sampling temperature/top-p, cuda_graph, megakernel,
 // block_size) and refuses a run that changes them, by name.
 struct DecodeOptions {
   DecodeMode mode = DecodeMode::Ar;
@@ -112,6 +112,10 @@ struct DecodeOptions {
   bool stream = true;                   // read each token as it comes (one host sync per token); otherwise
                                         // stops are checked every kStopCheckEvery steps (one sync each)
   bool cuda_graph = true;               // CUDA: replay the decode step (fused: the block's parts) as graphs
+  // CUDA graphs, AR: the step's kernels run as programs of one persistent kernel (ops::StepProgram,
+  // experimental: same tokens, 0.64x the speed today); a step it cannot record
+  // (DecodeResult::step_program says why) keeps its kernels.
+  bool megakernel = false;
   int64_t block_size = 0;               // fused / speculative: tokens per verify forward (0: the drafter's block_size)
   bool time_split = true;               // fused: per-part times (CUDA events: no extra sync)
   // Tokens are read one at a time (streaming, or someone may stop the generation early).

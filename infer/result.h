@@ -45,6 +45,9 @@ struct DecodeResult {
   double decode_seconds = 0;            // from the first generated token to the last
   double capture_seconds = 0;           // CUDA graph captures of a decoder's first run (in decode_seconds; the restored prefill chunk's in prefill_seconds)
   int64_t steady_allocations = -1;      // CUDA allocations from the first graph replay to the end (-1: no replay)
+  // DecodeOptions::megakernel: how the step ran ("N launches as P persistent-kernel launches of G
+  // blocks + K kernels", or why it kept its kernels); empty when not asked.
+  std::string step_program;
   MemoryReport memory;
   int64_t served_positions = 0;         // positions that went through the verifier (prompt + fed tokens)
   // Restored modes.

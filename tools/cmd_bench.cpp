@@ -28,7 +28,7 @@ void register_bench(CLI::App& app) {
     std::string model = "checkpoints/models/gemma3-270m";
     std::string json, python = "python3", peer = "tools/hf_bench.py";
     int64_t prompt_len = 512, new_tokens = 256, repeats = 3;
-    bool no_peer = false, restored = false;
+    bool no_peer = false, restored = false, megakernel = false;
     std::string random_init;         // an HF config.json: random weights of its shape, no checkpoint
     uint64_t seed = 0;
     std::string llama_bench;         // llama-bench binary (tools/device/llama_bench.sh builds it)
@@ -59,6 +59,9 @@ void register_bench(CLI::App& app) {
       ->delimiter(',')
       ->check(CLI::ExistingFile);
   c->add_flag("--restored", o->restored, "also time the restored decoder (infer/restored.h), ratio vs ar in this run");
+  c->add_flag("--megakernel", o->megakernel,
+              "also time AR with the step as persistent kernels (DecodeOptions::megakernel, experimental), ratio vs "
+              "ar in this run, its tokens compared with ar's");
   o->rf.add_restore(c, "--restored: ");
   o->df.add(c);
   c->callback([o] {
@@ -129,6 +132,14 @@ void register_bench(CLI::App& app) {
       rest = make_decoder(model, st.d(), st.f(), d, capacity);
       timed.push_back({rest.get(), d});
     }
+    DecodeOptions gm = g;
+    gm.megakernel = true;
+    std::unique_ptr<ArDecoder> ar_mega;
+    const size_t mega_i = timed.size();
+    if (o->megakernel) {
+      ar_mega = std::make_unique<ArDecoder>(model, capacity, gm);
+      timed.push_back({ar_mega.get(), gm});
+    }
     time_in_rounds(timed, prompt, o->repeats, o->new_tokens);
     const auto& decode_tps = timed[0].decode_tps;
     const double ours_decode = timed[0].median_decode_tps(), ours_e2e = timed[0].median_e2e_tps(),
@@ -156,6 +167,26 @@ void register_bench(CLI::App& app) {
                   {"runs_interleaved_with_ar", true},
                   {"decoders_kept_across_runs", true},
                   {"memory", t.last.memory.to_json()}};
+    }
+    nlohmann::json mega = nullptr;
+    double mega_decode = 0, mega_e2e = 0;
+    std::vector<double> mega_pairs;
+    bool mega_same_tokens = false;
+    if (o->megakernel) {
+      const TimedDecoder& t = timed[mega_i];
+      mega_decode = t.median_decode_tps();
+      mega_e2e = t.median_e2e_tps();
+      for (size_t i = 0; i < t.decode_tps.size(); ++i) mega_pairs.push_back(t.decode_tps[i] / decode_tps[i]);
+      mega_same_tokens = t.last.tokens == timed[0].last.tokens;
+      mega = {{"decode_tps", mega_decode},
+              {"e2e_tps", mega_e2e},
+              {"decode_runs", t.decode_tps},
+              {"decode_ratio_vs_ar", mega_decode / ours_decode},
+              {"decode_ratio_pairs", mega_pairs},
+              {"tokens_equal_ar", mega_same_tokens},
+              {"step_program", t.last.step_program},
+              {"steady_allocations", t.last.steady_allocations},
+              {"runs_interleaved_with_ar", true}};
     }
     // The bound: bytes a decode step must read (the selected experts only, for MoE) at the
     // device's measured copy bandwidth.
@@ -187,6 +218,14 @@ void register_bench(CLI::App& app) {
       row(name.substr(0, 34).c_str(), r["e2e_tps"], r["decode_tps"]);
     }
     row("kakeya ar", ours_e2e, ours_decode);
+    if (o->megakernel) {
+      row("kakeya ar, persistent kernels", mega_e2e, mega_decode);
+      std::printf("persistent / ar decode tok/s = %.3fx (same run; interleaved pairs %.3f .. %.3f); %.1f%% of the "
+                  "bound; tokens %s ar's; step: %s\n",
+                  mega_decode / ours_decode, *std::min_element(mega_pairs.begin(), mega_pairs.end()),
+                  *std::max_element(mega_pairs.begin(), mega_pairs.end()), 100.0 * mega_decode / bound,
+                  mega_same_tokens ? "equal" : "DIFFER from", timed[mega_i].last.step_program.c_str());
+    }
     if (o->restored) {
       row("kakeya restored", rest_e2e, rest_decode);
       std::printf("restored / ar decode tok/s = %.3fx (same run; interleaved pairs %.3f .. %.3f)\n",
@@ -235,7 +274,9 @@ void register_bench(CLI::App& app) {
                         {"fraction_of_bound", ours_decode / bound},
                         {"hf", peer},
                         {"llama_cpp", llama},
-                        {"restored", restored}};
+                        {"restored", restored},
+                        {"megakernel", mega}};
+    if (o->megakernel) j["megakernel"]["fraction_of_bound"] = mega_decode / bound;
     if (hf_static > 0) j["speedup_vs_hf_static_e2e"] = ours_e2e / hf_static;
     if (!o->json.empty()) write_json(o->json, j);
   });

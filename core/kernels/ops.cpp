@@ -17,6 +17,7 @@
 
 #include "core/kernels/cuda/decode_ops.h"
 #include "core/kernels/cuda/spec_ops.h"
+#include "core/kernels/step_program.h"
 #endif
 
 namespace kakeya::ops {
@@ -242,7 +243,9 @@ L2Prefetch::L2Prefetch(const at::Tensor& like, int64_t rows) {
     const char* e = std::getenv("KAKEYA_PREFETCH");
     return !e || std::string(e) != "0";
   }();
-  if (on && rows <= kMaxRows && fused(like)) like_ = like;
+  // A recorded step issues its prefetches inside no program: the side branches would be work
+  // between the persistent kernel's instructions (StepProgram refuses them).
+  if (on && rows <= kMaxRows && fused(like) && !StepProgram::recording()) like_ = like;
 #else
   (void)like, (void)rows;
 #endif

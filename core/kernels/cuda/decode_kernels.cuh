@@ -96,8 +96,56 @@ __device__ __forceinline__ void pdl_begin() {
   pdl_wait();
 }
 
+// The block a kernel body runs as: the hardware's (a kernel launched on its own), or one task of an
+// instruction of the step's persistent kernel (megakernel.cuh), which runs the same bodies. Bodies
+// read their block through it, never blockIdx / gridDim.
+struct Blk {
+  int x, y;  // blockIdx.x, blockIdx.y
+  int nx;    // gridDim.x
+};
+__device__ __forceinline__ Blk hw_blk() { return {(int)blockIdx.x, (int)blockIdx.y, (int)gridDim.x}; }
+
+// While a decode step is recorded for the persistent kernel (megakernel.cu: ops::StepProgram) on
+// this thread, launch_pdl hands it each launch (kernel, geometry and arguments); true: recorded as
+// an instruction, not to be launched; false: launch it now (a kernel the persistent kernel has no
+// body for, or too large a grid).
+struct StepRecording;
+StepRecording* step_recording();
+bool record_launch(StepRecording* r, const void* kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                   const void* args, size_t bytes);
+
+// A kernel's arguments as one value, laid out alike by the host and the device compiler (the
+// persistent kernel reads a recorded launch's arguments from it: apply_pack).
+template <typename... P>
+struct ArgPack;
+template <>
+struct ArgPack<> {};
+template <typename H, typename... R>
+struct ArgPack<H, R...> {
+  H head;
+  ArgPack<R...> rest;
+};
+inline ArgPack<> make_pack() { return {}; }
+template <typename H, typename... R>
+ArgPack<H, R...> make_pack(H h, R... r) {
+  return {h, make_pack(r...)};
+}
+// f(the pack's values...).
+template <typename F, typename... Done>
+__device__ __forceinline__ void apply_pack(F& f, const ArgPack<>&, const Done&... d) {
+  f(d...);
+}
+template <typename F, typename H, typename... R, typename... Done>
+__device__ __forceinline__ void apply_pack(F& f, const ArgPack<H, R...>& p, const Done&... d) {
+  apply_pack(f, p.rest, d..., p.head);
+}
+
 template <typename... P, typename... A>
 void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A&&... args) {
+  if (StepRecording* r = step_recording()) {
+    const ArgPack<P...> pack = make_pack(static_cast<P>(args)...);
+    if (record_launch(r, reinterpret_cast<const void*>(kernel), grid, block, smem, s, &pack, sizeof pack)) return;
+  }
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -165,65 +213,78 @@ void launch_rms_norm(const T* x, const float* w, T* out, int rows, int H, float 
 }
 
 // The forward's first rows: h = table[id]·scale in T (at::embedding, then a multiply by the T
-// scalar *scale), and x = rms_norm(h)·w with rms_norm_kernel's order (a block of norm_threads(H)
-// threads per row). ids: [rows] int64; table: [V, H]; h, x: [rows, H].
+// scalar *scale), and x = rms_norm(h)·w with rms_norm_kernel's sums (norm_sumsq: any block size
+// gives them). ids: [rows] int64; table: [V, H]; h, x: [rows, H]. Dynamic smem: H floats.
+// ids are the step before's output (a decode step's token): a plain pointer, since the persistent
+// kernel runs this body after other work of the same launch (megakernel.cuh).
 template <typename T>
-__global__ void embed_rms_norm_kernel(const int64_t* __restrict__ ids, const T* __restrict__ table,
-                                      const T* __restrict__ scale, const float* __restrict__ w, T* __restrict__ h,
-                                      T* __restrict__ x, int H, float eps, bool unit_offset) {
+__device__ __forceinline__ void embed_rms_norm_body(Blk blk, const int64_t* ids, const T* __restrict__ table,
+                                                    const T* __restrict__ scale, const float* __restrict__ w,
+                                                    T* __restrict__ h, T* __restrict__ x, int H, float eps,
+                                                    bool unit_offset) {
   pdl_begin();
   __shared__ float red[32];
-  const T* row = table + ids[blockIdx.x] * H;
+  extern __shared__ float hs[];  // [H] the scaled row
+  const T* row = table + ids[blk.x] * H;
   const float sc = from_t<T>(scale[0]);
-  T* hr = h + (int64_t)blockIdx.x * H;
-  T* xr = x + (int64_t)blockIdx.x * H;
-  float ss = 0.f;
+  T* hr = h + (int64_t)blk.x * H;
+  T* xr = x + (int64_t)blk.x * H;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     const float v = rnd<T>(from_t<T>(row[i]) * sc);
     hr[i] = to_t<T>(v);
-    ss += v * v;
+    hs[i] = v;
   }
-  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
-  for (int i = threadIdx.x; i < H; i += blockDim.x)
-    xr[i] = to_t<T>(norm_value<T>(rnd<T>(from_t<T>(row[i]) * sc), inv, w[i], unit_offset));
+  const float inv = rsqrtf(norm_sumsq(hs, H, red) / H + eps);
+  for (int i = threadIdx.x; i < H; i += blockDim.x) xr[i] = to_t<T>(norm_value<T>(hs[i], inv, w[i], unit_offset));
+}
+template <typename T>
+__global__ void embed_rms_norm_kernel(const int64_t* ids, const T* __restrict__ table, const T* __restrict__ scale,
+                                      const float* __restrict__ w, T* __restrict__ h, T* __restrict__ x, int H,
+                                      float eps, bool unit_offset) {
+  embed_rms_norm_body<T>(hw_blk(), ids, table, scale, w, h, x, H, eps, unit_offset);
 }
 
 template <typename T>
 void launch_embed_rms_norm(const int64_t* ids, const T* table, const T* scale, const float* w, T* h, T* x, int rows,
                            int H, float eps, bool unit_offset, cudaStream_t s) {
-  launch_pdl(embed_rms_norm_kernel<T>, rows, norm_threads(H), 0, s, ids, table, scale, w, h, x, H, eps, unit_offset);
+  launch_pdl(embed_rms_norm_kernel<T>, rows, norm_threads(H), H * sizeof(float), s, ids, table, scale, w, h, x, H, eps,
+             unit_offset);
 }
 
 // A KV cache's slot positions at a forward: dst[slot] = p for each position p, slot = p mod ring
 // (ring > 0) or p (one block; the positions map to distinct slots).
-static __global__ void store_positions_kernel(const int64_t* __restrict__ positions, int T, int64_t ring,
-                                              int64_t* __restrict__ dst) {
+__device__ __forceinline__ void store_positions_body(Blk, const int64_t* positions, int T, int64_t ring,
+                                                     int64_t* __restrict__ dst) {
   pdl_begin();
   for (int i = threadIdx.x; i < T; i += blockDim.x) {
     const int64_t p = positions[i];
     dst[ring > 0 ? p % ring : p] = p;
   }
 }
+// A template (as argmax_blocks_kernel and advance_step_kernel): every translation unit including this
+// header then shares its one host stub, whose address the persistent kernel's recorder matches.
+template <int = 0>
+__global__ void store_positions_kernel(const int64_t* positions, int T, int64_t ring, int64_t* __restrict__ dst) {
+  store_positions_body(hw_blk(), positions, T, ring, dst);
+}
 
 inline void launch_store_positions(const int64_t* positions, int T, int64_t ring, int64_t* dst, cudaStream_t s) {
-  launch_pdl(store_positions_kernel, 1, 256, 0, s, positions, T, ring, dst);
+  launch_pdl(store_positions_kernel<>, 1, 256, 0, s, positions, T, ring, dst);
 }
 
 // The end of a residual step, every thread of the block: the new residual hs [H] (f32 values of
-// T; each thread reads its own i) written to h_out and, when given, the copy row c; the next
-// pre-norm of it to y. h_out, c, y point at the row.
+// T in shared memory, written by any thread before) written to h_out and, when given, the copy
+// row c; the next pre-norm of it to y, summed as norm_sumsq sums. h_out, c, y point at the row.
 template <typename T>
 __device__ __forceinline__ void store_residual(const float* hs, T* __restrict__ h_out, T* __restrict__ c,
                                                T* __restrict__ y, const float* __restrict__ w_next, int H, float eps,
                                                bool unit_offset, float* red) {
-  float ss = 0.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     const float v = hs[i];
     h_out[i] = to_t<T>(v);
     if (c) c[i] = to_t<T>(v);
-    ss += v * v;
   }
-  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
+  const float inv = rsqrtf(norm_sumsq(hs, H, red) / H + eps);
   for (int i = threadIdx.x; i < H; i += blockDim.x) y[i] = to_t<T>(norm_value<T>(hs[i], inv, w_next[i], unit_offset));
 }
 
@@ -237,32 +298,39 @@ __device__ __forceinline__ void store_residual(const float* hs, T* __restrict__ 
 // copy (optional): the new residual's rows also go to copy + (pos[row % T] mod copy_rows) ·
 // copy_stride (a ring of per-position rows, e.g. the drafter's target features, written
 // here instead of by a kernel of its own).
+// h, x are the kernels before's outputs: plain pointers (embed_rms_norm_body says why).
 template <typename T>
-__global__ void add_rms_norm_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
-                                    const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ y, int H,
-                                    float eps, bool unit_offset, T* __restrict__ copy, int64_t copy_stride,
-                                    const int64_t* __restrict__ copy_pos, int64_t copy_rows, int T_len) {
+__device__ __forceinline__ void add_rms_norm_body(Blk blk, const T* h, const T* x, const float* __restrict__ w_post,
+                                                  const float* __restrict__ w_next, T* __restrict__ h_out,
+                                                  T* __restrict__ y, int H, float eps, bool unit_offset,
+                                                  T* __restrict__ copy, int64_t copy_stride, const int64_t* copy_pos,
+                                                  int64_t copy_rows, int T_len) {
   pdl_begin();
   extern __shared__ float smem[];  // [2H]: x, then the new residual
   float* xs = smem;
   float* hs = smem + H;
   __shared__ float red[32];
-  const int64_t base = (int64_t)blockIdx.x * H;
-  T* c = copy ? copy + (copy_pos[blockIdx.x % T_len] % copy_rows) * copy_stride : nullptr;
+  const int64_t base = (int64_t)blk.x * H;
+  T* c = copy ? copy + (copy_pos[blk.x % T_len] % copy_rows) * copy_stride : nullptr;
   // Both rows are read up front so their memory latencies overlap.
-  float ss = 0.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    const float v = from_t<T>(x[base + i]);
-    xs[i] = v;
+    xs[i] = from_t<T>(x[base + i]);
     hs[i] = from_t<T>(h[base + i]);
-    ss += v * v;
   }
-  const float inv_x = w_post ? rsqrtf(block_sum(ss, red) / H + eps) : 1.f;
+  const float inv_x = w_post ? rsqrtf(norm_sumsq(xs, H, red) / H + eps) : 1.f;
   for (int i = threadIdx.x; i < H; i += blockDim.x) {
     const float a = w_post ? rnd<T>(norm_value<T>(xs[i], inv_x, w_post[i], unit_offset)) : xs[i];
     hs[i] = rnd<T>(hs[i] + a);
   }
   store_residual<T>(hs, h_out + base, c, y + base, w_next, H, eps, unit_offset, red);
+}
+template <typename T>
+__global__ void add_rms_norm_kernel(const T* h, const T* x, const float* __restrict__ w_post,
+                                    const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ y, int H,
+                                    float eps, bool unit_offset, T* __restrict__ copy, int64_t copy_stride,
+                                    const int64_t* copy_pos, int64_t copy_rows, int T_len) {
+  add_rms_norm_body<T>(hw_blk(), h, x, w_post, w_next, h_out, y, H, eps, unit_offset, copy, copy_stride, copy_pos,
+                       copy_rows, T_len);
 }
 
 template <typename T>
@@ -349,19 +417,21 @@ __device__ __forceinline__ void store_kv_head(const T* __restrict__ k, const T* 
 //   its view). k_cache/v_cache element (b, h, slot, i) sits at b·cache_bs + h·cache_hs + slot·D + i.
 //   q_w/k_w/v_w: [D] f32 norm weights, nullptr when the family has no such norm.
 // Threads: one per rotary pair (rot/2), plus pass-through dims past rot.
+// qkv and positions: plain pointers (embed_rms_norm_body says why).
 template <typename T>
-__global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float* __restrict__ q_w,
-                                          const float* __restrict__ k_w, const float* __restrict__ v_w, bool v_from_k,
-                                          const T* __restrict__ cos_t,
-                                          const T* __restrict__ sin_t, const int64_t* __restrict__ positions,
-                                          T* __restrict__ q_out, T* __restrict__ k_cache, T* __restrict__ v_cache,
-                                          int T_len, int pos_bs, int Hq, int Hkv, int D, int rot, int64_t cache_bs,
-                                          int64_t cache_hs, int ring, float eps, bool unit_offset) {
+__device__ __forceinline__ void qk_norm_rope_store_body(Blk blk, const T* qkv, const float* __restrict__ q_w,
+                                                        const float* __restrict__ k_w, const float* __restrict__ v_w,
+                                                        bool v_from_k, const T* __restrict__ cos_t,
+                                                        const T* __restrict__ sin_t, const int64_t* positions,
+                                                        T* __restrict__ q_out, T* __restrict__ k_cache,
+                                                        T* __restrict__ v_cache, int T_len, int pos_bs, int Hq,
+                                                        int Hkv, int D, int rot, int64_t cache_bs, int64_t cache_hs,
+                                                        int ring, float eps, bool unit_offset) {
   pdl_begin();
   __shared__ float red[32];
   extern __shared__ float xs[];  // [D] the normed head, rounded to T
-  const int n = blockIdx.x;      // token row: b·T + t
-  const int head = blockIdx.y;
+  const int n = blk.x;           // token row: b·T + t
+  const int head = blk.y;
   const int t = n % T_len, b = n / T_len;
   const int row_w = (Hq + (v_from_k ? 1 : 2) * Hkv) * D;
   const T* src = qkv + (int64_t)n * row_w + (int64_t)head * D;
@@ -376,6 +446,16 @@ __global__ void qk_norm_rope_store_kernel(const T* __restrict__ qkv, const float
   const T* v = v_from_k ? src : qkv + (int64_t)n * row_w + (int64_t)(Hq + Hkv + hk) * D;
   store_kv_head<T>(src, v, k_w, cos_t, sin_t, pos, k_cache + base, v_cache + base, ring, nullptr, nullptr, 0, 1, D, rot,
                    eps, unit_offset, xs, red, v_w);
+}
+template <typename T>
+__global__ void qk_norm_rope_store_kernel(const T* qkv, const float* __restrict__ q_w, const float* __restrict__ k_w,
+                                          const float* __restrict__ v_w, bool v_from_k, const T* __restrict__ cos_t,
+                                          const T* __restrict__ sin_t, const int64_t* positions, T* __restrict__ q_out,
+                                          T* __restrict__ k_cache, T* __restrict__ v_cache, int T_len, int pos_bs,
+                                          int Hq, int Hkv, int D, int rot, int64_t cache_bs, int64_t cache_hs,
+                                          int ring, float eps, bool unit_offset) {
+  qk_norm_rope_store_body<T>(hw_blk(), qkv, q_w, k_w, v_w, v_from_k, cos_t, sin_t, positions, q_out, k_cache, v_cache,
+                             T_len, pos_bs, Hq, Hkv, D, rot, cache_bs, cache_hs, ring, eps, unit_offset);
 }
 
 // Threads for a block that norms and RoPEs one head of D values: one per value, as norm_threads
@@ -964,20 +1044,20 @@ __device__ __forceinline__ void attn_update(const float* sdot, const float* vv, 
 }
 
 // SIX: the coded rows (if any) are int6 ones (load_coded).
+// The query, the caches, the slot positions and the tail are written by the kernels before (the
+// persistent kernel's same launch): plain pointers (embed_rms_norm_body says why).
 template <typename T, int VPL, int G, bool SIX>  // VPL: values per lane = D / 32; G: query heads per block
-__global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
-                                           const int64_t* __restrict__ slot_pos, int sp_bs, const int64_t* __restrict__ q_pos,
-                                           int qstride, int qp_bs, const bool* __restrict__ in_restored, int rwin, int64_t code_from,
-                                           int64_t keep_below, CodedRegion cr, const T* __restrict__ tk,
-                                           const T* __restrict__ tv, const int64_t* __restrict__ tpos, int tn,
-                                           float* __restrict__ partial, int Tq, int Hq, int Hkv, int S, int keys,
-                                           int window, float scale, float softcap) {
+__device__ __forceinline__ void decode_attn_partial_body(
+    Blk blk, const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs, const int64_t* q_pos, int qstride,
+    int qp_bs, const bool* in_restored, int rwin, int64_t code_from, int64_t keep_below, CodedRegion cr, const T* tk,
+    const T* tv, const int64_t* tpos, int tn, float* __restrict__ partial, int Tq, int Hq, int Hkv, int S, int keys,
+    int window, float scale, float softcap) {
   pdl_begin();
   constexpr int D = VPL * 32;
-  const int chunk = blockIdx.x, nchunks = gridDim.x;
+  const int chunk = blk.x, nchunks = blk.nx;
   // The block's first query row (b, t, hq0): rows row0 .. row0 + G - 1 are heads hq0 .. hq0 + G - 1
   // of one (b, t), all reading KV head hk (G divides Hq / Hkv).
-  const int row0 = blockIdx.y * G;
+  const int row0 = blk.y * G;
   const int b = row0 / (Tq * Hq), t = (row0 / Hq) % Tq, hq0 = row0 % Hq, hk = hq0 / (Hq / Hkv);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t qp = q_pos[(int64_t)b * qp_bs + t * qstride];
@@ -1124,6 +1204,16 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
     }
   }
 }
+template <typename T, int VPL, int G, bool SIX>
+__global__ void decode_attn_partial_kernel(const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs,
+                                           const int64_t* q_pos, int qstride, int qp_bs, const bool* in_restored,
+                                           int rwin, int64_t code_from, int64_t keep_below, CodedRegion cr, const T* tk,
+                                           const T* tv, const int64_t* tpos, int tn, float* __restrict__ partial, int Tq,
+                                           int Hq, int Hkv, int S, int keys, int window, float scale, float softcap) {
+  decode_attn_partial_body<T, VPL, G, SIX>(hw_blk(), q, k, v, slot_pos, sp_bs, q_pos, qstride, qp_bs, in_restored, rwin,
+                                           code_from, keep_below, cr, tk, tv, tpos, tn, partial, Tq, Hq, Hkv, S, keys,
+                                           window, scale, softcap);
+}
 
 // The chunks' (max, sum) pairs are read once, in parallel, and each chunk's weight
 // exp(m_c - M) kept in shared memory. Block (row, slice) sums kCombineDims dimensions of one
@@ -1133,13 +1223,14 @@ __global__ void decode_attn_partial_kernel(const T* __restrict__ q, const T* __r
 // chunks of a sliding layer's step with small key blocks: H100, ncu.)
 constexpr int kCombineDims = 32;
 template <typename T>
-__global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T* __restrict__ out, int D, int nchunks) {
+__device__ __forceinline__ void decode_attn_combine_body(Blk blk, const float* partial, T* __restrict__ out, int D,
+                                                         int nchunks) {
   pdl_begin();
   extern __shared__ float wgt[];  // [nchunks]: exp(m_c - M), 0 for empty chunks
   __shared__ float red[32];
   __shared__ float sums[kAttnWarps][kCombineDims];
-  const int bh = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int d = blockIdx.y * kCombineDims + lane;
+  const int bh = blk.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int d = blk.y * kCombineDims + lane;
   const float* p = partial + (int64_t)bh * nchunks * (D + 2);
   float m = -INFINITY;
   for (int c = threadIdx.x; c < nchunks; c += blockDim.x) m = fmaxf(m, p[c * (D + 2) + D]);
@@ -1164,6 +1255,10 @@ __global__ void decode_attn_combine_kernel(const float* __restrict__ partial, T*
     for (int w = 0; w < kAttnWarps; ++w) t += sums[w][lane];
     out[(int64_t)bh * D + d] = to_t<T>(L > 0.f ? t / L : 0.f);
   }
+}
+template <typename T>
+__global__ void decode_attn_combine_kernel(const float* partial, T* __restrict__ out, int D, int nchunks) {
+  decode_attn_combine_body<T>(hw_blk(), partial, out, D, nchunks);
 }
 
 // Keys per block. A step's attention is bound by each warp's chain of dependent loads (a key's
@@ -1435,15 +1530,16 @@ struct NoPrologue {
 // once when wpr > 1); `part` holds the split-K partial sums.
 // Pro (active): every thread calls pro() once, after its warp's first weight loads are issued and
 // before any product: it waits for the kernel before and fills xs (residual_gemv_kernel).
+// bx: the block's index in the GEMV's grid (Blk::x).
 template <typename T, int M, int RW, typename Out, bool XG = false, typename Pro = NoPrologue>
-__device__ __forceinline__ void gemv_rows(const float* __restrict__ xs, float* __restrict__ part,
+__device__ __forceinline__ void gemv_rows(int bx, const float* __restrict__ xs, float* __restrict__ part,
                                           const T* __restrict__ W, const T* __restrict__ bias, int N, int K, int wpr,
                                           Act act, Out out, const T* xg = nullptr, Pro pro = {}) {
   constexpr int V = Vec16<T>::n;
   constexpr int R = RW > 2 ? RW : 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int groups_per_block = kGemvWarps / wpr;
-  const int n = (blockIdx.x * groups_per_block + warp / wpr) * RW;
+  const int n = (bx * groups_per_block + warp / wpr) * RW;
   const int part_idx = warp % wpr;
   // This warp's K range, a multiple of the vector width.
   const int kv = K / V, per = (kv + wpr - 1) / wpr;
@@ -1512,11 +1608,16 @@ struct DenseRows {
 // RW rows per warp (RW > 1: whole rows, not gated): a vocabulary's lm_head has rows of a few
 // hundred values, so one row per warp keeps too few loads in flight per lane.
 template <typename T, int RW>
-__global__ void gemv_kernel(const T* x, const T* __restrict__ W, const T* __restrict__ bias,
-                            T* __restrict__ y, int N, int K, int wpr, Act act) {
+__device__ __forceinline__ void gemv_body(Blk blk, const T* x, const T* __restrict__ W, const T* __restrict__ bias,
+                                          T* __restrict__ y, int N, int K, int wpr, Act act) {
   pdl_trigger();  // its weights load before pdl_wait (dot_rows)
   extern __shared__ float xs[];  // [kGemvWarps, 2] partial sums
-  gemv_rows<T, 1, RW, DenseRows<T>, true>(nullptr, xs, W, bias, N, K, wpr, act, DenseRows<T>{y, N}, x);
+  gemv_rows<T, 1, RW, DenseRows<T>, true>(blk.x, nullptr, xs, W, bias, N, K, wpr, act, DenseRows<T>{y, N}, x);
+}
+template <typename T, int RW>
+__global__ void gemv_kernel(const T* x, const T* __restrict__ W, const T* __restrict__ bias, T* __restrict__ y, int N,
+                            int K, int wpr, Act act) {
+  gemv_body<T, RW>(hw_blk(), x, W, bias, y, N, K, wpr, act);
 }
 
 // Warps that share one output row (split K): enough warps in flight to cover memory latency
@@ -1714,7 +1815,7 @@ constexpr int kResidualPer = 4;
 template <typename T>
 struct ResidualPrologue {
   static constexpr bool active = true;
-  const T *h, *x;
+  const T *h, *x;  // the kernels before's outputs: plain pointers (embed_rms_norm_body says why)
   const float *w_post, *w_next;
   T *h_out, *copy;  // copy: the ring of per-position rows, or nullptr (add_rms_norm_kernel's)
   int64_t copy_stride;
@@ -1724,6 +1825,7 @@ struct ResidualPrologue {
   int K;
   float eps;
   bool unit_offset;
+  int bx;  // the block's index in the GEMV's grid: block 0 writes h'
   __device__ void operator()() const {
     constexpr int P = kResidualPer;
     const int t = threadIdx.x, bd = blockDim.x;
@@ -1753,12 +1855,12 @@ struct ResidualPrologue {
       if (i < K) hs[i] = hv[u];
     }
     const float inv = rsqrtf(norm_sumsq(hs, K, red) / K + eps);
-    T* c = copy && blockIdx.x == 0 ? copy + (copy_pos[0] % copy_rows) * copy_stride : nullptr;
+    T* c = copy && bx == 0 ? copy + (copy_pos[0] % copy_rows) * copy_stride : nullptr;
 #pragma unroll
     for (int u = 0; u < P; ++u) {
       const int i = t + u * bd;
       if (i >= K) continue;
-      if (blockIdx.x == 0) h_out[i] = to_t<T>(hv[u]);
+      if (bx == 0) h_out[i] = to_t<T>(hv[u]);
       if (c) c[i] = to_t<T>(hv[u]);
       xs[i] = rnd<T>(norm_value<T>(hv[u], inv, wn[u], unit_offset));
     }
@@ -1778,19 +1880,28 @@ struct ResidualPrologue {
 // At most 64 registers, so that 4 blocks fit an SM (80 without the cap: 3), and a 512-block GEMV
 // is resident in one wave while the kernel before it runs (H200: AR decode 1,762 -> 1,833 tok/s).
 template <typename T>
-__global__ void __launch_bounds__(kGemvWarps * 32, 4)
-    residual_gemv_kernel(const T* __restrict__ h, const T* __restrict__ x, const float* __restrict__ w_post,
-                         const float* __restrict__ w_next, T* __restrict__ h_out, T* __restrict__ copy,
-                         int64_t copy_stride, const int64_t* __restrict__ copy_pos, int64_t copy_rows,
-                         const T* __restrict__ W, const T* __restrict__ bias, T* __restrict__ y, int N, int K, int wpr,
-                         Act act, float eps, bool unit_offset) {
+__device__ __forceinline__ void residual_gemv_body(Blk blk, const T* h, const T* x, const float* __restrict__ w_post,
+                                                   const float* __restrict__ w_next, T* __restrict__ h_out,
+                                                   T* __restrict__ copy, int64_t copy_stride, const int64_t* copy_pos,
+                                                   int64_t copy_rows, const T* __restrict__ W,
+                                                   const T* __restrict__ bias, T* __restrict__ y, int N, int K,
+                                                   int wpr, Act act, float eps, bool unit_offset) {
   pdl_trigger();  // its first weight loads issue before pdl_wait (the prologue)
   extern __shared__ float smem[];  // [K] x, then the pre-norm; [K] the new residual; [kGemvWarps·2] partial sums
   __shared__ float red[32];
   const ResidualPrologue<T> pro{h,         x,    w_post,   w_next, h_out, copy, copy_stride, copy_pos,
-                                copy_rows, smem, smem + K, red,    K,     eps,  unit_offset};
-  gemv_rows<T, 1, 1, DenseRows<T>, false, ResidualPrologue<T>>(smem, smem + 2 * K, W, bias, N, K, wpr, act,
+                                copy_rows, smem, smem + K, red,    K,     eps,  unit_offset, blk.x};
+  gemv_rows<T, 1, 1, DenseRows<T>, false, ResidualPrologue<T>>(blk.x, smem, smem + 2 * K, W, bias, N, K, wpr, act,
                                                                DenseRows<T>{y, N}, nullptr, pro);
+}
+template <typename T>
+__global__ void __launch_bounds__(kGemvWarps * 32, 4)
+    residual_gemv_kernel(const T* h, const T* x, const float* __restrict__ w_post, const float* __restrict__ w_next,
+                         T* __restrict__ h_out, T* __restrict__ copy, int64_t copy_stride, const int64_t* copy_pos,
+                         int64_t copy_rows, const T* __restrict__ W, const T* __restrict__ bias, T* __restrict__ y,
+                         int N, int K, int wpr, Act act, float eps, bool unit_offset) {
+  residual_gemv_body<T>(hw_blk(), h, x, w_post, w_next, h_out, copy, copy_stride, copy_pos, copy_rows, W, bias, y, N, K,
+                        wpr, act, eps, unit_offset);
 }
 
 // False when the shape is not for the kernel (as launch_gemv's, or a row of more values than the
@@ -1893,7 +2004,7 @@ __device__ __forceinline__ void gemv_rows_upto(int m, const float* __restrict__ 
   if constexpr (RMAX > 1) {
     if (m < RMAX) return gemv_rows_upto<T, RMAX - 1, RW>(m, xs, part, W, bias, N, K, wpr, act, out);
   }
-  gemv_rows<T, RMAX, RW>(xs, part, W, bias, N, K, wpr, act, out);
+  gemv_rows<T, RMAX, RW>(blockIdx.x, xs, part, W, bias, N, K, wpr, act, out);
 }
 
 constexpr int kExpertRowsPerWarp = 4;
@@ -1921,7 +2032,7 @@ __global__ void expert_gemv_kernel(const T* __restrict__ x, const T* __restrict_
   const T* We = W + (int64_t)e * (act != Act::None ? 2 * N : N) * K;
   if constexpr (RMAX == 1) {  // a decode step: each pass one pair, its x row read from global memory
     for (int b = group_start[g], end = group_start[g + 1]; b < end; ++b)
-      gemv_rows<T, 1, RW, PairRows<T>, true>(nullptr, xs, We, nullptr, N, K, /*wpr=*/1, act,
+      gemv_rows<T, 1, RW, PairRows<T>, true>(blockIdx.x, nullptr, xs, We, nullptr, N, K, /*wpr=*/1, act,
                                              PairRows<T>{y, pairs + b, N}, x + (int64_t)(pairs[b] / x_div) * K);
   } else {
     for (int b = group_start[g], end = group_start[g + 1]; b < end; b += rows) {

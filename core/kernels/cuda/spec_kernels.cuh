@@ -100,7 +100,7 @@ __device__ __forceinline__ int row_argmax(const float* __restrict__ pval, const 
   return bi;
 }
 
-__global__ void greedy_accept_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
+static __global__ void greedy_accept_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
                                      const int64_t* __restrict__ block, int64_t* __restrict__ report, int Tn) {
   pdl_begin();
   extern __shared__ int64_t post[];  // [Tn]
@@ -122,7 +122,7 @@ __global__ void greedy_accept_kernel(const float* __restrict__ pval, const int* 
 
 // Rows' argmax through an optional id map: out[row] = map ? map[argmax] : argmax (the
 // drafter's greedy drafts over its draft vocabulary). out: [rows] int64.
-__global__ void argmax_final_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
+static __global__ void argmax_final_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int chunks,
                                     const int64_t* __restrict__ map, int64_t* __restrict__ out, int rows) {
   pdl_begin();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
@@ -192,12 +192,12 @@ void launch_advance_block(const int64_t* report, int Tn, int64_t* block, int64_t
 // back in two kernels.
 //   x: [K]; W: [N, K]; pval, pidx: [gridDim.x] = [gemv_wide_blocks(N)].
 template <typename T>
-__global__ void gemv_argmax_kernel(const T* x, const T* __restrict__ W, int N, int K,
-                                   float* __restrict__ pval, int* __restrict__ pidx) {
+__device__ __forceinline__ void gemv_argmax_body(Blk blk, const T* x, const T* __restrict__ W, int N, int K,
+                                                 float* __restrict__ pval, int* __restrict__ pidx) {
   pdl_trigger();  // its weights load before pdl_wait (dot_rows)
   constexpr int RW = kGemvWideRowsPerWarp;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = (blockIdx.x * kGemvWarps + warp) * RW;
+  const int n = (blk.x * kGemvWarps + warp) * RW;
   const int nrows = min(RW, N - n);
   float acc[RW];
 #pragma unroll
@@ -215,14 +215,20 @@ __global__ void gemv_argmax_kernel(const T* x, const T* __restrict__ W, int N, i
     }
   }
   if (block_argmax(best, bi)) {
-    pval[blockIdx.x] = best;
-    pidx[blockIdx.x] = bi;
+    pval[blk.x] = best;
+    pidx[blk.x] = bi;
   }
 }
+template <typename T>
+__global__ void gemv_argmax_kernel(const T* x, const T* __restrict__ W, int N, int K, float* __restrict__ pval,
+                                   int* __restrict__ pidx) {
+  gemv_argmax_body<T>(hw_blk(), x, W, N, K, pval, pidx);
+}
 
-// One row's argmax from many blocks' partials (all threads of one block). out: [1] int64.
-__global__ void argmax_blocks_kernel(const float* __restrict__ pval, const int* __restrict__ pidx, int blocks,
-                                     int64_t* __restrict__ out) {
+// One row's argmax from many blocks' partials (all threads of one block; any number of them).
+// out: [1] int64. pval, pidx: plain pointers (embed_rms_norm_body says why).
+__device__ __forceinline__ void argmax_blocks_body(Blk, const float* pval, const int* pidx, int blocks,
+                                                   int64_t* __restrict__ out) {
   pdl_begin();
   float best = -INFINITY;
   int bi = 0x7fffffff;
@@ -233,6 +239,10 @@ __global__ void argmax_blocks_kernel(const float* __restrict__ pval, const int* 
     }
   if (block_argmax(best, bi)) out[0] = bi;
 }
+template <int = 0>  // one host stub for every translation unit (store_positions_kernel says why)
+__global__ void argmax_blocks_kernel(const float* pval, const int* pidx, int blocks, int64_t* __restrict__ out) {
+  argmax_blocks_body(hw_blk(), pval, pidx, blocks, out);
+}
 
 // scratch: gemv_wide_blocks(N) floats and as many ints. False when the shape is not for the kernel.
 template <typename T>
@@ -241,26 +251,34 @@ bool launch_gemv_argmax(const T* x, const T* W, int N, int K, float* pval, int* 
     return false;
   const int blocks = gemv_wide_blocks(N);
   launch_pdl(gemv_argmax_kernel<T>, blocks, kGemvWarps * 32, 0, s, x, W, N, K, pval, pidx);
-  launch_pdl(argmax_blocks_kernel, 1, 1024, 0, s, pval, pidx, blocks, out);
+  launch_pdl(argmax_blocks_kernel<>, 1, 1024, 0, s, pval, pidx, blocks, out);
   return true;
 }
 
 // ---------------------------------------------------------------------------
 // A decode step's bookkeeping once its token is chosen (ATen took four launches, each a full stop
 // of the step's launch chain): out[step] = next (when step < cap), cur = next, pos += 1, step += 1.
-__global__ void advance_step_kernel(const int64_t* __restrict__ next, int64_t* __restrict__ out, int64_t cap,
-                                    int64_t* __restrict__ step, int64_t* __restrict__ cur, int64_t* __restrict__ pos) {
+// One thread does it (the persistent kernel runs it in a block of many: the others return).
+__device__ __forceinline__ void advance_step_body(Blk, const int64_t* next, int64_t* __restrict__ out, int64_t cap,
+                                                  int64_t* __restrict__ step, int64_t* __restrict__ cur,
+                                                  int64_t* __restrict__ pos) {
   pdl_begin();
+  if (threadIdx.x != 0) return;
   const int64_t t = next[0], s = step[0];
   if (s < cap) out[s] = t;
   cur[0] = t;
   pos[0] += 1;
   step[0] = s + 1;
 }
+template <int = 0>  // one host stub for every translation unit (store_positions_kernel says why)
+__global__ void advance_step_kernel(const int64_t* next, int64_t* __restrict__ out, int64_t cap,
+                                    int64_t* __restrict__ step, int64_t* __restrict__ cur, int64_t* __restrict__ pos) {
+  advance_step_body(hw_blk(), next, out, cap, step, cur, pos);
+}
 
 inline void launch_advance_step(const int64_t* next, int64_t* out, int64_t cap, int64_t* step, int64_t* cur,
                                 int64_t* pos, cudaStream_t s) {
-  launch_pdl(advance_step_kernel, 1, 1, 0, s, next, out, cap, step, cur, pos);
+  launch_pdl(advance_step_kernel<>, 1, 1, 0, s, next, out, cap, step, cur, pos);
 }
 
 // ---------------------------------------------------------------------------

@@ -1,0 +1,128 @@
+// The decode step as persistent-kernel programs (ops::StepProgram, DecodeOptions::megakernel)
+// against the same step's kernels replayed from a CUDA graph (label gpu: runs on the GPU machine
+// only). The program runs the kernels' own bodies, so in bf16 the two agree bit for bit: the same
+// greedy tokens and the same K/V cache contents after the run.
+//   - the real Gemma 3 270M, 300-token prompt, 96 new tokens;
+//   - random weights of a small Gemma 3 shape with other sizes (hidden 200, head dim 128, two KV
+//     heads, a 16-token sliding window the decode wraps around), the same;
+//   - f32 (the program holds bf16 bodies and the dtype-free bookkeeping only): the few recorded
+//     launches run in the program, every other as a kernel of its own, and the tokens are the same.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "core/model/model.h"
+#include "infer/generate.h"
+#include "tests/test_util.h"
+
+using namespace kakeya;
+
+namespace {
+
+const at::Device kCuda(at::kCUDA, 0);
+
+struct DecodeRun {
+  DecodeResult res;
+  std::vector<at::Tensor> kv;  // every layer's keys and values after the run
+};
+
+DecodeRun decode(const Model& m, const std::vector<int64_t>& prompt, int64_t new_tokens, bool megakernel) {
+  DecodeOptions o;
+  o.max_new_tokens = new_tokens;
+  o.stream = false;
+  o.megakernel = megakernel;
+  ArDecoder d(m, (int64_t)prompt.size() + new_tokens, o);
+  DecodeRun r;
+  // Twice on one decoder: the second run replays the graph (and program) the first captured.
+  const std::vector<int64_t> first = d.run(prompt, o).tokens;
+  r.res = d.run(prompt, o);
+  EXPECT_EQ(r.res.tokens, first) << (megakernel ? "persistent kernels" : "graph step") << ": a replay differs";
+  for (int64_t l = 0; l < m.config().num_layers; ++l) {
+    r.kv.push_back(d.cache().keys(l).clone());
+    r.kv.push_back(d.cache().values(l).clone());
+  }
+  return r;
+}
+
+// The step's kernels against the step's program: tokens, no allocation in the replays, caches.
+void expect_same_decode(const Model& m, const std::vector<int64_t>& prompt, int64_t new_tokens) {
+  const DecodeRun want = decode(m, prompt, new_tokens, false);
+  const DecodeRun got = decode(m, prompt, new_tokens, true);
+  EXPECT_NE(got.res.step_program.find("persistent-kernel launches"), std::string::npos) << got.res.step_program;
+  ASSERT_EQ((int64_t)got.res.tokens.size(), new_tokens);
+  EXPECT_EQ(got.res.tokens, want.res.tokens);
+  EXPECT_EQ(got.res.steady_allocations, 0);
+  ASSERT_EQ(got.kv.size(), want.kv.size());
+  for (size_t i = 0; i < got.kv.size(); ++i)
+    EXPECT_TRUE(at::equal(got.kv[i], want.kv[i])) << (i % 2 ? "values" : "keys") << " of layer " << i / 2;
+}
+
+TEST(CudaMegakernel, RealModelBf16EqualsTheGraphStep) {
+  if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
+  ModelOptions mo;
+  mo.device = kCuda;
+  mo.dtype = at::kBFloat16;
+  mo.max_positions = 1024;
+  const Model m = Model::load(test::real_model_dir(), mo);
+  const std::vector<int64_t> text = test::real_prompt(
+      "The persistent kernel walks the step's instructions in order; each block takes its share of every "
+      "launch, waits for the launch before it, and moves on. ");
+  std::vector<int64_t> prompt = text;
+  while (prompt.size() < 300) prompt.insert(prompt.end(), text.begin() + 1, text.end());
+  prompt.resize(300);
+  expect_same_decode(m, prompt, 96);
+}
+
+TEST(CudaMegakernel, SmallRandomShapeBf16EqualsTheGraphStep) {
+  if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
+  nlohmann::json j;
+  std::ifstream(test::real_model_dir() + "/config.json") >> j;
+  j["vocab_size"] = 1000;
+  j["hidden_size"] = 200;
+  j["intermediate_size"] = 328;
+  j["num_hidden_layers"] = 5;
+  j["num_attention_heads"] = 4;
+  j["num_key_value_heads"] = 2;
+  j["head_dim"] = 128;
+  j["query_pre_attn_scalar"] = 128;
+  j["sliding_window"] = 16;
+  j["layer_types"] = {"sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
+                      "sliding_attention"};
+  const ModelConfig cfg = ModelConfig::from_json(j, "small gemma3 (test)");
+  ModelOptions mo;
+  mo.device = kCuda;
+  mo.dtype = at::kBFloat16;
+  mo.max_positions = 256;
+  const Model m = Model::random(cfg, 7, mo);
+  std::vector<int64_t> prompt;
+  for (int64_t i = 0; i < 37; ++i) prompt.push_back((i * 389 + 11) % 1000);
+  expect_same_decode(m, prompt, 61);
+}
+
+TEST(CudaMegakernel, F32RunsMostKernelsAloneWithTheSameTokens) {
+  if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
+  ModelOptions mo;
+  mo.device = kCuda;
+  mo.dtype = at::kFloat;
+  mo.max_positions = 512;
+  const Model m = Model::load(test::real_model_dir(), mo);
+  const std::vector<int64_t> prompt = test::real_prompt("A short prompt for a step that keeps its kernels.");
+  const DecodeRun want = decode(m, prompt, 24, false);
+  const DecodeRun got = decode(m, prompt, 24, true);
+  long long recorded = -1, segments = -1, blocks = -1, alone = -1;
+  ASSERT_EQ(std::sscanf(got.res.step_program.c_str(), "%lld launches as %lld persistent-kernel launches of %lld blocks + %lld",
+                        &recorded, &segments, &blocks, &alone),
+            4)
+      << got.res.step_program;
+  EXPECT_GT(alone, 10 * recorded) << got.res.step_program;  // the f32 GEMVs, norms and attention
+  EXPECT_EQ(got.res.tokens, want.res.tokens);
+  for (size_t i = 0; i < got.kv.size(); ++i) EXPECT_TRUE(at::equal(got.kv[i], want.kv[i])) << i;
+}
+
+}  // namespace
