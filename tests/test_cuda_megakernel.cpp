@@ -63,13 +63,17 @@ void expect_same_decode(const Model& m, const std::vector<int64_t>& prompt, int6
     EXPECT_TRUE(at::equal(got.kv[i], want.kv[i])) << (i % 2 ? "values" : "keys") << " of layer " << i / 2;
 }
 
-TEST(CudaMegakernel, RealModelBf16EqualsTheGraphStep) {
-  if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
+ModelOptions on_cuda(at::ScalarType dtype, int64_t max_positions) {
   ModelOptions mo;
   mo.device = kCuda;
-  mo.dtype = at::kBFloat16;
-  mo.max_positions = 1024;
-  const Model m = Model::load(test::real_model_dir(), mo);
+  mo.dtype = dtype;
+  mo.max_positions = max_positions;
+  return mo;
+}
+
+TEST(CudaMegakernel, RealModelBf16EqualsTheGraphStep) {
+  if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
+  const Model m = Model::load(test::real_model_dir(), on_cuda(at::kBFloat16, 1024));
   const std::vector<int64_t> text = test::real_prompt(
       "The persistent kernel walks the step's instructions in order; each block takes its share of every "
       "launch, waits for the launch before it, and moves on. ");
@@ -95,11 +99,7 @@ TEST(CudaMegakernel, SmallRandomShapeBf16EqualsTheGraphStep) {
   j["layer_types"] = {"sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
                       "sliding_attention"};
   const ModelConfig cfg = ModelConfig::from_json(j, "small gemma3 (test)");
-  ModelOptions mo;
-  mo.device = kCuda;
-  mo.dtype = at::kBFloat16;
-  mo.max_positions = 256;
-  const Model m = Model::random(cfg, 7, mo);
+  const Model m = Model::random(cfg, 7, on_cuda(at::kBFloat16, 256));
   std::vector<int64_t> prompt;
   for (int64_t i = 0; i < 37; ++i) prompt.push_back((i * 389 + 11) % 1000);
   expect_same_decode(m, prompt, 61);
@@ -107,11 +107,7 @@ TEST(CudaMegakernel, SmallRandomShapeBf16EqualsTheGraphStep) {
 
 TEST(CudaMegakernel, F32RunsMostKernelsAloneWithTheSameTokens) {
   if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
-  ModelOptions mo;
-  mo.device = kCuda;
-  mo.dtype = at::kFloat;
-  mo.max_positions = 512;
-  const Model m = Model::load(test::real_model_dir(), mo);
+  const Model m = Model::load(test::real_model_dir(), on_cuda(at::kFloat, 512));
   const std::vector<int64_t> prompt = test::real_prompt("A short prompt for a step that keeps its kernels.");
   const DecodeRun want = decode(m, prompt, 24, false);
   const DecodeRun got = decode(m, prompt, 24, true);
