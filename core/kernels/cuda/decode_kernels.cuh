@@ -261,8 +261,8 @@ __device__ __forceinline__ void store_positions_body(Blk, const int64_t* positio
     dst[ring > 0 ? p % ring : p] = p;
   }
 }
-// A template (as argmax_blocks_kernel and advance_step_kernel): every translation unit including this
-// header then shares its one host stub, whose address the persistent kernel's recorder matches.
+// A template (as argmax_blocks_kernel and advance_step_kernel): decode_ops.cu and megakernel.cu both
+// include this header, and a plain kernel defined here would be defined twice.
 template <int = 0>
 __global__ void store_positions_kernel(const int64_t* positions, int T, int64_t ring, int64_t* __restrict__ dst) {
   store_positions_body(hw_blk(), positions, T, ring, dst);

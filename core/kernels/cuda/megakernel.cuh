@@ -17,7 +17,7 @@
 // reads it on entry, before any block can leave.
 //
 // Measured (H200, Gemma 3 270M bf16, 512-token prompt; bench/results/README.md, stop 63): the step
-// runs bit for bit as its kernels do but at 0.64-0.67x their speed. The waits are not the cost (the
+// runs bit for bit as its kernels do but at 0.67-0.68x their speed. The waits are not the cost (the
 // instruction chain alone, bodies skipped, runs 3,015 tok/s against AR's 1,852; the bodies without
 // the waits 1,240): the bodies are written for grids of many small blocks that a kernel launch runs
 // side by side, several per SM, with their weight loads issued before the kernel before them ends.

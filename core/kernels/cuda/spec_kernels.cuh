@@ -239,7 +239,7 @@ __device__ __forceinline__ void argmax_blocks_body(Blk, const float* pval, const
     }
   if (block_argmax(best, bi)) out[0] = bi;
 }
-template <int = 0>  // one host stub for every translation unit (store_positions_kernel says why)
+template <int = 0>  // one definition in every translation unit (store_positions_kernel says why)
 __global__ void argmax_blocks_kernel(const float* pval, const int* pidx, int blocks, int64_t* __restrict__ out) {
   argmax_blocks_body(hw_blk(), pval, pidx, blocks, out);
 }
@@ -270,7 +270,7 @@ __device__ __forceinline__ void advance_step_body(Blk, const int64_t* next, int6
   pos[0] += 1;
   step[0] = s + 1;
 }
-template <int = 0>  // one host stub for every translation unit (store_positions_kernel says why)
+template <int = 0>  // one definition in every translation unit (store_positions_kernel says why)
 __global__ void advance_step_kernel(const int64_t* next, int64_t* __restrict__ out, int64_t cap,
                                     int64_t* __restrict__ step, int64_t* __restrict__ cur, int64_t* __restrict__ pos) {
   advance_step_body(hw_blk(), next, out, cap, step, cur, pos);
