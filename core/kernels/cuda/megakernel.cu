@@ -27,7 +27,7 @@ struct KernelOf<void (*)(Blk, P...)> {
   using type = void (*)(P...);
 };
 template <auto Kernel, auto Body>
-constexpr const void* op_kernel() {
+const void* op_kernel() {
   static_assert(std::is_same_v<decltype(Kernel), typename KernelOf<decltype(Body)>::type>,
                 "a kernel and its body take the same arguments");
   return reinterpret_cast<const void*>(Kernel);
