@@ -68,6 +68,9 @@ void register_bench(CLI::App& app) {
     KAKEYA_CHECK(o->llama_bench.empty() == o->ggufs.empty(),
                  "bench decode: --llama-bench and --gguf go together (the binary and the GGUF files it runs)");
     const bool random = !o->random_init.empty();
+    KAKEYA_CHECK(!o->megakernel || o->df.torch_device().is_cuda(),
+                 "bench decode --megakernel: the persistent kernel runs on CUDA only (--device cuda), got --device "
+                     << o->df.device);
     KAKEYA_CHECK(!random || (!o->restored && o->ggufs.empty()),
                  "bench decode --random-init: times AR (and the HF peer) only; --restored needs a trained "
                  "drafter and f_θ, --llama-bench a GGUF of the same weights");
