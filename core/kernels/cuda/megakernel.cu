@@ -90,6 +90,8 @@ int op_of(const void* kernel) {
 // Dynamic shared memory a recorded launch may ask (the persistent blocks are sized for it: a residual
 // GEMV over 2,816 values takes 22.6 KB).
 constexpr size_t kMaxSegmentSmem = 24 * 1024;
+// Room for a step of a few hundred launches (Gemma 3 270M: 133 in 1 to 3 segments).
+constexpr size_t kMaxInstrs = 4096, kMaxArgs = 1 << 20, kMaxSegments = 64;
 
 // Launches of more tasks than this many per persistent block run as kernels of their own: their
 // blocks would otherwise take their tasks one after another (a vocabulary's lm_head: 8,192 blocks),
@@ -115,7 +117,6 @@ thread_local StepRecording* t_recording = nullptr;
 struct StepRecording {
   cudaStream_t stream;
   int grid = 0;                       // persistent blocks
-  size_t max_instrs = 0, max_args = 0, max_segments = 0, max_smem = 0;
   std::vector<mega::Instr> instrs;    // every segment's, in order
   std::vector<unsigned char> args;    // their ArgPacks, 16-byte aligned
   int seg_first = 0;                  // the pending segment's first instruction
@@ -141,7 +142,7 @@ struct StepRecording {
   void flush() {
     const int n = (int)instrs.size() - seg_first;
     if (n == 0) return;
-    if ((size_t)segments >= max_segments) {
+    if ((size_t)segments >= kMaxSegments) {
       if (failed.empty()) failed = "more segments than the program's room";
       seg_first = (int)instrs.size();
       return;
@@ -164,7 +165,10 @@ bool record_launch(StepRecording* r, const void* kernel, dim3 grid, dim3 block, 
   const int op = op_of(kernel);
   const unsigned tasks = grid.x * grid.y;
   const unsigned threads = block.x * block.y * block.z;
-  const bool fits = op >= 0 && s == r->stream && grid.z == 1 && smem <= r->max_smem &&
+  const size_t off = (r->args.size() + 15) / 16 * 16, padded = (bytes + 15) / 16 * 16;
+  // Arguments larger than the blocks' copy of them (kMaxArgBytes) take a kernel of their own too.
+  const bool fits = op >= 0 && s == r->stream && grid.z == 1 && smem <= kMaxSegmentSmem &&
+                    padded <= (size_t)mega::kMaxArgBytes &&
                     (ops_table()[op].any_threads ? threads <= 1024 : threads == (unsigned)mega::kThreads) &&
                     tasks <= kMaxTasksPerBlock * (unsigned)r->grid;
   if (!fits) {
@@ -173,14 +177,8 @@ bool record_launch(StepRecording* r, const void* kernel, dim3 grid, dim3 block, 
     ++r->kernels_alone;
     return false;
   }
-  const size_t off = (r->args.size() + 15) / 16 * 16, padded = (bytes + 15) / 16 * 16;
-  if (padded > (size_t)mega::kMaxArgBytes) {  // a launch whose arguments the blocks could not hold
-    r->flush();
-    ++r->kernels_alone;
-    return false;
-  }
   if ((int)r->instrs.size() - r->seg_first >= mega::kMaxSegmentInstrs) r->flush();
-  if (r->instrs.size() >= r->max_instrs || off + padded > r->max_args) {
+  if (r->instrs.size() >= kMaxInstrs || off + padded > kMaxArgs) {
     if (r->failed.empty()) r->failed = "the step has more launches than the program's room";
     return true;
   }
@@ -196,9 +194,9 @@ bool record_launch(StepRecording* r, const void* kernel, dim3 grid, dim3 block, 
 namespace ops {
 
 namespace mk = kakeya::kernels::mega;
-
-// Room for a step of a few hundred launches (Gemma 3 270M: 133 in 1 to 3 segments).
-constexpr size_t kMaxInstrs = 4096, kMaxArgs = 1 << 20, kMaxSegments = 64;
+using kernels::kMaxArgs;
+using kernels::kMaxInstrs;
+using kernels::kMaxSegments;
 
 struct StepProgram::Impl {
   at::Tensor prog, args, counters;  // device buffers: instructions, argument bytes, done[] + Sync[]
@@ -234,10 +232,6 @@ bool StepProgram::record(const std::function<void()>& step) {
   auto& r = impl_->rec;
   r = kernels::StepRecording{};
   r.stream = at::cuda::getCurrentCUDAStream().stream();
-  r.max_instrs = kMaxInstrs;
-  r.max_args = kMaxArgs;
-  r.max_segments = kMaxSegments;
-  r.max_smem = kernels::kMaxSegmentSmem;
   r.grid = impl_->grid;
   r.d_prog = reinterpret_cast<mk::Instr*>(impl_->prog.data_ptr());
   r.d_args = impl_->args.data_ptr<uint8_t>();

@@ -1,6 +1,6 @@
 // A decode step's kernels run by one persistent kernel (FlashInfer layering: this file knows raw
 // pointers and streams; core/kernels/cuda/megakernel.cu records the step and wraps it for the model;
-// core/kernels/ops.h declares ops::StepProgram).
+// core/kernels/step_program.h declares ops::StepProgram).
 //
 // Why: a decode step of a small model is ~130 kernels of a few microseconds each, and every kernel
 // boundary costs the grid's drain, the next grid's launch and ramp-up even under programmatic
@@ -37,7 +37,7 @@ namespace kakeya::kernels::mega {
 using bf16 = __nv_bfloat16;
 
 struct Instr {
-  int op;             // the body: its index in kOps (megakernel.cu) and in run_task's switch
+  int op;             // the body: its index in ops_table() (megakernel.cu) and in run_task's switch
   int gx;             // the recorded grid: gx · gy tasks, task t = block (t mod gx, t / gx)
   unsigned tasks;
   unsigned args;      // byte offset of the launch's ArgPack in the program's argument bytes (16-aligned)
@@ -94,7 +94,7 @@ __device__ __forceinline__ void call(Blk b, const unsigned char* a) {
   apply_pack(f, *reinterpret_cast<const Pack*>(a));
 }
 
-// The bodies, in the order of kOps (megakernel.cu).
+// The bodies, in the order of ops_table() (megakernel.cu).
 __device__ __forceinline__ void run_task(int op, Blk b, const unsigned char* a) {
   switch (op) {
     case 0: call<&embed_rms_norm_body<bf16>>(b, a); break;
