@@ -129,21 +129,27 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
     auto tc = Clock::now();
     {
       c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-      if (opt.megakernel) {
-        // The step recorded as persistent-kernel programs inside the capture; a recording that
-        // cannot be used leaves a graph that is thrown away, and the step is captured as it is.
-        g.program = std::make_unique<ops::StepProgram>(dev);
+      // The step's graph from one run of `body` (the capture ends on a throw too); body's false
+      // throws the graph away.
+      auto capture = [&](const std::function<bool()>& body) {
         g.step = std::make_unique<at::cuda::CUDAGraph>();
         g.step->capture_begin();
         bool ok = false;
         try {
-          ok = g.program->record(loop.step);
+          ok = body();
         } catch (...) {
           g.step->capture_end();
           throw;
         }
         g.step->capture_end();
-        if (ok) {
+        if (!ok) g.step.reset();
+        return ok;
+      };
+      if (opt.megakernel) {
+        // The step recorded as persistent-kernel programs inside the capture; a recording that
+        // cannot be used leaves a graph that is thrown away, and the step is captured as it is.
+        g.program = std::make_unique<ops::StepProgram>(dev);
+        if (capture([&] { return g.program->record(loop.step); })) {
           g.program->upload();
           g.step_program = std::to_string(g.program->instructions()) + " launches as " +
                            std::to_string(g.program->segments()) + " persistent-kernel launches of " +
@@ -152,15 +158,12 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
         } else {
           g.step_program = "kept its kernels: " + g.program->why_not();
           g.program.reset();
-          g.step.reset();
         }
       }
-      if (!g.step) {
-        g.step = std::make_unique<at::cuda::CUDAGraph>();
-        g.step->capture_begin();
+      if (!g.step) capture([&] {
         loop.step();
-        g.step->capture_end();
-      }
+        return true;
+      });
     }
     if (loop.upkeep) loop.upkeep->capture();
     res.capture_seconds = std::chrono::duration<double>(Clock::now() - tc).count();

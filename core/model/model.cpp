@@ -369,7 +369,10 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
   // The tail's row order: the fused store below writes position p to row p mod T of a [.., T, D]
   // scratch (a forward's positions are consecutive, so the rows are a rotation of them).
   at::Tensor tail_pos;  // [T] int64: the position each scratch row holds
-  if (tail_kernel && !qkv_tapped) tail_pos = at::empty_like(positions).index_copy_(0, positions.remainder(T), positions);
+  if (tail_kernel && !qkv_tapped) {
+    tail_pos = at::empty_like(positions);
+    ops::store_positions(tail_pos, positions, T);
+  }
 
   // Each layer's weights, and its K/V rows where they fit L2 beside them, a layer ahead (ops::L2Prefetch).
   // 16 MB of K + V: a Gemma 3 270M full-attention layer's 8k positions, beside its 11 MB of weights.
