@@ -8,7 +8,6 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -112,8 +111,8 @@ __device__ __forceinline__ Blk hw_blk() { return {(int)blockIdx.x, (int)blockIdx
 // body for, or too large a grid).
 struct StepRecording;
 StepRecording* step_recording();
-bool record_launch(StepRecording* r, const void* kernel, dim3 grid, dim3 block, unsigned cluster, size_t smem,
-                   cudaStream_t s, const void* args, size_t bytes);
+bool record_launch(StepRecording* r, const void* kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                   const void* args, size_t bytes);
 
 // A kernel's arguments as one value, laid out alike by the host and the device compiler (the
 // persistent kernel reads a recorded launch's arguments from it: apply_pack).
@@ -141,35 +140,23 @@ __device__ __forceinline__ void apply_pack(F& f, const ArgPack<H, R...>& p, cons
   apply_pack(f, p.rest, d..., p.head);
 }
 
-// cluster > 0: blocks (x, y) .. (x + cluster - 1, y) form a thread block cluster (grid.x a multiple
-// of it), whose blocks read each other's shared memory; 0: no cluster.
 template <typename... P, typename... A>
-void launch_pdl_cluster(unsigned cluster, void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
-                        A&&... args) {
+void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A&&... args) {
   if (StepRecording* r = step_recording()) {
     const ArgPack<P...> pack = make_pack(static_cast<P>(args)...);
-    if (record_launch(r, reinterpret_cast<const void*>(kernel), grid, block, cluster, smem, s, &pack, sizeof pack))
-      return;
+    if (record_launch(r, reinterpret_cast<const void*>(kernel), grid, block, smem, s, &pack, sizeof pack)) return;
   }
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
-  attr[1].id = cudaLaunchAttributeClusterDimension;
-  attr[1].val.clusterDim.x = cluster;
-  attr[1].val.clusterDim.y = 1;
-  attr[1].val.clusterDim.z = 1;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = s;
   cfg.attrs = attr;
-  cfg.numAttrs = cluster > 0 ? 2 : 1;
+  cfg.numAttrs = 1;
   cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
-}
-template <typename... P, typename... A>
-void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A&&... args) {
-  launch_pdl_cluster(0, kernel, grid, block, smem, s, std::forward<A>(args)...);
 }
 
 // ---------------------------------------------------------------------------
@@ -1056,41 +1043,6 @@ __device__ __forceinline__ void attn_update(const float* sdot, const float* vv, 
   }
 }
 
-// The warps of a block merged, query head by head (each warp's running max m, sum l and value sums
-// acc over its keys): dst(g) receives head g's [D value sums, max, sum] (a partial's layout).
-template <int G, int VPL, typename Dst>
-__device__ __forceinline__ void merge_warps(const float* m, const float* l, const float (*acc)[VPL], Dst dst) {
-  constexpr int D = VPL * 32;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  __shared__ float sm[G][kAttnWarps], sl[G][kAttnWarps];
-  __shared__ float sacc[G][kAttnWarps][D];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    if (lane == 0) {
-      sm[g][warp] = m[g];
-      sl[g][warp] = l[g];
-    }
-    for (int i = 0; i < VPL; ++i) sacc[g][warp][lane * VPL + i] = acc[g][i];
-  }
-  __syncthreads();
-  for (int g = 0; g < G; ++g) {
-    float M = -INFINITY;
-    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm[g][w]);
-    float* out = dst(g);
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      float a = 0.f;
-      for (int w = 0; w < kAttnWarps; ++w) a += sm[g][w] == -INFINITY ? 0.f : sacc[g][w][d] * __expf(sm[g][w] - M);
-      out[d] = a;
-    }
-    if (threadIdx.x == 0) {
-      float L = 0.f;
-      for (int w = 0; w < kAttnWarps; ++w) L += sm[g][w] == -INFINITY ? 0.f : sl[g][w] * __expf(sm[g][w] - M);
-      out[D] = M;
-      out[D + 1] = L;
-    }
-  }
-}
-
 // SIX: the coded rows (if any) are int6 ones (load_coded).
 // The query, the caches, the slot positions and the tail are written by the kernels before (the
 // persistent kernel's same launch): plain pointers (embed_rms_norm_body says why).
@@ -1223,7 +1175,34 @@ __device__ __forceinline__ void decode_attn_partial_body(
       for (int i = 0; i < VPL; ++i) acc[g][i] += accr[g][i] * rot_sign(lane * VPL + i) + (vm ? lc[g] * vm[i] : 0.f);
     }
   }
-  merge_warps<G, VPL>(m, l, acc, [&](int g) { return partial + ((int64_t)(row0 + g) * nchunks + chunk) * (D + 2); });
+  // Merge the warps of this block, head by head.
+  __shared__ float sm[G][kAttnWarps], sl[G][kAttnWarps];
+  __shared__ float sacc[G][kAttnWarps][D];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    if (lane == 0) {
+      sm[g][warp] = m[g];
+      sl[g][warp] = l[g];
+    }
+    for (int i = 0; i < VPL; ++i) sacc[g][warp][lane * VPL + i] = acc[g][i];
+  }
+  __syncthreads();
+  for (int g = 0; g < G; ++g) {
+    float M = -INFINITY;
+    for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, sm[g][w]);
+    float* out = partial + ((int64_t)(row0 + g) * nchunks + chunk) * (D + 2);
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+      float a = 0.f;
+      for (int w = 0; w < kAttnWarps; ++w) a += sm[g][w] == -INFINITY ? 0.f : sacc[g][w][d] * __expf(sm[g][w] - M);
+      out[d] = a;
+    }
+    if (threadIdx.x == 0) {
+      float L = 0.f;
+      for (int w = 0; w < kAttnWarps; ++w) L += sm[g][w] == -INFINITY ? 0.f : sl[g][w] * __expf(sm[g][w] - M);
+      out[D] = M;
+      out[D + 1] = L;
+    }
+  }
 }
 template <typename T, int VPL, int G, bool SIX>
 __global__ void decode_attn_partial_kernel(const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs,
@@ -1280,188 +1259,6 @@ __device__ __forceinline__ void decode_attn_combine_body(Blk blk, const float* p
 template <typename T>
 __global__ void decode_attn_combine_kernel(const float* partial, T* __restrict__ out, int D, int nchunks) {
   decode_attn_combine_body<T>(hw_blk(), partial, out, D, nchunks);
-}
-
-// ---------------------------------------------------------------------------
-// A decode step's attention over a short cache of exact rows in one launch (no partials in global
-// memory, no combine kernel): one thread block cluster per query row, block `rank` of the cluster
-// taking keys [rank·keys, (rank + 1)·keys). Each warp loads a batch of NB keys (slot positions,
-// K and V rows) before it scores any, sums the NB dot products with interleaved shuffles, and
-// takes the batch into its softmax sums with one max: a batch costs one memory round trip and one
-// shuffle chain, not NB of each. The block merges its warps as the partial kernel does
-// (merge_warps), and the cluster merges its blocks through distributed shared memory.
-// No coded region, no tail; a copy rule's in_restored / rwin / keep_below as the partial kernel
-// reads them (in_restored null: none).
-// q: [B, Hq, D] (one query per sequence); k, v: [B, Hkv, S, D]; slot_pos: [S] or [B, S] (sp_bs S);
-// q_pos: [1] or [B] (qp_bs 1); in_restored: [S]; out: [B, Hq·D].
-constexpr int kAttnClusterMax = 8;     // blocks a cluster: the portable size
-constexpr int kAttnClusterLimit = 16;  // the most sm_90 allows (non-portable)
-constexpr int kAttnClusterWarpKeys = 16;  // keys a warp at most (1,024 slots in 8 blocks)
-// NB: keys a warp loads at once (64 values of K and V a lane at most).
-__host__ __device__ constexpr int attn_cluster_batch(int vpl) { return vpl >= 16 ? 4 : 8; }
-
-// The blocks of a cluster merged: each block's `mine` holds its merge of the row ([D value sums,
-// max, sum], a partial's layout), and block `rank` of the C writes its share of the row's D
-// outputs with the combine kernel's sums, reading the others' shared memory (a thread's loads from
-// the C blocks all issue before it uses any). Both barriers are the cluster's: the first publishes
-// every block's merge, the second keeps each block's shared memory alive until the others have
-// read it.
-template <typename T, int D>
-__device__ __forceinline__ void cluster_combine(float* mine, T* __restrict__ out) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
-  const int C = (int)cluster.num_blocks(), rank = (int)cluster.block_rank();
-  const int share = (D + C - 1) / C;
-  for (int t = threadIdx.x; t < share && rank * share + t < D; t += blockDim.x) {
-    const int d = rank * share + t;
-    float mc[kAttnClusterLimit], lc[kAttnClusterLimit], pc[kAttnClusterLimit];  // block c's max, sum, value d
-#pragma unroll
-    for (int c = 0; c < kAttnClusterLimit; ++c) {
-      mc[c] = -INFINITY;
-      if (c < C) {
-        const float* o = cluster.map_shared_rank(mine, c);
-        mc[c] = o[D];
-        lc[c] = o[D + 1];
-        pc[c] = o[d];
-      }
-    }
-    float M = -INFINITY;
-#pragma unroll
-    for (int c = 0; c < kAttnClusterLimit; ++c) M = fmaxf(M, mc[c]);
-    float L = 0.f, a = 0.f;
-#pragma unroll
-    for (int c = 0; c < kAttnClusterLimit; ++c) {
-      const float w = mc[c] == -INFINITY ? 0.f : __expf(mc[c] - M);
-      if (w != 0.f) {
-        L += lc[c] * w;
-        a += pc[c] * w;
-      }
-    }
-    out[d] = to_t<T>(L > 0.f ? a / L : 0.f);
-  }
-  cluster.sync();
-#else
-  __trap();  // clusters are launched on sm_90 and later only
-#endif
-}
-
-template <typename T, int VPL>
-__global__ void __launch_bounds__(kAttnWarps * 32)
-    decode_attn_cluster_kernel(const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs,
-                               const int64_t* q_pos, int qp_bs, const bool* in_restored, int rwin, int64_t keep_below,
-                               T* __restrict__ out, int Hq, int Hkv, int S, int keys, int window, float scale,
-                               float softcap) {
-  pdl_begin();
-  constexpr int D = VPL * 32, NB = attn_cluster_batch(VPL);
-  // Block x of the grid is block x of its cluster (the cluster spans the grid's x).
-  const int rank = blockIdx.x;
-  const int row = blockIdx.y, b = row / Hq, hk = (row % Hq) / (Hq / Hkv);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int64_t qp = q_pos[(int64_t)b * qp_bs];
-  slot_pos += (int64_t)b * sp_bs;
-  float qv[VPL], acc[1][VPL], m[1] = {-INFINITY}, l[1] = {0.f};
-#pragma unroll
-  for (int i = 0; i < VPL; ++i) {
-    qv[i] = from_t<T>(q[(int64_t)row * D + lane * VPL + i]) * scale;
-    acc[0][i] = 0.f;
-  }
-  const T* kb = k + ((int64_t)b * Hkv + hk) * S * D + lane * VPL;
-  const T* vb = v + ((int64_t)b * Hkv + hk) * S * D + lane * VPL;
-  const int start = rank * keys, end = min(S, start + keys);
-  for (int j0 = start + warp; j0 < end; j0 += kAttnWarps * NB) {
-    int64_t p[NB];
-    bool rs[NB];  // the slot is in the restored region
-    float kv[NB][VPL], vv[NB][VPL];
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      const int j = j0 + n * kAttnWarps;
-      p[n] = j < end ? slot_pos[j] : -1;
-      rs[n] = j < end && in_restored && in_restored[j];
-#pragma unroll
-      for (int i = 0; i < VPL; ++i) {
-        kv[n][i] = j < end ? from_t<T>(kb[(int64_t)j * D + i]) : 0.f;
-        vv[n][i] = j < end ? from_t<T>(vb[(int64_t)j * D + i]) : 0.f;
-      }
-    }
-    float sd[NB];  // the batch's scores; -inf where the query does not see the key (warp-uniform)
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      sd[n] = 0.f;
-#pragma unroll
-      for (int i = 0; i < VPL; ++i) sd[n] += qv[i] * kv[n][i];
-    }
-    warp_sums<NB>(sd);
-    float bm = -INFINITY;
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      bool seen = p[n] >= 0 && p[n] <= qp && (window <= 0 || qp - p[n] < window);
-      if (in_restored) {
-        seen = seen && (qp - p[n] < rwin) != rs[n];  // else the other region holds this query's copy
-        seen = seen && !(rs[n] && keep_below >= 0 && p[n] >= keep_below);  // dropped on this layer
-      }
-      if (softcap > 0.f) sd[n] = tanhf(sd[n] / softcap) * softcap;
-      sd[n] = seen ? sd[n] : -INFINITY;
-      bm = fmaxf(bm, sd[n]);
-    }
-    if (bm == -INFINITY) continue;  // warp-uniform: no key of the batch is seen
-    if (bm > m[0]) {
-      const float corr = __expf(m[0] - bm);
-      m[0] = bm;
-      l[0] *= corr;
-#pragma unroll
-      for (int i = 0; i < VPL; ++i) acc[0][i] *= corr;
-    }
-#pragma unroll
-    for (int n = 0; n < NB; ++n) {
-      const float pj = sd[n] == -INFINITY ? 0.f : __expf(sd[n] - m[0]);
-      l[0] += pj;
-#pragma unroll
-      for (int i = 0; i < VPL; ++i) acc[0][i] = fmaf(pj, vv[n][i], acc[0][i]);
-    }
-  }
-  __shared__ float mine[D + 2];
-  merge_warps<1, VPL>(m, l, acc, [&](int) { return mine; });
-  cluster_combine<T, D>(mine, out + (int64_t)row * D);
-}
-
-// Blocks a cluster for a decode step (one query per sequence) over S exact slots, at most
-// max_cluster (kAttnClusterMax, or up to kAttnClusterLimit), or 0: the partial and combine kernels
-// (more than kAttnClusterWarpKeys keys a warp). Warps get whole batches of NB keys before the
-// cluster grows: S = 512 at D = 256 takes 8 blocks of 64 keys, one batch of 8 a warp.
-inline int decode_attn_cluster(int S, int D, int max_cluster = kAttnClusterMax) {  // exact rows, no tail
-  if (S > max_cluster * kAttnWarps * kAttnClusterWarpKeys || S <= 0) return 0;
-  const int per_block = kAttnWarps * attn_cluster_batch(D / 32);
-  return std::min(max_cluster, (S + per_block - 1) / per_block);
-}
-
-// Returns false if D is not 64, 128, 256 or 512. C: decode_attn_cluster; rows: B·Hq.
-template <typename T>
-bool launch_decode_attention_cluster(const T* q, const T* k, const T* v, const int64_t* slot_pos, int sp_bs,
-                                     const int64_t* q_pos, int qp_bs, const bool* in_restored, int rwin,
-                                     int64_t keep_below, T* out, int rows, int Hq, int Hkv, int S, int D, int C,
-                                     int window, float scale, float softcap, cudaStream_t s) {
-  const int keys = (S + C - 1) / C;
-  bool launched = false;
-  auto launch = [&](auto vpl) {
-    constexpr int VPL = decltype(vpl)::value;
-    if (D != VPL * 32) return;
-    if (C > kAttnClusterMax) {  // once per kernel, before its first launch of that size
-      static const cudaError_t e =
-          cudaFuncSetAttribute(decode_attn_cluster_kernel<T, VPL>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-      if (e != cudaSuccess) return;  // not launched: the caller reports it
-    }
-    launch_pdl_cluster(C, decode_attn_cluster_kernel<T, VPL>, dim3(C, rows), kAttnWarps * 32, 0, s, q, k, v, slot_pos,
-                       sp_bs, q_pos, qp_bs, in_restored, rwin, keep_below, out, Hq, Hkv, S, keys, window, scale,
-                       softcap);
-    launched = true;
-  };
-  launch(std::integral_constant<int, 2>{});
-  launch(std::integral_constant<int, 4>{});
-  launch(std::integral_constant<int, 8>{});
-  launch(std::integral_constant<int, 16>{});
-  return launched;
 }
 
 // Keys per block. A step's attention is bound by each warp's chain of dependent loads (a key's

@@ -5,7 +5,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <string>
 
 #include "core/kernels/cuda/decode_kernels.cuh"
 #include "core/kernels/cuda/decode_ops.h"
@@ -563,38 +562,11 @@ at::Tensor decode_attention(const at::Tensor& q_in, const at::Tensor& k, const a
   }();
   const bool long_rotated = cr.kc && cr.rotated && cr.rows >= k::kAttnGroupCodedRows;
   const int G = k::decode_attn_group((int)Hq, (int)Hkv, (int)D, (int)T, long_rotated, group_cap);
-  const cudaDeviceProp* prop = at::cuda::getCurrentDeviceProperties();
-  const int keys = k::decode_attn_keys((int)(S + tn), (int)(T * Hq / G), prop->multiProcessorCount, (int)T, G);
+  const int keys = k::decode_attn_keys((int)(S + tn), (int)(T * Hq / G),
+                                       at::cuda::getCurrentDeviceProperties()->multiProcessorCount, (int)T, G);
+  auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S + tn, keys), D + 2}, q.options().dtype(at::kFloat));
   auto out = at::empty({B, T, Hq * D}, q.options());
   bool ok = false;
-  // Thread block clusters (sm_90 on) where the keys fit a few blocks: their blocks merge through
-  // distributed shared memory, so no partials and no combine kernel. A decode step over a plain
-  // cache takes its own kernel (decode_attn_cluster_kernel), query blocks the partial kernel's
-  // clustered form (not over int6 rows). KAKEYA_ATTN_CLUSTER=0 keeps the two kernels, =16 lets a
-  // decode step's clusters grow to 16 blocks (measurement switches: the same run timed each way).
-  static const int max_cluster = [] {
-    const char* e = std::getenv("KAKEYA_ATTN_CLUSTER");
-    const std::string v = e ? e : "";
-    return v == "0" ? 0 : v == "16" ? k::kAttnClusterLimit : k::kAttnClusterMax;
-  }();
-  const int cluster = max_cluster > 0 && prop->major >= 9 && T == 1 && G == 1 && !cr.kc && tn == 0
-                          ? k::decode_attn_cluster((int)S, (int)D, max_cluster)
-                          : 0;
-  if (cluster > 0) {
-    dispatch(q.scalar_type(), [&](auto* tag) {
-      using T_ = std::remove_pointer_t<decltype(tag)>;
-      ok = k::launch_decode_attention_cluster<T_>(ptr<T_>(q), ptr<T_>(k), ptr<T_>(v), slot_pos.data_ptr<int64_t>(),
-                                                  sp_rows ? (int)S : 0, q_pos.data_ptr<int64_t>(), qp_rows ? 1 : 0,
-                                                  in_restored, (int)copies.window,
-                                                  in_restored ? copies.keep_below : (int64_t)-1, ptr<T_>(out),
-                                                  B * Hq, Hq, Hkv, S, D, cluster, window, scale, softcap,
-                                                  at::cuda::getCurrentCUDAStream());
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    });
-    TORCH_CHECK(ok, "decode_attention: head dim ", D, " not supported (64, 128, 256, 512)");
-    return out;
-  }
-  auto partial = at::empty({B * T * Hq, k::decode_attn_chunks(S + tn, keys), D + 2}, q.options().dtype(at::kFloat));
   dispatch(q.scalar_type(), [&](auto* tag) {
     using T_ = std::remove_pointer_t<decltype(tag)>;
     ok = k::launch_decode_attention<T_>(ptr<T_>(q), ptr<T_>(k), ptr<T_>(v), slot_pos.data_ptr<int64_t>(),

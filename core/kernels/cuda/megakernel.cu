@@ -159,16 +159,15 @@ struct StepRecording {
 
 StepRecording* step_recording() { return t_recording; }
 
-bool record_launch(StepRecording* r, const void* kernel, dim3 grid, dim3 block, unsigned cluster, size_t smem,
-                   cudaStream_t s, const void* args, size_t bytes) {
+bool record_launch(StepRecording* r, const void* kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+                   const void* args, size_t bytes) {
   r->check_foreign();
   const int op = op_of(kernel);
   const unsigned tasks = grid.x * grid.y;
   const unsigned threads = block.x * block.y * block.z;
   const size_t off = (r->args.size() + 15) / 16 * 16, padded = (bytes + 15) / 16 * 16;
-  // Arguments larger than the blocks' copy of them (kMaxArgBytes) take a kernel of their own too, and
-  // so do clusters (their blocks share memory: tasks of one persistent block cannot).
-  const bool fits = op >= 0 && s == r->stream && grid.z == 1 && cluster == 0 && smem <= kMaxSegmentSmem &&
+  // Arguments larger than the blocks' copy of them (kMaxArgBytes) take a kernel of their own too.
+  const bool fits = op >= 0 && s == r->stream && grid.z == 1 && smem <= kMaxSegmentSmem &&
                     padded <= (size_t)mega::kMaxArgBytes &&
                     (ops_table()[op].any_threads ? threads <= 1024 : threads == (unsigned)mega::kThreads) &&
                     tasks <= kMaxTasksPerBlock * (unsigned)r->grid;
