@@ -129,8 +129,8 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
     auto tc = Clock::now();
     {
       c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-      // The step's graph from one run of `body` (the capture ends on a throw too); body's false
-      // throws the graph away.
+      // The step's graph from one run of `body`; body's false throws the graph away, and so does a
+      // throw (after ending the capture: no later run of this loop replays a failed step's graph).
       auto capture = [&](const std::function<bool()>& body) {
         g.step = std::make_unique<at::cuda::CUDAGraph>();
         g.step->capture_begin();
@@ -138,7 +138,8 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
         try {
           ok = body();
         } catch (...) {
-          g.step->capture_end();
+          const auto failed = std::move(g.step);
+          failed->capture_end();
           throw;
         }
         g.step->capture_end();
