@@ -155,8 +155,7 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
           g.step_program = std::to_string(g.program->instructions()) + " launches as " +
                            std::to_string(g.program->segments()) + " persistent-kernel launches of " +
                            std::to_string(g.program->grid()) + " blocks + " +
-                           std::to_string(g.program->kernels_alone()) + " kernels, " +
-                           std::to_string(g.program->staged()) + " GEMVs' rows staged";
+                           std::to_string(g.program->kernels_alone()) + " kernels";
         } else {
           g.step_program = "kept its kernels: " + g.program->why_not();
           g.program.reset();

@@ -2,7 +2,6 @@
 // against the same step's kernels replayed from a CUDA graph (label gpu: runs on the GPU machine
 // only). The program runs the kernels' own bodies, so in bf16 the two agree bit for bit: the same
 // greedy tokens and the same K/V cache contents after the run.
-// Every layer's four GEMVs run with their weight rows staged in shared memory (Instr::stage).
 //   - the real Gemma 3 270M, 300-token prompt, 96 new tokens;
 //   - random weights of a small Gemma 3 shape with other sizes (hidden 200, head dim 128, two KV
 //     heads, a 16-token sliding window the decode wraps around), the same;
@@ -56,11 +55,6 @@ void expect_same_decode(const Model& m, const std::vector<int64_t>& prompt, int6
   const DecodeRun want = decode(m, prompt, new_tokens, false);
   const DecodeRun got = decode(m, prompt, new_tokens, true);
   EXPECT_NE(got.res.step_program.find("persistent-kernel launches"), std::string::npos) << got.res.step_program;
-  // Every layer's GEMVs fit the staged rows' room at these shapes: the tokens above come from
-  // bodies reading their weights from shared memory.
-  const size_t at = got.res.step_program.rfind(", ");
-  ASSERT_NE(at, std::string::npos) << got.res.step_program;
-  EXPECT_GE(std::stoll(got.res.step_program.substr(at + 2)), 4 * m.config().num_layers) << got.res.step_program;
   ASSERT_EQ((int64_t)got.res.tokens.size(), new_tokens);
   EXPECT_EQ(got.res.tokens, want.res.tokens);
   EXPECT_EQ(got.res.steady_allocations, 0);

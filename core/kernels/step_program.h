@@ -32,7 +32,6 @@ class StepProgram {
   int64_t instructions() const;   // recorded launches
   int64_t segments() const;       // persistent-kernel launches a step makes
   int64_t kernels_alone() const;  // launches kept as kernels of their own
-  int64_t staged() const;         // instructions whose weight rows the blocks copy before their wait
   int64_t grid() const;           // persistent blocks
   static bool recording();        // a step is being recorded on this thread
 

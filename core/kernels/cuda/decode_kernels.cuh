@@ -102,9 +102,6 @@ __device__ __forceinline__ void pdl_begin() {
 struct Blk {
   int x, y;  // blockIdx.x, blockIdx.y
   int nx;    // gridDim.x
-  // A GEMV task's weight rows as the persistent kernel copied them into shared memory before its
-  // wait ([gate rows; up rows] of the task, K values each: gemv_task_rows), or nullptr: read from W.
-  const void* rows = nullptr;
 };
 __device__ __forceinline__ Blk hw_blk() { return {(int)blockIdx.x, (int)blockIdx.y, (int)gridDim.x}; }
 
@@ -128,12 +125,6 @@ struct ArgPack<H, R...> {
   H head;
   ArgPack<R...> rest;
 };
-// The I-th value of a pack (the persistent kernel's recorder reads a GEMV's shape from it).
-template <int I, typename H, typename... R>
-__host__ __device__ const auto& pack_get(const ArgPack<H, R...>& p) {
-  if constexpr (I == 0) return p.head;
-  else return pack_get<I - 1>(p.rest);
-}
 inline ArgPack<> make_pack() { return {}; }
 template <typename H, typename... R>
 ArgPack<H, R...> make_pack(H h, R... r) {
@@ -1526,21 +1517,6 @@ __device__ __forceinline__ void dot_rows(const T* __restrict__ w0, int64_t strid
   }
 }
 
-// Output rows of one block of gemv_rows: kGemvWarps / wpr warp groups of RW rows (gated: each
-// with its up row).
-__host__ __device__ constexpr int gemv_task_rows(int wpr, int RW) { return kGemvWarps / wpr * RW; }
-// W as a GEMV body reads it: from memory, or (Blk::rows) from the task's rows in shared memory,
-// offset so that row n sits at n·K as in W; *up_stride as gemv_rows takes it.
-template <typename T>
-__device__ __forceinline__ const T* block_weights(Blk blk, const T* W, int K, int task_rows, int64_t* up_stride) {
-  if (!blk.rows) {
-    *up_stride = 0;
-    return W;
-  }
-  *up_stride = (int64_t)task_rows * K;
-  return static_cast<const T*>(blk.rows) - (int64_t)blk.x * task_rows * K;
-}
-
 // No prologue (gemv_rows' default): x is ready when the kernel reads it.
 struct NoPrologue {
   static constexpr bool active = false;
@@ -1554,23 +1530,21 @@ struct NoPrologue {
 // once when wpr > 1); `part` holds the split-K partial sums.
 // Pro (active): every thread calls pro() once, after its warp's first weight loads are issued and
 // before any product: it waits for the kernel before and fills xs (residual_gemv_kernel).
-// bx: the block's index in the GEMV's grid (Blk::x). up_stride: how far a gate row's up row lies
-// (0: N·K, W as it is in memory; the persistent kernel passes its shared-memory copy of a block's rows).
+// bx: the block's index in the GEMV's grid (Blk::x).
 template <typename T, int M, int RW, typename Out, bool XG = false, typename Pro = NoPrologue>
 __device__ __forceinline__ void gemv_rows(int bx, const float* __restrict__ xs, float* __restrict__ part,
                                           const T* __restrict__ W, const T* __restrict__ bias, int N, int K, int wpr,
-                                          Act act, Out out, const T* xg = nullptr, Pro pro = {},
-                                          int64_t up_stride = 0) {
+                                          Act act, Out out, const T* xg = nullptr, Pro pro = {}) {
   constexpr int V = Vec16<T>::n;
   constexpr int R = RW > 2 ? RW : 2;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n = bx * gemv_task_rows(wpr, RW) + warp / wpr * RW;
+  const int groups_per_block = kGemvWarps / wpr;
+  const int n = (bx * groups_per_block + warp / wpr) * RW;
   const int part_idx = warp % wpr;
   // This warp's K range, a multiple of the vector width.
   const int kv = K / V, per = (kv + wpr - 1) / wpr;
   const int k0 = min(kv, part_idx * per) * V, k1 = min(kv, (part_idx + 1) * per) * V;
   const bool gated = act != Act::None;
-  if (up_stride == 0) up_stride = (int64_t)N * K;
   const int nrows = min(RW, N - n);
   float acc[R * M];
 #pragma unroll
@@ -1580,13 +1554,13 @@ __device__ __forceinline__ void gemv_rows(int bx, const float* __restrict__ xs, 
     static_assert(!XG, "a prologue fills xs");
     uint4 raw[R][kGemvUnroll];
     const int kf = k0 + lane * V;
-    load_rows<T, R>(raw, W + (int64_t)n * K, gated ? up_stride : K, n < N ? (gated ? 2 : nrows) : 0, kf, k1);
+    load_rows<T, R>(raw, W + (int64_t)n * K, gated ? (int64_t)N * K : K, n < N ? (gated ? 2 : nrows) : 0, kf, k1);
     pro();
     fma_rows<T, M, R>(raw, nullptr, xs, K, kf, k1, acc);
     kd = k0 + kGemvUnroll * 32 * V;
   }
   if (n < N) {
-    if (gated) dot_rows<T, M, 2, XG>(W + (int64_t)n * K, up_stride, 2, xs, xg, K, kd, k1, lane, acc);
+    if (gated) dot_rows<T, M, 2, XG>(W + (int64_t)n * K, (int64_t)N * K, 2, xs, xg, K, kd, k1, lane, acc);
     else dot_rows<T, M, RW, XG>(W + (int64_t)n * K, K, nrows, xs, xg, K, kd, k1, lane, acc);
   }
 #pragma unroll
@@ -1638,10 +1612,7 @@ __device__ __forceinline__ void gemv_body(Blk blk, const T* x, const T* __restri
                                           T* __restrict__ y, int N, int K, int wpr, Act act) {
   pdl_trigger();  // its weights load before pdl_wait (dot_rows)
   extern __shared__ float xs[];  // [kGemvWarps, 2] partial sums
-  int64_t up_stride;
-  const T* Wb = block_weights(blk, W, K, gemv_task_rows(wpr, RW), &up_stride);
-  gemv_rows<T, 1, RW, DenseRows<T>, true>(blk.x, nullptr, xs, Wb, bias, N, K, wpr, act, DenseRows<T>{y, N}, x,
-                                          NoPrologue{}, up_stride);
+  gemv_rows<T, 1, RW, DenseRows<T>, true>(blk.x, nullptr, xs, W, bias, N, K, wpr, act, DenseRows<T>{y, N}, x);
 }
 template <typename T, int RW>
 __global__ void gemv_kernel(const T* x, const T* __restrict__ W, const T* __restrict__ bias, T* __restrict__ y, int N,
@@ -1920,10 +1891,8 @@ __device__ __forceinline__ void residual_gemv_body(Blk blk, const T* h, const T*
   __shared__ float red[32];
   const ResidualPrologue<T> pro{h,         x,    w_post,   w_next, h_out, copy, copy_stride, copy_pos,
                                 copy_rows, smem, smem + K, red,    K,     eps,  unit_offset, blk.x};
-  int64_t up_stride;
-  const T* Wb = block_weights(blk, W, K, gemv_task_rows(wpr, 1), &up_stride);
-  gemv_rows<T, 1, 1, DenseRows<T>, false, ResidualPrologue<T>>(blk.x, smem, smem + 2 * K, Wb, bias, N, K, wpr, act,
-                                                               DenseRows<T>{y, N}, nullptr, pro, up_stride);
+  gemv_rows<T, 1, 1, DenseRows<T>, false, ResidualPrologue<T>>(blk.x, smem, smem + 2 * K, W, bias, N, K, wpr, act,
+                                                               DenseRows<T>{y, N}, nullptr, pro);
 }
 template <typename T>
 __global__ void __launch_bounds__(kGemvWarps * 32, 4)

@@ -3,7 +3,6 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -88,39 +87,9 @@ int op_of(const void* kernel) {
   return seen[kernel] = op;
 }
 
-// Dynamic shared memory of a persistent block: what a recorded launch may ask (mega::kMaxBodySmem: a
-// residual GEMV over 2,816 values takes 22.6 KB), then the room of its staged rows.
-constexpr size_t kBlockSmem = mega::kMaxBodySmem + mega::kStageBytes;
-
-// The rows a GEMV instruction's tasks read, for the blocks to copy before their wait (bf16 GEMV bodies
-// whose tasks' rows fit kStageBytes a block); {} otherwise. KAKEYA_MEGA_STAGE=0 stages none (an A/B
-// of the same program).
-template <auto Body, int IW, int IN, int IK, int IWPR, int IACT>
-mega::Stage gemv_stage(const void* args, unsigned tasks, int grid) {
-  using Pack = typename mega::BodyPack<decltype(Body)>::type;
-  const Pack& p = *static_cast<const Pack*>(args);
-  const bf16* W = pack_get<IW>(p);
-  const int N = pack_get<IN>(p), K = pack_get<IK>(p), wpr = pack_get<IWPR>(p);
-  const bool gated = pack_get<IACT>(p) != Act::None;
-  mega::Stage st{reinterpret_cast<const unsigned char*>(W), (unsigned)N, (unsigned)gemv_task_rows(wpr, 1),
-                 (unsigned)(K * sizeof(bf16)), gated ? (unsigned)((size_t)N * K * sizeof(bf16)) : 0u};
-  const size_t per_block = (size_t)(tasks + grid - 1) / grid * mega::stage_task_bytes(st);
-  if (reinterpret_cast<uintptr_t>(W) % 16 != 0 || st.row_bytes % 16 != 0 || per_block > mega::kStageBytes ||
-      (size_t)N * K * sizeof(bf16) * (gated ? 2 : 1) >= (1ull << 32))
-    return {};
-  return st;
-}
-mega::Stage stage_of(int op, const void* args, unsigned tasks, int grid) {
-  static const bool on = [] {
-    const char* e = std::getenv("KAKEYA_MEGA_STAGE");
-    return !e || std::string(e) != "0";
-  }();
-  if (!on) return {};
-  // The indices of W, N, K, wpr and act in the bodies' argument lists (decode_kernels.cuh).
-  if (op == 7) return gemv_stage<&gemv_body<bf16, 1>, 1, 4, 5, 6, 7>(args, tasks, grid);
-  if (op == 8) return gemv_stage<&residual_gemv_body<bf16>, 9, 12, 13, 14, 15>(args, tasks, grid);
-  return {};
-}
+// Dynamic shared memory a recorded launch may ask (the persistent blocks are sized for it: a residual
+// GEMV over 2,816 values takes 22.6 KB).
+constexpr size_t kMaxSegmentSmem = 24 * 1024;
 // Room for a step of a few hundred launches (Gemma 3 270M: 133 in 1 to 3 segments).
 constexpr size_t kMaxInstrs = 4096, kMaxArgs = 1 << 20, kMaxSegments = 64;
 
@@ -152,9 +121,9 @@ struct StepRecording {
   std::vector<unsigned char> args;    // their ArgPacks, 16-byte aligned
   int seg_first = 0;                  // the pending segment's first instruction
   int segments = 0;
+  size_t smem = 0;                    // the pending segment's dynamic shared memory
   size_t nodes = 0;                   // nodes the capture holds when nothing foreign was issued
   int kernels_alone = 0;              // recorded launches that ran as kernels of their own
-  int staged = 0;                     // instructions whose weight rows the blocks stage
   std::string failed;                 // why the recording cannot be used
   // Device buffers (StepProgram's), written by upload().
   mega::Instr* d_prog = nullptr;
@@ -178,11 +147,12 @@ struct StepRecording {
       seg_first = (int)instrs.size();
       return;
     }
-    mega::step_kernel<<<grid, mega::kThreads, kBlockSmem, stream>>>(d_prog + seg_first, n, d_args, d_done + seg_first,
+    mega::step_kernel<<<grid, mega::kThreads, smem, stream>>>(d_prog + seg_first, n, d_args, d_done + seg_first,
                                                               d_sync + segments);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     ++segments;
     seg_first = (int)instrs.size();
+    smem = 0;
     nodes = capture_nodes(stream);
   }
 };
@@ -197,7 +167,7 @@ bool record_launch(StepRecording* r, const void* kernel, dim3 grid, dim3 block, 
   const unsigned threads = block.x * block.y * block.z;
   const size_t off = (r->args.size() + 15) / 16 * 16, padded = (bytes + 15) / 16 * 16;
   // Arguments larger than the blocks' copy of them (kMaxArgBytes) take a kernel of their own too.
-  const bool fits = op >= 0 && s == r->stream && grid.z == 1 && smem <= mega::kMaxBodySmem &&
+  const bool fits = op >= 0 && s == r->stream && grid.z == 1 && smem <= kMaxSegmentSmem &&
                     padded <= (size_t)mega::kMaxArgBytes &&
                     (ops_table()[op].any_threads ? threads <= 1024 : threads == (unsigned)mega::kThreads) &&
                     tasks <= kMaxTasksPerBlock * (unsigned)r->grid;
@@ -214,9 +184,8 @@ bool record_launch(StepRecording* r, const void* kernel, dim3 grid, dim3 block, 
   }
   r->args.resize(off + padded);
   std::memcpy(r->args.data() + off, args, bytes);
-  const mega::Stage st = stage_of(op, args, tasks, r->grid);
-  r->staged += st.w != nullptr;
-  r->instrs.push_back({op, (int)grid.x, tasks, (unsigned)off, (unsigned)padded, st});
+  r->instrs.push_back({op, (int)grid.x, tasks, (unsigned)off, (unsigned)padded});
+  r->smem = std::max(r->smem, smem);
   return true;
 }
 
@@ -247,9 +216,9 @@ StepProgram::StepProgram(at::Device device) : impl_(std::make_unique<Impl>()) {
   // Its static shared memory (the program, the bodies' arrays) and the launches' dynamic part pass
   // the 48 KB a kernel gets without asking.
   C10_CUDA_CHECK(cudaFuncSetAttribute(mk::step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      (int)kernels::kBlockSmem));
+                                      (int)kernels::kMaxSegmentSmem));
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, mk::step_kernel, mk::kThreads,
-                                                               kernels::kBlockSmem));
+                                                               kernels::kMaxSegmentSmem));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount,
                                         device.has_index() ? device.index() : at::cuda::current_device()));
   TORCH_CHECK(per_sm > 0, "StepProgram: the persistent kernel does not fit an SM");
@@ -288,7 +257,6 @@ std::string StepProgram::why_not() const { return impl_->rec.failed; }
 int64_t StepProgram::instructions() const { return (int64_t)impl_->rec.instrs.size(); }
 int64_t StepProgram::segments() const { return impl_->rec.segments; }
 int64_t StepProgram::kernels_alone() const { return impl_->rec.kernels_alone; }
-int64_t StepProgram::staged() const { return impl_->rec.staged; }
 int64_t StepProgram::grid() const { return impl_->rec.grid; }
 
 void StepProgram::upload() {

@@ -36,32 +36,16 @@ namespace kakeya::kernels::mega {
 
 using bf16 = __nv_bfloat16;
 
-// A GEMV instruction's weight rows that a block copies into shared memory before its wait: task t
-// reads rows [t·rows, (t + 1)·rows) of W (and, gated, the up rows up_bytes further), row_bytes each.
-struct Stage {
-  const unsigned char* w;  // W, or nullptr: the body reads its weights from memory
-  unsigned n;              // W's output rows (N)
-  unsigned rows;           // rows a task reads (gemv_task_rows)
-  unsigned row_bytes;      // K · sizeof(T), a multiple of 16
-  unsigned up_bytes;       // offset of the up rows (N · row_bytes), 0 when not gated
-};
 struct Instr {
   int op;             // the body: its index in ops_table() (megakernel.cu) and in run_task's switch
   int gx;             // the recorded grid: gx · gy tasks, task t = block (t mod gx, t / gx)
   unsigned tasks;
   unsigned args;      // byte offset of the launch's ArgPack in the program's argument bytes (16-aligned)
   unsigned bytes;     // its size
-  Stage stage;
 };
 // A segment's instructions and one instruction's arguments as a block keeps them in shared memory.
-constexpr int kMaxSegmentInstrs = 256;
+constexpr int kMaxSegmentInstrs = 512;
 constexpr int kMaxArgBytes = 512;
-// Shared memory for a block's staged weight rows (the dynamic shared memory past the bodies' own):
-// Gemma 3 270M's gated gate/up GEMV takes 2 tasks × 2 × 4 rows × 640 values = 20 KB a block.
-constexpr unsigned kStageBytes = 32 * 1024;
-__host__ __device__ constexpr unsigned stage_task_bytes(const Stage& s) {
-  return (s.up_bytes ? 2u : 1u) * s.rows * s.row_bytes;
-}
 
 struct Sync {
   unsigned epoch;     // runs finished
@@ -94,25 +78,6 @@ __device__ __forceinline__ void wait_count(const unsigned* c, unsigned target) {
 // After a barrier that follows the block's last task: its writes, then the count (one release).
 __device__ __forceinline__ void arrive(unsigned* c, unsigned n) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(c), "r"(n) : "memory");
-}
-
-// Issues the copies (16 bytes each, not waited for) of the weight rows of this block's tasks of
-// `in` (blockIdx.x, + gridDim.x, ...) into stage: task j's rows at j · stage_task_bytes, gate rows
-// then up rows, as Blk::rows reads them. Rows past W's last are not copied (no task reads them).
-__device__ __forceinline__ void stage_rows(const Instr& in, unsigned char* stage) {
-  const Stage& s = in.stage;
-  const unsigned mine = (in.tasks - blockIdx.x + gridDim.x - 1) / gridDim.x;
-  const unsigned q_row = s.row_bytes / 16, q_part = s.rows * q_row;
-  const unsigned q_task = (s.up_bytes ? 2 : 1) * q_part;
-  for (unsigned c = threadIdx.x; c < mine * q_task; c += blockDim.x) {
-    const unsigned j = c / q_task, part = c % q_task / q_part, r = c % q_part / q_row, q = c % q_row;
-    const unsigned n = (blockIdx.x + j * gridDim.x) * s.rows + r;
-    if (n >= s.n) continue;
-    const unsigned char* src = s.w + (size_t)part * s.up_bytes + (size_t)n * s.row_bytes + q * 16;
-    const unsigned dst = (unsigned)__cvta_generic_to_shared(stage + (size_t)c * 16);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
-  }
-  asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
 // F(args...) for a body F(Blk, args...) with its arguments read from their ArgPack.
@@ -152,51 +117,31 @@ constexpr int kNumOps = 12;
 // One run of a program of n instructions: done[i] counts instruction i's finished tasks.
 // The program (n <= kMaxSegmentInstrs) is read into shared memory once; each instruction's arguments
 // are copied there before the block waits, so neither is a global load on the chain of dependent
-// instructions. The weight rows of the block's next staged GEMV (Instr::stage) are copied into
-// shared memory as soon as the one before has been computed, so their memory latency passes while
-// the block waits on the instructions between; the body then reads them there (Blk::rows).
-// Dynamic shared memory: the bodies' (kMaxBodySmem), then kStageBytes of staged rows.
-constexpr unsigned kMaxBodySmem = 24 * 1024;
+// instructions.
 __global__ void __launch_bounds__(kThreads, 2) step_kernel(const Instr* __restrict__ prog, int n,
                                                         const unsigned char* __restrict__ args, unsigned* done,
                                                         Sync* sync) {
   __shared__ unsigned s_epoch;
   __shared__ Instr s_prog[kMaxSegmentInstrs];
   __shared__ uint4 s_args[kMaxArgBytes / 16];
-  extern __shared__ __align__(16) unsigned char s_dyn[];
-  unsigned char* stage = s_dyn + kMaxBodySmem;
   if (threadIdx.x == 0) s_epoch = ld_acquire(&sync->epoch);
   for (int i = threadIdx.x; i < n; i += blockDim.x) s_prog[i] = prog[i];
   __syncthreads();
   const unsigned run = s_epoch + 1;
   const unsigned char* a = reinterpret_cast<const unsigned char*>(s_args);
-  // The next instruction from i on whose rows this block stages (n: none).
-  auto next_staged = [&](int i) {
-    while (i < n && (!s_prog[i].stage.w || blockIdx.x >= s_prog[i].tasks)) ++i;
-    return i;
-  };
-  int staged = next_staged(0);
-  if (staged < n) stage_rows(s_prog[staged], stage);
   for (int i = 0; i < n; ++i) {
     const Instr in = s_prog[i];
     if (blockIdx.x >= in.tasks) continue;  // no task here: the next instruction's wait covers this one
     for (unsigned j = threadIdx.x; j < in.bytes / 16; j += blockDim.x)
       s_args[j] = reinterpret_cast<const uint4*>(args + in.args)[j];
-    const bool st = i == staged;
-    if (st) asm volatile("cp.async.wait_all;" ::: "memory");  // the barrier below shows every thread's
     __syncthreads();
     if (i > 0) wait_count(done + i - 1, run * s_prog[i - 1].tasks);
     unsigned mine = 0;
     for (unsigned t = blockIdx.x; t < in.tasks; t += gridDim.x, ++mine) {
-      const void* rows = st ? stage + mine * stage_task_bytes(in.stage) : nullptr;
-      run_task(in.op, Blk{(int)(t % in.gx), (int)(t / in.gx), in.gx, rows}, a);
+      run_task(in.op, Blk{(int)(t % in.gx), (int)(t / in.gx), in.gx}, a);
       __syncthreads();  // shared memory is the next task's; the task's writes precede the count
     }
     if (threadIdx.x == 0) arrive(done + i, mine);
-    if (st) {  // the rows are read (the barrier above): the next staged GEMV's go in their place
-      staged = next_staged(i + 1);
-      if (staged < n) stage_rows(s_prog[staged], stage);
-    }
   }
   if (threadIdx.x == 0) {
     const unsigned left = atomicAdd(&sync->exited, 1u) + 1;
