@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 
 #include "core/error.h"
 #include "core/kernels/ops.h"
@@ -214,6 +215,7 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
   if (opt.megakernel) {
 #ifdef KAKEYA_CUDA
     res.step_program = g.step_program;
+    if (const char* e = std::getenv("KAKEYA_MEGA_TRACE"); e && *e && g.program) g.program->write_trace(e);
 #endif
     if (res.step_program.empty()) res.step_program = "no CUDA graph (CPU, eager, or too short a run): nothing recorded";
   }

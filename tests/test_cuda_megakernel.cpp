@@ -5,12 +5,14 @@
 //   - the real Gemma 3 270M, 300-token prompt, 96 new tokens;
 //   - random weights of a small Gemma 3 shape with other sizes (hidden 200, head dim 128, two KV
 //     heads, a 16-token sliding window the decode wraps around), the same;
+//   - the trace (KAKEYA_MEGA_TRACE) keeps the program's order;
 //   - f32 (the program holds bf16 bodies and the dtype-free bookkeeping only): the few recorded
 //     launches run in the program, every other as a kernel of its own, and the tokens are the same.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <string>
@@ -103,6 +105,48 @@ TEST(CudaMegakernel, SmallRandomShapeBf16EqualsTheGraphStep) {
   std::vector<int64_t> prompt;
   for (int64_t i = 0; i < 37; ++i) prompt.push_back((i * 389 + 11) % 1000);
   expect_same_decode(m, prompt, 61);
+}
+
+// KAKEYA_MEGA_TRACE: the last step's timeline, one entry per recorded launch. The blocks' clocks
+// (globaltimer) show the program's order: no block ends its wait for an instruction before every
+// block has finished the one before it.
+TEST(CudaMegakernel, TraceShowsEveryInstructionAfterTheOneBefore) {
+  if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
+  const Model m = Model::load(test::real_model_dir(), on_cuda(at::kBFloat16, 512));
+  const std::vector<int64_t> prompt = test::real_prompt("A step whose every instruction is timed by its blocks.");
+  const std::string path = ::testing::TempDir() + "kakeya_mega_trace.json";
+  std::remove(path.c_str());
+  setenv("KAKEYA_MEGA_TRACE", path.c_str(), 1);
+  DecodeOptions o;
+  o.max_new_tokens = 16;
+  o.stream = false;
+  o.megakernel = true;
+  DecodeResult r;
+  {
+    ArDecoder d(m, (int64_t)prompt.size() + 16, o);
+    r = d.run(prompt, o);
+  }
+  unsetenv("KAKEYA_MEGA_TRACE");
+  long long recorded = -1;
+  ASSERT_EQ(std::sscanf(r.step_program.c_str(), "%lld launches", &recorded), 1) << r.step_program;
+  nlohmann::json j;
+  std::ifstream f(path);
+  ASSERT_TRUE(f.good()) << path;
+  f >> j;
+  const auto& ins = j.at("instructions");
+  ASSERT_EQ((long long)ins.size(), recorded);
+  int64_t prev_done = -1;
+  for (size_t i = 0; i < ins.size(); ++i) {
+    const int64_t w0 = ins[i]["wait_end_ns"][0], w1 = ins[i]["wait_end_ns"][1];
+    const int64_t d0 = ins[i]["done_ns"][0], d1 = ins[i]["done_ns"][1];
+    EXPECT_GE(w0, prev_done) << "instruction " << i << " (" << ins[i]["op"] << ") began before the one before ended";
+    EXPECT_LE(w0, w1);
+    EXPECT_LE(d0, d1);
+    EXPECT_GE(d1, w1);
+    EXPECT_GE((int64_t)ins[i]["longest_block_ns"], 0);
+    prev_done = d1;
+  }
+  EXPECT_GT(prev_done, 0);
 }
 
 TEST(CudaMegakernel, F32RunsMostKernelsAloneWithTheSameTokens) {

@@ -34,6 +34,10 @@ class StepProgram {
   int64_t kernels_alone() const;  // launches kept as kernels of their own
   int64_t grid() const;           // persistent blocks
   static bool recording();        // a step is being recorded on this thread
+  // With KAKEYA_MEGA_TRACE set when the program was made, the blocks time each instruction of every
+  // run; this writes the last run's timeline as JSON to `path` (per instruction: waits' ends, tasks'
+  // ends, the longest block).
+  void write_trace(const std::string& path) const;
 
  private:
   struct Impl;

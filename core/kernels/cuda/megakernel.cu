@@ -3,12 +3,17 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <string>
 #include <type_traits>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/kernels/cuda/megakernel.cuh"
@@ -130,6 +135,7 @@ struct StepRecording {
   unsigned char* d_args = nullptr;
   unsigned* d_done = nullptr;
   mega::Sync* d_sync = nullptr;
+  unsigned long long* d_trace = nullptr;  // [instructions, grid, 2] or nullptr (StepProgram::write_trace)
 
   // Something launched outside the recording since the last check: fine between segments,
   // fatal while a segment waits to be launched after it.
@@ -148,7 +154,8 @@ struct StepRecording {
       return;
     }
     mega::step_kernel<<<grid, mega::kThreads, smem, stream>>>(d_prog + seg_first, n, d_args, d_done + seg_first,
-                                                              d_sync + segments);
+                                                              d_sync + segments,
+                                                              d_trace ? d_trace + (size_t)seg_first * grid * 2 : nullptr);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     ++segments;
     seg_first = (int)instrs.size();
@@ -200,6 +207,7 @@ using kernels::kMaxSegments;
 
 struct StepProgram::Impl {
   at::Tensor prog, args, counters;  // device buffers: instructions, argument bytes, done[] + Sync[]
+  at::Tensor trace;                 // [kMaxInstrs, grid, 2] int64 timestamps, or undefined (no trace)
   int grid = 0;                     // persistent blocks
   kernels::StepRecording rec;
 };
@@ -223,6 +231,8 @@ StepProgram::StepProgram(at::Device device) : impl_(std::make_unique<Impl>()) {
                                         device.has_index() ? device.index() : at::cuda::current_device()));
   TORCH_CHECK(per_sm > 0, "StepProgram: the persistent kernel does not fit an SM");
   impl_->grid = per_sm * sms;
+  if (const char* e = std::getenv("KAKEYA_MEGA_TRACE"); e && *e)
+    impl_->trace = at::zeros({(int64_t)kMaxInstrs, impl_->grid, 2}, o.dtype(at::kLong));
 }
 StepProgram::~StepProgram() = default;
 
@@ -237,6 +247,7 @@ bool StepProgram::record(const std::function<void()>& step) {
   r.d_args = impl_->args.data_ptr<uint8_t>();
   r.d_done = reinterpret_cast<unsigned*>(impl_->counters.data_ptr());
   r.d_sync = reinterpret_cast<mk::Sync*>(impl_->counters.data_ptr<uint8_t>() + kMaxInstrs * sizeof(unsigned));
+  r.d_trace = impl_->trace.defined() ? reinterpret_cast<unsigned long long*>(impl_->trace.data_ptr<int64_t>()) : nullptr;
   r.nodes = kernels::capture_nodes(r.stream);
   kernels::t_recording = &r;
   try {
@@ -258,6 +269,40 @@ int64_t StepProgram::instructions() const { return (int64_t)impl_->rec.instrs.si
 int64_t StepProgram::segments() const { return impl_->rec.segments; }
 int64_t StepProgram::kernels_alone() const { return impl_->rec.kernels_alone; }
 int64_t StepProgram::grid() const { return impl_->rec.grid; }
+
+// Per instruction of the last run: when the blocks' waits ended and their tasks were done (ns from the
+// step's first wait end; a kernel run alone between segments shows as a gap), and the longest a block spent on its tasks. An instruction's share of
+// the chain is its last `done` less the one before's.
+void StepProgram::write_trace(const std::string& path) const {
+  const auto& r = impl_->rec;
+  if (!impl_->trace.defined()) throw Error("StepProgram::write_trace: no trace recorded (set KAKEYA_MEGA_TRACE)");
+  const at::Tensor t = impl_->trace.cpu();  // SYNC: once, after the run
+  const int64_t* v = t.data_ptr<int64_t>();
+  const int G = impl_->grid;
+  nlohmann::json j;
+  j["grid"] = G;
+  j["instructions"] = nlohmann::json::array();
+  int64_t t0 = 0;  // the step's first instruction's first wait end
+  for (size_t i = 0; i < r.instrs.size(); ++i) {
+    const auto& in = r.instrs[i];
+    int64_t w0 = INT64_MAX, w1 = 0, d0 = INT64_MAX, d1 = 0, body = 0;
+    for (int b = 0; b < G && b < (int)in.tasks; ++b) {
+      const int64_t w = v[(i * G + b) * 2], d = v[(i * G + b) * 2 + 1];
+      w0 = std::min(w0, w), w1 = std::max(w1, w), d0 = std::min(d0, d), d1 = std::max(d1, d);
+      body = std::max(body, d - w);
+    }
+    if (i == 0) t0 = w0;
+    const std::string name = kernels::kernel_name(kernels::ops_table()[in.op].kernel);
+    j["instructions"].push_back({{"op", name.substr(0, std::min<size_t>(name.size(), 60))},
+                                 {"tasks", in.tasks},
+                                 {"wait_end_ns", {w0 - t0, w1 - t0}},
+                                 {"done_ns", {d0 - t0, d1 - t0}},
+                                 {"longest_block_ns", body}});
+  }
+  std::ofstream f(path);
+  if (!f) throw Error("StepProgram::write_trace: cannot write " + path);
+  f << j.dump(1) << "\n";
+}
 
 void StepProgram::upload() {
   const auto& r = impl_->rec;

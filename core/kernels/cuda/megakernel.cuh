@@ -80,6 +80,13 @@ __device__ __forceinline__ void arrive(unsigned* c, unsigned n) {
   asm volatile("red.release.gpu.global.add.u32 [%0], %1;" ::"l"(c), "r"(n) : "memory");
 }
 
+// The GPU's nanosecond clock, the same on every SM (clock64 is not): the step's timeline (trace).
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+
 // F(args...) for a body F(Blk, args...) with its arguments read from their ArgPack.
 template <typename B>
 struct BodyPack;
@@ -117,10 +124,11 @@ constexpr int kNumOps = 12;
 // One run of a program of n instructions: done[i] counts instruction i's finished tasks.
 // The program (n <= kMaxSegmentInstrs) is read into shared memory once; each instruction's arguments
 // are copied there before the block waits, so neither is a global load on the chain of dependent
-// instructions.
+// instructions. trace (nullable, [n, gridDim.x, 2]): when each block's wait for instruction i ended
+// and when its tasks of it were done (global_ns), for ops::StepProgram::write_trace.
 __global__ void __launch_bounds__(kThreads, 2) step_kernel(const Instr* __restrict__ prog, int n,
                                                         const unsigned char* __restrict__ args, unsigned* done,
-                                                        Sync* sync) {
+                                                        Sync* sync, unsigned long long* trace) {
   __shared__ unsigned s_epoch;
   __shared__ Instr s_prog[kMaxSegmentInstrs];
   __shared__ uint4 s_args[kMaxArgBytes / 16];
@@ -136,12 +144,17 @@ __global__ void __launch_bounds__(kThreads, 2) step_kernel(const Instr* __restri
       s_args[j] = reinterpret_cast<const uint4*>(args + in.args)[j];
     __syncthreads();
     if (i > 0) wait_count(done + i - 1, run * s_prog[i - 1].tasks);
+    unsigned long long* tr = trace ? trace + ((size_t)i * gridDim.x + blockIdx.x) * 2 : nullptr;
+    if (tr && threadIdx.x == 0) tr[0] = global_ns();
     unsigned mine = 0;
     for (unsigned t = blockIdx.x; t < in.tasks; t += gridDim.x, ++mine) {
       run_task(in.op, Blk{(int)(t % in.gx), (int)(t / in.gx), in.gx}, a);
       __syncthreads();  // shared memory is the next task's; the task's writes precede the count
     }
-    if (threadIdx.x == 0) arrive(done + i, mine);
+    if (threadIdx.x == 0) {
+      if (tr) tr[1] = global_ns();
+      arrive(done + i, mine);
+    }
   }
   if (threadIdx.x == 0) {
     const unsigned left = atomicAdd(&sync->exited, 1u) + 1;
