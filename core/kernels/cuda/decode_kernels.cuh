@@ -104,6 +104,10 @@ struct Blk {
   int nx;    // gridDim.x
 };
 __device__ __forceinline__ Blk hw_blk() { return {(int)blockIdx.x, (int)blockIdx.y, (int)gridDim.x}; }
+// True when this block ran a task of the same launch just before this one: the persistent kernel's
+// blocks take tasks blockIdx.x, + gridDim.x, ... in turn (a kernel's own block runs one), so what the
+// earlier task left in shared memory is still there.
+__device__ __forceinline__ bool ran_before(Blk b) { return b.y * b.nx + b.x >= (int)gridDim.x; }
 
 // While a decode step is recorded for the persistent kernel (megakernel.cu: ops::StepProgram) on
 // this thread, launch_pdl hands it each launch (kernel, geometry and arguments); true: recorded as
@@ -1826,7 +1830,9 @@ struct ResidualPrologue {
   float eps;
   bool unit_offset;
   int bx;  // the block's index in the GEMV's grid: block 0 writes h'
+  bool again;  // xs already holds the pre-norm: the block's earlier task of this launch computed it
   __device__ void operator()() const {
+    if (again) return;  // block-uniform, so the barriers below are skipped by every thread alike
     constexpr int P = kResidualPer;
     const int t = threadIdx.x, bd = blockDim.x;
     float wp[P], wn[P], xv[P], hv[P];
@@ -1872,7 +1878,8 @@ struct ResidualPrologue {
 // pre-norm: y = W · rms_norm(h + rms_norm(x)·w_post)·w_next for one row, h' = h + ... also
 // written (block 0, and its copy row as add_rms_norm_kernel writes it). A residual step alone is
 // one block doing a few microseconds of latency-bound work between two bandwidth-bound GEMVs;
-// here every block of the GEMV recomputes it from the two rows of H = K values (L2 hits), with
+// here every block of the GEMV recomputes it from the two rows of H = K values (L2 hits; a persistent
+// block that ran an earlier task of the same launch keeps that task's result: ran_before), with
 // the residual kernel's roundings and sums (norm_sumsq), while its warps' first weight loads
 // are in flight (gemv_rows' prologue), and the GEMV reads the pre-norm from shared memory.
 //   h, x, h_out: [K]; w_post (nullable), w_next: [K] f32; W: [N or 2N, K]; y: [N].
@@ -1890,7 +1897,8 @@ __device__ __forceinline__ void residual_gemv_body(Blk blk, const T* h, const T*
   extern __shared__ float smem[];  // [K] x, then the pre-norm; [K] the new residual; [kGemvWarps·2] partial sums
   __shared__ float red[32];
   const ResidualPrologue<T> pro{h,         x,    w_post,   w_next, h_out, copy, copy_stride, copy_pos,
-                                copy_rows, smem, smem + K, red,    K,     eps,  unit_offset, blk.x};
+                                copy_rows, smem, smem + K, red,    K,     eps,  unit_offset, blk.x,
+                                ran_before(blk)};
   gemv_rows<T, 1, 1, DenseRows<T>, false, ResidualPrologue<T>>(blk.x, smem, smem + 2 * K, W, bias, N, K, wpr, act,
                                                                DenseRows<T>{y, N}, nullptr, pro);
 }
