@@ -113,7 +113,7 @@ struct DecodeOptions {
                                         // stops are checked every kStopCheckEvery steps (one sync each)
   bool cuda_graph = true;               // CUDA: replay the decode step (fused: the block's parts) as graphs
   // CUDA graphs, AR: the step's kernels run as programs of one persistent kernel (ops::StepProgram,
-  // experimental: same tokens, 0.67x the speed today); a step it cannot record
+  // experimental: same tokens, 0.73x the speed today); a step it cannot record
   // (DecodeResult::step_program says why) keeps its kernels.
   bool megakernel = false;
   int64_t block_size = 0;               // fused / speculative: tokens per verify forward (0: the drafter's block_size)

@@ -18,7 +18,7 @@ namespace kakeya::ops {
 // was issued that the program would reorder (why_not() says what): end that capture, throw it away
 // and capture the step without recording. upload() after the capture ends, before the first replay.
 // The decode step's tensors live in the graph's memory pool: the program is valid while the graph is.
-// Experimental: bit-exact, and slower than the kernels it replaces (0.67x AR on the H200; megakernel.cuh
+// Experimental: bit-exact, and slower than the kernels it replaces (0.73x AR on the H200; megakernel.cuh
 // says why): an opt-in (DecodeOptions::megakernel) for the work on bodies written for it.
 class StepProgram {
  public:

@@ -16,14 +16,14 @@
 // The run number comes from sync->epoch, which the last block to leave a run advances; every block
 // reads it on entry, before any block can leave.
 //
-// Measured (H200, Gemma 3 270M bf16, 512-token prompt; bench/results/README.md, stop 63): the step
-// runs bit for bit as its kernels do but at 0.67-0.68x their speed. The waits are not the cost (the
-// instruction chain alone, bodies skipped, runs 3,015 tok/s against AR's 1,852; the bodies without
-// the waits 1,240): the bodies are written for grids of many small blocks that a kernel launch runs
-// side by side, several per SM, with their weight loads issued before the kernel before them ends.
-// Here a block runs its tasks of an instruction one after another (264 blocks for a 512-block GEMV),
-// each paying its memory latency alone. Bodies meant for this kernel would stream a block's weight
-// slice into shared memory before its wait; none is written yet.
+// Measured (H200, Gemma 3 270M bf16, 512-token prompt; bench/results/README.md, stops 63 and 65): the
+// step runs bit for bit as its kernels do but at 0.73x their speed (1,354 vs 1,845 tok/s). Where the
+// time goes (KAKEYA_MEGA_TRACE, tools/mega_trace.py): a block sees the instruction before it finished
+// ~0.7 us after its last block counted, so the 132 waits cost ~100 us of the ~740 us step; the rest is
+// the bodies' own latency, a block's tasks of one instruction running one after another: a residual
+// GEMV 6.5 us a block (its residual step and norms, then two GEMV tasks), a GEMV 3.3, the attention
+// 3.9 + 2.3, the q/k step 2.3. The weights' latency is not what keeps them slow: copying every GEMV
+// block's rows into shared memory before its wait changed nothing (stop 65, reverted).
 #pragma once
 #include <cuda_runtime.h>
 
