@@ -123,49 +123,30 @@ constexpr int kNumOps = 12;
 
 // One run of a program of n instructions: done[i] counts instruction i's finished tasks.
 // The program (n <= kMaxSegmentInstrs) is read into shared memory once; each instruction's arguments
-// are copied there while the block runs the instruction before, so neither is a global load on the
-// chain of dependent instructions. trace (nullable, [n, gridDim.x, 2]): when each block's wait for instruction i ended
+// are copied there before the block waits, so neither is a global load on the chain of dependent
+// instructions. trace (nullable, [n, gridDim.x, 2]): when each block's wait for instruction i ended
 // and when its tasks of it were done (global_ns), for ops::StepProgram::write_trace.
 __global__ void __launch_bounds__(kThreads, 2) step_kernel(const Instr* __restrict__ prog, int n,
                                                         const unsigned char* __restrict__ args, unsigned* done,
                                                         Sync* sync, unsigned long long* trace) {
   __shared__ unsigned s_epoch;
   __shared__ Instr s_prog[kMaxSegmentInstrs];
-  __shared__ uint4 s_args[2][kMaxArgBytes / 16];  // this instruction's arguments, and the next one's
+  __shared__ uint4 s_args[kMaxArgBytes / 16];
   if (threadIdx.x == 0) s_epoch = ld_acquire(&sync->epoch);
   for (int i = threadIdx.x; i < n; i += blockDim.x) s_prog[i] = prog[i];
   __syncthreads();
   const unsigned run = s_epoch + 1;
-  // The first instruction from k on with a task for this block (n: none).
-  auto next_mine = [&](int k) {
-    while (k < n && blockIdx.x >= s_prog[k].tasks) ++k;
-    return k;
-  };
-  // Instruction k's arguments into s_args[b], not waited for (cp.async).
-  auto fetch_args = [&](int k, int b) {
-    for (unsigned j = threadIdx.x; j < s_prog[k].bytes / 16; j += blockDim.x) {
-      const unsigned dst = (unsigned)__cvta_generic_to_shared(&s_args[b][j]);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(args + s_prog[k].args + 16 * j)
-                   : "memory");
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-  };
-  int i = next_mine(0), buf = 0;
-  if (i < n) fetch_args(i, buf);
-  // Instructions without a task here are skipped: the next one's wait covers them.
-  while (i < n) {
+  const unsigned char* a = reinterpret_cast<const unsigned char*>(s_args);
+  for (int i = 0; i < n; ++i) {
     const Instr in = s_prog[i];
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    __syncthreads();  // every thread's copy of the arguments is in; the other buffer's last reader is done
-    // The next instruction's arguments load while this block waits for and runs this one, so a block
-    // that finished the instruction before last does not pay their L2 round trip on the chain.
-    const int next = next_mine(i + 1);
-    if (next < n) fetch_args(next, buf ^ 1);
+    if (blockIdx.x >= in.tasks) continue;  // no task here: the next instruction's wait covers this one
+    for (unsigned j = threadIdx.x; j < in.bytes / 16; j += blockDim.x)
+      s_args[j] = reinterpret_cast<const uint4*>(args + in.args)[j];
+    __syncthreads();
     if (i > 0) wait_count(done + i - 1, run * s_prog[i - 1].tasks);
     unsigned long long* tr = trace ? trace + ((size_t)i * gridDim.x + blockIdx.x) * 2 : nullptr;
     if (tr && threadIdx.x == 0) tr[0] = global_ns();
     unsigned mine = 0;
-    const unsigned char* a = reinterpret_cast<const unsigned char*>(s_args[buf]);
     for (unsigned t = blockIdx.x; t < in.tasks; t += gridDim.x, ++mine) {
       run_task(in.op, Blk{(int)(t % in.gx), (int)(t / in.gx), in.gx}, a);
       __syncthreads();  // shared memory is the next task's; the task's writes precede the count
@@ -174,8 +155,6 @@ __global__ void __launch_bounds__(kThreads, 2) step_kernel(const Instr* __restri
       if (tr) tr[1] = global_ns();
       arrive(done + i, mine);
     }
-    i = next;
-    buf ^= 1;
   }
   if (threadIdx.x == 0) {
     const unsigned left = atomicAdd(&sync->exited, 1u) + 1;
