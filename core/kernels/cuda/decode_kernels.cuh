@@ -106,7 +106,8 @@ struct Blk {
 __device__ __forceinline__ Blk hw_blk() { return {(int)blockIdx.x, (int)blockIdx.y, (int)gridDim.x}; }
 // True when this block ran a task of the same launch just before this one: the persistent kernel's
 // blocks take tasks blockIdx.x, + gridDim.x, ... in turn (a kernel's own block runs one), so what the
-// earlier task left in shared memory is still there.
+// earlier task left in shared memory is still there. For one-dimensional launches only (the residual
+// GEMV's): a kernel's own block at blockIdx.y > 0 would count as a later task.
 __device__ __forceinline__ bool ran_before(Blk b) { return b.y * b.nx + b.x >= (int)gridDim.x; }
 
 // While a decode step is recorded for the persistent kernel (megakernel.cu: ops::StepProgram) on

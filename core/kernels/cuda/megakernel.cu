@@ -271,8 +271,8 @@ int64_t StepProgram::kernels_alone() const { return impl_->rec.kernels_alone; }
 int64_t StepProgram::grid() const { return impl_->rec.grid; }
 
 // Per instruction of the last run: when the blocks' waits ended and their tasks were done (ns from the
-// step's first wait end; a kernel run alone between segments shows as a gap), and the longest a block spent on its tasks. An instruction's share of
-// the chain is its last `done` less the one before's.
+// step's first wait end; a kernel run alone between segments shows as a gap), and the longest a block
+// spent on its tasks. An instruction's share of the chain is its last `done` less the one before's.
 void StepProgram::write_trace(const std::string& path) const {
   const auto& r = impl_->rec;
   if (!impl_->trace.defined()) throw Error("StepProgram::write_trace: no trace recorded (set KAKEYA_MEGA_TRACE)");

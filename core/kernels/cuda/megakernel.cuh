@@ -23,7 +23,8 @@
 // the bodies' own latency, a block's tasks of one instruction running one after another: a residual
 // GEMV 6.5 us a block (its residual step and norms, then two GEMV tasks), a GEMV 3.3, the attention
 // 3.9 + 2.3, the q/k step 2.3. The weights' latency is not what keeps them slow: copying every GEMV
-// block's rows into shared memory before its wait changed nothing (stop 65, reverted).
+// block's rows into shared memory before its wait changed nothing, nor did loading each instruction's
+// arguments one instruction ahead (stop 65, both reverted).
 #pragma once
 #include <cuda_runtime.h>
 
