@@ -18,7 +18,7 @@ import collections, json, re, sys
 
 
 def short(op):  # a mangled kernel name's identifier: _ZN6kakeya7kernels11gemv_kernelI... -> gemv
-    m = re.match(r"_ZN6kakeya7kernels(?:4mega)?\d+(\w+?)_kernel", op) or re.match(r"_ZN6kakeya7kernels\d+(\w+)", op)
+    m = re.match(r"_ZN6kakeya7kernels\d+(\w+?)_kernel", op) or re.match(r"_ZN6kakeya7kernels\d+(\w+)", op)
     return m.group(1) if m else op
 
 
