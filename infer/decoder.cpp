@@ -32,8 +32,8 @@ void Decoder::check_call(const char* who, int64_t n_tokens, const DecodeOptions&
                who << ": built for --mode " << decode_mode_name(opt_.mode) << ", asked for " << decode_mode_name(opt.mode));
   const auto &a = opt_.sampling, &b = opt.sampling;
   KAKEYA_CHECK(a.temperature == b.temperature && a.top_p == b.top_p && opt_.cuda_graph == opt.cuda_graph &&
-                   opt_.megakernel == opt.megakernel,
-               who << ": sampling / cuda_graph / megakernel options differ from the ones this decoder was built with "
+                   opt_.megakernel == opt.megakernel && opt_.head_screen == opt.head_screen,
+               who << ": sampling / cuda_graph / megakernel / head_screen options differ from the ones this decoder was built with "
                       "(its graphs depend on them): build another decoder");
   KAKEYA_CHECK(opt.block_size == opt_.block_size,
                who << ": built for blocks of " << opt_.block_size << " (--block-size), asked for " << opt.block_size);

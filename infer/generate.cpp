@@ -40,10 +40,12 @@ struct DecodeStep {
   at::Tensor pos;    // [1] int64
   at::Tensor step;   // [1] int64
   at::Tensor out;    // [capacity] int64
+  bool full_head;    // !DecodeOptions::head_screen
 
   void run() {
     ForwardOptions fo;
     fo.advance_cache = false;
+    fo.full_head = full_head;
     ops::advance_step(step_token(model, cur, pos, cache, fo, sampler), out, step, cur, pos);
   }
 };
@@ -70,7 +72,7 @@ ArDecoder::ArDecoder(const Model& model, int64_t capacity, const DecodeOptions& 
   pos_ = at::zeros({1}, iopt);
   step_ = at::zeros({1}, iopt);
   out_ = at::zeros({capacity}, iopt);
-  loop_.step = [this] { DecodeStep{model_, cache_, sampler_, cur_, pos_, step_, out_}.run(); };
+  loop_.step = [this] { DecodeStep{model_, cache_, sampler_, cur_, pos_, step_, out_, !opt_.head_screen}.run(); };
   loop_.cur = cur_;
   loop_.step_idx = step_;
   loop_.out = out_;

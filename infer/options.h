@@ -98,7 +98,7 @@ constexpr int64_t kStopCheckEvery = 8;
 
 // Every decode mode's options. A persistent decoder fixes the fields its caches and graphs
 // depend on when it is built (mode, restore, sampling temperature/top-p, cuda_graph, megakernel,
-// block_size) and refuses a run that changes them, by name.
+// head_screen, block_size) and refuses a run that changes them, by name.
 struct DecodeOptions {
   DecodeMode mode = DecodeMode::Ar;
   RestoreOptions restore;               // restored modes
@@ -116,6 +116,9 @@ struct DecodeOptions {
   // experimental: same tokens, 0.73x the speed today); a step it cannot record
   // (DecodeResult::step_program says why) keeps its kernels.
   bool megakernel = false;
+  // CUDA greedy steps: the lm_head's argmax through the model's int8 screen when it has one
+  // (ModelOptions::head_screen; the same tokens); false reads the whole head (the baseline).
+  bool head_screen = true;
   int64_t block_size = 0;               // fused / speculative: tokens per verify forward (0: the drafter's block_size)
   bool time_split = true;               // fused: per-part times (CUDA events: no extra sync)
   // Tokens are read one at a time (streaming, or someone may stop the generation early).

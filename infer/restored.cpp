@@ -22,11 +22,13 @@ struct RestoredStep {
   at::Tensor pos;   // [1] int64
   at::Tensor step;  // [1] int64
   at::Tensor out;   // [capacity] int64
+  bool full_head;   // !DecodeOptions::head_screen
 
   void run() {
     ForwardOptions fo;
     fo.taps = rest.verifier_taps();
     fo.advance_cache = false;
+    fo.full_head = full_head;
     const at::Tensor next = step_token(model, cur, pos, cache, fo, sampler);  // [1]
     rest.stash_step(pos);
     ops::advance_step(next, out, step, cur, pos);
@@ -48,7 +50,7 @@ RestoredDecoder::RestoredDecoder(const Model& v, const Drafter* d, const FTheta*
   rest_.stash_in_forward();
   upkeep_ = std::make_unique<UpkeepRunner>([this](int64_t from) { rest_.upkeep_from(from); }, [this] { rest_.upkeep(); },
                                            v.device().is_cuda());
-  loop_.step = [this] { RestoredStep{v_, cache_, rest_, sampler_, cur_, pos_, step_, out_}.run(); };
+  loop_.step = [this] { RestoredStep{v_, cache_, rest_, sampler_, cur_, pos_, step_, out_, !opt_.head_screen}.run(); };
   loop_.cur = cur_;
   loop_.step_idx = step_;
   loop_.out = out_;

@@ -927,6 +927,64 @@ TEST_P(CudaOps, LinearArgmax) {
     }
 }
 
+// The greedy lm_head through its int8 screen (ops::make_head_screen): the whole head's token, bit for
+// bit the same index, over vocabularies of 7, 16,397 and 70,001 rows and K of 48 (one 16-value chunk a
+// lane), 640 (Gemma 3), 1,040 (a lane's chunks padded to 4) and 4,096 (8, the most it takes):
+//   - random x, some with a few dimensions 50x the rest (a real model's final hidden state has them);
+//   - the maximum planted in a row that a later row repeats (equal logits: the lower index wins) and a
+//     third row one bf16 step away from it (a near-tie the screen cannot separate);
+//   - a NaN in x (every logit NaN: the first row, as the whole head gives);
+// and the screen passes few rows to the exact sums when one logit stands out.
+TEST_P(CudaOps, ScreenedArgmax) {
+  struct Shape {
+    int64_t V, K;
+  };
+  for (const Shape sh : {Shape{7, 48}, Shape{16397, 640}, Shape{70001, 640}, Shape{16397, 1040}, Shape{16397, 4096}}) {
+    const int64_t V = sh.V, K = sh.K;
+    const std::string tag = "V=" + std::to_string(V) + " K=" + std::to_string(K);
+    auto w = (at::randn({V, K}) * 0.05 * (at::rand({V, 1}) + 0.5)).to(dt());
+    const int64_t hot = V / 3;
+    auto wc = w.to(kCuda);
+    const ops::HeadScreen screen = ops::make_head_screen(wc);
+    ASSERT_TRUE(screen.defined()) << tag;
+    auto got = at::empty({1}, at::TensorOptions().dtype(at::kLong).device(kCuda)), want = at::empty_like(got);
+    auto check = [&](const at::Tensor& x, const std::string& what) {
+      ops::linear_argmax(x, wc, got, &screen);
+      ops::linear_argmax(x, wc, want);
+      EXPECT_EQ(got.item<int64_t>(), want.item<int64_t>()) << tag << " " << what;
+    };
+    for (int i = 0; i < 24; ++i) {
+      auto x = at::randn({K}) * 3;
+      if (i % 3 == 0) x.index_put_({at::randint(K, {3}, at::kLong)}, 150.0);
+      check(x.to(dt()).to(kCuda), "random x " + std::to_string(i));
+    }
+    // A standout logit: its row is x itself.
+    auto x = at::randn({K}).to(dt());
+    auto wp = w.clone();
+    wp[hot] = x * 0.5;
+    wp[V - 1] = wp[hot];
+    if (V > 2) {
+      wp[hot + 1] = wp[hot];
+      wp[hot + 1][0] = wp[hot][0].item<float>() * (1 + 1.0 / 128);  // one bf16 step off in one value
+    }
+    wc = wp.to(kCuda);
+    const ops::HeadScreen planted = ops::make_head_screen(wc);
+    ops::linear_argmax(x.to(kCuda), wc, got, &planted);
+    ops::linear_argmax(x.to(kCuda), wc, want);
+    EXPECT_EQ(got.item<int64_t>(), want.item<int64_t>()) << tag << " planted";
+    EXPECT_TRUE(got.item<int64_t>() == hot || got.item<int64_t>() == hot + 1) << tag << " planted";
+    const int summed = planted.summed.item<int>();
+    EXPECT_GE(summed, 2) << tag << ": the row and its copy are both candidates";
+    if (V > 1000) EXPECT_LT(summed, V / 100) << tag << ": the screen passed " << summed << " rows of " << V;
+    // NaN: every logit NaN, the first row wins on both paths.
+    auto xn = at::randn({K});
+    xn[K / 2] = NAN;
+    check(xn.to(dt()).to(kCuda), "NaN");
+    ops::linear_argmax(xn.to(dt()).to(kCuda), wc, got, &planted);
+    EXPECT_EQ(got.item<int64_t>(), 0) << tag << " NaN";
+  }
+}
+
 TEST_P(CudaOps, LinearActMul) {
   for (int64_t M : {1, 4, 8, 11, 16, 17})
     for (auto nk : {std::pair<int64_t, int64_t>{2048, 640}, {13, 64}, {2048, 2048}})

@@ -18,6 +18,49 @@ namespace {
 const ops::RowCode kInt8{ops::RowKind::Affine, 8}, kInt4{ops::RowKind::Affine, 4};
 
 // One group 0, 1, ..., 31 in 4 bits: min 0, scale 31/15; code i = round(i · 15/31).
+// The lm_head's int8 screen (ops::make_head_screen): every row's bounds hold the logit however it is
+// summed (f64, and ATen's f32 GEMV), and the rows the screen keeps (upper bound, rounded to bf16, at
+// least the largest lower bound, rounded) hold every row tied at the largest rounded logit: the CUDA
+// kernel's exact pass then finds the whole head's argmax. Rows of very different scales, a zero row,
+// an exact copy, and x with a few large dimensions, as a model's final hidden state has.
+TEST(HeadScreen, BoundsHoldAndKeepTheArgmax) {
+  at::manual_seed(7);
+  const int64_t V = 3001, K = 80;
+  at::Tensor w = at::randn({V, K}) * 0.05 * at::pow(10.0, at::randint(-3, 2, {V, 1}).to(at::kFloat));
+  w[5].zero_();
+  w[17] = at::randn({K}) * 2.0;  // the longest row: x along it makes 17 and its copy the maximum
+  w[V - 1] = w[17];
+  w = w.to(at::kBFloat16);
+  const ops::HeadScreen s = ops::make_head_screen(w);
+  ASSERT_TRUE(s.defined());
+  EXPECT_EQ(s.codes.scalar_type(), at::kChar);
+  EXPECT_LE(s.codes.abs().max().item<int>(), 127);
+  // The codes are the rows to within half a step.
+  const at::Tensor step = s.scale.unsqueeze(1);
+  EXPECT_TRUE(((s.codes.to(at::kFloat) * step - w.to(at::kFloat)).abs() <= step * 0.5001 + 1e-30).all().item<bool>());
+  EXPECT_EQ(s.err[5].item<float>(), 0.f) << "a zero row is exact";
+  for (int i = 0; i < 40; ++i) {
+    at::Tensor x = at::randn({K}) * 4;
+    if (i % 2) x.index_put_({at::randint(K, {2}, at::kLong)}, 200.0);
+    if (i == 3) x = w[17].to(at::kFloat) * 30;  // rows 17 and V - 1 tie
+    x = x.to(at::kBFloat16);
+    const auto [lo, up] = ops::head_screen_bounds(x, s);
+    const at::Tensor v64 = at::mv(w.to(at::kDouble), x.to(at::kDouble));
+    const at::Tensor v32 = at::mv(w.to(at::kFloat), x.to(at::kFloat));
+    for (const at::Tensor& v : {v64, v32.to(at::kDouble)}) {
+      EXPECT_TRUE((lo.to(at::kDouble) <= v).all().item<bool>()) << "x " << i;
+      EXPECT_TRUE((v <= up.to(at::kDouble)).all().item<bool>()) << "x " << i;
+    }
+    const at::Tensor rounded = v32.to(at::kBFloat16).to(at::kFloat);
+    const at::Tensor tied = rounded == rounded.max();
+    const at::Tensor kept = up.to(at::kBFloat16).to(at::kFloat) >= lo.max().to(at::kBFloat16).to(at::kFloat);
+    EXPECT_TRUE((kept | ~tied).all().item<bool>()) << "x " << i << ": a row tied at the maximum was screened out";
+    EXPECT_LT(kept.sum().item<int64_t>(), V / 4) << "x " << i << ": the screen kept most rows";
+    if (i == 3) EXPECT_TRUE(kept[17].item<bool>() && kept[V - 1].item<bool>());
+  }
+  expect_error([&] { ops::make_head_screen(w.to(at::kInt)); }, "make_head_screen");
+}
+
 TEST(CodedRows, LayoutOfOneGroup) {
   auto x = at::arange(32, at::kFloat).view({1, 32});
   auto [codes, side] = ops::quantize_rows(x, kInt4);

@@ -143,6 +143,16 @@ void register_bench(CLI::App& app) {
       ar_mega = std::make_unique<ArDecoder>(model, capacity, gm);
       timed.push_back({ar_mega.get(), gm});
     }
+    // The screened lm_head's baseline in the same run: AR reading the whole head.
+    DecodeOptions gf = g;
+    gf.head_screen = false;
+    std::unique_ptr<ArDecoder> ar_full;
+    const size_t full_i = timed.size();
+    const bool screened = model.head_screen().defined();
+    if (screened) {
+      ar_full = std::make_unique<ArDecoder>(model, capacity, gf);
+      timed.push_back({ar_full.get(), gf});
+    }
     time_in_rounds(timed, prompt, o->repeats, o->new_tokens);
     const auto& decode_tps = timed[0].decode_tps;
     const double ours_decode = timed[0].median_decode_tps(), ours_e2e = timed[0].median_e2e_tps(),
@@ -197,6 +207,32 @@ void register_bench(CLI::App& app) {
               {"steady_allocations", t.last.steady_allocations},
               {"runs_interleaved_with_ar", true}};
     }
+    nlohmann::json full_head = nullptr;
+    double full_decode = 0, full_e2e = 0;
+    std::vector<double> full_pairs;
+    bool full_same_tokens = false;
+    double rows_per_token = 0;
+    if (screened) {
+      const TimedDecoder& t = timed[full_i];
+      full_decode = t.median_decode_tps();
+      full_e2e = t.median_e2e_tps();
+      full_pairs = pairs_vs_ar(t);
+      full_same_tokens = t.last.tokens == timed[0].last.tokens;
+      // Rows the screen passed to the exact sums, per generated token: one more untimed AR run.
+      at::Tensor summed = model.head_screen().summed;
+      summed.zero_();
+      ar.run(prompt, g);
+      rows_per_token = summed.item<int>() / (double)o->new_tokens;  // SYNC: once, after the runs
+      full_head = {{"decode_tps", full_decode},
+                   {"e2e_tps", full_e2e},
+                   {"decode_runs", t.decode_tps},
+                   {"screened_ar_vs_whole_head_decode", ours_decode / full_decode},
+                   {"decode_ratio_pairs_vs_screened_ar", full_pairs},
+                   {"tokens_equal_screened_ar", full_same_tokens},
+                   {"screen_rows_summed_exactly_per_token", rows_per_token},
+                   {"screen_bytes", model.head_screen_bytes()},
+                   {"runs_interleaved_with_ar", true}};
+    }
     // The bound: bytes a decode step must read (the selected experts only, for MoE) at the
     // device's measured copy bandwidth.
     const double weight_bytes = (double)model.weight_bytes(), active_bytes = (double)model.active_weight_bytes();
@@ -226,7 +262,15 @@ void register_bench(CLI::App& app) {
       const std::string name = "llama.cpp " + r["model_type"].get<std::string>();
       row(name.substr(0, 34).c_str(), r["e2e_tps"], r["decode_tps"]);
     }
-    row("kakeya ar", ours_e2e, ours_decode);
+    row(screened ? "kakeya ar (screened lm_head)" : "kakeya ar", ours_e2e, ours_decode);
+    if (screened) {
+      row("kakeya ar, whole lm_head", full_e2e, full_decode);
+      std::printf("screened / whole-head ar decode tok/s = %.3fx (same run; interleaved pairs %.3f .. %.3f); tokens %s; "
+                  "%.1f rows a token summed exactly; screen %.0f MB of device memory (--no-head-screen: none)\n",
+                  ours_decode / full_decode, 1.0 / *std::max_element(full_pairs.begin(), full_pairs.end()),
+                  1.0 / *std::min_element(full_pairs.begin(), full_pairs.end()), full_same_tokens ? "equal" : "DIFFER",
+                  rows_per_token, model.head_screen_bytes() / 1e6);
+    }
     if (o->megakernel) {
       row("kakeya ar, persistent kernels", mega_e2e, mega_decode);
       std::printf("persistent / ar decode tok/s = %.3fx (same run; interleaved pairs %.3f .. %.3f); %.1f%% of the "
@@ -284,7 +328,8 @@ void register_bench(CLI::App& app) {
                         {"hf", peer},
                         {"llama_cpp", llama},
                         {"restored", restored},
-                        {"megakernel", mega}};
+                        {"megakernel", mega},
+                        {"whole_head", full_head}};
     if (o->megakernel) j["megakernel"]["fraction_of_bound"] = mega_decode / bound;
     if (hf_static > 0) j["speedup_vs_hf_static_e2e"] = ours_e2e / hf_static;
     if (!o->json.empty()) write_json(o->json, j);

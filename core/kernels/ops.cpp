@@ -638,10 +638,51 @@ void advance_block(const at::Tensor& report, at::Tensor& block, at::Tensor& pos0
   if (emb) emb->out.copy_((at::embedding(emb->table, tok) * emb->scale).view(emb->out.sizes()));
 }
 
-void linear_argmax(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+HeadScreen make_head_screen(const at::Tensor& w) {
+  KAKEYA_CHECK(w.dim() == 2 && (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16),
+               "make_head_screen: expected a [V, K] f32 or bf16 head, got " << w.sizes() << " " << w.scalar_type());
+  const int64_t V = w.size(0), K = w.size(1);
+  const double u = std::ldexp(1.0, -24), gamma = K * u / (1 - K * u);  // an f32 sum of K products
+  HeadScreen s;
+  s.codes = at::empty({V, K}, w.options().dtype(at::kChar));
+  s.scale = at::empty({V}, w.options().dtype(at::kFloat));
+  s.err = at::empty({V}, w.options().dtype(at::kFloat));
+  s.summed = at::zeros({1}, w.options().dtype(at::kInt));
+  for (int64_t r0 = 0; r0 < V; r0 += 8192) {
+    const int64_t n = std::min<int64_t>(8192, V - r0);
+    const at::Tensor wd = w.narrow(0, r0, n).to(at::kDouble);                 // [n, K]
+    const at::Tensor sc = (wd.abs().amax(1) / 127.0).to(at::kFloat);           // [n]: the kernel's scale
+    const at::Tensor scd = sc.to(at::kDouble).unsqueeze(1);                    // [n, 1]
+    // A scale that rounded below the row's largest / 127 only clamps; err then counts the clamp.
+    const at::Tensor q = at::where(scd > 0, at::round(wd / scd), at::zeros_like(wd)).clamp(-127, 127);
+    const at::Tensor qs = q * scd;                                             // the screen's row
+    // The quantization error by Cauchy-Schwarz; the kernel's f32 sum of x·w_r and the screen's of
+    // x·q_r (then times the scale: one rounding more) each within gamma·||x||·||row||.
+    const at::Tensor err = ((wd - qs).norm(2, 1) + gamma * wd.norm(2, 1) + (gamma + 2 * u) * qs.norm(2, 1)) * (1 + 1e-9);
+    at::Tensor ef = err.to(at::kFloat);
+    ef = at::where(ef.to(at::kDouble) < err, at::nextafter(ef, at::full_like(ef, INFINITY)), ef);  // rounded up
+    s.codes.narrow(0, r0, n).copy_(q.to(at::kChar));
+    s.scale.narrow(0, r0, n).copy_(sc);
+    s.err.narrow(0, r0, n).copy_(ef);
+  }
+  return s;
+}
+
+std::pair<at::Tensor, at::Tensor> head_screen_bounds(const at::Tensor& x, const HeadScreen& s) {
+  KAKEYA_CHECK(s.defined() && x.numel() == s.codes.size(1),
+               "head_screen_bounds: expected x of " << (s.defined() ? s.codes.size(1) : 0) << " values, got " << x.sizes());
+  const at::Tensor xf = x.reshape({-1}).to(at::kFloat);
+  const at::Tensor a = at::mv(s.codes.to(at::kFloat), xf) * s.scale;
+  const at::Tensor e = xf.norm() * s.err;
+  return {a - e, a + e};
+}
+
+void linear_argmax(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const HeadScreen* screen) {
 #ifdef KAKEYA_CUDA
+  if (fused(x, w) && screen && screen->defined() && cuda::screened_argmax(x, w, *screen, out)) return;
   if (fused(x, w) && cuda::linear_argmax(x, w, out)) return;
 #endif
+  // On the CPU the screen would save nothing: ATen's GEMV reads the head at its own speed.
   argmax_rows(linear(x, w, at::Tensor()), {}, out);
 }
 

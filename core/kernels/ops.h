@@ -391,10 +391,30 @@ void greedy_accept(const at::Tensor& scores, const at::Tensor& block, at::Tensor
 // contiguous (e.g. a slice of the next verify block).
 void argmax_rows(const at::Tensor& scores, const at::Tensor& map, at::Tensor& out);
 
+// A vocabulary head's int8 screen, the exact shortcut of linear_argmax on CUDA: row r's codes and
+// scale (w_r ≈ scale_r·codes_r, the largest |w_r| at 127) and err_r, such that for any x the logit
+// x·w_r as a kernel sums it in f32 lies within ||x||·err_r of scale_r·(x·codes_r) as the screen sums
+// it (Cauchy-Schwarz on w_r - scale_r·codes_r, plus both sums' rounding over K terms). Only rows whose
+// upper bound reaches the largest lower bound (~12 of Gemma 3's 262,144 a token) are summed again
+// from w, so the step reads the int8 codes and a few rows instead of the whole head: the same token.
+struct HeadScreen {
+  at::Tensor codes;   // [V, K] int8
+  at::Tensor scale;   // [V] f32
+  at::Tensor err;     // [V] f32
+  at::Tensor summed;  // [1] int32 on the head's device: rows summed exactly so far (a diagnostic)
+  bool defined() const { return codes.defined(); }
+};
+// w: [V, K] in f32 or bf16 on any device; the screen lives beside it (computed in f64, 8,192 rows at a time).
+HeadScreen make_head_screen(const at::Tensor& w);
+// Every row's bounds on the logit x·w_r: (lower, upper), each [V] f32 (the screen kernel's, in ATen).
+// x: [K].
+std::pair<at::Tensor, at::Tensor> head_screen_bounds(const at::Tensor& x, const HeadScreen& screen);
+
 // out[r] = argmax(linear(x[r], w)) with the logits in x's dtype (the first of equal maxima): a greedy
 // step's lm_head. x: [..., K]; w: [V, K]; out: [rows] int64. On CUDA with one row the GEMV and its
-// argmax in two kernels, no logits stored.
-void linear_argmax(const at::Tensor& x, const at::Tensor& w, at::Tensor& out);
+// argmax in two kernels, no logits stored; with a screen (make_head_screen(w)) the screen, the
+// exact sums of its candidates and their argmax in three, the same token.
+void linear_argmax(const at::Tensor& x, const at::Tensor& w, at::Tensor& out, const HeadScreen* screen = nullptr);
 
 // The draft block's input row of the carried token, written by advance_block: out = table[token]
 // · scale in the table's dtype (Drafter::embed). table: [V, H]; out: [H] contiguous, same dtype.

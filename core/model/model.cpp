@@ -156,7 +156,15 @@ Model Model::from_weights(const ModelConfig& cfg, const WeightSource& st, const 
   for (int64_t l = 0; l < cfg.num_layers; ++l) (cfg.is_sliding(l) ? d_sliding : d_full) = cfg.layer_head_dim[l];
   m.rope_full_ = RopeTable(cfg.rope_full, d_full, opt.max_positions, opt.dtype, opt.device);
   m.rope_sliding_ = RopeTable(cfg.rope_sliding, d_sliding, opt.max_positions, opt.dtype, opt.device);
+  if (opt.head_screen && opt.device.is_cuda() && !cfg.final_logit_softcap) m.head_screen_ = ops::make_head_screen(m.lm_head_);
   return m;
+}
+
+int64_t Model::head_screen_bytes() const {
+  int64_t b = 0;
+  for (const at::Tensor* t : {&head_screen_.codes, &head_screen_.scale, &head_screen_.err})
+    if (t->defined()) b += t->numel() * t->element_size();
+  return b;
 }
 
 int64_t Model::weight_bytes() const {
@@ -565,7 +573,7 @@ at::Tensor Model::forward(const at::Tensor& ids, const at::Tensor& positions, KV
     at::Tensor out = at::empty({B, x.size(1)}, ids.options().dtype(at::kLong));
     // A final softcap's bf16 rounding can tie two distinct scores: argmax of the capped logits then.
     if (cfg_.final_logit_softcap) ops::argmax_rows(logits(x), {}, out);
-    else ops::linear_argmax(x, lm_head_, out);
+    else ops::linear_argmax(x, lm_head_, out, fo.full_head ? nullptr : &head_screen_);
     return out;
   }
   if (fo.raw_logits) return ops::linear(x, lm_head_);

@@ -23,6 +23,10 @@ struct ModelOptions {
   at::Device device = at::kCPU;
   at::ScalarType dtype = at::kFloat;  // f32 or bf16 (CUDA: bf16)
   int64_t max_positions = 8192;       // RoPE table length; sessions need capacity <= this
+  // CUDA: keep an int8 screen of the lm_head (ops::HeadScreen, about half the head's bytes again) so
+  // a greedy step reads the codes and a few exact rows instead of the whole head: the same tokens.
+  // Not for models with a final softcap (their argmax is of the capped logits).
+  bool head_screen = true;
 };
 
 struct ForwardOptions {
@@ -35,6 +39,7 @@ struct ForwardOptions {
   // of the logits (the first of equal maxima); on CUDA for one row the lm_head's fused argmax
   // (ops::linear_argmax: no logits stored).
   bool argmax = false;
+  bool full_head = false;  // the argmax reads the whole head even when the model has a screen (a baseline)
   const Taps* taps = nullptr;
   bool advance_cache = true;      // false: caller commits (CUDA-graph capture runs the host code once)
 };
@@ -112,6 +117,8 @@ class Model {
   const LayerWeights& layer(int64_t l) const { return layers_[l]; }
   const at::Tensor& embedding() const { return embed_; }  // [V, hidden]
   const at::Tensor& lm_head() const { return lm_head_; }  // [V, hidden] raw output head (no softcap; = embedding() when tied)
+  const ops::HeadScreen& head_screen() const { return head_screen_; }  // undefined without (ModelOptions::head_screen)
+  int64_t head_screen_bytes() const;  // its device bytes (not in weight_bytes: the bound's bytes are the model's)
   const RopeTable& rope(int64_t layer) const { return cfg_.is_sliding(layer) ? rope_sliding_ : rope_full_; }
   // The fused q/k-norm + RoPE + store kernel's arguments for layer l (core/kernels/ops.h): its
   // norms and RoPE table, `num_heads` query heads (0: K/V only), slot = position mod ring.
@@ -132,6 +139,7 @@ class Model {
   ops::NormSpec norm_spec_;
   at::Tensor embed_;     // [V, hidden]
   at::Tensor lm_head_;   // [V, hidden] (= embed_ when tied)
+  ops::HeadScreen head_screen_;  // of lm_head_, CUDA greedy steps (ModelOptions::head_screen)
   at::Tensor norm_;      // [hidden]
   at::Tensor embed_scale_;  // scalar in dtype
   // Gemma 4 per-layer inputs (undefined without):

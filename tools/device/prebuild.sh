@@ -25,7 +25,7 @@ cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DKAKEYA_CUDA=ON -D
   -DCMAKE_DISABLE_FIND_PACKAGE_PkgConfig=ON -U "CPP_HTTPLIB*" -U __pkg_config_checked_CPP_HTTPLIB \
   -DCMAKE_PREFIX_PATH="$TORCH_CMAKE" -DCMAKE_BUILD_RPATH="$DEVICE_TORCH_LIB;$DEVICE_TORCH_LIB/../../nvidia/cu13/lib" > /tmp/prebuild-cmake.log 2>&1 ||
   { tail -30 /tmp/prebuild-cmake.log; exit 1; }
-TESTS="test_cuda_ops test_cuda_restored test_cuda_drafter test_cuda_gemma4 test_cuda_megakernel"  # every GPU suite (label gpu)
+TESTS="test_cuda_ops test_cuda_restored test_cuda_drafter test_cuda_gemma4 test_cuda_megakernel test_cuda_head_screen"  # every GPU suite (label gpu)
 cmake --build build-cuda -j "${JOBS:-$(nproc)}" --target kakeya $TESTS
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT

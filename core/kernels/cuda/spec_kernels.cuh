@@ -256,6 +256,177 @@ bool launch_gemv_argmax(const T* x, const T* W, int N, int K, float* pval, int* 
 }
 
 // ---------------------------------------------------------------------------
+// The greedy lm_head through an int8 screen (ops::HeadScreen): the same token as gemv_argmax_body,
+// reading about half the bytes. Row r of the head has int8 codes q_r and an f32 scale s_r, and
+// err_r (ops::make_head_screen) bounds, for any x, the distance between the logit as
+// gemv_argmax_body sums it and s_r·(x·q_r) as the screen sums it by ||x||·err_r: Cauchy-Schwarz
+// on W_r - s_r·q_r plus both sums' rounding. So
+//   pass 1 (screen_head_kernel): a_r = s_r·(x·q_r), u_r = a_r + ||x||·err_r (every row) and each
+//     block's largest a_r - ||x||·err_r;
+//   pass 2 (screen_pick_kernel): L = the largest of those lower bounds <= the largest logit. A row
+//     whose logit ties the largest after rounding to T has rnd(u_r) >= rnd(L) (rounding is monotone),
+//     so only rows with rnd(u_r) >= rnd(L) can be the argmax: they are summed again exactly as
+//     gemv_argmax_body sums them (dot_rows, warp_sum, rnd) and reduced with its tie rule; each
+//     block's (max, first index) goes to argmax_blocks_kernel. A NaN or infinity in x makes every
+//     row a candidate (u_r is then NaN or infinite), which is slow but still the full head's answer.
+// On Gemma 3 270M's head (262,144 × 640) over 3,571 positions of text: 12.5 candidate rows a position
+// on average, 111 at the 99th percentile, 784 at most (tools/head_screen_census.py,
+// bench/results/2026-12-03-head-screen-census-cpu.json).
+constexpr int kScreenWarps = 8;
+// 16-value chunks per lane: a lane holds its rows' chunks lane, lane + 32, ... (kScreenChunks(K) of
+// them) and kScreenRowsPerLane / chunks rows, so every lane has 16 loads of 16 bytes in flight.
+constexpr int kScreenLoads = 16;
+inline int screen_chunks(int K) {  // chunks a lane takes: 1, 2, 4 or 8 (K <= 4096), 0: no screen
+  const int c = (K / 16 + 31) / 32;
+  return K % 16 != 0 ? 0 : c <= 1 ? 1 : c <= 2 ? 2 : c <= 4 ? 4 : c <= 8 ? 8 : 0;
+}
+inline int screen_rows_per_block(int K) { return kScreenWarps * (kScreenLoads / screen_chunks(K)); }
+// 16 int8 codes (one 16-byte load) as floats: each byte b in offset binary (b ^ 0x80) becomes the
+// float 2^23 + b by a byte permute, and 2^23 + 128 less gives the code: no conversion instruction.
+__device__ __forceinline__ void codes_to_float(uint4 raw, float* q) {
+  const unsigned w[4] = {raw.x ^ 0x80808080u, raw.y ^ 0x80808080u, raw.z ^ 0x80808080u, raw.w ^ 0x80808080u};
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) q[i * 4 + j] = __int_as_float(__byte_perm(w[i], 0x4B000000u, 0x7540u | j)) - 8388736.f;
+}
+// x: [K]; codes: [N, K] int8; scale, err: [N] f32; up: [N] (each row's upper bound); plow: [gridDim.x]
+// (each block's largest lower bound). CPL: screen_chunks(K).
+template <typename T, int CPL>
+__global__ void __launch_bounds__(kScreenWarps * 32) screen_head_kernel(const T* x, const int8_t* __restrict__ codes,
+                                                                        const float* __restrict__ scale,
+                                                                        const float* __restrict__ err, int N, int K,
+                                                                        float* __restrict__ up, float* __restrict__ plow) {
+  pdl_trigger();  // the codes load before pdl_wait
+  constexpr int R = kScreenLoads / CPL;  // rows a warp
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n0 = (blockIdx.x * kScreenWarps + warp) * R, kc = K / 16;
+  uint4 raw[R][CPL];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int c = 0; c < CPL; ++c) {
+      const int ch = lane + 32 * c;
+      raw[r][c] = n0 + r < N && ch < kc ? *reinterpret_cast<const uint4*>(codes + (int64_t)(n0 + r) * K + ch * 16)
+                                        : make_uint4(0, 0, 0, 0);  // unused
+    }
+  pdl_wait();
+  float acc[R], ss = 0.f;
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+#pragma unroll
+  for (int c = 0; c < CPL; ++c) {
+    const int ch = lane + 32 * c;
+    if (ch >= kc) break;
+    float xv[16];
+    uint4 xr[16 / Vec16<T>::n];
+#pragma unroll
+    for (int u = 0; u < 16 / Vec16<T>::n; ++u) xr[u] = reinterpret_cast<const uint4*>(x + ch * 16)[u];
+    const T* xe = reinterpret_cast<const T*>(xr);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      xv[i] = from_t<T>(xe[i]);
+      ss += xv[i] * xv[i];
+    }
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      float q[16];
+      codes_to_float(raw[r][c], q);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) acc[r] = fmaf(q[i], xv[i], acc[r]);
+    }
+  }
+  // ||x||, the same in every warp (the same sums in the same order), grown by its sum's rounding.
+  const float xn = sqrtf(warp_sum(ss)) * (1.f + (float)(K + 4) * 1.2e-7f);
+  float low = -INFINITY;
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float s = warp_sum(acc[r]);
+    const int n = n0 + r;
+    if (n >= N) continue;  // warp-uniform
+    const float a = s * scale[n], e = xn * err[n];
+    // The two additions' own rounding: a little more room than u_r's error.
+    const float slack = fabsf(a) * 2.5e-7f + e * 1e-6f;
+    if (lane == r) up[n] = a + e + slack;
+    low = fmaxf(low, a - e - slack);
+  }
+  __shared__ float red[32];
+  low = block_max(low, red);
+  if (threadIdx.x == 0) plow[blockIdx.x] = low;
+}
+// Rows a pass-2 block scans.
+constexpr int kScreenPickRows = 2048;
+// x, W: the head as gemv_argmax_body reads them; up, plow: pass 1's (nlow blocks); pval, pidx:
+// [gridDim.x]; count (nullable): += the candidate rows summed exactly.
+template <typename T>
+__global__ void __launch_bounds__(kScreenWarps * 32) screen_pick_kernel(const T* x, const T* __restrict__ W, int N,
+                                                                        int K, const float* up, const float* plow,
+                                                                        int nlow, float* __restrict__ pval,
+                                                                        int* __restrict__ pidx, unsigned* count) {
+  pdl_begin();
+  constexpr int kPer = kScreenPickRows / (kScreenWarps * 32);  // rows a lane tests
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int r1 = min(N, (blockIdx.x + 1) * kScreenPickRows);
+  auto row_of = [&](int i) { return blockIdx.x * kScreenPickRows + (i * kScreenWarps + warp) * 32 + lane; };
+  // The upper bounds load together with the lower maxima: one memory round trip, not one per 32 rows.
+  float uv[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) uv[i] = row_of(i) < r1 ? up[row_of(i)] : 0.f;
+  __shared__ float red[32];
+  float m = -INFINITY;
+  for (int i = threadIdx.x; i < nlow; i += blockDim.x) m = fmaxf(m, plow[i]);
+  const float L = rnd<T>(block_max(m, red));
+  float best = -INFINITY;
+  int bi = 0x7fffffff;
+  unsigned found = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int r0 = row_of(i) - lane;
+    unsigned cand = __ballot_sync(0xffffffffu, r0 + lane < r1 && !(rnd<T>(uv[i]) < L));
+    found += __popc(cand);
+    while (cand) {  // warp-uniform
+      const int n = r0 + __ffs(cand) - 1;
+      cand &= cand - 1;
+      float acc[1] = {0.f};
+      dot_rows<T, 1, 1, true>(W + (int64_t)n * K, K, 1, nullptr, x, K, 0, K, lane, acc);
+      const float v = rnd<T>(warp_sum(acc[0]));
+      if (argmax_beats(v, n, best, bi)) {
+        best = v;
+        bi = n;
+      }
+    }
+  }
+  if (count && lane == 0 && found) atomicAdd(count, found);
+  if (block_argmax(best, bi)) {
+    pval[blockIdx.x] = best;
+    pidx[blockIdx.x] = bi;
+  }
+}
+inline int screen_pick_blocks(int N) { return (N + kScreenPickRows - 1) / kScreenPickRows; }
+inline int screen_head_blocks(int N, int K) { return (N + screen_rows_per_block(K) - 1) / screen_rows_per_block(K); }
+
+// scratch: up [N] f32, plow [screen_head_blocks] f32, pval / pidx [screen_pick_blocks]. False when the
+// shape is not for the kernels (K not a multiple of 16 or over 4,096, unaligned rows).
+template <typename T>
+bool launch_screened_argmax(const T* x, const T* W, const int8_t* codes, const float* scale, const float* err, int N,
+                            int K, float* up, float* plow, float* pval, int* pidx, unsigned* count, int64_t* out,
+                            cudaStream_t s) {
+  const int cpl = screen_chunks(K);
+  if (cpl == 0 || K % Vec16<T>::n != 0 || reinterpret_cast<uintptr_t>(W) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(codes) % 16 != 0)
+    return false;
+  const int b1 = screen_head_blocks(N, K), b2 = screen_pick_blocks(N);
+  const int threads = kScreenWarps * 32;
+  if (cpl == 1) launch_pdl(screen_head_kernel<T, 1>, b1, threads, 0, s, x, codes, scale, err, N, K, up, plow);
+  else if (cpl == 2) launch_pdl(screen_head_kernel<T, 2>, b1, threads, 0, s, x, codes, scale, err, N, K, up, plow);
+  else if (cpl == 4) launch_pdl(screen_head_kernel<T, 4>, b1, threads, 0, s, x, codes, scale, err, N, K, up, plow);
+  else launch_pdl(screen_head_kernel<T, 8>, b1, threads, 0, s, x, codes, scale, err, N, K, up, plow);
+  launch_pdl(screen_pick_kernel<T>, b2, threads, 0, s, x, W, N, K, up, plow, b1, pval, pidx, count);
+  launch_pdl(argmax_blocks_kernel<>, 1, 1024, 0, s, pval, pidx, b2, out);
+  return true;
+}
+
+// ---------------------------------------------------------------------------
 // A decode step's bookkeeping once its token is chosen (ATen took four launches, each a full stop
 // of the step's launch chain): out[step] = next (when step < cap), cur = next, pos += 1, step += 1.
 // One thread does it (the persistent kernel runs it in a block of many: the others return).

@@ -91,6 +91,44 @@ bool linear_argmax(const at::Tensor& x_in, const at::Tensor& w, at::Tensor& out)
   return launched;
 }
 
+bool screened_argmax(const at::Tensor& x_in, const at::Tensor& w, const HeadScreen& scr, at::Tensor& out) {
+  auto x = x_in.contiguous();
+  const int64_t K = x.size(-1), N = w.size(0);
+  if (!(x.numel() == K && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && w.is_cuda() &&
+        w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 2 && w.size(1) == K &&
+        N < (int64_t)1 << 31))
+    return false;
+  TORCH_CHECK(scr.codes.is_cuda() && scr.codes.scalar_type() == at::kChar && scr.codes.is_contiguous() &&
+                  scr.codes.size(0) == N && scr.codes.size(1) == K,
+              "screened_argmax: the screen's codes are ", scr.codes.sizes(), " ", scr.codes.scalar_type(),
+              ", expected contiguous int8 [", N, ", ", K, "] on the head's device (ops::make_head_screen of it)");
+  TORCH_CHECK(scr.scale.numel() == N && scr.err.numel() == N && scr.scale.scalar_type() == at::kFloat &&
+                  scr.err.scalar_type() == at::kFloat && scr.summed.numel() == 1 && scr.summed.scalar_type() == at::kInt,
+              "screened_argmax: the screen's scale / err / summed do not match a head of ", N, " rows");
+  check_long(out, 1, "screened_argmax out");
+  c10::cuda::CUDAGuard g(x.device());
+  const int b1 = k::screen_head_blocks((int)N, (int)K), b2 = k::screen_pick_blocks((int)N);
+  auto up = at::empty({N + b1}, x.options().dtype(at::kFloat));  // [N] upper bounds, then [b1] lower maxima
+  auto pval = at::empty({b2}, x.options().dtype(at::kFloat));
+  auto pidx = at::empty({b2}, x.options().dtype(at::kInt));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  float* u = up.data_ptr<float>();
+  auto* cnt = reinterpret_cast<unsigned*>(scr.summed.data_ptr<int>());
+  bool launched;
+  if (x.scalar_type() == at::kFloat)
+    launched = k::launch_screened_argmax<float>(x.data_ptr<float>(), w.data_ptr<float>(), scr.codes.data_ptr<int8_t>(),
+                                                scr.scale.data_ptr<float>(), scr.err.data_ptr<float>(), (int)N, (int)K,
+                                                u, u + N, pval.data_ptr<float>(), pidx.data_ptr<int>(), cnt,
+                                                out.data_ptr<int64_t>(), stream);
+  else
+    launched = k::launch_screened_argmax<__nv_bfloat16>(
+        ptr<__nv_bfloat16>(x), ptr<__nv_bfloat16>(w), scr.codes.data_ptr<int8_t>(), scr.scale.data_ptr<float>(),
+        scr.err.data_ptr<float>(), (int)N, (int)K, u, u + N, pval.data_ptr<float>(), pidx.data_ptr<int>(), cnt,
+        out.data_ptr<int64_t>(), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return launched;
+}
+
 void advance_step(const at::Tensor& next, at::Tensor& out, at::Tensor& step, at::Tensor& cur, at::Tensor& pos) {
   check_long(next, 1, "advance_step next");
   check_long(out, -1, "advance_step out");
