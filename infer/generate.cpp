@@ -40,7 +40,9 @@ struct DecodeStep {
   at::Tensor pos;    // [1] int64
   at::Tensor step;   // [1] int64
   at::Tensor out;    // [capacity] int64
-  bool full_head;    // !DecodeOptions::head_screen
+  // !DecodeOptions::head_screen, or the persistent kernel: with the screen's launches between its
+  // segments, test_cuda_megakernel's small random shape trapped on the H200 (stop 66, not diagnosed).
+  bool full_head;
 
   void run() {
     ForwardOptions fo;
@@ -72,7 +74,7 @@ ArDecoder::ArDecoder(const Model& model, int64_t capacity, const DecodeOptions& 
   pos_ = at::zeros({1}, iopt);
   step_ = at::zeros({1}, iopt);
   out_ = at::zeros({capacity}, iopt);
-  loop_.step = [this] { DecodeStep{model_, cache_, sampler_, cur_, pos_, step_, out_, !opt_.head_screen}.run(); };
+  loop_.step = [this] { DecodeStep{model_, cache_, sampler_, cur_, pos_, step_, out_, !opt_.head_screen || opt_.megakernel}.run(); };
   loop_.cur = cur_;
   loop_.step_idx = step_;
   loop_.out = out_;

@@ -22,6 +22,7 @@ TEST(CudaHeadScreen, RealModelGreedyTokensEqualTheWholeHeads) {
   mo.device = at::Device(at::kCUDA, 0);
   mo.dtype = at::kBFloat16;
   mo.max_positions = 1024;
+  mo.head_screen = true;
   const Model m = Model::load(test::real_model_dir(), mo);
   ASSERT_TRUE(m.head_screen().defined());
   EXPECT_EQ(m.head_screen_bytes(), m.config().vocab_size * (m.config().hidden_size + 8));

@@ -36,9 +36,9 @@ void DeviceFlags::add(CLI::App* app) {
   app->add_option("--device", device, "cpu | cuda")->check(CLI::IsMember({"cpu", "cuda"}));
   app->add_option("--dtype", dtype, "f32 | bf16 (default: f32 on cpu, bf16 on cuda)")
       ->check(CLI::IsMember({"f32", "bf16"}));
-  app->add_flag("--no-head-screen", no_head_screen,
-                "cuda: no int8 screen of the lm_head (saves about half the head's bytes of device memory; greedy steps "
-                "then read the whole head, the same tokens)");
+  app->add_flag("--head-screen", head_screen,
+                "cuda: an int8 screen of the lm_head (about half the head's bytes more device memory): greedy steps "
+                "read its codes and a few exact rows instead of the whole head, the same tokens");
 }
 
 at::Device DeviceFlags::torch_device() const {
@@ -75,7 +75,7 @@ ModelOptions model_options(const DeviceFlags& df, int64_t max_positions) {
   mo.device = df.torch_device();
   mo.dtype = df.torch_dtype();
   mo.max_positions = max_positions;
-  mo.head_screen = !df.no_head_screen;
+  mo.head_screen = df.head_screen;
   return mo;
 }
 
@@ -131,7 +131,7 @@ DeviceFlags training_device_flags(const DeviceFlags& df, const std::string& comm
                command << ": --dtype " << df.dtype << ": training runs in f32 (bf16 autocast on CUDA)");
   DeviceFlags out = df;
   out.dtype = "f32";
-  out.no_head_screen = true;  // training takes no greedy step's argmax
+  out.head_screen = false;  // training takes no greedy step's argmax
   if (out.torch_device().is_cuda()) at::globalContext().setAllowTF32CuBLAS(true);
   return out;
 }

@@ -21,7 +21,7 @@ CLI::Validator non_negative();  // >= 0
 struct DeviceFlags {
   std::string device = "cpu";  // cpu | cuda
   std::string dtype = "";      // f32 | bf16 (default: f32 on CPU, bf16 on CUDA)
-  bool no_head_screen = false;  // !ModelOptions::head_screen (training: always off)
+  bool head_screen = false;  // ModelOptions::head_screen (training: always off)
   void add(CLI::App* app);
   at::Device torch_device() const;
   at::ScalarType torch_dtype() const;

@@ -266,7 +266,7 @@ void register_bench(CLI::App& app) {
     if (screened) {
       row("kakeya ar, whole lm_head", full_e2e, full_decode);
       std::printf("screened / whole-head ar decode tok/s = %.3fx (same run; interleaved pairs %.3f .. %.3f); tokens %s; "
-                  "%.1f rows a token summed exactly; screen %.0f MB of device memory (--no-head-screen: none)\n",
+                  "%.1f rows a token summed exactly; screen %.0f MB of device memory\n",
                   ours_decode / full_decode, 1.0 / *std::max_element(full_pairs.begin(), full_pairs.end()),
                   1.0 / *std::min_element(full_pairs.begin(), full_pairs.end()), full_same_tokens ? "equal" : "DIFFER",
                   rows_per_token, model.head_screen_bytes() / 1e6);

@@ -25,8 +25,9 @@ struct ModelOptions {
   int64_t max_positions = 8192;       // RoPE table length; sessions need capacity <= this
   // CUDA: keep an int8 screen of the lm_head (ops::HeadScreen, about half the head's bytes again) so
   // a greedy step reads the codes and a few exact rows instead of the whole head: the same tokens.
-  // Not for models with a final softcap (their argmax is of the capped logits).
-  bool head_screen = true;
+  // Not for models with a final softcap (their argmax is of the capped logits). Opt-in: on the H200 it
+  // made AR decode only 1.0% faster for 170 MB more (bench/results/README.md, stop 66).
+  bool head_screen = false;
 };
 
 struct ForwardOptions {

@@ -17,6 +17,13 @@ void check_long(const at::Tensor& t, int64_t n, const char* name) {
   TORCH_CHECK(n < 0 || t.numel() == n, name, ": expected ", n, " entries, got ", t.numel());
 }
 template <typename T> T* ptr(const at::Tensor& t) { return reinterpret_cast<T*>(t.data_ptr()); }
+// One row x [.., K] (contiguous) against a head w [N, K] the greedy head kernels take.
+bool one_row_head(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t K = x.size(-1), N = w.size(0);
+  return x.numel() == K && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && w.is_cuda() &&
+         w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 2 && w.size(1) == K &&
+         N < (int64_t)1 << 31;
+}
 }  // namespace
 
 void greedy_accept(const at::Tensor& scores_in, const at::Tensor& block, at::Tensor& report) {
@@ -69,10 +76,7 @@ void argmax_rows(const at::Tensor& scores_in, const at::Tensor& map, at::Tensor&
 bool linear_argmax(const at::Tensor& x_in, const at::Tensor& w, at::Tensor& out) {
   auto x = x_in.contiguous();
   const int64_t K = x.size(-1), N = w.size(0);
-  if (!(x.numel() == K && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && w.is_cuda() &&
-        w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 2 && w.size(1) == K &&
-        N < (int64_t)1 << 31))
-    return false;
+  if (!one_row_head(x, w)) return false;
   check_long(out, 1, "linear_argmax out");
   c10::cuda::CUDAGuard g(x.device());
   const int blocks = k::gemv_wide_blocks((int)N);
@@ -94,10 +98,7 @@ bool linear_argmax(const at::Tensor& x_in, const at::Tensor& w, at::Tensor& out)
 bool screened_argmax(const at::Tensor& x_in, const at::Tensor& w, const HeadScreen& scr, at::Tensor& out) {
   auto x = x_in.contiguous();
   const int64_t K = x.size(-1), N = w.size(0);
-  if (!(x.numel() == K && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat) && w.is_cuda() &&
-        w.scalar_type() == x.scalar_type() && w.is_contiguous() && w.dim() == 2 && w.size(1) == K &&
-        N < (int64_t)1 << 31))
-    return false;
+  if (!one_row_head(x, w)) return false;
   TORCH_CHECK(scr.codes.is_cuda() && scr.codes.scalar_type() == at::kChar && scr.codes.is_contiguous() &&
                   scr.codes.size(0) == N && scr.codes.size(1) == K,
               "screened_argmax: the screen's codes are ", scr.codes.sizes(), " ", scr.codes.scalar_type(),
