@@ -75,6 +75,8 @@ ModelOptions model_options(const DeviceFlags& df, int64_t max_positions) {
   mo.device = df.torch_device();
   mo.dtype = df.torch_dtype();
   mo.max_positions = max_positions;
+  KAKEYA_CHECK(!df.head_screen || mo.device.is_cuda(),
+               "--head-screen: the lm_head's screen runs on CUDA only (--device cuda), got --device " << df.device);
   mo.head_screen = df.head_screen;
   return mo;
 }

@@ -12,7 +12,7 @@ why the screen is int8.
 
 usage: head_screen_census.py --model DIR --files GLOB [GLOB ...] [--max-files N] [--tokens N] [--json OUT]
 """
-import argparse, glob, json, sys
+import argparse, glob, json, os, sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -26,6 +26,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=300, help="positions a file")
     ap.add_argument("--json")
     a = ap.parse_args()
+    if not os.path.isfile(os.path.join(a.model, "config.json")):
+        sys.exit(f"head_screen_census: --model {a.model}: no config.json there (an HF model directory expected)")
     files = sorted({f for g in a.files for f in glob.glob(g)})
     if not files:
         sys.exit(f"head_screen_census: no file matches {a.files}")
