@@ -40,8 +40,10 @@ struct DecodeStep {
   at::Tensor pos;    // [1] int64
   at::Tensor step;   // [1] int64
   at::Tensor out;    // [capacity] int64
-  // !DecodeOptions::head_screen, or the persistent kernel: with the screen's launches between its
-  // segments, test_cuda_megakernel's small random shape trapped on the H200 (stop 66, not diagnosed).
+  // !DecodeOptions::head_screen, or the persistent kernel: with the screen on, test_cuda_megakernel's
+  // small random shape died of SIGILL on the H200 (stop 66). Its hidden size, 200, is no multiple of 16,
+  // and screened_argmax counted blocks (a division by screen_chunks = 0) before refusing the shape: the
+  // likely cause, fixed since; the pair is not rerun on a GPU, so the persistent kernel keeps the whole head.
   bool full_head;
 
   void run() {

@@ -273,13 +273,14 @@ bool launch_gemv_argmax(const T* x, const T* W, int N, int K, float* pval, int* 
 // on average, 111 at the 99th percentile, 784 at most (tools/head_screen_census.py,
 // bench/results/2026-12-03-head-screen-census-cpu.json).
 constexpr int kScreenWarps = 8;
-// 16-value chunks per lane: a lane holds its rows' chunks lane, lane + 32, ... (kScreenChunks(K) of
-// them) and kScreenRowsPerLane / chunks rows, so every lane has 16 loads of 16 bytes in flight.
+// 16-value chunks per lane: a lane holds its rows' chunks lane, lane + 32, ... (screen_chunks(K) of
+// them) of kScreenLoads / screen_chunks(K) rows, so every lane has 16 loads of 16 bytes in flight.
 constexpr int kScreenLoads = 16;
 inline int screen_chunks(int K) {  // chunks a lane takes: 1, 2, 4 or 8 (K <= 4096), 0: no screen
   const int c = (K / 16 + 31) / 32;
   return K % 16 != 0 ? 0 : c <= 1 ? 1 : c <= 2 ? 2 : c <= 4 ? 4 : c <= 8 ? 8 : 0;
 }
+// For a K screen_chunks takes (> 0).
 inline int screen_rows_per_block(int K) { return kScreenWarps * (kScreenLoads / screen_chunks(K)); }
 // 16 int8 codes (one 16-byte load) as floats: each byte b in offset binary (b ^ 0x80) becomes the
 // float 2^23 + b by a byte permute, and 2^23 + 128 less gives the code: no conversion instruction.

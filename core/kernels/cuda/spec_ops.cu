@@ -98,7 +98,9 @@ bool linear_argmax(const at::Tensor& x_in, const at::Tensor& w, at::Tensor& out)
 bool screened_argmax(const at::Tensor& x_in, const at::Tensor& w, const HeadScreen& scr, at::Tensor& out) {
   auto x = x_in.contiguous();
   const int64_t K = x.size(-1), N = w.size(0);
-  if (!one_row_head(x, w)) return false;
+  // A K the screen kernel does not take (not a multiple of 16, over 4,096) before any block count:
+  // screen_head_blocks divides by its chunks a lane, 0 there.
+  if (!one_row_head(x, w) || k::screen_chunks((int)K) == 0) return false;
   TORCH_CHECK(scr.codes.is_cuda() && scr.codes.scalar_type() == at::kChar && scr.codes.is_contiguous() &&
                   scr.codes.size(0) == N && scr.codes.size(1) == K,
               "screened_argmax: the screen's codes are ", scr.codes.sizes(), " ", scr.codes.scalar_type(),
