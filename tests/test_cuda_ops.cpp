@@ -983,6 +983,17 @@ TEST_P(CudaOps, ScreenedArgmax) {
     ops::linear_argmax(xn.to(dt()).to(kCuda), wc, got, &planted);
     EXPECT_EQ(got.item<int64_t>(), 0) << tag << " NaN";
   }
+  // K the screen kernel does not take (no multiple of 16; over 4,096): the whole head answers, nothing screened.
+  for (const int64_t K : {200, 4112}) {
+    auto w = (at::randn({1000, K}) * 0.05).to(dt()).to(kCuda);
+    const ops::HeadScreen screen = ops::make_head_screen(w);
+    auto x = at::randn({K}).to(dt()).to(kCuda);
+    auto got = at::empty({1}, at::TensorOptions().dtype(at::kLong).device(kCuda)), want = at::empty_like(got);
+    ops::linear_argmax(x, w, got, &screen);
+    ops::linear_argmax(x, w, want);
+    EXPECT_EQ(got.item<int64_t>(), want.item<int64_t>()) << "K=" << K;
+    EXPECT_EQ(screen.summed.item<int>(), 0) << "K=" << K << " went through the screen";
+  }
 }
 
 TEST_P(CudaOps, LinearActMul) {
