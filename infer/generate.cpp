@@ -40,10 +40,7 @@ struct DecodeStep {
   at::Tensor pos;    // [1] int64
   at::Tensor step;   // [1] int64
   at::Tensor out;    // [capacity] int64
-  // !DecodeOptions::head_screen, or the persistent kernel: with the screen on, test_cuda_megakernel's
-  // small random shape died of SIGILL on the H200 (stop 66). Its hidden size, 200, is no multiple of 16,
-  // and screened_argmax counted blocks (a division by screen_chunks = 0) before refusing the shape: the
-  // likely cause, fixed since; the pair is not rerun on a GPU, so the persistent kernel keeps the whole head.
+  // !DecodeOptions::head_screen: the greedy head reads every row instead of the int8 screen.
   bool full_head;
 
   void run() {
@@ -76,7 +73,7 @@ ArDecoder::ArDecoder(const Model& model, int64_t capacity, const DecodeOptions& 
   pos_ = at::zeros({1}, iopt);
   step_ = at::zeros({1}, iopt);
   out_ = at::zeros({capacity}, iopt);
-  loop_.step = [this] { DecodeStep{model_, cache_, sampler_, cur_, pos_, step_, out_, !opt_.head_screen || opt_.megakernel}.run(); };
+  loop_.step = [this] { DecodeStep{model_, cache_, sampler_, cur_, pos_, step_, out_, !opt_.head_screen}.run(); };
   loop_.cur = cur_;
   loop_.step_idx = step_;
   loop_.out = out_;

@@ -2,7 +2,8 @@
 // against the same step's kernels replayed from a CUDA graph (label gpu: runs on the GPU machine
 // only). The program runs the kernels' own bodies, so in bf16 the two agree bit for bit: the same
 // greedy tokens and the same K/V cache contents after the run.
-//   - the real Gemma 3 270M, 300-token prompt, 96 new tokens;
+//   - the real Gemma 3 270M, 300-token prompt, 96 new tokens, with the whole greedy head and with
+//     the int8 head screen (ModelOptions::head_screen);
 //   - random weights of a small Gemma 3 shape with other sizes (hidden 200, head dim 128, two KV
 //     heads, a 16-token sliding window the decode wraps around), the same;
 //   - the trace (KAKEYA_MEGA_TRACE) keeps the program's order;
@@ -65,8 +66,9 @@ void expect_same_decode(const Model& m, const std::vector<int64_t>& prompt, int6
     EXPECT_TRUE(at::equal(got.kv[i], want.kv[i])) << (i % 2 ? "values" : "keys") << " of layer " << i / 2;
 }
 
-ModelOptions on_cuda(at::ScalarType dtype, int64_t max_positions) {
+ModelOptions on_cuda(at::ScalarType dtype, int64_t max_positions, bool head_screen = false) {
   ModelOptions mo;
+  mo.head_screen = head_screen;
   mo.device = kCuda;
   mo.dtype = dtype;
   mo.max_positions = max_positions;
@@ -75,14 +77,17 @@ ModelOptions on_cuda(at::ScalarType dtype, int64_t max_positions) {
 
 TEST(CudaMegakernel, RealModelBf16EqualsTheGraphStep) {
   if (!at::hasCUDA()) GTEST_FAIL() << "no CUDA device (label gpu tests run on the GPU machine)";
-  const Model m = Model::load(test::real_model_dir(), on_cuda(at::kBFloat16, 1024));
   const std::vector<int64_t> text = test::real_prompt(
       "The persistent kernel walks the step's instructions in order; each block takes its share of every "
       "launch, waits for the launch before it, and moves on. ");
   std::vector<int64_t> prompt = text;
   while (prompt.size() < 300) prompt.insert(prompt.end(), text.begin() + 1, text.end());
   prompt.resize(300);
-  expect_same_decode(m, prompt, 96);
+  for (const bool screen : {false, true}) {
+    SCOPED_TRACE(screen ? "greedy head through the int8 screen" : "whole greedy head");
+    const Model m = Model::load(test::real_model_dir(), on_cuda(at::kBFloat16, 1024, screen));
+    expect_same_decode(m, prompt, 96);
+  }
 }
 
 TEST(CudaMegakernel, SmallRandomShapeBf16EqualsTheGraphStep) {
@@ -101,10 +106,14 @@ TEST(CudaMegakernel, SmallRandomShapeBf16EqualsTheGraphStep) {
   j["layer_types"] = {"sliding_attention", "sliding_attention", "full_attention", "sliding_attention",
                       "sliding_attention"};
   const ModelConfig cfg = ModelConfig::from_json(j, "small gemma3 (test)");
-  const Model m = Model::random(cfg, 7, on_cuda(at::kBFloat16, 256));
   std::vector<int64_t> prompt;
   for (int64_t i = 0; i < 37; ++i) prompt.push_back((i * 389 + 11) % 1000);
-  expect_same_decode(m, prompt, 61);
+  // With the screen asked for, hidden 200 (no multiple of 16) has none: the whole head answers.
+  for (const bool screen : {false, true}) {
+    SCOPED_TRACE(screen ? "head screen asked for" : "whole greedy head");
+    const Model m = Model::random(cfg, 7, on_cuda(at::kBFloat16, 256, screen));
+    expect_same_decode(m, prompt, 61);
+  }
 }
 
 // KAKEYA_MEGA_TRACE: the last step's timeline, one entry per recorded launch. The blocks' clocks

@@ -1,6 +1,8 @@
 // kakeya bench decode: our AR decode tok/s next to HF transformers' generate
 // (default dynamic cache and static cache), same prompt ids, same run; with --llama-bench,
 // llama.cpp's llama-bench on GGUF files of the same model in the same run (infer/llama_peer.h).
+// kakeya bench chain: what one dependent launch of the decode step's kernels costs, as kernels and
+// as a persistent kernel's program (infer/bench_chain.h).
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -9,6 +11,7 @@
 
 #include "core/error.h"
 #include "core/io/fs.h"
+#include "infer/bench_chain.h"
 #include "infer/bench_memory.h"
 #include "infer/generate.h"
 #include "infer/decoder.h"
@@ -19,11 +22,43 @@
 
 namespace kakeya::cli {
 
+namespace {
+
+void register_bench_chain(CLI::App& bench) {
+  struct Opts {
+    BenchChainOptions b;
+    DeviceFlags df;  // --device only: the chains are bf16
+    std::string json;
+  };
+  auto o = std::make_shared<Opts>();
+  auto* c = bench.add_subcommand("chain", "What one dependent launch of the decode step's kernels costs (bf16, CUDA)");
+  c->add_option("--hidden", o->b.hidden, "the row each link reads and writes")->capture_default_str();
+  c->add_option("--intermediate", o->b.intermediate, "the MLP chain's inner size")->capture_default_str();
+  c->add_option("--links", o->b.links, "links of the shorter chain (the longer has twice as many)")->capture_default_str();
+  c->add_option("--repeats", o->b.repeats, "timed replays of each chain (median)")->capture_default_str();
+  c->add_option("--json", o->json, "write the results here");
+  o->df.device = "cuda";
+  c->add_option("--device", o->df.device, "cuda (a CPU has no launches to chain)")->capture_default_str();
+  c->callback([o] {
+    BenchChainOptions b = o->b;
+    b.device = o->df.torch_device();
+    nlohmann::json report = bench_chain(b);
+    std::printf("\n%s", bench_chain_table(report).c_str());
+    report["device"] = o->df.device;
+    report["commit"] = git_commit();
+    report["command"] = command_line();
+    if (!o->json.empty()) write_json(o->json, report);
+  });
+}
+
+}  // namespace
+
 void register_bench(CLI::App& app) {
   auto* bench = app.add_subcommand("bench", "Benchmarks: print a table, write JSON");
   bench->require_subcommand(1);
   register_bench_train_ftheta(*bench);
   register_bench_memory(*bench);
+  register_bench_chain(*bench);
   struct Opts {
     std::string model = "checkpoints/models/gemma3-270m";
     std::string json, python = "python3", peer = "tools/hf_bench.py";

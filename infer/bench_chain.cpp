@@ -1,0 +1,200 @@
+#include "infer/bench_chain.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "core/error.h"
+#include "core/kernels/ops.h"
+
+#ifdef KAKEYA_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGraph.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "core/kernels/step_program.h"
+#endif
+
+namespace kakeya {
+
+namespace {
+
+// What a link reads and writes: the residual stream h and the row x, both [1, H].
+struct Rows {
+  at::Tensor h, x;
+};
+
+struct Chain {
+  const char* name;
+  const char* what;
+  int launches_per_link;
+  std::function<Rows(const Rows&)> link;
+};
+
+#ifdef KAKEYA_CUDA
+using Clock = std::chrono::steady_clock;
+
+// One chain of `links` links captured in a graph: as the kernels (programmatic dependent launch,
+// as a decode step runs them) or recorded as a persistent kernel's program. `out` lives in the
+// graph's memory pool.
+struct Captured {
+  std::unique_ptr<at::cuda::CUDAGraph> graph;
+  std::unique_ptr<ops::StepProgram> program;
+  Rows out;
+};
+
+Captured capture_chain(const Chain& c, const Rows& in, int64_t links, bool persistent, at::Device dev) {
+  Captured r;
+  auto run = [&] {
+    Rows s = in;
+    for (int64_t i = 0; i < links; ++i) s = c.link(s);
+    r.out = s;
+  };
+  r.graph = std::make_unique<at::cuda::CUDAGraph>();
+  r.graph->capture_begin();
+  bool ok = true;
+  try {
+    if (persistent) {
+      r.program = std::make_unique<ops::StepProgram>(dev);
+      ok = r.program->record(run);
+    } else {
+      run();
+    }
+  } catch (...) {
+    r.graph->capture_end();
+    throw;
+  }
+  r.graph->capture_end();
+  KAKEYA_CHECK(ok, "bench chain: chain '" << c.name << "': the persistent kernel cannot run it: " << r.program->why_not());
+  if (r.program) r.program->upload();
+  return r;
+}
+
+// Median wall seconds of one replay, after a warm-up replay.
+double median_replay(at::cuda::CUDAGraph& g, int64_t repeats) {
+  auto stream = at::cuda::getCurrentCUDAStream();
+  g.replay();
+  stream.synchronize();  // SYNC: warm-up done
+  std::vector<double> t;
+  for (int64_t i = 0; i < repeats; ++i) {
+    const auto t0 = Clock::now();
+    g.replay();
+    stream.synchronize();  // SYNC: timing boundary
+    t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// The same bits (NaN included): the rows compared as 16-bit integers.
+bool same_bits(const at::Tensor& a, const at::Tensor& b) { return at::equal(a.view(at::kShort), b.view(at::kShort)); }
+#endif
+
+}  // namespace
+
+nlohmann::json bench_chain(const BenchChainOptions& o) {
+  KAKEYA_CHECK(o.device.is_cuda(), "bench chain: --device cuda expected (it times chains of CUDA launches), got "
+                                       << o.device);
+  KAKEYA_CHECK(o.hidden >= 16 && o.hidden <= 16384 && o.hidden % 16 == 0,
+               "bench chain: --hidden expected a multiple of 16 in [16, 16384], got " << o.hidden);
+  KAKEYA_CHECK(o.intermediate >= 16 && o.intermediate <= 65536 && o.intermediate % 16 == 0,
+               "bench chain: --intermediate expected a multiple of 16 in [16, 65536], got " << o.intermediate);
+  // The longer chain's launches (two a link for the MLP) must fit one persistent program (4,096).
+  KAKEYA_CHECK(o.links >= 8 && o.links <= 1000, "bench chain: --links expected in [8, 1000], got " << o.links);
+  KAKEYA_CHECK(o.repeats >= 3, "bench chain: --repeats expected at least 3, got " << o.repeats);
+#ifndef KAKEYA_CUDA
+  throw Error("bench chain: this build has no CUDA (configure with -DKAKEYA_CUDA=ON)");
+#else
+  const int64_t H = o.hidden, I = o.intermediate;
+  const at::Device dev = o.device;
+  c10::cuda::CUDAGuard device_guard(dev);
+  // Graph capture needs a stream other than the default one; the replays run on it too.
+  c10::cuda::CUDAStreamGuard stream_guard(c10::cuda::getStreamFromPool());
+  at::Generator gen = at::globalContext().defaultGenerator(at::kCPU).clone();
+  gen.set_current_seed(1);
+  auto rnd = [&](std::vector<int64_t> shape, double scale, at::ScalarType dt) {
+    return (at::randn(shape, gen, at::TensorOptions().dtype(at::kFloat)) * scale).to(dev, dt);
+  };
+  // Weights drawn so a row keeps its size along the chain (values do not change a link's time).
+  const at::Tensor w_sq = rnd({H, H}, 1.0 / std::sqrt((double)H), at::kBFloat16);  // [H, H]
+  const at::Tensor w_gu = rnd({2 * I, H}, 1.0 / std::sqrt((double)H), at::kBFloat16);  // [2I, H]: gate; up
+  const at::Tensor w_down = rnd({H, I}, 2.0 / std::sqrt((double)I), at::kBFloat16);  // [H, I]
+  const at::Tensor w_norm = rnd({H}, 0.1, at::kFloat), w_post = rnd({H}, 0.1, at::kFloat);  // [H] f32
+  ops::NormSpec ns;
+  ns.unit_offset = true;  // Gemma's norms
+  ops::Linear sq;
+  sq.w = w_sq;
+  const std::vector<Chain> chains{
+      {"norm", "RMS norm of one row (one block: the least a launch can do)", 1,
+       [&](const Rows& r) { return Rows{r.h, ops::rms_norm(r.x, w_norm, ns)}; }},
+      {"gemv", "one-row GEMV, H x H", 1, [&](const Rows& r) { return Rows{r.h, ops::linear(r.x, w_sq)}; }},
+      {"residual-gemv", "residual step + RMS norm + one-row GEMV H x H, one kernel (the step's q/k/v and gate/up kind)",
+       1,
+       [&](const Rows& r) {
+         auto [h, y] = ops::add_rms_norm_linear(r.h, r.x, w_post, w_norm, ns, sq);
+         return Rows{h, y};
+       }},
+      {"mlp", "gated gate/up GEMV (H -> 2I -> I) then down GEMV (I -> H): the step's MLP", 2,
+       [&](const Rows& r) {
+         return Rows{r.h, ops::linear(ops::linear_act_mul(r.x, w_gu, {}, /*gelu_tanh=*/true), w_down)};
+       }},
+  };
+  const Rows in{rnd({1, H}, 1.0, at::kBFloat16), rnd({1, H}, 1.0, at::kBFloat16)};  // [1, H] each
+  nlohmann::json rows = nlohmann::json::array();
+  for (const Chain& c : chains) {
+    std::fprintf(stderr, "[bench chain] %s: %lld and %lld links, kernels then persistent\n", c.name,
+                 (long long)o.links, (long long)(2 * o.links));
+    nlohmann::json row = {{"chain", c.name}, {"what", c.what}, {"launches_per_link", c.launches_per_link}};
+    at::Tensor final_x[2];
+    for (const bool persistent : {false, true}) {
+      Captured shorter = capture_chain(c, in, o.links, persistent, dev);
+      Captured longer = capture_chain(c, in, 2 * o.links, persistent, dev);
+      const double t1 = median_replay(*shorter.graph, o.repeats), t2 = median_replay(*longer.graph, o.repeats);
+      const std::string key = persistent ? "persistent" : "kernels";
+      row[key + "_us_per_link"] = (t2 - t1) / (double)o.links * 1e6;
+      row[key + "_replay_us"] = {t1 * 1e6, t2 * 1e6};
+      if (persistent)
+        row["persistent_step"] = std::to_string(longer.program->instructions()) + " launches as " +
+                                 std::to_string(longer.program->segments()) + " persistent-kernel launches of " +
+                                 std::to_string(longer.program->grid()) + " blocks + " +
+                                 std::to_string(longer.program->kernels_alone()) + " kernels";
+      final_x[persistent] = longer.out.x.clone();
+    }
+    row["outputs_equal"] = same_bits(final_x[0], final_x[1]);
+    KAKEYA_CHECK(row["outputs_equal"].get<bool>(),
+                 "bench chain: chain '" << c.name << "': the persistent program's output differs from the kernels'");
+    rows.push_back(row);
+  }
+  const int idx = dev.has_index() ? dev.index() : at::cuda::current_device();
+  return {{"bench", "chain"},
+          {"device_name", at::cuda::getDeviceProperties(idx)->name},
+          {"dtype", "bf16"},
+          {"hidden", H},
+          {"intermediate", I},
+          {"links", o.links},
+          {"repeats", o.repeats},
+          {"chains", rows}};
+#endif
+}
+
+std::string bench_chain_table(const nlohmann::json& report) {
+  std::string s;
+  char line[256];
+  std::snprintf(line, sizeof line, "%-14s %8s %18s %21s  %s\n", "chain", "launches", "kernels us/link",
+                "persistent us/link", "what");
+  s += line;
+  for (const auto& r : report.at("chains")) {
+    std::snprintf(line, sizeof line, "%-14s %8d %18.2f %21.2f  %s\n", r.at("chain").get<std::string>().c_str(),
+                  r.at("launches_per_link").get<int>(), r.at("kernels_us_per_link").get<double>(),
+                  r.at("persistent_us_per_link").get<double>(), r.at("what").get<std::string>().c_str());
+    s += line;
+  }
+  return s;
+}
+
+}  // namespace kakeya
