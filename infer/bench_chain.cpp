@@ -34,6 +34,8 @@ struct Chain {
   const char* what;
   int launches_per_link;
   std::function<Rows(const Rows&)> link;
+  std::function<void()> start;                   // before the first link (resets what links count), or empty
+  std::function<at::Tensor(const Rows&)> result;  // after the last: what the two strategies must agree on
 };
 
 #ifdef KAKEYA_CUDA
@@ -51,6 +53,7 @@ struct Captured {
 Captured capture_chain(const Chain& c, const Rows& in, int64_t links, bool persistent, at::Device dev) {
   Captured r;
   auto run = [&] {
+    if (c.start) c.start();
     Rows s = in;
     for (int64_t i = 0; i < links; ++i) s = c.link(s);
     r.out = s;
@@ -91,8 +94,10 @@ double median_replay(at::cuda::CUDAGraph& g, int64_t repeats) {
   return t[t.size() / 2];
 }
 
-// The same bits (NaN included): the rows compared as 16-bit integers.
-bool same_bits(const at::Tensor& a, const at::Tensor& b) { return at::equal(a.view(at::kShort), b.view(at::kShort)); }
+// The same bits (NaN included): bf16 rows compared as 16-bit integers.
+bool same_bits(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == at::kBFloat16 ? at::equal(a.view(at::kShort), b.view(at::kShort)) : at::equal(a, b);
+}
 #endif
 
 }  // namespace
@@ -129,20 +134,36 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
   ns.unit_offset = true;  // Gemma's norms
   ops::Linear sq;
   sq.w = w_sq;
+  // The step's bookkeeping kernel: one block, a few integers, the least a launch of the step does.
+  const auto i64 = at::TensorOptions().device(dev).dtype(at::kLong);
+  const at::Tensor next = at::full({1}, 7, i64);  // [1]
+  at::Tensor out = at::zeros({2 * o.links + 1}, i64), step = at::zeros({1}, i64), cur = at::zeros({1, 1}, i64),
+             pos = at::zeros({1}, i64);
+  const auto rows_x = [](const Rows& r) { return r.x; };
   const std::vector<Chain> chains{
-      {"norm", "RMS norm of one row (one block: the least a launch can do)", 1,
-       [&](const Rows& r) { return Rows{r.h, ops::rms_norm(r.x, w_norm, ns)}; }},
-      {"gemv", "one-row GEMV, H x H", 1, [&](const Rows& r) { return Rows{r.h, ops::linear(r.x, w_sq)}; }},
+      {"bookkeeping", "the step's bookkeeping (out[step] = next, step += 1, ...): one block, the least a launch does", 1,
+       [&](const Rows& r) {
+         ops::advance_step(next, out, step, cur, pos);
+         return r;
+       },
+       [&] {
+         step.zero_();
+         out.zero_();
+       },
+       [&](const Rows&) { return at::cat({out, step}); }},
+      {"gemv", "one-row GEMV, H x H", 1, [&](const Rows& r) { return Rows{r.h, ops::linear(r.x, w_sq)}; }, {}, rows_x},
       {"residual-gemv", "residual step + RMS norm + one-row GEMV H x H, one kernel (the step's q/k/v and gate/up kind)",
        1,
        [&](const Rows& r) {
          auto [h, y] = ops::add_rms_norm_linear(r.h, r.x, w_post, w_norm, ns, sq);
          return Rows{h, y};
-       }},
+       },
+       {}, rows_x},
       {"mlp", "gated gate/up GEMV (H -> 2I -> I) then down GEMV (I -> H): the step's MLP", 2,
        [&](const Rows& r) {
          return Rows{r.h, ops::linear(ops::linear_act_mul(r.x, w_gu, {}, /*gelu_tanh=*/true), w_down)};
-       }},
+       },
+       {}, rows_x},
   };
   const Rows in{rnd({1, H}, 1.0, at::kBFloat16), rnd({1, H}, 1.0, at::kBFloat16)};  // [1, H] each
   nlohmann::json rows = nlohmann::json::array();
@@ -150,7 +171,7 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
     std::fprintf(stderr, "[bench chain] %s: %lld and %lld links, kernels then persistent\n", c.name,
                  (long long)o.links, (long long)(2 * o.links));
     nlohmann::json row = {{"chain", c.name}, {"what", c.what}, {"launches_per_link", c.launches_per_link}};
-    at::Tensor final_x[2];
+    at::Tensor final_x[2];  // each strategy's result after the longer chain
     for (const bool persistent : {false, true}) {
       Captured shorter = capture_chain(c, in, o.links, persistent, dev);
       Captured longer = capture_chain(c, in, 2 * o.links, persistent, dev);
@@ -163,7 +184,8 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
                                  std::to_string(longer.program->segments()) + " persistent-kernel launches of " +
                                  std::to_string(longer.program->grid()) + " blocks + " +
                                  std::to_string(longer.program->kernels_alone()) + " kernels";
-      final_x[persistent] = longer.out.x.clone();
+      longer.graph->replay();  // the state the result reads is this chain's (bookkeeping shares its tensors)
+      final_x[persistent] = c.result(longer.out).clone();
     }
     row["outputs_equal"] = same_bits(final_x[0], final_x[1]);
     KAKEYA_CHECK(row["outputs_equal"].get<bool>(),
