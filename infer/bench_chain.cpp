@@ -159,6 +159,18 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
          return Rows{h, y};
        },
        {}, rows_x},
+      {"residual-step", "residual step + RMS norm alone (one block): the unfused path's first kernel", 1,
+       [&](const Rows& r) {
+         auto [h, y] = ops::add_rms_norm(r.h, r.x, w_post, w_norm, ns);
+         return Rows{h, y};
+       },
+       {}, rows_x},
+      {"residual,gemv", "the residual step, then the GEMV H x H, as two kernels (the unfused path)", 2,
+       [&](const Rows& r) {
+         auto [h, y] = ops::add_rms_norm(r.h, r.x, w_post, w_norm, ns);
+         return Rows{h, ops::linear(y, w_sq)};
+       },
+       {}, rows_x},
       {"mlp", "gated gate/up GEMV (H -> 2I -> I) then down GEMV (I -> H): the step's MLP", 2,
        [&](const Rows& r) {
          return Rows{r.h, ops::linear(ops::linear_act_mul(r.x, w_gu, {}, /*gelu_tanh=*/true), w_down)};
