@@ -32,13 +32,24 @@ void register_bench_chain(CLI::App& bench) {
   };
   auto o = std::make_shared<Opts>();
   auto* c = bench.add_subcommand("chain", "What one dependent launch of the decode step's kernels costs (bf16, CUDA)");
-  c->add_option("--hidden", o->b.hidden, "the row each link reads and writes")->capture_default_str();
-  c->add_option("--intermediate", o->b.intermediate, "the MLP chain's inner size")->capture_default_str();
-  c->add_option("--links", o->b.links, "links of the shorter chain (the longer has twice as many)")->capture_default_str();
-  c->add_option("--repeats", o->b.repeats, "timed replays of each chain (median)")->capture_default_str();
+  // Ranges checked at parse time (the library checks them again, with the multiples of 16).
+  c->add_option("--hidden", o->b.hidden, "the row each link reads and writes (a multiple of 16)")
+      ->capture_default_str()
+      ->check(CLI::Range(16, 16384));
+  c->add_option("--intermediate", o->b.intermediate, "the MLP chain's inner size (a multiple of 16)")
+      ->capture_default_str()
+      ->check(CLI::Range(16, 65536));
+  c->add_option("--links", o->b.links, "links of the shorter chain (the longer has twice as many)")
+      ->capture_default_str()
+      ->check(CLI::Range(8, 1000));
+  c->add_option("--repeats", o->b.repeats, "timed replays of each chain (median)")
+      ->capture_default_str()
+      ->check(CLI::Range(3, 100000));
   c->add_option("--json", o->json, "write the results here");
   o->df.device = "cuda";
-  c->add_option("--device", o->df.device, "cuda (a CPU has no launches to chain)")->capture_default_str();
+  c->add_option("--device", o->df.device, "cuda (a CPU has no launches to chain)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"cpu", "cuda"}));
   c->callback([o] {
     BenchChainOptions b = o->b;
     b.device = o->df.torch_device();
