@@ -191,11 +191,7 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
       const std::string key = persistent ? "persistent" : "kernels";
       row[key + "_us_per_link"] = (t2 - t1) / (double)o.links * 1e6;
       row[key + "_replay_us"] = {t1 * 1e6, t2 * 1e6};
-      if (persistent)
-        row["persistent_step"] = std::to_string(longer.program->instructions()) + " launches as " +
-                                 std::to_string(longer.program->segments()) + " persistent-kernel launches of " +
-                                 std::to_string(longer.program->grid()) + " blocks + " +
-                                 std::to_string(longer.program->kernels_alone()) + " kernels";
+      if (persistent) row["persistent_step"] = longer.program->summary();
       longer.graph->replay();  // the state the result reads is this chain's (bookkeeping shares its tensors)
       final_x[persistent] = c.result(longer.out).clone();
     }

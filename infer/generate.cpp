@@ -156,10 +156,7 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
         g.program = std::make_unique<ops::StepProgram>(dev);
         if (capture([&] { return g.program->record(loop.step); })) {
           g.program->upload();
-          g.step_program = std::to_string(g.program->instructions()) + " launches as " +
-                           std::to_string(g.program->segments()) + " persistent-kernel launches of " +
-                           std::to_string(g.program->grid()) + " blocks + " +
-                           std::to_string(g.program->kernels_alone()) + " kernels";
+          g.step_program = g.program->summary();
         } else {
           g.step_program = "kept its kernels: " + g.program->why_not();
           g.program.reset();

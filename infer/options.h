@@ -117,7 +117,7 @@ struct DecodeOptions {
   // (DecodeResult::step_program says why) keeps its kernels.
   bool megakernel = false;
   // CUDA greedy steps: the lm_head's argmax through the model's int8 screen when it has one
-  // (ModelOptions::head_screen; the same tokens; not with megakernel); false reads the whole head (the baseline).
+  // (ModelOptions::head_screen; the same tokens); false reads the whole head (the baseline).
   bool head_screen = true;
   int64_t block_size = 0;               // fused / speculative: tokens per verify forward (0: the drafter's block_size)
   bool time_split = true;               // fused: per-part times (CUDA events: no extra sync)

@@ -33,6 +33,8 @@ class StepProgram {
   int64_t segments() const;       // persistent-kernel launches a step makes
   int64_t kernels_alone() const;  // launches kept as kernels of their own
   int64_t grid() const;           // persistent blocks
+  // "N launches as S persistent-kernel launches of G blocks + K kernels" (DecodeResult::step_program's form).
+  std::string summary() const;
   static bool recording();        // a step is being recorded on this thread
   // With KAKEYA_MEGA_TRACE set when the program was made, the blocks time each instruction of every
   // run; this writes the last run's timeline as JSON to `path` (per instruction: waits' ends, tasks'

@@ -269,6 +269,10 @@ int64_t StepProgram::instructions() const { return (int64_t)impl_->rec.instrs.si
 int64_t StepProgram::segments() const { return impl_->rec.segments; }
 int64_t StepProgram::kernels_alone() const { return impl_->rec.kernels_alone; }
 int64_t StepProgram::grid() const { return impl_->rec.grid; }
+std::string StepProgram::summary() const {
+  return std::to_string(instructions()) + " launches as " + std::to_string(segments()) + " persistent-kernel launches of " +
+         std::to_string(grid()) + " blocks + " + std::to_string(kernels_alone()) + " kernels";
+}
 
 // Per instruction of the last run: when the blocks' waits ended and their tasks were done (ns from the
 // step's first wait end; a kernel run alone between segments shows as a gap), and the longest a block
