@@ -107,15 +107,18 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
                                        << o.device);
   KAKEYA_CHECK(o.hidden >= 16 && o.hidden <= 16384 && o.hidden % 16 == 0,
                "bench chain: --hidden expected a multiple of 16 in [16, 16384], got " << o.hidden);
-  KAKEYA_CHECK(o.intermediate >= 16 && o.intermediate <= 65536 && o.intermediate % 16 == 0,
-               "bench chain: --intermediate expected a multiple of 16 in [16, 65536], got " << o.intermediate);
+  KAKEYA_CHECK(o.intermediate >= o.hidden && o.intermediate <= 65536 && o.intermediate % 16 == 0,
+               "bench chain: --intermediate expected a multiple of 16 in [--hidden " << o.hidden << ", 65536], got "
+                                                                                    << o.intermediate);
+  KAKEYA_CHECK(o.qkv >= o.hidden && o.qkv <= 65536 && o.qkv % 16 == 0,
+               "bench chain: --qkv expected a multiple of 16 in [--hidden " << o.hidden << ", 65536], got " << o.qkv);
   // The longer chain's launches (two a link for the MLP) must fit one persistent program (4,096).
   KAKEYA_CHECK(o.links >= 8 && o.links <= 1000, "bench chain: --links expected in [8, 1000], got " << o.links);
   KAKEYA_CHECK(o.repeats >= 3, "bench chain: --repeats expected at least 3, got " << o.repeats);
 #ifndef KAKEYA_CUDA
   throw Error("bench chain: this build has no CUDA (configure with -DKAKEYA_CUDA=ON)");
 #else
-  const int64_t H = o.hidden, I = o.intermediate;
+  const int64_t H = o.hidden, I = o.intermediate, Q = o.qkv;
   const at::Device dev = o.device;
   c10::cuda::CUDAGuard device_guard(dev);
   // Graph capture needs a stream other than the default one; the replays run on it too.
@@ -129,11 +132,30 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
   const at::Tensor w_sq = rnd({H, H}, 1.0 / std::sqrt((double)H), at::kBFloat16);  // [H, H]
   const at::Tensor w_gu = rnd({2 * I, H}, 1.0 / std::sqrt((double)H), at::kBFloat16);  // [2I, H]: gate; up
   const at::Tensor w_down = rnd({H, I}, 2.0 / std::sqrt((double)I), at::kBFloat16);  // [H, I]
+  const at::Tensor w_qkv = rnd({Q, H}, 1.0 / std::sqrt((double)H), at::kBFloat16);  // [Q, H]
   const at::Tensor w_norm = rnd({H}, 0.1, at::kFloat), w_post = rnd({H}, 0.1, at::kFloat);  // [H] f32
   ops::NormSpec ns;
   ns.unit_offset = true;  // Gemma's norms
-  ops::Linear sq;
+  ops::Linear sq, qkv, gate_up;
   sq.w = w_sq;
+  qkv.w = w_qkv;
+  gate_up.w = w_gu;
+  gate_up.gated = gate_up.gelu_tanh = true;
+  // The step's two residual steps: folded into the GEMV that reads their pre-norm (one kernel), or
+  // a residual kernel then that GEMV. A wider output's first H values are the next link's row.
+  const auto first_h = [H](const at::Tensor& y) { return y.slice(-1, 0, H); };  // [1, H], contiguous
+  const auto folded = [&](const ops::Linear& lin) {
+    return [&, lin](const Rows& r) {
+      auto [h, y] = ops::add_rms_norm_linear(r.h, r.x, w_post, w_norm, ns, lin);
+      return Rows{h, first_h(y)};
+    };
+  };
+  const auto unfolded = [&](const ops::Linear& lin) {
+    return [&, lin](const Rows& r) {
+      auto [h, y] = ops::add_rms_norm(r.h, r.x, w_post, w_norm, ns);
+      return Rows{h, first_h(lin.gated ? ops::linear_act_mul(y, lin.w, lin.bias, lin.gelu_tanh) : ops::linear(y, lin.w))};
+    };
+  };
   // The step's bookkeeping kernel: one block, a few integers, the least a launch of the step does.
   const auto i64 = at::TensorOptions().device(dev).dtype(at::kLong);
   const at::Tensor next = at::full({1}, 7, i64);  // [1]
@@ -152,25 +174,21 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
        },
        [&](const Rows&) { return at::cat({out, step}); }},
       {"gemv", "one-row GEMV, H x H", 1, [&](const Rows& r) { return Rows{r.h, ops::linear(r.x, w_sq)}; }, {}, rows_x},
-      {"residual-gemv", "residual step + RMS norm + one-row GEMV H x H, one kernel (the step's q/k/v and gate/up kind)",
-       1,
-       [&](const Rows& r) {
-         auto [h, y] = ops::add_rms_norm_linear(r.h, r.x, w_post, w_norm, ns, sq);
-         return Rows{h, y};
-       },
-       {}, rows_x},
-      {"residual-step", "residual step + RMS norm alone (one block): the unfused path's first kernel", 1,
+      {"residual-gemv", "residual step + RMS norm + one-row GEMV H x H, one kernel", 1, folded(sq), {}, rows_x},
+      {"residual-step", "residual step + RMS norm alone (one block): the unfolded path's first kernel", 1,
        [&](const Rows& r) {
          auto [h, y] = ops::add_rms_norm(r.h, r.x, w_post, w_norm, ns);
          return Rows{h, y};
        },
        {}, rows_x},
-      {"residual,gemv", "the residual step, then the GEMV H x H, as two kernels (the unfused path)", 2,
-       [&](const Rows& r) {
-         auto [h, y] = ops::add_rms_norm(r.h, r.x, w_post, w_norm, ns);
-         return Rows{h, ops::linear(y, w_sq)};
-       },
+      {"residual,gemv", "the residual step, then the GEMV H x H, as two kernels", 2, unfolded(sq), {}, rows_x},
+      {"residual-qkv", "the step's q/k/v kind: residual step + RMS norm + GEMV H -> qkv, one kernel", 1, folded(qkv),
        {}, rows_x},
+      {"residual,qkv", "the residual step, then the GEMV H -> qkv, as two kernels", 2, unfolded(qkv), {}, rows_x},
+      {"residual-gate-up", "the step's gate/up kind: residual step + RMS norm + gated GEMV H -> 2I -> I, one kernel", 1,
+       folded(gate_up), {}, rows_x},
+      {"residual,gate-up", "the residual step, then the gated GEMV H -> 2I -> I, as two kernels", 2,
+       unfolded(gate_up), {}, rows_x},
       {"mlp", "gated gate/up GEMV (H -> 2I -> I) then down GEMV (I -> H): the step's MLP", 2,
        [&](const Rows& r) {
          return Rows{r.h, ops::linear(ops::linear_act_mul(r.x, w_gu, {}, /*gelu_tanh=*/true), w_down)};
@@ -206,6 +224,7 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
           {"dtype", "bf16"},
           {"hidden", H},
           {"intermediate", I},
+          {"qkv", Q},
           {"links", o.links},
           {"repeats", o.repeats},
           {"chains", rows}};
@@ -215,11 +234,11 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
 std::string bench_chain_table(const nlohmann::json& report) {
   std::string s;
   char line[256];
-  std::snprintf(line, sizeof line, "%-14s %8s %18s %21s  %s\n", "chain", "launches", "kernels us/link",
+  std::snprintf(line, sizeof line, "%-17s %8s %18s %21s  %s\n", "chain", "launches", "kernels us/link",
                 "persistent us/link", "what");
   s += line;
   for (const auto& r : report.at("chains")) {
-    std::snprintf(line, sizeof line, "%-14s %8d %18.2f %21.2f  %s\n", r.at("chain").get<std::string>().c_str(),
+    std::snprintf(line, sizeof line, "%-17s %8d %18.2f %21.2f  %s\n", r.at("chain").get<std::string>().c_str(),
                   r.at("launches_per_link").get<int>(), r.at("kernels_us_per_link").get<double>(),
                   r.at("persistent_us_per_link").get<double>(), r.at("what").get<std::string>().c_str());
     s += line;

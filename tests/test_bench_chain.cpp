@@ -20,6 +20,12 @@ TEST(BenchChain, RefusesWhatItCannotTimeNamingTheOption) {
   o.intermediate = 0;
   test::expect_error([&] { bench_chain(o); }, "--intermediate expected");
   o = {};
+  o.intermediate = 512;  // below --hidden 640: a link's next row is the first H values of its output
+  test::expect_error([&] { bench_chain(o); }, "--intermediate expected a multiple of 16 in [--hidden 640");
+  o = {};
+  o.qkv = 100;
+  test::expect_error([&] { bench_chain(o); }, "--qkv expected a multiple of 16 in [--hidden 640");
+  o = {};
   o.links = 1001;  // the longer MLP chain would pass the persistent program's 4,096 instructions
   test::expect_error([&] { bench_chain(o); }, "--links expected in [8, 1000]");
   o = {};

@@ -36,7 +36,10 @@ void register_bench_chain(CLI::App& bench) {
   c->add_option("--hidden", o->b.hidden, "the row each link reads and writes (a multiple of 16)")
       ->capture_default_str()
       ->check(CLI::Range(16, 16384));
-  c->add_option("--intermediate", o->b.intermediate, "the MLP chain's inner size (a multiple of 16)")
+  c->add_option("--intermediate", o->b.intermediate, "the MLP chain's inner size (a multiple of 16, at least --hidden)")
+      ->capture_default_str()
+      ->check(CLI::Range(16, 65536));
+  c->add_option("--qkv", o->b.qkv, "rows of the q/k/v projection (a multiple of 16, at least --hidden)")
       ->capture_default_str()
       ->check(CLI::Range(16, 65536));
   c->add_option("--links", o->b.links, "links of the shorter chain (the longer has twice as many)")
