@@ -1533,8 +1533,13 @@ struct NoPrologue {
 // whole rows, wpr 1, not gated), so that a warp has RW rows' loads in flight. Gated: the warp
 // reads row n's gate and up rows together. Every thread of the block calls it (it synchronises
 // once when wpr > 1); `part` holds the split-K partial sums.
-// Pro (active): every thread calls pro() once, after its warp's first weight loads are issued and
-// before any product: it waits for the kernel before and fills xs (residual_gemv_kernel).
+// Pro (active): every thread calls pro() once, before any weight load: it waits for the kernel
+// before and fills xs (residual_gemv_kernel). The warp's first weight loads used to issue before
+// pro(), to overlap them with the wait; without them the decode step is faster (H200, Gemma 3
+// 270M's shape, AR at 512, one binary: 1,902.9 against 1,839.5 tok/s), though a chain of residual
+// GEMVs alone is slower (kakeya bench chain: 4.90 -> 5.21 us a link). In the step a residual GEMV
+// follows a GEMV still streaming its weights; that the early loads competed with those is a guess,
+// not measured apart.
 // bx: the block's index in the GEMV's grid (Blk::x).
 template <typename T, int M, int RW, typename Out, bool XG = false, typename Pro = NoPrologue>
 __device__ __forceinline__ void gemv_rows(int bx, const float* __restrict__ xs, float* __restrict__ part,
@@ -1554,19 +1559,13 @@ __device__ __forceinline__ void gemv_rows(int bx, const float* __restrict__ xs, 
   float acc[R * M];
 #pragma unroll
   for (int i = 0; i < R * M; ++i) acc[i] = 0.f;
-  int kd = k0;  // where the loop over this warp's K range starts
   if constexpr (Pro::active) {
     static_assert(!XG, "a prologue fills xs");
-    uint4 raw[R][kGemvUnroll];
-    const int kf = k0 + lane * V;
-    load_rows<T, R>(raw, W + (int64_t)n * K, gated ? (int64_t)N * K : K, n < N ? (gated ? 2 : nrows) : 0, kf, k1);
     pro();
-    fma_rows<T, M, R>(raw, nullptr, xs, K, kf, k1, acc);
-    kd = k0 + kGemvUnroll * 32 * V;
   }
   if (n < N) {
-    if (gated) dot_rows<T, M, 2, XG>(W + (int64_t)n * K, (int64_t)N * K, 2, xs, xg, K, kd, k1, lane, acc);
-    else dot_rows<T, M, RW, XG>(W + (int64_t)n * K, K, nrows, xs, xg, K, kd, k1, lane, acc);
+    if (gated) dot_rows<T, M, 2, XG>(W + (int64_t)n * K, (int64_t)N * K, 2, xs, xg, K, k0, k1, lane, acc);
+    else dot_rows<T, M, RW, XG>(W + (int64_t)n * K, K, nrows, xs, xg, K, k0, k1, lane, acc);
   }
 #pragma unroll
   for (int i = 0; i < R * M; ++i) acc[i] = warp_sum(acc[i]);
@@ -1881,8 +1880,8 @@ struct ResidualPrologue {
 // one block doing a few microseconds of latency-bound work between two bandwidth-bound GEMVs;
 // here every block of the GEMV recomputes it from the two rows of H = K values (L2 hits; a persistent
 // block that ran an earlier task of the same launch keeps that task's result: ran_before), with
-// the residual kernel's roundings and sums (norm_sumsq), while its warps' first weight loads
-// are in flight (gemv_rows' prologue), and the GEMV reads the pre-norm from shared memory.
+// the residual kernel's roundings and sums (norm_sumsq) (gemv_rows' prologue), and the GEMV reads
+// the pre-norm from shared memory.
 //   h, x, h_out: [K]; w_post (nullable), w_next: [K] f32; W: [N or 2N, K]; y: [N].
 // Dynamic smem: (2K + kGemvWarps·2) floats.
 // At most 64 registers, so that 4 blocks fit an SM (80 without the cap: 3), and a 512-block GEMV
@@ -1894,7 +1893,7 @@ __device__ __forceinline__ void residual_gemv_body(Blk blk, const T* h, const T*
                                                    int64_t copy_rows, const T* __restrict__ W,
                                                    const T* __restrict__ bias, T* __restrict__ y, int N, int K,
                                                    int wpr, Act act, float eps, bool unit_offset) {
-  pdl_trigger();  // its first weight loads issue before pdl_wait (the prologue)
+  pdl_trigger();  // the next kernel's blocks may start as this one's finish; the prologue waits
   extern __shared__ float smem[];  // [K] x, then the pre-norm; [K] the new residual; [kGemvWarps·2] partial sums
   __shared__ float red[32];
   const ResidualPrologue<T> pro{h,         x,    w_post,   w_next, h_out, copy, copy_stride, copy_pos,
