@@ -18,6 +18,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "core/kernels/step_program.h"
+#include "infer/graph_capture.h"
 #endif
 
 namespace kakeya {
@@ -58,22 +59,15 @@ Captured capture_chain(const Chain& c, const Rows& in, int64_t links, bool persi
     for (int64_t i = 0; i < links; ++i) s = c.link(s);
     r.out = s;
   };
-  r.graph = std::make_unique<at::cuda::CUDAGraph>();
-  r.graph->capture_begin();
-  bool ok = true;
-  try {
-    if (persistent) {
-      r.program = std::make_unique<ops::StepProgram>(dev);
-      ok = r.program->record(run);
-    } else {
+  r.graph = capture_graph([&] {
+    if (!persistent) {
       run();
+      return true;
     }
-  } catch (...) {
-    r.graph->capture_end();
-    throw;
-  }
-  r.graph->capture_end();
-  KAKEYA_CHECK(ok, "bench chain: chain '" << c.name << "': the persistent kernel cannot run it: " << r.program->why_not());
+    r.program = std::make_unique<ops::StepProgram>(dev);
+    return r.program->record(run);
+  });
+  KAKEYA_CHECK(r.graph, "bench chain: chain '" << c.name << "': the persistent kernel cannot run it: " << r.program->why_not());
   if (r.program) r.program->upload();
   return r;
 }

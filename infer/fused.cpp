@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/kernels/ops.h"
+#include "infer/graph_capture.h"
 #include "infer/loop_util.h"
 
 #ifdef KAKEYA_CUDA
@@ -398,12 +399,10 @@ DecodeResult FusedDecoder::feed(const std::vector<int64_t>& prompt, const Decode
       auto tc = Clock::now();
       {
         c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-        for (int i = 0; i < 3; ++i) {
-          m.graphs[i] = std::make_unique<at::cuda::CUDAGraph>();
-          m.graphs[i]->capture_begin();
-          m.part(i);
-          m.graphs[i]->capture_end();
-        }
+        // All three or none: a later block replays them all once the first is there.
+        std::unique_ptr<at::cuda::CUDAGraph> parts[3];
+        for (int i = 0; i < 3; ++i) parts[i] = capture_graph([&] { m.part(i); });
+        for (int i = 0; i < 3; ++i) m.graphs[i] = std::move(parts[i]);
       }
       m.upkeep.capture();
       out.split.capture += std::chrono::duration<double>(Clock::now() - tc).count();

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/kernels/ops.h"
+#include "infer/graph_capture.h"
 #include "infer/loop_util.h"
 
 #ifdef KAKEYA_CUDA
@@ -133,28 +134,12 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
     auto tc = Clock::now();
     {
       c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-      // The step's graph from one run of `body`; body's false throws the graph away, and so does a
-      // throw (after ending the capture: no later run of this loop replays a failed step's graph).
-      auto capture = [&](const std::function<bool()>& body) {
-        g.step = std::make_unique<at::cuda::CUDAGraph>();
-        g.step->capture_begin();
-        bool ok = false;
-        try {
-          ok = body();
-        } catch (...) {
-          const auto failed = std::move(g.step);
-          failed->capture_end();
-          throw;
-        }
-        g.step->capture_end();
-        if (!ok) g.step.reset();
-        return ok;
-      };
       if (opt.megakernel) {
         // The step recorded as persistent-kernel programs inside the capture; a recording that
         // cannot be used leaves a graph that is thrown away, and the step is captured as it is.
         g.program = std::make_unique<ops::StepProgram>(dev);
-        if (capture([&] { return g.program->record(loop.step); })) {
+        g.step = capture_graph([&] { return g.program->record(loop.step); });
+        if (g.step) {
           g.program->upload();
           g.step_program = g.program->summary();
         } else {
@@ -162,10 +147,7 @@ void run_decode_loop(DecodeLoop& loop, const at::Tensor& first, KVCache& cache, 
           g.program.reset();
         }
       }
-      if (!g.step) capture([&] {
-        loop.step();
-        return true;
-      });
+      if (!g.step) g.step = capture_graph(loop.step);
     }
     if (loop.upkeep) loop.upkeep->capture();
     res.capture_seconds = std::chrono::duration<double>(Clock::now() - tc).count();

@@ -6,6 +6,7 @@
 
 #include "calib/codec/calib_bundle.h"
 #include "core/error.h"
+#include "infer/graph_capture.h"
 #include "infer/loop_util.h"
 #include "infer/memory.h"
 
@@ -620,13 +621,9 @@ namespace {
 // context at exit.
 at::cuda::MempoolId_t chunk_graph_pool() {
   static at::cuda::CUDAGraph* anchor = [] {
-    auto* g = new at::cuda::CUDAGraph();
     static at::Tensor cell = at::zeros({1}, at::TensorOptions().device(at::kCUDA));
     c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-    g->capture_begin();
-    cell.fill_(1);
-    g->capture_end();
-    return g;
+    return capture_graph([] { cell.fill_(1); }).release();
   }();
   return anchor->pool();
 }
@@ -675,16 +672,17 @@ at::Tensor run_chunks(const Model& v, KVCache& cache, Restorer& r, const at::Ten
         g.ids = at::zeros({1, chunk}, iopt);
         g.pos = at::arange(q0, q0 + chunk, iopt);
         c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-        g.graph = std::make_unique<at::cuda::CUDAGraph>();
-        g.graph->capture_begin(chunk_graph_pool());
-        r.restore_at(g.pos - window);
-        ForwardOptions fo;
-        fo.taps = r.verifier_taps();
-        fo.skip_logits = true;
-        fo.advance_cache = false;
-        v.forward(g.ids, g.pos, cache, fo);
-        r.stash_step(g.pos);
-        g.graph->capture_end();
+        g.graph = capture_graph(
+            [&] {
+              r.restore_at(g.pos - window);
+              ForwardOptions fo;
+              fo.taps = r.verifier_taps();
+              fo.skip_logits = true;
+              fo.advance_cache = false;
+              v.forward(g.ids, g.pos, cache, fo);
+              r.stash_step(g.pos);
+            },
+            chunk_graph_pool());
         g.capture_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
       }
       g.ids.copy_(ids.slice(1, s, s + len));

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "infer/graph_capture.h"
 
 #ifdef KAKEYA_CUDA
 #include <ATen/cuda/CUDAGraph.h>
@@ -53,10 +54,7 @@ double UpkeepRunner::capture() {
   auto t0 = std::chrono::steady_clock::now();
   {
     c10::cuda::CUDAStreamGuard guard(c10::cuda::getStreamFromPool());
-    impl_->graph = std::make_unique<at::cuda::CUDAGraph>();
-    impl_->graph->capture_begin();
-    impl_->work();
-    impl_->graph->capture_end();
+    impl_->graph = capture_graph(impl_->work);
   }
   impl_->side = c10::cuda::getStreamFromPool();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

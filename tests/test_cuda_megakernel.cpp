@@ -9,6 +9,8 @@
 //   - the trace (KAKEYA_MEGA_TRACE) keeps the program's order;
 //   - f32 (the program holds bf16 bodies and the dtype-free bookkeeping only): the few recorded
 //     launches run in the program, every other as a kernel of its own, and the tokens are the same.
+// Also capture_graph (infer/graph_capture.h), which captures the step: a throw inside the capture
+// ends it, so the stream takes launches again.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -20,8 +22,13 @@
 
 #include <nlohmann/json.hpp>
 
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "core/error.h"
 #include "core/model/model.h"
 #include "infer/generate.h"
+#include "infer/graph_capture.h"
 #include "tests/test_util.h"
 
 using namespace kakeya;
@@ -175,3 +182,25 @@ TEST(CudaMegakernel, F32RunsMostKernelsAloneWithTheSameTokens) {
 }
 
 }  // namespace
+
+TEST(CudaGraphCapture, AThrowEndsTheCaptureAndTheStreamTakesLaunchesAgain) {
+  c10::cuda::CUDAStreamGuard side(c10::cuda::getStreamFromPool());  // capture refuses the default stream
+  at::Tensor x = at::zeros({4}, at::TensorOptions().device(kCuda));
+  EXPECT_THROW(capture_graph([&] {
+                 x.add_(1);
+                 throw Error("inside the capture");
+               }),
+               Error);
+  EXPECT_EQ(c10::cuda::currentStreamCaptureStatusMayInitCtx(), c10::cuda::CaptureStatus::None);
+  EXPECT_EQ(capture_graph([&] {
+              x.add_(1);
+              return false;  // what it recorded cannot be used
+            }),
+            nullptr);
+  auto g = capture_graph([&] { x.add_(1); });
+  ASSERT_NE(g, nullptr);
+  g->replay();
+  g->replay();
+  // Captures record without running: only the two replays added.
+  EXPECT_EQ(x.sum().item<float>(), 8.f);
+}
