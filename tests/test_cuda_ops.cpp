@@ -1022,13 +1022,14 @@ TEST_P(CudaOps, LinearActMul) {
 // The residual step folded into the projection that reads its pre-norm (one kernel for one row):
 // the bits of the two CUDA ops it replaces (add_rms_norm, then the GEMV), for plain and gated
 // projections, hidden sizes of 640 and 1000 (residual blocks of 640 and 1024 threads, emulated by
-// the GEMV's 256) and 36 (f32 only: bf16 leaves it to the two ops, not a multiple of its 8-value
-// loads), with and without the post-norm, a bias and a copy of the new residual; h' against the
-// LibTorch reference on the CPU as well. Several rows take the two ops.
+// the GEMV's 256), 1152 (past the prologue's 1,024 values: the two ops) and 36 (f32 only: bf16
+// leaves it to the two ops, not a multiple of its 8-value loads), with and without the
+// post-norm, a bias and a copy of the new residual; h' against the LibTorch reference on the CPU
+// as well. Several rows take the two ops.
 TEST_P(CudaOps, AddRmsNormLinear) {
   ops::NormSpec ns{1e-6, true};
   for (int64_t M : {1, 3})
-    for (int64_t H : {640, 1000, 36})
+    for (int64_t H : {640, 1000, 1152, 36})
       for (auto [N, gated] : {std::pair<int64_t, bool>{1536, false}, {7, false}, {2048, true}, {13, true}})
         for (bool post : {true, false}) {
           const bool bias = N == 7 || N == 13;
