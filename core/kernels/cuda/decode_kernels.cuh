@@ -1537,9 +1537,9 @@ struct NoPrologue {
 // before and fills xs (residual_gemv_kernel). The warp's first weight loads used to issue before
 // pro(), to overlap them with the wait; without them the decode step is faster (H200, Gemma 3
 // 270M's shape, AR at 512, one binary: 1,902.9 against 1,839.5 tok/s), though a chain of residual
-// GEMVs alone is slower (kakeya bench chain: 4.90 -> 5.21 us a link). In the step a residual GEMV
-// follows a GEMV still streaming its weights; that the early loads competed with those is a guess,
-// not measured apart.
+// GEMVs alone is slower (kakeya bench chain, two leases: 4.90 -> 5.21 us a link). In the step a
+// residual GEMV follows a GEMV still streaming its weights; that the early loads competed with
+// those is a guess, not measured apart.
 // bx: the block's index in the GEMV's grid (Blk::x).
 template <typename T, int M, int RW, typename Out, bool XG = false, typename Pro = NoPrologue>
 __device__ __forceinline__ void gemv_rows(int bx, const float* __restrict__ xs, float* __restrict__ part,
