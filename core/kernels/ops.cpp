@@ -84,15 +84,14 @@ at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Te
 }
 
 std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
-                                                      const at::Tensor& w_next, const NormSpec& ns, const Linear& lin,
-                                                      const RowCopy* copy) {
+                                                      const at::Tensor& w_next, const NormSpec& ns, const Linear& lin) {
 #ifdef KAKEYA_CUDA
   if (fused(h, lin.w) && fused(x)) {
-    auto r = cuda::add_rms_norm_linear(h, x, w_post, w_next, ns.eps, ns.unit_offset, lin, copy);
+    auto r = cuda::add_rms_norm_linear(h, x, w_post, w_next, ns.eps, ns.unit_offset, lin);
     if (r.first.defined()) return r;
   }
 #endif
-  auto [h2, y] = add_rms_norm(h, x, w_post, w_next, ns, copy);
+  auto [h2, y] = add_rms_norm(h, x, w_post, w_next, ns);
   return {h2, lin.gated ? linear_act_mul(y, lin.w, lin.bias, lin.gelu_tanh) : linear(y, lin.w, lin.bias)};
 }
 

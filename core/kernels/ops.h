@@ -62,12 +62,11 @@ struct Linear {
   bool gated = false, gelu_tanh = false;
 };
 // The residual step and the projection that reads its pre-norm: {h', lin(y)} with h', y as
-// add_rms_norm's (copy too). On CUDA with one row (a decode step) one kernel: every block of the
-// GEMV redoes the step from the two rows, so the step costs no launch and y is never stored; the
-// results are the two ops' bits.
+// add_rms_norm's. On CUDA with one row (a decode step) one kernel: every block of the GEMV redoes
+// the step from the two rows, so the step costs no launch and y is never stored; the results are
+// the two ops' bits. (No RowCopy: the residual step that ends a layer stores the layer's output.)
 std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
-                                                      const at::Tensor& w_next, const NormSpec& ns, const Linear& lin,
-                                                      const RowCopy* copy = nullptr);
+                                                      const at::Tensor& w_next, const NormSpec& ns, const Linear& lin);
 
 // gu: [..., 2I] = [gate | up] -> act(gate)·up: [..., I]. gelu_tanh or silu.
 at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);

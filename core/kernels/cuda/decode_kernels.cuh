@@ -1825,10 +1825,7 @@ struct ResidualPrologue {
   static constexpr bool active = true;
   const T *h, *x;  // the kernels before's outputs: plain pointers (embed_rms_norm_body says why)
   const float *w_post, *w_next;
-  T *h_out, *copy;  // copy: the ring of per-position rows, or nullptr (add_rms_norm_kernel's)
-  int64_t copy_stride;
-  const int64_t* copy_pos;
-  int64_t copy_rows;
+  T* h_out;
   float *xs, *hs, *red;
   int K;
   float eps;
@@ -1865,13 +1862,11 @@ struct ResidualPrologue {
       if (i < K) hs[i] = hv[u];
     }
     const float inv = rsqrtf(norm_sumsq(hs, K, red) / K + eps);
-    T* c = copy && bx == 0 ? copy + (copy_pos[0] % copy_rows) * copy_stride : nullptr;
 #pragma unroll
     for (int u = 0; u < P; ++u) {
       const int i = t + u * bd;
       if (i >= K) continue;
       if (bx == 0) h_out[i] = to_t<T>(hv[u]);
-      if (c) c[i] = to_t<T>(hv[u]);
       xs[i] = rnd<T>(norm_value<T>(hv[u], inv, wn[u], unit_offset));
     }
     __syncthreads();
@@ -1880,7 +1875,7 @@ struct ResidualPrologue {
 
 // A layer's residual step (add_rms_norm_kernel's) as the prologue of the GEMV that reads its
 // pre-norm: y = W · rms_norm(h + rms_norm(x)·w_post)·w_next for one row, h' = h + ... also
-// written (block 0, and its copy row as add_rms_norm_kernel writes it). A residual step alone is
+// written (block 0). A residual step alone is
 // one block doing a few microseconds of latency-bound work between two bandwidth-bound GEMVs;
 // here every block of the GEMV recomputes it from the two rows of H = K values (L2 hits; a persistent
 // block that ran an earlier task of the same launch keeps that task's result: ran_before), with
@@ -1893,43 +1888,37 @@ struct ResidualPrologue {
 template <typename T>
 __device__ __forceinline__ void residual_gemv_body(Blk blk, const T* h, const T* x, const float* __restrict__ w_post,
                                                    const float* __restrict__ w_next, T* __restrict__ h_out,
-                                                   T* __restrict__ copy, int64_t copy_stride, const int64_t* copy_pos,
-                                                   int64_t copy_rows, const T* __restrict__ W,
-                                                   const T* __restrict__ bias, T* __restrict__ y, int N, int K,
-                                                   int wpr, Act act, float eps, bool unit_offset) {
+                                                   const T* __restrict__ W, const T* __restrict__ bias,
+                                                   T* __restrict__ y, int N, int K, int wpr, Act act, float eps,
+                                                   bool unit_offset) {
   pdl_trigger();  // the next kernel's blocks may start as this one's finish; the prologue waits
   extern __shared__ float smem[];  // [K] x, then the pre-norm; [K] the new residual; [kGemvWarps·2] partial sums
   __shared__ float red[32];
-  const ResidualPrologue<T> pro{h,         x,    w_post,   w_next, h_out, copy, copy_stride, copy_pos,
-                                copy_rows, smem, smem + K, red,    K,     eps,  unit_offset, blk.x,
-                                ran_before(blk)};
+  const ResidualPrologue<T> pro{h,   x,           w_post, w_next, h_out, smem, smem + K, red, K, eps, unit_offset,
+                                blk.x, ran_before(blk)};
   gemv_rows<T, 1, 1, DenseRows<T>, false, ResidualPrologue<T>>(blk.x, smem, smem + 2 * K, W, bias, N, K, wpr, act,
                                                                DenseRows<T>{y, N}, nullptr, pro);
 }
 template <typename T>
 __global__ void __launch_bounds__(kGemvWarps * 32, 4)
     residual_gemv_kernel(const T* h, const T* x, const float* __restrict__ w_post, const float* __restrict__ w_next,
-                         T* __restrict__ h_out, T* __restrict__ copy, int64_t copy_stride, const int64_t* copy_pos,
-                         int64_t copy_rows, const T* __restrict__ W, const T* __restrict__ bias, T* __restrict__ y,
-                         int N, int K, int wpr, Act act, float eps, bool unit_offset) {
-  residual_gemv_body<T>(hw_blk(), h, x, w_post, w_next, h_out, copy, copy_stride, copy_pos, copy_rows, W, bias, y, N, K,
-                        wpr, act, eps, unit_offset);
+                         T* __restrict__ h_out, const T* __restrict__ W, const T* __restrict__ bias,
+                         T* __restrict__ y, int N, int K, int wpr, Act act, float eps, bool unit_offset) {
+  residual_gemv_body<T>(hw_blk(), h, x, w_post, w_next, h_out, W, bias, y, N, K, wpr, act, eps, unit_offset);
 }
 
 // False when the shape is not for the kernel (as launch_gemv's, or a row of more values than the
 // prologue's registers hold: kResidualPer a thread).
 template <typename T>
-bool launch_residual_gemv(const T* h, const T* x, const float* w_post, const float* w_next, T* h_out, T* copy,
-                          int64_t copy_stride, const int64_t* copy_pos, int64_t copy_rows, const T* W, const T* bias,
-                          T* y, int N, int K, Act act, float eps, bool unit_offset, cudaStream_t s) {
+bool launch_residual_gemv(const T* h, const T* x, const float* w_post, const float* w_next, T* h_out, const T* W,
+                          const T* bias, T* y, int N, int K, Act act, float eps, bool unit_offset, cudaStream_t s) {
   const size_t smem = (2 * (size_t)K + kGemvWarps * 2) * sizeof(float);
   if (K % Vec16<T>::n != 0 || K > kResidualPer * kGemvWarps * 32 || reinterpret_cast<uintptr_t>(W) % 16 != 0)
     return false;
   const int wpr = gemv_split(N);
   const int rows_per_block = kGemvWarps / wpr;
   launch_pdl(residual_gemv_kernel<T>, dim3((N + rows_per_block - 1) / rows_per_block), kGemvWarps * 32, smem, s, h, x,
-             w_post, w_next, h_out, copy, copy_stride, copy_pos, copy_rows, W, bias, y, N, K, wpr, act, eps,
-             unit_offset);
+             w_post, w_next, h_out, W, bias, y, N, K, wpr, act, eps, unit_offset);
   return true;
 }
 

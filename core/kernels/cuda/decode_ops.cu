@@ -622,7 +622,7 @@ at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
 
 std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h_in, const at::Tensor& x_in,
                                                       const at::Tensor& w_post, const at::Tensor& w_next, double eps,
-                                                      bool unit_offset, const Linear& lin, const RowCopy* copy) {
+                                                      bool unit_offset, const Linear& lin) {
   auto h = h_in.contiguous(), x = x_in.contiguous();
   const at::Tensor& w = lin.w;
   const int64_t K = h.size(-1);
@@ -637,7 +637,7 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h_in, co
   if (w_post.defined()) check_w(w_post, K, "add_rms_norm_linear w_post");
   check_w(w_next, K, "add_rms_norm_linear w_next");
   c10::cuda::CUDAGuard g(h.device());
-  const auto r = residual_step(h, copy, "add_rms_norm_linear", /*with_y=*/false);
+  const auto r = residual_step(h, nullptr, "add_rms_norm_linear", /*with_y=*/false);
   const int64_t N = lin.gated ? w.size(0) / 2 : w.size(0);
   auto sizes = h.sizes().vec();
   sizes.back() = N;
@@ -648,7 +648,7 @@ std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h_in, co
     using T = std::remove_pointer_t<decltype(tag)>;
     launched = k::launch_residual_gemv<T>(
         ptr<T>(h), ptr<T>(x), w_post.defined() ? w_post.data_ptr<float>() : nullptr, w_next.data_ptr<float>(),
-        ptr<T>(r.h_out), r.copy_dst<T>(copy), r.copy_stride, r.copy_pos, r.copy_rows, ptr<T>(w),
+        ptr<T>(r.h_out), ptr<T>(w),
         lin.bias.defined() ? ptr<T>(lin.bias) : nullptr, ptr<T>(y), (int)N, (int)K, act, eps, unit_offset,
         at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -23,7 +23,7 @@ at::Tensor act_mul(const at::Tensor& gu, bool gelu_tanh);
 // are not for it (the caller runs the two ops).
 std::pair<at::Tensor, at::Tensor> add_rms_norm_linear(const at::Tensor& h, const at::Tensor& x, const at::Tensor& w_post,
                                                       const at::Tensor& w_next, double eps, bool unit_offset,
-                                                      const Linear& lin, const RowCopy* copy);
+                                                      const Linear& lin);
 void prefetch_l2(const std::vector<at::Tensor>& tensors);
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias);
 at::Tensor linear_act_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& bias, bool gelu_tanh);
