@@ -1623,6 +1623,34 @@ __global__ void gemv_kernel(const T* x, const T* __restrict__ W, const T* __rest
                             int K, int wpr, Act act) {
   gemv_body<T, RW>(hw_blk(), x, W, bias, y, N, K, wpr, act);
 }
+// The same GEMV held to 64 registers, so that 4 blocks fit an SM (the plain kernel's 66 allow 3):
+// launch_gemv takes it for grids the plain kernel cannot hold in one wave, where more blocks in
+// flight keep more weight loads in flight. Grids that fit are faster plain. H200, random weights,
+// AR at 512, one lease (tok/s; plain everywhere / capped everywhere / this rule):
+//   Gemma 3 270M (every grid 320-384 blocks): 1,950.5 / 1,933 (another lease) / plain everywhere;
+//   Gemma 3 1B (gate/up 864 blocks capped; q/k/v 384, o and down 288 plain): 781.4 / 792.2 / 799.0;
+//   Llama 3.2 1B (every grid 512-1,024 blocks): 791.0 / 810.2 / capped everywhere.
+template <typename T, int RW>
+__global__ void __launch_bounds__(kGemvWarps * 32, 4)
+    gemv_capped_kernel(const T* x, const T* __restrict__ W, const T* __restrict__ bias, T* __restrict__ y, int N,
+                       int K, int wpr, Act act) {
+  gemv_body<T, RW>(hw_blk(), x, W, bias, y, N, K, wpr, act);
+}
+
+// Blocks of Kernel (threads, smem bytes a block) resident on one SM, as the runtime counts them
+// from its registers and shared memory: asked once per kernel.
+template <auto Kernel>
+int resident_blocks(int threads, size_t smem) {
+  static const int n = [&] {
+    int b = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, Kernel, threads, smem) != cudaSuccess) {
+      (void)cudaGetLastError();
+      b = 1;
+    }
+    return std::max(b, 1);
+  }();
+  return n;
+}
 
 // Warps that share one output row (split K): enough warps in flight to cover memory latency
 // when the rows are few.
@@ -1637,9 +1665,9 @@ inline int gemv_wide_blocks(int N) {
 
 // Returns false when the shape is not for this kernel (more than one row of x, a K or address
 // the vector loads cannot take): the caller falls back to cuBLAS.
-// N: output columns (for gated mode, W has 2N rows).
+// N: output columns (for gated mode, W has 2N rows). sms: the device's multiprocessors.
 template <typename T>
-bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int K, Act act, cudaStream_t s) {
+bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int K, Act act, int sms, cudaStream_t s) {
   if (M != 1 || K % Vec16<T>::n != 0) return false;
   if (reinterpret_cast<uintptr_t>(W) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0) return false;
   const int wpr = gemv_split(N);
@@ -1649,8 +1677,11 @@ bool launch_gemv(const T* x, const T* W, const T* bias, T* y, int M, int N, int 
     return true;
   }
   const int rows_per_block = kGemvWarps / wpr;
-  const dim3 grid((N + rows_per_block - 1) / rows_per_block);
-  launch_pdl(gemv_kernel<T, 1>, grid, kGemvWarps * 32, kGemvWarps * 2 * sizeof(float), s, x, W, bias, y, N, K, wpr,
+  const int blocks = (N + rows_per_block - 1) / rows_per_block;
+  const int threads = kGemvWarps * 32;
+  const size_t smem = kGemvWarps * 2 * sizeof(float);
+  const bool capped = blocks > resident_blocks<gemv_kernel<T, 1>>(threads, smem) * sms;
+  launch_pdl(capped ? gemv_capped_kernel<T, 1> : gemv_kernel<T, 1>, blocks, threads, smem, s, x, W, bias, y, N, K, wpr,
              act);
   return true;
 }
@@ -1875,12 +1906,11 @@ struct ResidualPrologue {
 
 // A layer's residual step (add_rms_norm_kernel's) as the prologue of the GEMV that reads its
 // pre-norm: y = W · rms_norm(h + rms_norm(x)·w_post)·w_next for one row, h' = h + ... also
-// written (block 0). A residual step alone is
-// one block doing a few microseconds of latency-bound work between two bandwidth-bound GEMVs;
-// here every block of the GEMV recomputes it from the two rows of H = K values (L2 hits; a persistent
-// block that ran an earlier task of the same launch keeps that task's result: ran_before), with
-// the residual kernel's roundings and sums (norm_sumsq) (gemv_rows' prologue), and the GEMV reads
-// the pre-norm from shared memory.
+// written (block 0). A residual step alone is one block doing a few microseconds of latency-bound
+// work between two bandwidth-bound GEMVs; here every block of the GEMV recomputes it from the two
+// rows of H = K values (L2 hits; a persistent block that ran an earlier task of the same launch
+// keeps that task's result: ran_before), with the residual kernel's roundings and sums
+// (norm_sumsq) (gemv_rows' prologue), and the GEMV reads the pre-norm from shared memory.
 //   h, x, h_out: [K]; w_post (nullable), w_next: [K] f32; W: [N or 2N, K]; y: [N].
 // Dynamic smem: (2K + kGemvWarps·2) floats.
 // At most 64 registers, so that 4 blocks fit an SM (80 without the cap: 3), and a 512-block GEMV
@@ -1894,8 +1924,8 @@ __device__ __forceinline__ void residual_gemv_body(Blk blk, const T* h, const T*
   pdl_trigger();  // the next kernel's blocks may start as this one's finish; the prologue waits
   extern __shared__ float smem[];  // [K] x, then the pre-norm; [K] the new residual; [kGemvWarps·2] partial sums
   __shared__ float red[32];
-  const ResidualPrologue<T> pro{h,   x,           w_post, w_next, h_out, smem, smem + K, red, K, eps, unit_offset,
-                                blk.x, ran_before(blk)};
+  const ResidualPrologue<T> pro{h, x, w_post, w_next, h_out, smem, smem + K, red, K, eps, unit_offset, blk.x,
+                                ran_before(blk)};
   gemv_rows<T, 1, 1, DenseRows<T>, false, ResidualPrologue<T>>(blk.x, smem, smem + 2 * K, W, bias, N, K, wpr, act,
                                                                DenseRows<T>{y, N}, nullptr, pro);
 }

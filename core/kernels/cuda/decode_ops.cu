@@ -613,7 +613,8 @@ at::Tensor try_gemv(const at::Tensor& x_in, const at::Tensor& w, const at::Tenso
   dispatch(x.scalar_type(), [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     launched = k::launch_gemv<T>(ptr<T>(x), ptr<T>(w), bias.defined() ? ptr<T>(bias) : nullptr, ptr<T>(y), M, N, K,
-                                 act, at::cuda::getCurrentCUDAStream());
+                                 act, at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
+                                 at::cuda::getCurrentCUDAStream());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return launched ? y : at::Tensor();

@@ -61,6 +61,7 @@ const OpEntry* ops_table() {
       {op_kernel<&gemv_argmax_kernel<bf16>, &gemv_argmax_body<bf16>>(), false},
       {op_kernel<&argmax_blocks_kernel<>, &argmax_blocks_body>(), true},
       {op_kernel<&advance_step_kernel<>, &advance_step_body>(), true},
+      {op_kernel<&gemv_capped_kernel<bf16, 1>, &gemv_body<bf16, 1>>(), false},
   };
   return t;
 }

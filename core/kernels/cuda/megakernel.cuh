@@ -117,10 +117,11 @@ __device__ __forceinline__ void run_task(int op, Blk b, const unsigned char* a) 
     case 9: call<&gemv_argmax_body<bf16>>(b, a); break;
     case 10: call<&argmax_blocks_body>(b, a); break;
     case 11: call<&advance_step_body>(b, a); break;
+    case 12: call<&gemv_body<bf16, 1>>(b, a); break;  // gemv_capped_kernel: the same body
     default: __trap();
   }
 }
-constexpr int kNumOps = 12;
+constexpr int kNumOps = 13;
 
 // One run of a program of n instructions: done[i] counts instruction i's finished tasks.
 // The program (n <= kMaxSegmentInstrs) is read into shared memory once; each instruction's arguments
