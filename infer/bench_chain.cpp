@@ -37,6 +37,8 @@ struct Chain {
   std::function<Rows(const Rows&)> link;
   std::function<void()> start;                   // before the first link (resets what links count), or empty
   std::function<at::Tensor(const Rows&)> result;  // after the last: what the two strategies must agree on
+  bool persistent = true;  // the persistent program runs it too (the lm_head stays a kernel of its own)
+  std::function<void(nlohmann::json&)> report;  // after the longer chain's last replay: what else to note, or empty
 };
 
 #ifdef KAKEYA_CUDA
@@ -109,6 +111,8 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
   // The longer chain's launches (two a link for the MLP) must fit one persistent program (4,096).
   KAKEYA_CHECK(o.links >= 8 && o.links <= 1000, "bench chain: --links expected in [8, 1000], got " << o.links);
   KAKEYA_CHECK(o.repeats >= 3, "bench chain: --repeats expected at least 3, got " << o.repeats);
+  KAKEYA_CHECK(o.vocab >= 1024 && o.vocab <= 1048576,
+               "bench chain: --vocab expected in [1024, 1048576], got " << o.vocab);
 #ifndef KAKEYA_CUDA
   throw Error("bench chain: this build has no CUDA (configure with -DKAKEYA_CUDA=ON)");
 #else
@@ -128,6 +132,9 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
   const at::Tensor w_down = rnd({H, I}, 2.0 / std::sqrt((double)I), at::kBFloat16);  // [H, I]
   const at::Tensor w_qkv = rnd({Q, H}, 1.0 / std::sqrt((double)H), at::kBFloat16);  // [Q, H]
   const at::Tensor w_norm = rnd({H}, 0.1, at::kFloat), w_post = rnd({H}, 0.1, at::kFloat);  // [H] f32
+  // The greedy head: the step's largest read (Gemma 3 270M's is 262,144 x 640, 335 MB in bf16).
+  const at::Tensor w_head = rnd({o.vocab, H}, 1.0 / std::sqrt((double)H), at::kBFloat16);  // [V, H]
+  const ops::HeadScreen screen = ops::make_head_screen(w_head);
   ops::NormSpec ns;
   ns.unit_offset = true;  // Gemma's norms
   ops::Linear sq, qkv, gate_up;
@@ -156,6 +163,16 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
   at::Tensor out = at::zeros({2 * o.links + 1}, i64), step = at::zeros({1}, i64), cur = at::zeros({1, 1}, i64),
              pos = at::zeros({1}, i64);
   const auto rows_x = [](const Rows& r) { return r.x; };
+  // A head link's token picks the next link's row (a row of the head itself), as the step's token
+  // picks its next embedding: each link waits for the one before.
+  at::Tensor token = at::zeros({1}, i64);  // [1]
+  const auto head = [&](const ops::HeadScreen* scr) {
+    return [&, scr](const Rows& r) {
+      ops::linear_argmax(r.x, w_head, token, scr);
+      return Rows{r.h, w_head.index_select(0, token)};
+    };
+  };
+  const auto rows_token = [&](const Rows&) { return token; };
   const std::vector<Chain> chains{
       {"bookkeeping", "the step's bookkeeping (out[step] = next, step += 1, ...): one block, the least a launch does", 1,
        [&](const Rows& r) {
@@ -189,6 +206,13 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
          return Rows{r.h, ops::linear(ops::linear_act_mul(r.x, w_gu, {}, /*gelu_tanh=*/true), w_down)};
        },
        {}, rows_x},
+      {"head", "the greedy lm_head V x H and its argmax (2 kernels) + the token's row (1)", 3, head(nullptr), {},
+       rows_token, false},
+      {"head-screen", "the same through the int8 screen (3 kernels) + the token's row (1)", 4, head(&screen),
+       [&] { screen.summed.zero_(); }, rows_token, false,
+       [&](nlohmann::json& row) {  // the rows the screen let through, summed again exactly
+         row["rows_summed_per_link"] = (double)screen.summed.item<int>() / (double)(2 * o.links);
+       }},
   };
   const Rows in{rnd({1, H}, 1.0, at::kBFloat16), rnd({1, H}, 1.0, at::kBFloat16)};  // [1, H] each
   nlohmann::json rows = nlohmann::json::array();
@@ -198,6 +222,7 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
     nlohmann::json row = {{"chain", c.name}, {"what", c.what}, {"launches_per_link", c.launches_per_link}};
     at::Tensor final_x[2];  // each strategy's result after the longer chain
     for (const bool persistent : {false, true}) {
+      if (persistent && !c.persistent) break;
       Captured shorter = capture_chain(c, in, o.links, persistent, dev);
       Captured longer = capture_chain(c, in, 2 * o.links, persistent, dev);
       const double t1 = median_replay(*shorter.graph, o.repeats), t2 = median_replay(*longer.graph, o.repeats);
@@ -207,6 +232,11 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
       if (persistent) row["persistent_step"] = longer.program->summary();
       longer.graph->replay();  // the state the result reads is this chain's (bookkeeping shares its tensors)
       final_x[persistent] = c.result(longer.out).clone();
+      if (!persistent && c.report) c.report(row);
+    }
+    if (!c.persistent) {
+      rows.push_back(row);
+      continue;
     }
     row["outputs_equal"] = same_bits(final_x[0], final_x[1]);
     KAKEYA_CHECK(row["outputs_equal"].get<bool>(),
@@ -220,6 +250,7 @@ nlohmann::json bench_chain(const BenchChainOptions& o) {
           {"hidden", H},
           {"intermediate", I},
           {"qkv", Q},
+          {"vocab", o.vocab},
           {"links", o.links},
           {"repeats", o.repeats},
           {"chains", rows}};
@@ -233,9 +264,12 @@ std::string bench_chain_table(const nlohmann::json& report) {
                 "persistent us/link", "what");
   s += line;
   for (const auto& r : report.at("chains")) {
-    std::snprintf(line, sizeof line, "%-17s %8d %18.2f %21.2f  %s\n", r.at("chain").get<std::string>().c_str(),
-                  r.at("launches_per_link").get<int>(), r.at("kernels_us_per_link").get<double>(),
-                  r.at("persistent_us_per_link").get<double>(), r.at("what").get<std::string>().c_str());
+    char persistent[32] = "-";  // a chain the persistent program does not run
+    if (r.contains("persistent_us_per_link"))
+      std::snprintf(persistent, sizeof persistent, "%.2f", r.at("persistent_us_per_link").get<double>());
+    std::snprintf(line, sizeof line, "%-17s %8d %18.2f %21s  %s\n", r.at("chain").get<std::string>().c_str(),
+                  r.at("launches_per_link").get<int>(), r.at("kernels_us_per_link").get<double>(), persistent,
+                  r.at("what").get<std::string>().c_str());
     s += line;
   }
   return s;

@@ -23,13 +23,15 @@ struct BenchChainOptions {
   int64_t hidden = 640;         // the row a link reads and writes (Gemma 3 270M's hidden size)
   int64_t intermediate = 2048;  // the MLP chain's inner size (Gemma 3 270M's)
   int64_t qkv = 1536;           // rows of the q/k/v projection (Gemma 3 270M's: 4 + 1 + 1 heads of 256)
+  int64_t vocab = 262144;       // rows of the greedy head's chains (Gemma 3's vocabulary)
   int64_t links = 256;          // launches of the shorter chain (the longer has twice as many)
   int64_t repeats = 20;         // timed replays of each chain (the median counts)
 };
 
-// {"device_name", "hidden", "intermediate", "qkv", "links", "repeats", "chains": [{"chain", "what",
+// {"device_name", "hidden", "intermediate", "qkv", "vocab", "links", "repeats", "chains": [{"chain", "what",
 //   "launches_per_link", "kernels_us_per_link", "persistent_us_per_link", "persistent_step", "outputs_equal"}]}
-// in bf16. Throws naming the option at fault (not a CUDA device, a CPU-only build, sizes out of range,
+// in bf16. The head's chains run as kernels only (no persistent fields; "head-screen" adds
+// "rows_summed_per_link"). Throws naming the option at fault (not a CUDA device, a CPU-only build, sizes out of range,
 // --qkv or --intermediate below --hidden: a link's next row is the first H values of its output).
 nlohmann::json bench_chain(const BenchChainOptions& o);
 std::string bench_chain_table(const nlohmann::json& report);  // aligned text table

@@ -31,4 +31,7 @@ TEST(BenchChain, RefusesWhatItCannotTimeNamingTheOption) {
   o = {};
   o.repeats = 2;
   test::expect_error([&] { bench_chain(o); }, "--repeats expected at least 3");
+  o = {};
+  o.vocab = 1000;
+  test::expect_error([&] { bench_chain(o); }, "--vocab expected in [1024, 1048576], got 1000");
 }

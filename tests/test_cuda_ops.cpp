@@ -939,7 +939,11 @@ TEST_P(CudaOps, ScreenedArgmax) {
   struct Shape {
     int64_t V, K;
   };
-  for (const Shape sh : {Shape{7, 48}, Shape{16397, 640}, Shape{70001, 640}, Shape{16397, 1040}, Shape{16397, 4096}}) {
+  // Every pass-1 geometry (ScreenGeometry: 8 lanes a row with 1-8 chunks each, 16 lanes, 32 lanes),
+  // and more pass-1 blocks (4,688 at 300,001 x 640) than pass 2's threads load in one round.
+  std::vector<Shape> shapes{{7, 48}, {16397, 640}, {300001, 640}, {16397, 1040}, {16397, 4096}};
+  for (const int64_t K : {256, 384, 512, 768, 896, 1024, 2048}) shapes.push_back({3001, K});
+  for (const Shape sh : shapes) {
     const int64_t V = sh.V, K = sh.K;
     const std::string tag = "V=" + std::to_string(V) + " K=" + std::to_string(K);
     auto w = (at::randn({V, K}) * 0.05 * (at::rand({V, 1}) + 0.5)).to(dt());

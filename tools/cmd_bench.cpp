@@ -42,6 +42,9 @@ void register_bench_chain(CLI::App& bench) {
   c->add_option("--qkv", o->b.qkv, "rows of the q/k/v projection (a multiple of 16, at least --hidden)")
       ->capture_default_str()
       ->check(CLI::Range(16, 65536));
+  c->add_option("--vocab", o->b.vocab, "rows of the greedy head's chains")
+      ->capture_default_str()
+      ->check(CLI::Range(1024, 1048576));
   c->add_option("--links", o->b.links, "links of the shorter chain (the longer has twice as many)")
       ->capture_default_str()
       ->check(CLI::Range(8, 1000));

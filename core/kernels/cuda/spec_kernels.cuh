@@ -266,22 +266,37 @@ bool launch_gemv_argmax(const T* x, const T* W, int N, int K, float* pval, int* 
 //   pass 2 (screen_pick_kernel): L = the largest of those lower bounds <= the largest logit. A row
 //     whose logit ties the largest after rounding to T has rnd(u_r) >= rnd(L) (rounding is monotone),
 //     so only rows with rnd(u_r) >= rnd(L) can be the argmax: they are summed again exactly as
-//     gemv_argmax_body sums them (dot_rows, warp_sum, rnd) and reduced with its tie rule; each
-//     block's (max, first index) goes to argmax_blocks_kernel. A NaN or infinity in x makes every
-//     row a candidate (u_r is then NaN or infinite), which is slow but still the full head's answer.
+//     gemv_argmax_body sums them (dot_rows, warp_sum, rnd) and reduced with its tie rule; the last
+//     block to finish reduces every block's (max, first index) to the token, so the screened head
+//     is two launches, as gemv_argmax_body's is. A NaN or infinity in x makes every row a candidate
+//     (u_r is then NaN or infinite), which is slow but still the full head's answer.
 // On Gemma 3 270M's head (262,144 × 640) over 3,571 positions of text: 12.5 candidate rows a position
 // on average, 111 at the 99th percentile, 784 at most (tools/head_screen_census.py,
 // bench/results/2026-12-03-head-screen-census-cpu.json).
 constexpr int kScreenWarps = 8;
-// 16-value chunks per lane: a lane holds its rows' chunks lane, lane + 32, ... (screen_chunks(K) of
-// them) of kScreenLoads / screen_chunks(K) rows, so every lane has 16 loads of 16 bytes in flight.
-constexpr int kScreenLoads = 16;
-inline int screen_chunks(int K) {  // chunks a lane takes: 1, 2, 4 or 8 (K <= 4096), 0: no screen
-  const int c = (K / 16 + 31) / 32;
-  return K % 16 != 0 ? 0 : c <= 1 ? 1 : c <= 2 ? 2 : c <= 4 ? 4 : c <= 8 ? 8 : 0;
-}
-// For a K screen_chunks takes (> 0).
-inline int screen_rows_per_block(int K) { return kScreenWarps * (kScreenLoads / screen_chunks(K)); }
+// Pass 1's geometry. G lanes share a row (8, 16 or 32: the fewest for which a lane's share of the
+// row's 16-byte chunks, C, is at most 8), so a warp reads 32 / G rows at once with every lane busy
+// (K = 640: 8 lanes of 5 chunks, 4 rows a load); a warp takes P such row sets, holding P·C loads in
+// flight. One row's chunks spread over lanes that way lets Gemma 3 270M's screen read at 64% of
+// peak against 46% with a warp a row (H200, ncu; bench/results/2026-12-03-head-screen-geometry-h200.json).
+struct ScreenGeometry {
+  int G = 0, C = 0;  // 0: K is not for the screen (not a multiple of 16, or over 4,096)
+  static ScreenGeometry of(int K) {
+    ScreenGeometry g;
+    const int kc = K / 16;
+    if (K % 16 != 0 || K <= 0) return g;
+    for (int lanes : {8, 16, 32})
+      if ((kc + lanes - 1) / lanes <= 8) {
+        g.G = lanes;
+        g.C = (kc + lanes - 1) / lanes;
+        return g;
+      }
+    return g;
+  }
+  int P() const { return C <= 2 ? 4 : 2; }  // row sets a warp (launch_screened_argmax's instances)
+  int rows_per_block() const { return kScreenWarps * (32 / G) * P(); }
+  int blocks(int N) const { return (N + rows_per_block() - 1) / rows_per_block(); }
+};
 // 16 int8 codes (one 16-byte load) as floats: each byte b in offset binary (b ^ 0x80) becomes the
 // float 2^23 + b by a byte permute, and 2^23 + 128 less gives the code: no conversion instruction.
 __device__ __forceinline__ void codes_to_float(uint4 raw, float* q) {
@@ -292,32 +307,39 @@ __device__ __forceinline__ void codes_to_float(uint4 raw, float* q) {
     for (int j = 0; j < 4; ++j) q[i * 4 + j] = __int_as_float(__byte_perm(w[i], 0x4B000000u, 0x7540u | j)) - 8388736.f;
 }
 // x: [K]; codes: [N, K] int8; scale, err: [N] f32; up: [N] (each row's upper bound); plow: [gridDim.x]
-// (each block's largest lower bound). CPL: screen_chunks(K).
-template <typename T, int CPL>
-__global__ void __launch_bounds__(kScreenWarps * 32) screen_head_kernel(const T* x, const int8_t* __restrict__ codes,
+// (each block's largest lower bound); done: pass 2's count of finished blocks, zeroed here (pass 2
+// starts after this grid has finished). C, P, G: ScreenGeometry::of(K). Up to 10 loads a lane the
+// kernel fits 64 registers, 4 blocks an SM (68 uncapped, 3 an SM: 57.2 us for Gemma 3 270M's head
+// under ncu at 64, the 3-block build not timed).
+template <typename T, int C, int P>
+__global__ void __launch_bounds__(kScreenWarps * 32, C * P <= 10 ? 4 : 1) screen_head_kernel(const T* x, const int8_t* __restrict__ codes,
                                                                         const float* __restrict__ scale,
                                                                         const float* __restrict__ err, int N, int K,
-                                                                        float* __restrict__ up, float* __restrict__ plow) {
+                                                                        int G, float* __restrict__ up,
+                                                                        float* __restrict__ plow,
+                                                                        unsigned* __restrict__ done) {
   pdl_trigger();  // the codes load before pdl_wait
-  constexpr int R = kScreenLoads / CPL;  // rows a warp
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int n0 = (blockIdx.x * kScreenWarps + warp) * R, kc = K / 16;
-  uint4 raw[R][CPL];
+  const int RS = 32 / G, sub = lane / G, gl = lane % G, kc = K / 16;  // rows a set, this lane's row and place
+  const int n0 = (blockIdx.x * kScreenWarps + warp) * RS * P;
+  uint4 raw[P][C];
 #pragma unroll
-  for (int r = 0; r < R; ++r)
+  for (int p = 0; p < P; ++p)
 #pragma unroll
-    for (int c = 0; c < CPL; ++c) {
-      const int ch = lane + 32 * c;
-      raw[r][c] = n0 + r < N && ch < kc ? *reinterpret_cast<const uint4*>(codes + (int64_t)(n0 + r) * K + ch * 16)
-                                        : make_uint4(0, 0, 0, 0);  // unused
+    for (int c = 0; c < C; ++c) {
+      const int ch = gl + G * c, n = n0 + p * RS + sub;
+      raw[p][c] = n < N && ch < kc ? *reinterpret_cast<const uint4*>(codes + (int64_t)n * K + ch * 16)
+                                   : make_uint4(0, 0, 0, 0);  // unused
     }
   pdl_wait();
-  float acc[R], ss = 0.f;
+  // After the wait: the kernel before may be another head's pass 2 on the same scratch.
+  if (blockIdx.x == 0 && threadIdx.x == 0) *done = 0;
+  float acc[P], ss = 0.f;
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int p = 0; p < P; ++p) acc[p] = 0.f;
 #pragma unroll
-  for (int c = 0; c < CPL; ++c) {
-    const int ch = lane + 32 * c;
+  for (int c = 0; c < C; ++c) {
+    const int ch = gl + G * c;
     if (ch >= kc) break;
     float xv[16];
     uint4 xr[16 / Vec16<T>::n];
@@ -330,25 +352,31 @@ __global__ void __launch_bounds__(kScreenWarps * 32) screen_head_kernel(const T*
       ss += xv[i] * xv[i];
     }
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
+    for (int p = 0; p < P; ++p) {
       float q[16];
-      codes_to_float(raw[r][c], q);
+      codes_to_float(raw[p][c], q);
 #pragma unroll
-      for (int i = 0; i < 16; ++i) acc[r] = fmaf(q[i], xv[i], acc[r]);
+      for (int i = 0; i < 16; ++i) acc[p] = fmaf(q[i], xv[i], acc[p]);
     }
   }
-  // ||x||, the same in every warp (the same sums in the same order), grown by its sum's rounding.
-  const float xn = sqrtf(warp_sum(ss)) * (1.f + (float)(K + 4) * 1.2e-7f);
+  // Each row's sum over its G lanes, and ||x||² over the same lanes (each row's lanes hold all of
+  // x): the same value in every row's lanes. Any order of the K terms is within err_r's rounding room.
+  for (int o = G / 2; o > 0; o >>= 1) {
+    ss += __shfl_xor_sync(0xffffffffu, ss, o);
+#pragma unroll
+    for (int p = 0; p < P; ++p) acc[p] += __shfl_xor_sync(0xffffffffu, acc[p], o);
+  }
+  // ||x||, grown by its sum's rounding.
+  const float xn = sqrtf(ss) * (1.f + (float)(K + 4) * 1.2e-7f);
   float low = -INFINITY;
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const float s = warp_sum(acc[r]);
-    const int n = n0 + r;
-    if (n >= N) continue;  // warp-uniform
-    const float a = s * scale[n], e = xn * err[n];
+  for (int p = 0; p < P; ++p) {
+    const int n = n0 + p * RS + sub;
+    if (n >= N) continue;
+    const float a = acc[p] * scale[n], e = xn * err[n];
     // The two additions' own rounding: a little more room than u_r's error.
     const float slack = fabsf(a) * 2.5e-7f + e * 1e-6f;
-    if (lane == r) up[n] = a + e + slack;
+    if (gl == 0) up[n] = a + e + slack;
     low = fmaxf(low, a - e - slack);
   }
   __shared__ float red[32];
@@ -357,25 +385,36 @@ __global__ void __launch_bounds__(kScreenWarps * 32) screen_head_kernel(const T*
 }
 // Rows a pass-2 block scans.
 constexpr int kScreenPickRows = 2048;
+// Pass 1's lower bounds a pass-2 thread loads at once (Gemma 3 270M's 4,096 blocks in one round).
+constexpr int kScreenLowPerThread = 16;
 // x, W: the head as gemv_argmax_body reads them; up, plow: pass 1's (nlow blocks); pval, pidx:
-// [gridDim.x]; count (nullable): += the candidate rows summed exactly.
+// [gridDim.x]; count (nullable): += the candidate rows summed exactly; done: zeroed by pass 1;
+// out: [1] int64, the token, written by the last block to finish.
 template <typename T>
 __global__ void __launch_bounds__(kScreenWarps * 32) screen_pick_kernel(const T* x, const T* __restrict__ W, int N,
                                                                         int K, const float* up, const float* plow,
-                                                                        int nlow, float* __restrict__ pval,
-                                                                        int* __restrict__ pidx, unsigned* count) {
+                                                                        int nlow, float* pval, int* pidx,
+                                                                        unsigned* count, unsigned* done,
+                                                                        int64_t* __restrict__ out) {
   pdl_begin();
   constexpr int kPer = kScreenPickRows / (kScreenWarps * 32);  // rows a lane tests
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int r1 = min(N, (blockIdx.x + 1) * kScreenPickRows);
   auto row_of = [&](int i) { return blockIdx.x * kScreenPickRows + (i * kScreenWarps + warp) * 32 + lane; };
-  // The upper bounds load together with the lower maxima: one memory round trip, not one per 32 rows.
-  float uv[kPer];
+  // The upper bounds and the lower maxima load together: one memory round trip.
+  float uv[kPer], lv[kScreenLowPerThread];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) uv[i] = row_of(i) < r1 ? up[row_of(i)] : 0.f;
+#pragma unroll
+  for (int i = 0; i < kScreenLowPerThread; ++i) {
+    const int j = threadIdx.x + i * blockDim.x;
+    lv[i] = j < nlow ? plow[j] : -INFINITY;
+  }
   __shared__ float red[32];
   float m = -INFINITY;
-  for (int i = threadIdx.x; i < nlow; i += blockDim.x) m = fmaxf(m, plow[i]);
+#pragma unroll
+  for (int i = 0; i < kScreenLowPerThread; ++i) m = fmaxf(m, lv[i]);
+  for (int j = threadIdx.x + kScreenLowPerThread * blockDim.x; j < nlow; j += blockDim.x) m = fmaxf(m, plow[j]);
   const float L = rnd<T>(block_max(m, red));
   float best = -INFINITY;
   int bi = 0x7fffffff;
@@ -398,32 +437,59 @@ __global__ void __launch_bounds__(kScreenWarps * 32) screen_pick_kernel(const T*
     }
   }
   if (count && lane == 0 && found) atomicAdd(count, found);
+  // Thread 0 publishes the block's pair, then counts the block done; the last block reads all pairs
+  // (through L2: other blocks wrote them) and writes the token.
+  __shared__ bool last;
   if (block_argmax(best, bi)) {
     pval[blockIdx.x] = best;
     pidx[blockIdx.x] = bi;
+    __threadfence();
+    last = atomicAdd(done, 1u) == gridDim.x - 1;
   }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  best = -INFINITY;
+  bi = 0x7fffffff;
+  for (int c = threadIdx.x; c < (int)gridDim.x; c += blockDim.x) {
+    const float v = __ldcg(pval + c);
+    const int i = __ldcg(pidx + c);
+    if (argmax_beats(v, i, best, bi)) {
+      best = v;
+      bi = i;
+    }
+  }
+  if (block_argmax(best, bi)) out[0] = bi;
 }
 inline int screen_pick_blocks(int N) { return (N + kScreenPickRows - 1) / kScreenPickRows; }
-inline int screen_head_blocks(int N, int K) { return (N + screen_rows_per_block(K) - 1) / screen_rows_per_block(K); }
 
-// scratch: up [N] f32, plow [screen_head_blocks] f32, pval / pidx [screen_pick_blocks]. False when the
-// shape is not for the kernels (K not a multiple of 16 or over 4,096, unaligned rows).
+// scratch: up [N] f32, plow [ScreenGeometry::of(K).blocks(N)] f32, pval / pidx / done
+// [screen_pick_blocks(N)] / [1]. False when the shape is not for the kernels (K not a multiple of 16
+// or over 4,096, unaligned rows).
 template <typename T>
 bool launch_screened_argmax(const T* x, const T* W, const int8_t* codes, const float* scale, const float* err, int N,
-                            int K, float* up, float* plow, float* pval, int* pidx, unsigned* count, int64_t* out,
-                            cudaStream_t s) {
-  const int cpl = screen_chunks(K);
-  if (cpl == 0 || K % Vec16<T>::n != 0 || reinterpret_cast<uintptr_t>(W) % 16 != 0 ||
-      reinterpret_cast<uintptr_t>(x) % 16 != 0 || reinterpret_cast<uintptr_t>(codes) % 16 != 0)
+                            int K, float* up, float* plow, float* pval, int* pidx, unsigned* count, unsigned* done,
+                            int64_t* out, cudaStream_t s) {
+  const ScreenGeometry g = ScreenGeometry::of(K);
+  if (g.G == 0 || K % Vec16<T>::n != 0 ||
+      reinterpret_cast<uintptr_t>(W) % 16 != 0 || reinterpret_cast<uintptr_t>(x) % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(codes) % 16 != 0)
     return false;
-  const int b1 = screen_head_blocks(N, K), b2 = screen_pick_blocks(N);
-  const int threads = kScreenWarps * 32;
-  if (cpl == 1) launch_pdl(screen_head_kernel<T, 1>, b1, threads, 0, s, x, codes, scale, err, N, K, up, plow);
-  else if (cpl == 2) launch_pdl(screen_head_kernel<T, 2>, b1, threads, 0, s, x, codes, scale, err, N, K, up, plow);
-  else if (cpl == 4) launch_pdl(screen_head_kernel<T, 4>, b1, threads, 0, s, x, codes, scale, err, N, K, up, plow);
-  else launch_pdl(screen_head_kernel<T, 8>, b1, threads, 0, s, x, codes, scale, err, N, K, up, plow);
-  launch_pdl(screen_pick_kernel<T>, b2, threads, 0, s, x, W, N, K, up, plow, b1, pval, pidx, count);
-  launch_pdl(argmax_blocks_kernel<>, 1, 1024, 0, s, pval, pidx, b2, out);
+  const int b1 = g.blocks(N), b2 = screen_pick_blocks(N), threads = kScreenWarps * 32;
+  auto pass1 = [&](auto kernel) {
+    launch_pdl(kernel, b1, threads, 0, s, x, codes, scale, err, N, K, g.G, up, plow, done);
+  };
+  switch (g.C) {
+    case 1: pass1(screen_head_kernel<T, 1, 4>); break;
+    case 2: pass1(screen_head_kernel<T, 2, 4>); break;
+    case 3: pass1(screen_head_kernel<T, 3, 2>); break;
+    case 4: pass1(screen_head_kernel<T, 4, 2>); break;
+    case 5: pass1(screen_head_kernel<T, 5, 2>); break;
+    case 6: pass1(screen_head_kernel<T, 6, 2>); break;
+    case 7: pass1(screen_head_kernel<T, 7, 2>); break;
+    default: pass1(screen_head_kernel<T, 8, 2>); break;
+  }
+  launch_pdl(screen_pick_kernel<T>, b2, threads, 0, s, x, W, N, K, up, plow, b1, pval, pidx, count, done, out);
   return true;
 }
 

@@ -99,8 +99,9 @@ bool screened_argmax(const at::Tensor& x_in, const at::Tensor& w, const HeadScre
   auto x = x_in.contiguous();
   const int64_t K = x.size(-1), N = w.size(0);
   // A K the screen kernel does not take (not a multiple of 16, over 4,096) before any block count:
-  // screen_head_blocks divides by its chunks a lane, 0 there.
-  if (!one_row_head(x, w) || k::screen_chunks((int)K) == 0) return false;
+  // ScreenGeometry::blocks divides by its rows a block, 0 there.
+  const k::ScreenGeometry geo = k::ScreenGeometry::of((int)K);
+  if (!one_row_head(x, w) || geo.G == 0) return false;
   TORCH_CHECK(scr.codes.is_cuda() && scr.codes.scalar_type() == at::kChar && scr.codes.is_contiguous() &&
                   scr.codes.size(0) == N && scr.codes.size(1) == K,
               "screened_argmax: the screen's codes are ", scr.codes.sizes(), " ", scr.codes.scalar_type(),
@@ -110,24 +111,26 @@ bool screened_argmax(const at::Tensor& x_in, const at::Tensor& w, const HeadScre
               "screened_argmax: the screen's scale / err / summed do not match a head of ", N, " rows");
   check_long(out, 1, "screened_argmax out");
   c10::cuda::CUDAGuard g(x.device());
-  const int b1 = k::screen_head_blocks((int)N, (int)K), b2 = k::screen_pick_blocks((int)N);
-  auto up = at::empty({N + b1}, x.options().dtype(at::kFloat));  // [N] upper bounds, then [b1] lower maxima
-  auto pval = at::empty({b2}, x.options().dtype(at::kFloat));
-  auto pidx = at::empty({b2}, x.options().dtype(at::kInt));
+  const int b1 = geo.blocks((int)N), b2 = k::screen_pick_blocks((int)N);
+  // [N] upper bounds, [b1] lower maxima, [b2] pass 2's maxima; [b2] their indices, then pass 2's done count.
+  auto up = at::empty({N + b1 + b2}, x.options().dtype(at::kFloat));
+  auto pidx = at::empty({b2 + 1}, x.options().dtype(at::kInt));
   auto stream = at::cuda::getCurrentCUDAStream();
   float* u = up.data_ptr<float>();
+  int* pi = pidx.data_ptr<int>();
   auto* cnt = reinterpret_cast<unsigned*>(scr.summed.data_ptr<int>());
+  auto* done = reinterpret_cast<unsigned*>(pi + b2);
   bool launched;
   if (x.scalar_type() == at::kFloat)
     launched = k::launch_screened_argmax<float>(x.data_ptr<float>(), w.data_ptr<float>(), scr.codes.data_ptr<int8_t>(),
                                                 scr.scale.data_ptr<float>(), scr.err.data_ptr<float>(), (int)N, (int)K,
-                                                u, u + N, pval.data_ptr<float>(), pidx.data_ptr<int>(), cnt,
-                                                out.data_ptr<int64_t>(), stream);
+                                                u, u + N, u + N + b1, pi, cnt, done, out.data_ptr<int64_t>(),
+                                                stream);
   else
     launched = k::launch_screened_argmax<__nv_bfloat16>(
         ptr<__nv_bfloat16>(x), ptr<__nv_bfloat16>(w), scr.codes.data_ptr<int8_t>(), scr.scale.data_ptr<float>(),
-        scr.err.data_ptr<float>(), (int)N, (int)K, u, u + N, pval.data_ptr<float>(), pidx.data_ptr<int>(), cnt,
-        out.data_ptr<int64_t>(), stream);
+        scr.err.data_ptr<float>(), (int)N, (int)K, u, u + N, u + N + b1, pi, cnt, done, out.data_ptr<int64_t>(),
+        stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return launched;
 }
