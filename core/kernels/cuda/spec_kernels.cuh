@@ -277,8 +277,9 @@ constexpr int kScreenWarps = 8;
 // Pass 1's geometry. G lanes share a row (8, 16 or 32: the fewest for which a lane's share of the
 // row's 16-byte chunks, C, is at most 8), so a warp reads 32 / G rows at once with every lane busy
 // (K = 640: 8 lanes of 5 chunks, 4 rows a load); a warp takes P such row sets, holding P·C loads in
-// flight. One row's chunks spread over lanes that way lets Gemma 3 270M's screen read at 64% of
-// peak against 46% with a warp a row (H200, ncu; bench/results/2026-12-03-head-screen-geometry-h200.json).
+// flight. One row's chunks spread over lanes that way lets Gemma 3 270M's screen read at 65% of DRAM
+// peak (54.4 us) against 46% (79.7 us) with a warp a row and 24 of 32 lanes idle in its second load (H200,
+// ncu; bench/results/2026-12-03-head-screen-geometry-h200.json).
 struct ScreenGeometry {
   int G = 0, C = 0;  // 0: K is not for the screen (not a multiple of 16, or over 4,096)
   static ScreenGeometry of(int K) {
@@ -309,15 +310,13 @@ __device__ __forceinline__ void codes_to_float(uint4 raw, float* q) {
 // x: [K]; codes: [N, K] int8; scale, err: [N] f32; up: [N] (each row's upper bound); plow: [gridDim.x]
 // (each block's largest lower bound); done: pass 2's count of finished blocks, zeroed here (pass 2
 // starts after this grid has finished). C, P, G: ScreenGeometry::of(K). Up to 10 loads a lane the
-// kernel fits 64 registers, 4 blocks an SM (68 uncapped, 3 an SM: 57.2 us for Gemma 3 270M's head
-// under ncu at 64, the 3-block build not timed).
+// kernel is held to 64 registers, 4 blocks an SM (it takes 68 uncapped: 3 an SM; only the capped
+// build was timed).
 template <typename T, int C, int P>
-__global__ void __launch_bounds__(kScreenWarps * 32, C * P <= 10 ? 4 : 1) screen_head_kernel(const T* x, const int8_t* __restrict__ codes,
-                                                                        const float* __restrict__ scale,
-                                                                        const float* __restrict__ err, int N, int K,
-                                                                        int G, float* __restrict__ up,
-                                                                        float* __restrict__ plow,
-                                                                        unsigned* __restrict__ done) {
+__global__ void __launch_bounds__(kScreenWarps * 32, C * P <= 10 ? 4 : 1)
+    screen_head_kernel(const T* x, const int8_t* __restrict__ codes, const float* __restrict__ scale,
+                       const float* __restrict__ err, int N, int K, int G, float* __restrict__ up,
+                       float* __restrict__ plow, unsigned* __restrict__ done) {
   pdl_trigger();  // the codes load before pdl_wait
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int RS = 32 / G, sub = lane / G, gl = lane % G, kc = K / 16;  // rows a set, this lane's row and place
