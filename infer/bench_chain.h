@@ -31,8 +31,9 @@ struct BenchChainOptions {
 // {"device_name", "hidden", "intermediate", "qkv", "vocab", "links", "repeats", "chains": [{"chain", "what",
 //   "launches_per_link", "kernels_us_per_link", "persistent_us_per_link", "persistent_step", "outputs_equal"}]}
 // in bf16. The head's chains run as kernels only (no persistent fields; "head-screen" adds
-// "rows_summed_per_link"). Throws naming the option at fault (not a CUDA device, a CPU-only build, sizes out of range,
-// --qkv or --intermediate below --hidden: a link's next row is the first H values of its output).
+// "rows_summed_per_link"). Throws naming the option at fault (not a CUDA device, a CPU-only build,
+// sizes out of range, --qkv or --intermediate below --hidden: a link's next row is the first H values
+// of its output).
 nlohmann::json bench_chain(const BenchChainOptions& o);
 std::string bench_chain_table(const nlohmann::json& report);  // aligned text table
 

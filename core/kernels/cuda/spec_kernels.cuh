@@ -280,6 +280,9 @@ constexpr int kScreenWarps = 8;
 // flight. One row's chunks spread over lanes that way lets Gemma 3 270M's screen read at 65% of DRAM
 // peak (54.4 us) against 46% (79.7 us) with a warp a row and 24 of 32 lanes idle in its second load (H200,
 // ncu; bench/results/2026-12-03-head-screen-geometry-h200.json).
+// Row sets a warp takes for C chunks a lane: the geometry's block count and the kernel's instance
+// (launch_screened_argmax) both come from here, so they cannot disagree.
+constexpr int screen_row_sets(int C) { return C <= 2 ? 4 : 2; }
 struct ScreenGeometry {
   int G = 0, C = 0;  // 0: K is not for the screen (not a multiple of 16, or over 4,096)
   static ScreenGeometry of(int K) {
@@ -294,7 +297,7 @@ struct ScreenGeometry {
       }
     return g;
   }
-  int P() const { return C <= 2 ? 4 : 2; }  // row sets a warp (launch_screened_argmax's instances)
+  int P() const { return screen_row_sets(C); }
   int rows_per_block() const { return kScreenWarps * (32 / G) * P(); }
   int blocks(int N) const { return (N + rows_per_block() - 1) / rows_per_block(); }
 };
@@ -479,14 +482,14 @@ bool launch_screened_argmax(const T* x, const T* W, const int8_t* codes, const f
     launch_pdl(kernel, b1, threads, 0, s, x, codes, scale, err, N, K, g.G, up, plow, done);
   };
   switch (g.C) {
-    case 1: pass1(screen_head_kernel<T, 1, 4>); break;
-    case 2: pass1(screen_head_kernel<T, 2, 4>); break;
-    case 3: pass1(screen_head_kernel<T, 3, 2>); break;
-    case 4: pass1(screen_head_kernel<T, 4, 2>); break;
-    case 5: pass1(screen_head_kernel<T, 5, 2>); break;
-    case 6: pass1(screen_head_kernel<T, 6, 2>); break;
-    case 7: pass1(screen_head_kernel<T, 7, 2>); break;
-    default: pass1(screen_head_kernel<T, 8, 2>); break;
+    case 1: pass1(screen_head_kernel<T, 1, screen_row_sets(1)>); break;
+    case 2: pass1(screen_head_kernel<T, 2, screen_row_sets(2)>); break;
+    case 3: pass1(screen_head_kernel<T, 3, screen_row_sets(3)>); break;
+    case 4: pass1(screen_head_kernel<T, 4, screen_row_sets(4)>); break;
+    case 5: pass1(screen_head_kernel<T, 5, screen_row_sets(5)>); break;
+    case 6: pass1(screen_head_kernel<T, 6, screen_row_sets(6)>); break;
+    case 7: pass1(screen_head_kernel<T, 7, screen_row_sets(7)>); break;
+    default: pass1(screen_head_kernel<T, 8, screen_row_sets(8)>); break;
   }
   launch_pdl(screen_pick_kernel<T>, b2, threads, 0, s, x, W, N, K, up, plow, b1, pval, pidx, count, done, out);
   return true;
