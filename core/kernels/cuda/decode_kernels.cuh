@@ -165,20 +165,56 @@ void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaSt
 }
 
 // ---------------------------------------------------------------------------
+// A row's Σ v² in the one order every residual-step kernel sums it (so that a GEMV that folds the
+// step into its prologue gives the residual kernel's bits): the row in kNormSegs segments of
+// norm_seg_len(H) values, segment s summed as one warp sums it (lane l its values s·L + l,
+// s·L + l + 32, ... in turn, one FMA each, then warp_sum), and the segments' sums added in order.
+// A block of 8 warps then takes a warp a segment and one barrier for the row (the order it
+// replaced, a block of H threads' warps, cost a GEMV's prologue two barriers a norm).
+constexpr int kNormSegs = 8;
+__host__ __device__ inline int norm_seg_len(int H) { return (H + kNormSegs - 1) / kNormSegs; }
+// Segment s's sum (every lane of the warp calls it and gets it). v(i): the row's i-th value as f32.
+template <typename V>
+__device__ __forceinline__ float seg_sumsq(V v, int s, int H) {
+  const int L = norm_seg_len(H), b = s * L, e = min(H, b + L);
+  float ss = 0.f;
+#pragma unroll 4
+  for (int i = b + (threadIdx.x & 31); i < e; i += 32) {
+    const float a = v(i);
+    ss = fmaf(a, a, ss);
+  }
+  return warp_sum(ss);
+}
+// The row's sum from its segments' sums red[0 .. kNormSegs).
+__device__ __forceinline__ float segs_total(const float* red) {
+  float t = red[0];
+#pragma unroll
+  for (int s = 1; s < kNormSegs; ++s) t += red[s];
+  return t;
+}
+// Every thread of the block calls it: its warps sum the segments into red (a warp a segment, in
+// turn when the block has fewer), one barrier, and every thread gets the row's sum. red must not
+// be read by an earlier call any more (norm_sumsq's barrier, or an array of its own).
+template <typename V>
+__device__ __forceinline__ float block_row_sumsq(V v, int H, float* red) {
+  const int warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  for (int s = warp; s < kNormSegs; s += nwarps) {
+    const float p = seg_sumsq(v, s, H);
+    if ((threadIdx.x & 31) == 0) red[s] = p;
+  }
+  __syncthreads();
+  return segs_total(red);
+}
+
 // out[r, :] = rms_norm(x[r, :]) · w            x, out: [rows, H]; w: [H] f32
 template <typename T>
 __global__ void rms_norm_kernel(const T* __restrict__ x, const float* __restrict__ w, T* __restrict__ out, int H,
                                 float eps, bool unit_offset) {
   pdl_begin();
-  __shared__ float red[32];
+  __shared__ float red[kNormSegs];
   const T* xr = x + (int64_t)blockIdx.x * H;
   T* orow = out + (int64_t)blockIdx.x * H;
-  float ss = 0.f;
-  for (int i = threadIdx.x; i < H; i += blockDim.x) {
-    float v = from_t<T>(xr[i]);
-    ss += v * v;
-  }
-  const float inv = rsqrtf(block_sum(ss, red) / H + eps);
+  const float inv = rsqrtf(block_row_sumsq([&](int i) { return from_t<T>(xr[i]); }, H, red) / H + eps);
   for (int i = threadIdx.x; i < H; i += blockDim.x) orow[i] = to_t<T>(norm_value<T>(from_t<T>(xr[i]), inv, w[i], unit_offset));
 }
 
@@ -193,23 +229,12 @@ __host__ __device__ inline int norm_threads(int H) {
   return t < 32 ? 32 : (t > 1024 ? 1024 : t);
 }
 
-// Σ v[i]² over a row of H values summed as a block of norm_threads(H) threads sums it in
-// block_sum (thread t its values t, t + NT, ... in turn, each warp's by warp_sum, the warps' sums by
-// one more), whatever this block's thread count: a kernel that folds a residual step into its
-// prologue (residual_gemv_kernel) then gives the residual kernel's bits. v: shared memory, written
-// by any thread before the call; every thread of the block calls it and gets the sum.
+// Σ v[i]² over a row of H values in shared memory (written by any thread of the block before the
+// call), in block_row_sumsq's order; every thread of the block calls it and gets the sum. red:
+// kNormSegs floats.
 __device__ __forceinline__ float norm_sumsq(const float* v, int H, float* red) {
-  const int NT = norm_threads(H), nvw = NT >> 5;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
   __syncthreads();  // v complete; red no longer read by a previous call
-  for (int vw = warp; vw < nvw; vw += nwarps) {
-    float ss = 0.f;
-    for (int i = vw * 32 + lane; i < H; i += NT) ss += v[i] * v[i];
-    ss = warp_sum(ss);
-    if (lane == 0) red[vw] = ss;
-  }
-  __syncthreads();
-  return warp_sum(lane < nvw ? red[lane] : 0.f);
+  return block_row_sumsq([&](int i) { return v[i]; }, H, red);
 }
 
 template <typename T>
@@ -1843,9 +1868,13 @@ inline bool launch_mma_gemv(const __nv_bfloat16* x, const __nv_bfloat16* W, cons
 }
 
 // ---------------------------------------------------------------------------
-// A thread's values of the row: i = threadIdx.x + u·blockDim.x for u < kResidualPer, held in
-// registers so that each of the prologue's reads is one batch of independent loads (a loop that
-// stores each load before the next waited one L2 round trip per value a thread holds).
+// A thread's values of the row (up to kResidualPer: lane l of warp w holds w·L + l + 32u, L =
+// norm_seg_len(K)), held in registers so that each of the prologue's reads is one batch of
+// independent loads (a loop that stores each load before the next waited one L2 round trip per
+// value a thread holds). Each norm is one barrier: a warp sums its segment, the block's 8 sums go
+// through shared memory. Every warp computing the whole step alone, with no barrier, was 40% slower
+// (AR 1,960 -> 1,183 tok/s: 8x the prologue's instructions in every block;
+// bench/results/2026-12-04-residual-fold-h200.json).
 // Rows of more than 1,024 values take the two kernels: a prologue of 8 values a thread made the
 // steps of wider models slower, every block of the GEMV redoing a longer residual step (H200, random
 // weights, AR at 512, one binary: Gemma 3 1B's 1,152 788.1 -> 746.0 tok/s, Llama 3.2 1B's 2,048
@@ -1857,7 +1886,7 @@ struct ResidualPrologue {
   const T *h, *x;  // the kernels before's outputs: plain pointers (embed_rms_norm_body says why)
   const float *w_post, *w_next;
   T* h_out;
-  float *xs, *hs, *red;
+  float *xs, *red;  // xs: [K] the pre-norm; red: [2·kNormSegs] the two norms' segment sums
   int K;
   float eps;
   bool unit_offset;
@@ -1865,38 +1894,50 @@ struct ResidualPrologue {
   bool again;  // xs already holds the pre-norm: the block's earlier task of this launch computed it
   __device__ void operator()() const {
     if (again) return;  // block-uniform, so the barriers below are skipped by every thread alike
+    // Warp w holds segment w of the row (block_row_sumsq's order): lane l its values w·L + l + 32u.
+    static_assert(kGemvWarps == kNormSegs, "a warp a segment");
     constexpr int P = kResidualPer;
-    const int t = threadIdx.x, bd = blockDim.x;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int L = norm_seg_len(K), b = warp * L, e = min(K, b + L);
     float wp[P], wn[P], xv[P], hv[P];
 #pragma unroll
     for (int u = 0; u < P; ++u) {  // weights: read before the wait
-      const int i = t + u * bd;
-      wp[u] = w_post && i < K ? w_post[i] : 0.f;
-      wn[u] = i < K ? w_next[i] : 0.f;
+      const int i = b + lane + 32 * u;
+      wp[u] = w_post && i < e ? w_post[i] : 0.f;
+      wn[u] = i < e ? w_next[i] : 0.f;
     }
     pdl_wait();
 #pragma unroll
     for (int u = 0; u < P; ++u) {
-      const int i = t + u * bd;
-      xv[u] = i < K ? from_t<T>(x[i]) : 0.f;
-      hv[u] = i < K ? from_t<T>(h[i]) : 0.f;
+      const int i = b + lane + 32 * u;
+      xv[u] = i < e ? from_t<T>(x[i]) : 0.f;
+      hv[u] = i < e ? from_t<T>(h[i]) : 0.f;
     }
+    float inv_x = 1.f;
+    if (w_post) {  // block-uniform
+      float ss = 0.f;
 #pragma unroll
-    for (int u = 0; u < P; ++u)
-      if (t + u * bd < K) xs[t + u * bd] = xv[u];
-    const float inv_x = w_post ? rsqrtf(norm_sumsq(xs, K, red) / K + eps) : 1.f;
+      for (int u = 0; u < P; ++u) ss = fmaf(xv[u], xv[u], ss);  // zeros past the segment add nothing
+      ss = warp_sum(ss);
+      if (lane == 0) red[warp] = ss;
+      __syncthreads();
+      inv_x = rsqrtf(segs_total(red) / K + eps);
+    }
+    float ss = 0.f;
 #pragma unroll
     for (int u = 0; u < P; ++u) {
-      const int i = t + u * bd;
       const float a = w_post ? rnd<T>(norm_value<T>(xv[u], inv_x, wp[u], unit_offset)) : xv[u];
       hv[u] = rnd<T>(hv[u] + a);
-      if (i < K) hs[i] = hv[u];
+      ss = fmaf(hv[u], hv[u], ss);
     }
-    const float inv = rsqrtf(norm_sumsq(hs, K, red) / K + eps);
+    ss = warp_sum(ss);
+    if (lane == 0) red[kNormSegs + warp] = ss;  // its own array: red[0 ..) may still be read
+    __syncthreads();
+    const float inv = rsqrtf(segs_total(red + kNormSegs) / K + eps);
 #pragma unroll
     for (int u = 0; u < P; ++u) {
-      const int i = t + u * bd;
-      if (i >= K) continue;
+      const int i = b + lane + 32 * u;
+      if (i >= e) continue;
       if (bx == 0) h_out[i] = to_t<T>(hv[u]);
       xs[i] = rnd<T>(norm_value<T>(hv[u], inv, wn[u], unit_offset));
     }
@@ -1910,9 +1951,9 @@ struct ResidualPrologue {
 // work between two bandwidth-bound GEMVs; here every block of the GEMV recomputes it from the two
 // rows of H = K values (L2 hits; a persistent block that ran an earlier task of the same launch
 // keeps that task's result: ran_before), with the residual kernel's roundings and sums
-// (norm_sumsq) (gemv_rows' prologue), and the GEMV reads the pre-norm from shared memory.
+// (block_row_sumsq's order) (gemv_rows' prologue), and the GEMV reads the pre-norm from shared memory.
 //   h, x, h_out: [K]; w_post (nullable), w_next: [K] f32; W: [N or 2N, K]; y: [N].
-// Dynamic smem: (2K + kGemvWarps·2) floats.
+// Dynamic smem: (K + kGemvWarps·2) floats.
 // At most 64 registers, so that 4 blocks fit an SM (80 without the cap: 3), and a 512-block GEMV
 // is resident in one wave while the kernel before it runs (H200: AR decode 1,762 -> 1,833 tok/s).
 template <typename T>
@@ -1922,11 +1963,10 @@ __device__ __forceinline__ void residual_gemv_body(Blk blk, const T* h, const T*
                                                    T* __restrict__ y, int N, int K, int wpr, Act act, float eps,
                                                    bool unit_offset) {
   pdl_trigger();  // the next kernel's blocks may start as this one's finish; the prologue waits
-  extern __shared__ float smem[];  // [K] x, then the pre-norm; [K] the new residual; [kGemvWarps·2] partial sums
-  __shared__ float red[32];
-  const ResidualPrologue<T> pro{h, x, w_post, w_next, h_out, smem, smem + K, red, K, eps, unit_offset, blk.x,
-                                ran_before(blk)};
-  gemv_rows<T, 1, 1, DenseRows<T>, false, ResidualPrologue<T>>(blk.x, smem, smem + 2 * K, W, bias, N, K, wpr, act,
+  extern __shared__ float smem[];  // [K] the pre-norm; [kGemvWarps·2] partial sums
+  __shared__ float red[2 * kNormSegs];
+  const ResidualPrologue<T> pro{h, x, w_post, w_next, h_out, smem, red, K, eps, unit_offset, blk.x, ran_before(blk)};
+  gemv_rows<T, 1, 1, DenseRows<T>, false, ResidualPrologue<T>>(blk.x, smem, smem + K, W, bias, N, K, wpr, act,
                                                                DenseRows<T>{y, N}, nullptr, pro);
 }
 template <typename T>
@@ -1942,7 +1982,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32, 4)
 template <typename T>
 bool launch_residual_gemv(const T* h, const T* x, const float* w_post, const float* w_next, T* h_out, const T* W,
                           const T* bias, T* y, int N, int K, Act act, float eps, bool unit_offset, cudaStream_t s) {
-  const size_t smem = (2 * (size_t)K + kGemvWarps * 2) * sizeof(float);
+  const size_t smem = ((size_t)K + kGemvWarps * 2) * sizeof(float);
   if (K % Vec16<T>::n != 0 || K > kResidualPer * kGemvWarps * 32 || reinterpret_cast<uintptr_t>(W) % 16 != 0)
     return false;
   const int wpr = gemv_split(N);
