@@ -5,11 +5,20 @@
 #   .carry/include/{nlohmann,CLI,httplib.h}   .carry/whl/gguf-*.whl   .carry/parts/gguf.partNN  .carry/parts/SHA256
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-# The tracked tree (~59 MiB, ~51 of them the shipped checkpoints) travels with every call: chunk calls
-# are made with checkpoints/gemma3-270m/{drafter,calib,ftheta} moved out of the checkout (README, "On
-# the GPU machine"), which leaves room for 36 MiB chunks beside the rest (~20 MB with bench/results;
-# 45 MiB chunks passed the limit at stop 50): 7 calls for the default model.
-CHUNK=${CHUNK:-36M}
+# The working tree travels with every call: chunk calls are made with checkpoints/gemma3-270m/{drafter,
+# calib,ftheta} moved out of the checkout (README, "On the GPU machine"), and a chunk is as large as fits
+# beside the rest (tracked and untracked-not-ignored files; bench/results grows every stop) with 2 MiB
+# for the first call's header-only deps, wheel and checksum. CHUNK (a size for split -b, e.g. 30M)
+# overrides it.
+if [ -z "${CHUNK:-}" ]; then
+  tree=$( { git ls-files -z; git ls-files -z -o --exclude-standard; } |
+          grep -zv '^checkpoints/gemma3-270m/\(drafter\|ftheta\|calib\)/' | xargs -0 -r du -cb |
+          awk '$2 == "total" { s += $1 } END { print s + 0 }')
+  CHUNK=$(( (64 << 20) - tree - (2 << 20) ))
+  [ "$CHUNK" -ge $((8 << 20)) ] ||
+    { echo "prepare.sh: the tree that travels is $((tree >> 20)) MiB, leaving no room for model chunks in 64 MiB"; exit 1; }
+  echo "prepare.sh: the tree that travels is $((tree >> 20)) MiB: chunks of $((CHUNK >> 20)) MiB"
+fi
 mkdir -p .carry/include .carry/whl .carry/parts
 cp -r /usr/include/nlohmann /usr/include/CLI .carry/include/
 # Debian's cpp-httplib is split into a header and a shared library the GPU machine lacks: take the
