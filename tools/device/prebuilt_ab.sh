@@ -8,7 +8,8 @@
 #   STEP=unpack  names...  carry .carry/prebuilt/NAME.tgz (~21 MB each) in this or earlier calls; once
 #                          every named package is there, each is checked and unpacked into /tmp/ab-NAME
 #                          (remote.sh prebuilt)
-#   STEP=tests   names...  every GPU suite on each binary (the real model for the suites that load it)
+#   STEP=tests   names...  every GPU suite on each binary (compact_eval.sh STEP=tests; the real model
+#                          for the suites that load it)
 #   STEP=decode  names...  kakeya bench decode --head-screen on the real model at PROMPTS (512 8192),
 #                          ROUNDS (2) rounds, the binaries in turn within each round
 #   STEP=spec    names...  kakeya bench spec --modes ar,fused (the shipped drafter: in the tree)
@@ -42,15 +43,12 @@ case $STEP in
       mv build-cuda /tmp/ab-$n
     done ;;
   tests)
-    export KAKEYA_SOURCE_DIR=$SRC KAKEYA_MODEL_DIR=$MODEL KAKEYA_FIXTURES=$SRC/tests/fixtures
+    export KAKEYA_FIXTURES=$SRC/tests/fixtures
     for n in "$@"; do
       use $n
-      for t in build-cuda/tests/test_cuda_*; do
-        f=$RES/tests-$n-$(basename $t).txt
-        timeout 600 $t > $f 2>&1 || rc=1
-        echo "$n $(basename $t): $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ tests?,' $f | tr '\n' ' ')"
-        grep -E '^\[  FAILED  \] [A-Z]' $f | sort -u | head -5
-      done
+      echo "== $n"
+      STEP=tests OUT=$RES TAG=$n TESTS=$(cd build-cuda/tests && ls test_cuda_* | paste -sd '|') \
+        bash tools/device/compact_eval.sh || rc=1
     done ;;
   decode)
     for r in $(seq 1 "${ROUNDS:-2}"); do
