@@ -1,7 +1,12 @@
 #!/usr/bin/env python3
 """Our runtime vs HF transformers on the same machine, device and dtype:
 perplexity of a prose passage (same token ids) and greedy continuations of
-three prompts. Prints a table and writes JSON.
+three prompts. Prints a table and writes JSON. Where a continuation parts
+from HF's, it also records how close the step was: both tokens' logits in HF's
+forward over the shared prefix (in the run's dtype and in f32), and how far HF's
+own greedy runs agree when only the attention implementation changes (eager
+against the default), since a bf16 near-tie moves with any change of summation
+order.
 
   tools/parity_check.py --model DIR --kakeya build/kakeya --device cuda --dtype bf16 --json OUT
 """
@@ -43,6 +48,24 @@ def main():
     ours_lp = torch.tensor(ours["logprobs"], dtype=torch.float64)
     res["max_abs_logprob_diff"] = float((ours_lp - lp.double().cpu()).abs().max())
 
+    # HF against itself: the same weights and dtype, eager attention instead of the default.
+    eager = AutoModelForCausalLM.from_pretrained(a.model, dtype=dt, attn_implementation="eager").to(a.device).eval()
+    f32 = model if dt == torch.float32 else AutoModelForCausalLM.from_pretrained(
+        a.model, dtype=torch.float32).to(a.device).eval()
+
+    def divergence(pid, g, o, same):
+        """Both tokens' logits at the first step where the continuations part (HF's forward over the
+        prompt and the shared prefix): gap = logit(HF's token) - logit(ours)."""
+        ctx = torch.cat([pid[0], torch.tensor(g[:same], device=pid.device, dtype=pid.dtype)])[None]
+        with torch.no_grad():
+            lg_dt = model(ctx).logits[0, -1].float()
+            lg_32 = f32(ctx).logits[0, -1].float()
+        top2 = torch.topk(lg_dt, 2).values
+        return {"position": same, "hf_token": g[same], "kakeya_token": o[same],
+                "gap": float(lg_dt[g[same]] - lg_dt[o[same]]), "top2_gap": float(top2[0] - top2[1]),
+                "logit_scale": float(lg_dt[g[same]].abs()),
+                "f32_gap": float(lg_32[g[same]] - lg_32[o[same]])}
+
     res["generations"] = []
     for p in PROMPTS:
         pid = tok(p, return_tensors="pt").input_ids.to(a.device)
@@ -53,11 +76,25 @@ def main():
                        stdout=subprocess.DEVNULL)
         o = json.loads((tmp / "gen.json").read_text())["generated_ids"]
         same = next((i for i, (x, y) in enumerate(zip(g, o)) if x != y), min(len(g), len(o)))
-        res["generations"].append({"prompt": p, "hf": g, "kakeya": o, "identical_prefix": same,
-                                   "identical": g == o})
+        with torch.no_grad():
+            ge = eager.generate(pid, max_new_tokens=N_NEW, do_sample=False)[0, pid.shape[1]:].tolist()
+        hf_self = next((i for i, (x, y) in enumerate(zip(g, ge)) if x != y), min(len(g), len(ge)))
+        gen = {"prompt": p, "hf": g, "kakeya": o, "identical_prefix": same, "identical": g == o,
+               "hf_eager": ge, "hf_eager_identical_prefix": hf_self}
+        if same < min(len(g), len(o)):
+            gen["divergence"] = divergence(pid, g, o, same)
+        res["generations"].append(gen)
     print(f"{'device':8} {'dtype':6} {'HF ppl':>9} {'ours ppl':>9} {'rel diff':>9} {'max |Δlogp|':>12}  greedy identical prefix")
     print(f"{a.device:8} {a.dtype:6} {hf_ppl:9.4f} {ours['perplexity']:9.4f} {res['ppl_rel_diff']:9.2e} "
           f"{res['max_abs_logprob_diff']:12.2e}  " + ", ".join(f"{g['identical_prefix']}/{N_NEW}" for g in res["generations"]))
+    print("HF eager attention against HF's default, greedy identical prefix: " +
+          ", ".join(f"{g['hf_eager_identical_prefix']}/{N_NEW}" for g in res["generations"]))
+    for i, g in enumerate(res["generations"]):
+        d = g.get("divergence")
+        if d:
+            print(f"prompt {i + 1} parts at token {d['position']}: HF {d['hf_token']} vs ours {d['kakeya_token']}, "
+                  f"logit gap {d['gap']:.4f} in HF's {a.dtype} forward (|logit| {d['logit_scale']:.1f}), "
+                  f"{d['f32_gap']:.4f} in f32")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(res, indent=2))
