@@ -56,7 +56,8 @@ struct RestoreOptions {
   ops::RowCode region_code;
   // Which of the covered layers read their restored positions (beyond the sinks); the others drop
   // them (evict-only on that layer: sinks + the exact window, nothing older). "auto": the layers
-  // f_θ's config lists as measured better than eviction (every covered layer when it lists none),
+  // f_θ's config lists as measured better than eviction (every covered layer when f_θ was never
+  // measured; nothing when the measurement kept none, which settle_auto_layers() turns into "none"),
   // "all", "none" (evict-only everywhere: the StreamingLLM baseline, needs no f_θ), or a
   // comma-separated list of verifier layers. resolve_restore_layers() turns it into a per-layer mask.
   std::string layers = "auto";

@@ -158,6 +158,12 @@ std::vector<bool> resolve_restore_layers(const ModelConfig& cfg, const FTheta* f
   return out;
 }
 
+bool settle_auto_layers(RestoreOptions& o, const FThetaConfig& f) {
+  if (o.layers != "auto" || !o.needs_ftheta() || !f.restore_layers_measured || !f.restore_layers.empty()) return false;
+  o.layers = "none";
+  return true;
+}
+
 void set_dropped_layers(RestorePolicy& p, const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o) {
   const std::vector<bool> keep = resolve_restore_layers(cfg, f, o);
   p.drop.assign(cfg.num_layers, false);

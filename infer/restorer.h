@@ -97,6 +97,11 @@ void check_restores_something(const RestoreOptions& o, int64_t n_prompt, int64_t
 // RestoreOptions::layers per verifier layer: true where the layer reads its restored positions
 // (false on layers the policy does not cover). Throws naming --restore-layers on a bad list.
 std::vector<bool> resolve_restore_layers(const ModelConfig& cfg, const FTheta* f, const RestoreOptions& o);
+// --restore-layers auto against the f_θ that will serve it: an f_θ whose per-layer measurement
+// kept no layer (none beat evict-only there) restores nothing, so the options become evict-only
+// ("none") and the decoder loads and runs neither the drafter nor f_θ for it. True when it changed
+// them. Only f_θ-restored decoding (needs_ftheta()) reads the list; exact restoration keeps "auto".
+bool settle_auto_layers(RestoreOptions& o, const FThetaConfig& f);
 // Whether verifier layer l's raw K/V are a function of the position's token alone (the first
 // layer): RestoreOptions::token_layers restores such layers from the token, exactly.
 bool token_layer(int64_t l);

@@ -402,6 +402,27 @@ TEST(Restored, LayerListRestoresOnlyThoseLayers) {
   for (int64_t l = 0; l < cfg.num_layers; ++l) EXPECT_EQ(mask[l], l == 2) << l;
   measured.mutable_config().restore_layers = {};
   EXPECT_EQ(resolve_restore_layers(cfg, &measured, ro), std::vector<bool>(cfg.num_layers, false));
+  // That f_θ restores nothing, so settle_auto_layers makes "auto" evict-only (nothing loaded for
+  // it); a kept list, an unmeasured f_θ, exact restoration or an explicit list stay as they are.
+  RestoreOptions so;
+  ASSERT_EQ(so.layers, "auto");
+  ASSERT_TRUE(so.needs_ftheta());
+  EXPECT_TRUE(settle_auto_layers(so, measured.config()));
+  EXPECT_TRUE(so.evict_only());
+  EXPECT_FALSE(so.needs_ftheta());
+  EXPECT_FALSE(settle_auto_layers(so, measured.config()));  // already "none"
+  RestoreOptions keep;
+  EXPECT_FALSE(settle_auto_layers(keep, ftheta().config()));  // never measured: every covered layer
+  keep.mix_alpha = 1.0;
+  EXPECT_FALSE(settle_auto_layers(keep, measured.config()));  // exact restoration reads no f_θ
+  keep.mix_alpha = 0.0;
+  keep.layers = "1,3";
+  EXPECT_FALSE(settle_auto_layers(keep, measured.config()));
+  keep.layers = "auto";
+  measured.mutable_config().restore_layers = {2};
+  EXPECT_FALSE(settle_auto_layers(keep, measured.config()));
+  EXPECT_EQ(keep.layers, "auto");
+  measured.mutable_config().restore_layers = {};
 
   ro.mix_alpha = 1.0;
   auto nll = [&](const std::string& layers) {

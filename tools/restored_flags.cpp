@@ -1,12 +1,28 @@
 #include "tools/restored_flags.h"
 
+#include <cstdio>
 #include <tuple>
 
 #include "calib/codec/calib_bundle.h"
 #include "core/error.h"
 #include "core/io/fs.h"
+#include "infer/restorer.h"
 
 namespace kakeya::cli {
+
+namespace {
+
+bool random_spec(const std::string& s, uint64_t& seed) {
+  if (s.rfind("random", 0) != 0) return false;
+  seed = 0;
+  if (s.size() > 6) {
+    KAKEYA_CHECK(s[6] == ':', "expected random or random:SEED, got '" << s << "'");
+    seed = std::stoull(s.substr(7));
+  }
+  return true;
+}
+
+}  // namespace
 
 void RestoreFlags::add_restore(CLI::App* c, const std::string& prefix) {
   c->add_option("--drafter", drafter, prefix + "DFlash drafter directory, or random[:SEED]")->capture_default_str();
@@ -39,7 +55,7 @@ void RestoreFlags::add_restore(CLI::App* c, const std::string& prefix) {
   c->add_option("--calib", calib, prefix + "--full-code pwB: calibration bundle holding K weights (kakeya calibrate k-weights)")
       ->capture_default_str();
   c->add_option("--restore-layers", layers,
-                prefix + "layers that read restored positions: auto (f_θ's measured list) | all | none (evict-only) | L1,L2,...")
+                prefix + "layers that read restored positions: auto (f_θ's measured list; evict-only when it kept none) | all | none (evict-only) | L1,L2,...")
       ->capture_default_str();
   c->add_option("--token-layers", token_layers,
                 prefix + "on: layers whose K/V depend on the token alone (the first) restored from the token, exactly; "
@@ -79,6 +95,13 @@ RestoreOptions RestoreFlags::options() const {
     std::tie(o.full_code, o.full_code_layers) = ops::parse_layer_codes(full_code, "--full-code");
   }
   o.calib = calib;
+  // auto reads f_θ's measured list: when its measurement kept no layer, decode evict-only and say so.
+  uint64_t seed = 0;
+  const std::string fc = ftheta + "/f_theta_config.json";
+  if (o.layers == "auto" && o.needs_ftheta() && !random_spec(ftheta, seed) && fs::exists(fc) &&
+      settle_auto_layers(o, FThetaConfig::from_file(fc)))
+    std::fprintf(stderr, "[restore] %s: its per-layer measurement kept no layer (none beat evict-only there), so "
+                         "--restore-layers auto decodes evict-only (no drafter or f_θ loaded)\n", fc.c_str());
   return o;
 }
 
@@ -95,16 +118,6 @@ DrafterConfig random_drafter_config(const ModelConfig& verifier, int64_t mask_to
 }
 FThetaConfig random_ftheta_config(const ModelConfig& verifier, const DrafterConfig& drafter) {
   return FThetaConfig::for_pair(verifier, drafter, 64);
-}
-
-bool random_spec(const std::string& s, uint64_t& seed) {
-  if (s.rfind("random", 0) != 0) return false;
-  seed = 0;
-  if (s.size() > 6) {
-    KAKEYA_CHECK(s[6] == ':', "expected random or random:SEED, got '" << s << "'");
-    seed = std::stoull(s.substr(7));
-  }
-  return true;
 }
 
 }  // namespace
