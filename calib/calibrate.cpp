@@ -17,12 +17,7 @@ int64_t run_windows(const Model& model, const std::vector<int64_t>& ids, int64_t
                     int64_t bos, const Taps& taps, const std::function<void(int64_t, int64_t)>& progress) {
   KAKEYA_CHECK(context >= 2, "calibration: --context must be >= 2, got " << context);
   KAKEYA_CHECK(!ids.empty(), "calibration: the calibration text is empty");
-  KVCacheOptions co;
-  co.capacity = context;
-  co.rollback = 0;
-  co.dtype = model.dtype();
-  co.device = model.device();
-  KVCache cache(model.config(), co);
+  KVCache cache(model.config(), model.cache_options(context));
   ForwardOptions fo;
   fo.skip_logits = true;
   fo.taps = &taps;

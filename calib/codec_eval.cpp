@@ -103,11 +103,7 @@ CodecEvalResult codec_eval(const Model& model, const std::vector<std::vector<int
     res.rows.push_back(row);
   }
 
-  KVCacheOptions co;
-  co.capacity = C + E;
-  co.rollback = 0;
-  co.dtype = dt;
-  co.device = dev;
+  const KVCacheOptions co = model.cache_options(C + E);
   auto iopt = at::TensorOptions().dtype(at::kLong).device(dev);
   // Tokens each layer's cache holds after the prefill: sliding rings only their last slots.
   std::vector<int64_t> held(L);

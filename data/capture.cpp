@@ -727,12 +727,7 @@ CaptureReport run_capture(const Model& verifier, const std::string& verifier_dir
         const bool bench = benched < opt.bench_seqs;
         double t_plain = 0;
         if (bench) {  // the verifier alone: one plain forward over the same sequence
-          KVCacheOptions co;
-          co.capacity = (int64_t)seq.size();
-          co.rollback = 0;
-          co.dtype = verifier.dtype();
-          co.device = dev;
-          KVCache cache(cfg, co);
+          KVCache cache(cfg, verifier.cache_options((int64_t)seq.size()));
           ForwardOptions fo;
           fo.skip_logits = true;
           const double a = now_seconds(dev);

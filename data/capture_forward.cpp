@@ -52,12 +52,7 @@ CaptureSequence capture_sequence(const Model& verifier, const Drafter& drafter, 
   Taps taps;
   taps.subscribe(&rec);
   taps.subscribe(&feats);
-  KVCacheOptions co;
-  co.capacity = T;
-  co.rollback = 0;
-  co.dtype = verifier.dtype();
-  co.device = dev;
-  KVCache cache(cfg, co);
+  KVCache cache(cfg, verifier.cache_options(T));
   ForwardOptions fo;
   fo.skip_logits = true;
   fo.taps = &taps;

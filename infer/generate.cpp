@@ -55,15 +55,10 @@ struct DecodeStep {
 }  // namespace
 
 KVCacheOptions ar_cache_options(const Model& model, int64_t capacity) {
-  KVCacheOptions co;
-  co.capacity = capacity;
-  co.dtype = model.dtype();
-  co.device = model.device();
-  co.rollback = 0;
   KAKEYA_CHECK(capacity <= model.options().max_positions,
                "generate: " << capacity << " positions (prompt + new tokens) exceed the model's position table ("
                             << model.options().max_positions << ")");
-  return co;
+  return model.cache_options(capacity);
 }
 
 ArDecoder::ArDecoder(const Model& model, int64_t capacity, const DecodeOptions& opt)

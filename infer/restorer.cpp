@@ -577,12 +577,8 @@ double attention_fraction(const KVCache& cache, const ModelConfig& cfg, bool sli
 
 KVCacheOptions restored_cache_options(const Model& v, const FTheta* f, const RestoreOptions& o, int64_t capacity,
                                       bool linear) {
-  KVCacheOptions co;
+  KVCacheOptions co = v.cache_options(capacity);
   set_dropped_layers(co.restore, v.config(), f, o);
-  co.capacity = capacity;
-  co.rollback = 0;
-  co.dtype = v.dtype();
-  co.device = v.device();
   co.restore.window = o.window;
   co.restore.sliding = true;
   co.restore.full = o.full_attn == FullAttn::Restored;

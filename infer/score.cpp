@@ -39,11 +39,7 @@ ScoreResult score(const Model& model, const std::vector<int64_t>& ids, const Sco
   KAKEYA_CHECK(opt.chunk > 0, "score: chunk expected > 0");
   const int64_t n = ids.size();
   const int64_t ctx = opt.context > 0 ? opt.context : n;
-  KVCacheOptions co;
-  co.capacity = ctx + 1;
-  co.dtype = model.dtype();
-  co.device = model.device();
-  co.rollback = 0;
+  const KVCacheOptions co = model.cache_options(ctx + 1);
   KAKEYA_CHECK(co.capacity <= model.options().max_positions,
                "score: window of " << ctx << " tokens exceeds the position table (" << model.options().max_positions << ")");
   KVCache cache(model.config(), co);

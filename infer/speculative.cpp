@@ -21,11 +21,7 @@ DecodeResult speculative_generate(const Model& target, const Drafter& drafter, c
 
   // A verify forward writes up to B positions past the committed length, and
   // truncate() must be able to take all but one of them back.
-  KVCacheOptions co;
-  co.capacity = n_prompt + opt.max_new_tokens + B;
-  co.rollback = B;
-  co.dtype = target.dtype();
-  co.device = dev;
+  const KVCacheOptions co = target.cache_options(n_prompt + opt.max_new_tokens + B, 1, B);
   KAKEYA_CHECK(co.capacity <= target.options().max_positions,
                "speculative: prompt (" << n_prompt << ") + new tokens (" << opt.max_new_tokens << ") + block (" << B
                                        << ") exceed the model's position table (" << target.options().max_positions << ")");

@@ -217,13 +217,7 @@ Sequences generate_continuations(const Model& target, const std::vector<std::vec
     std::vector<int64_t> flat;
     for (int64_t i = 0; i < n; ++i) flat.insert(flat.end(), prompts[b0 + i].begin(), prompts[b0 + i].end());
     at::Tensor ids = at::tensor(flat, at::kLong).view({n, P}).to(dev);  // [n, P]
-    KVCacheOptions co;
-    co.batch = n;
-    co.capacity = S;
-    co.rollback = 0;
-    co.dtype = target.dtype();
-    co.device = dev;
-    KVCache cache(target.config(), co);
+    KVCache cache(target.config(), target.cache_options(S, n));
     ForwardOptions fo;
     fo.last_logits_only = true;
     at::Tensor out = at::empty({n, gen_len}, iopt);  // [n, G]

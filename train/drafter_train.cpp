@@ -131,13 +131,7 @@ at::Tensor block_hidden(const Model& target, const Drafter& drafter, const at::T
   at::Tensor feats;  // [Bs, S, n·H]
   {
     at::NoGradGuard no_grad;
-    KVCacheOptions co;
-    co.batch = Bs;
-    co.capacity = S;
-    co.rollback = 0;
-    co.dtype = target.dtype();
-    co.device = dev;
-    KVCache cache(target.config(), co);
+    KVCache cache(target.config(), target.cache_options(S, Bs));
     TargetFeatureCapture cap(target, cfg.target_layer_ids);
     ForwardOptions fo;
     fo.taps = &cap.taps();

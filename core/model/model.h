@@ -92,6 +92,17 @@ class Model {
   const ModelOptions& options() const { return opt_; }
   at::Device device() const { return opt_.device; }
   at::ScalarType dtype() const { return opt_.dtype; }
+  // A cache for this model's forwards: `capacity` positions (a row), `batch` rows, `rollback`
+  // tokens truncate() may take back (0: none), in the model's dtype and on its device.
+  KVCacheOptions cache_options(int64_t capacity, int64_t batch = 1, int64_t rollback = 0) const {
+    KVCacheOptions co;
+    co.batch = batch;
+    co.capacity = capacity;
+    co.rollback = rollback;
+    co.dtype = dtype();
+    co.device = device();
+    return co;
+  }
   int64_t weight_bytes() const;
   // The weight bytes one decode step reads: weight_bytes() less the experts a token does not
   // select (top_k of num_experts per MoE layer); = weight_bytes() for dense models.
