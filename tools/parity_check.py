@@ -20,6 +20,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fixtures
 from make_real_model_fixtures import PROMPTS, N_NEW, passage  # noqa: E402
 
 
+def common_prefix(a, b):
+    """How many leading tokens two continuations share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -50,16 +55,17 @@ def main():
 
     # HF against itself: the same weights and dtype, eager attention instead of the default.
     eager = AutoModelForCausalLM.from_pretrained(a.model, dtype=dt, attn_implementation="eager").to(a.device).eval()
-    f32 = model if dt == torch.float32 else AutoModelForCausalLM.from_pretrained(
-        a.model, dtype=torch.float32).to(a.device).eval()
+    f32 = [model] if dt == torch.float32 else []  # an f32 copy, loaded the first time a continuation parts
 
     def divergence(pid, g, o, same):
         """Both tokens' logits at the first step where the continuations part (HF's forward over the
         prompt and the shared prefix): gap = logit(HF's token) - logit(ours)."""
         ctx = torch.cat([pid[0], torch.tensor(g[:same], device=pid.device, dtype=pid.dtype)])[None]
+        if not f32:
+            f32.append(AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).to(a.device).eval())
         with torch.no_grad():
             lg_dt = model(ctx).logits[0, -1].float()
-            lg_32 = f32(ctx).logits[0, -1].float()
+            lg_32 = f32[0](ctx).logits[0, -1].float()
         top2 = torch.topk(lg_dt, 2).values
         return {"position": same, "hf_token": g[same], "kakeya_token": o[same],
                 "gap": float(lg_dt[g[same]] - lg_dt[o[same]]), "top2_gap": float(top2[0] - top2[1]),
@@ -75,10 +81,10 @@ def main():
                         "--device", a.device, "--dtype", a.dtype, "--json", str(tmp / "gen.json")], check=True,
                        stdout=subprocess.DEVNULL)
         o = json.loads((tmp / "gen.json").read_text())["generated_ids"]
-        same = next((i for i, (x, y) in enumerate(zip(g, o)) if x != y), min(len(g), len(o)))
+        same = common_prefix(g, o)
         with torch.no_grad():
             ge = eager.generate(pid, max_new_tokens=N_NEW, do_sample=False)[0, pid.shape[1]:].tolist()
-        hf_self = next((i for i, (x, y) in enumerate(zip(g, ge)) if x != y), min(len(g), len(ge)))
+        hf_self = common_prefix(g, ge)
         gen = {"prompt": p, "hf": g, "kakeya": o, "identical_prefix": same, "identical": g == o,
                "hf_eager": ge, "hf_eager_identical_prefix": hf_self}
         if same < min(len(g), len(o)):
